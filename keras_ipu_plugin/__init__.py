@@ -1,0 +1,20 @@
+"""keras_ipu_plugin: run subclassed Keras models as functional graphs.
+
+Example:
+    >>> import keras_ipu_plugin as kip
+    >>> converted = kip.convert_to_functional(MyModel(), x_first_batch)
+    >>> print(converted.kip_report)
+"""
+
+from keras_ipu_plugin.convert import Converter
+from keras_ipu_plugin.convert import convert_to_functional
+from keras_ipu_plugin.errors import ConfigError
+from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.errors import InputDataError
+from keras_ipu_plugin.errors import InputTypeError
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.functional import KipFunctional
+from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.report import Report
+
+__version__ = "0.1.0"

@@ -1,0 +1,168 @@
+"""The one module that touches private Keras / TensorFlow APIs.
+
+Keras 3 exposes no public way to (a) run a layer's `call` under a chosen
+training context, (b) walk the nodes recorded by a symbolic call, or
+(c) subclass the functional model class. Everything that needs those lives
+here, so a Keras upgrade is a change in this file (and in `tracing.py` /
+`graph.py`, which only use the helpers below).
+"""
+
+import contextlib
+import sys
+
+from keras.src.backend.common import global_state
+from keras.src.layers.layer import CallContext
+from keras.src.models.functional import Functional
+from keras.src.models.functional import functional_from_config
+from keras.src.ops.node import Node as KerasNode
+from keras.src.ops.operation import Operation
+
+__all__ = [
+    "Functional",
+    "KerasNode",
+    "Operation",
+    "call_context",
+    "functional_from_config",
+    "keras_history",
+    "node_arguments",
+    "node_lists_snapshot",
+    "dataset_is_batched",
+]
+
+_CALL_CTX = "current_call_ctx"
+
+
+@contextlib.contextmanager
+def call_context(entry_layer, training):
+    """Run a block as if inside `entry_layer.__call__(..., training=training)`.
+
+    Sub-layers called without an explicit `training` then resolve it from this
+    context exactly as they would inside the real `__call__`.
+    """
+    previous = global_state.get_global_attribute(_CALL_CTX)
+    context = CallContext(entry_layer=entry_layer)
+    context.set_value("training", training)
+    global_state.set_global_attribute(_CALL_CTX, context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute(_CALL_CTX, previous)
+
+
+def keras_history(tensor):
+    """`(operation, node_index, tensor_index)` of a KerasTensor, or None."""
+    return getattr(tensor, "_keras_history", None)
+
+
+def producing_node(tensor):
+    history = keras_history(tensor)
+    if history is None:
+        return None, None
+    operation, node_index, tensor_index = history
+    return operation._inbound_nodes[node_index], tensor_index
+
+
+def node_arguments(node):
+    """The `(args, kwargs)` a Keras node was recorded with."""
+    return node.arguments.args, node.arguments.kwargs
+
+
+def node_outputs(node):
+    return list(node.outputs)
+
+
+def is_input_node(node):
+    return node.is_input
+
+
+@contextlib.contextmanager
+def node_lists_snapshot(layers, always=False):
+    """Undo the node bookkeeping a failed symbolic call leaves on `layers`.
+
+    With `always=True` the lists are restored on success too (a trace whose
+    result is kept only in our IR). A symbolic call appends a Node to each called layer's inbound/outbound
+    node lists. When a trace fails half way, those dangling nodes would stay
+    on the user's layers; this restores the lists' lengths on error.
+    """
+    lengths = [
+        (layer, len(layer._inbound_nodes), len(layer._outbound_nodes))
+        for layer in layers
+    ]
+    try:
+        yield
+    finally:
+        if always or sys.exc_info()[0] is not None:
+            for layer, n_in, n_out in lengths:
+                del layer._inbound_nodes[n_in:]
+                del layer._outbound_nodes[n_out:]
+
+
+_BATCHING_DATASETS = (
+    "_BatchDataset",
+    "_ParallelBatchDataset",
+    "_PaddedBatchDataset",
+    "_RebatchDataset",
+    "_LegacyRebatchDataset",
+    "_DenseToRaggedDataset",
+    "_DenseToSparseBatchDataset",
+    "_BucketBySequenceLengthDataset",
+    "_UnbatchDataset",
+)
+
+
+def dataset_is_batched(dataset):
+    """True / False when the pipeline shows it, None when it cannot tell.
+
+    Walks the chain of input datasets: a batching stage means batched; a chain
+    rooted at `from_tensor_slices` with no batching stage means unbatched.
+    """
+    current = dataset
+    while current is not None:
+        name = type(current).__name__
+        if name == "_UnbatchDataset":
+            return False
+        if name in _BATCHING_DATASETS:
+            return True
+        if name == "_TensorSliceDataset":
+            return False
+        try:
+            inputs = current._inputs()
+        except Exception:  # pragma: no cover - unknown dataset kinds
+            return None
+        current = inputs[0] if inputs else None
+    return None
+
+
+def get_keras_mask(tensor):
+    return getattr(tensor, "_keras_mask", None)
+
+
+def set_keras_mask(tensor, mask):
+    from keras.src import backend
+
+    backend.set_keras_mask(tensor, mask)
+
+
+def run_functional_graph(model, inputs, mask, operation_fn):
+    """`Functional.call`, with a caller-supplied `operation_fn(op) -> callable`.
+
+    Keras 3.10-3.15's `Functional.call` overwrites a `training` value recorded
+    on a node (a sub-layer called with a hard-coded `training=False`) with the
+    outer `training`; running the graph through our own `operation_fn` lets the
+    converted model keep such recorded values.
+    """
+    from keras import tree
+
+    inputs = model._standardize_inputs(inputs)
+    if mask is not None:
+        for x, one_mask in zip(inputs, tree.flatten(mask)):
+            if one_mask is not None:
+                set_keras_mask(x, one_mask)
+    outputs = model._run_through_graph(inputs, operation_fn=operation_fn)
+    if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
+        return outputs[0]
+    return outputs
+
+
+def call_context_args(operation):
+    return getattr(operation, "_call_context_args", ())

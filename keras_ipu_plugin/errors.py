@@ -1,0 +1,45 @@
+"""Errors raised by keras_ipu_plugin.
+
+Every error subclasses `ValueError` or `TypeError`, so existing
+`except ValueError` code keeps working, and every message names the layer,
+key or value at fault.
+"""
+
+
+class ConversionError(ValueError):
+    """The converted model does not match the original, or cannot be built.
+
+    Example:
+        >>> try:
+        ...     kip.convert_to_functional(model, x)
+        ... except kip.ConversionError as e:
+        ...     print(e)   # names the first mismatching output or variable
+    """
+
+
+class InputDataError(ValueError):
+    """The data given to take the first batch from is not usable."""
+
+
+class InputTypeError(TypeError):
+    """The data given to take the first batch from has an unsupported type."""
+
+
+class ConfigError(ValueError):
+    """A pass configuration is invalid; `path` says where inside the config.
+
+    Example:
+        >>> try:
+        ...     kip.passes_from_config({"replace": {"Dense": {"params": {"unitz": 3}}}})
+        ... except kip.ConfigError as e:
+        ...     e.path
+        'replace.Dense.params.unitz'
+    """
+
+    def __init__(self, path, message):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class PassError(ValueError):
+    """A pass cannot be applied (a target matches nothing, a bad parameter)."""

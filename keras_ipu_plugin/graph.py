@@ -1,0 +1,222 @@
+"""The graph IR: a small, explicit graph that passes transform.
+
+A `Graph` holds its inputs, its `nodes` in topological order and its
+outputs. Each `Node` is one call of one Keras operation (a layer, or a
+`keras.ops` operation): its `args` / `kwargs` hold `Value`s where tensors
+flowed, and `outputs` the values it produces. `Graph.rebuild()` turns the IR
+back into a functional Keras model that calls the very same layer objects, so
+every variable not replaced by a pass is shared.
+
+Example:
+    >>> graph = kip.graph.Graph.from_model(converted)
+    >>> [node.name for node in graph.nodes]
+    ['embedding', 'block_1', 'head']
+    >>> rebuilt = graph.rebuild()
+"""
+
+import keras
+
+from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.functional import KipFunctional
+
+#: `Node.training` when the call follows the model's `training` argument.
+FOLLOW = "follow"
+
+
+class Value:
+    """A tensor of the graph: output `index` of `producer` (None: an input)."""
+
+    __slots__ = ("producer", "index", "spec")
+
+    def __init__(self, producer, index, spec):
+        self.producer = producer
+        self.index = index
+        self.spec = spec  # a KerasTensor with the shape and dtype
+
+    def __repr__(self):
+        where = self.producer.name if self.producer else "input"
+        return f"Value({where}[{self.index}], shape={self.spec.shape})"
+
+
+class Node:
+    """One call of `operation` in the graph.
+
+    `training` is None when the operation takes no `training` argument,
+    `FOLLOW` when it follows the model's `training`, or True / False when the
+    original code pinned it. `annotations` hold what passes recorded
+    (`"recompute"`, `"outline"`, `"stage"`); `opaque_reason` says why a layer
+    could not be traced into sub-layers, when it could not.
+    """
+
+    def __init__(
+        self, name, operation, args, kwargs, output_structure, training=None
+    ):
+        self.name = name
+        self.operation = operation
+        self.args = args
+        self.kwargs = kwargs
+        self.output_structure = output_structure  # nest of output indices
+        self.outputs = []
+        self.training = training
+        self.annotations = {}
+        self.opaque_reason = None
+
+    @property
+    def input_values(self):
+        return values_in((self.args, self.kwargs))
+
+    @property
+    def is_layer(self):
+        return isinstance(self.operation, keras.layers.Layer)
+
+    def __repr__(self):
+        return f"Node({self.name!r}, {type(self.operation).__name__})"
+
+
+class Graph:
+    """Inputs, nodes in topological order, outputs.
+
+    Build one with `Graph.from_model(functional_model)` or from a trace
+    (`tracing.trace_graph`); turn it back into a model with `rebuild()`.
+    """
+
+    def __init__(self, input_specs, input_values, nodes, outputs, name="model"):
+        self.input_specs = input_specs  # nest of inputs.InputSpec
+        self.input_values = input_values  # same nest, of Values
+        self.nodes = list(nodes)
+        self.outputs = outputs  # nest of Values
+        self.name = name
+
+    # -- queries ---------------------------------------------------------
+    def consumers(self, node):
+        """Nodes that read any output of `node`, in graph order."""
+        produced = {id(v) for v in node.outputs}
+        return [
+            other
+            for other in self.nodes
+            if any(id(v) in produced for v in other.input_values)
+        ]
+
+    def node(self, name):
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"No node named {name!r} in graph {self.name!r}.")
+
+    def layers(self):
+        seen, layers = set(), []
+        for node in self.nodes:
+            if node.is_layer and id(node.operation) not in seen:
+                seen.add(id(node.operation))
+                layers.append(node.operation)
+        return layers
+
+    # -- edits -------------------------------------------------------------
+    def splice(self, node, new_nodes, output_map):
+        """Replace `node` by `new_nodes`; `output_map` maps each old output
+        Value (by id) to the Value that now stands for it."""
+        index = self.nodes.index(node)
+        self.nodes[index : index + 1] = new_nodes
+
+        def remap(leaf):
+            if isinstance(leaf, Value):
+                return output_map.get(id(leaf), leaf)
+            return leaf
+
+        for other in self.nodes:
+            other.args = _map_leaves(remap, other.args)
+            other.kwargs = _map_leaves(remap, other.kwargs)
+        self.outputs = _map_leaves(remap, self.outputs)
+
+    # -- back to Keras -------------------------------------------------------
+    def rebuild(self, name=None):
+        """A `KipFunctional` model running this graph, with the same layers."""
+        inputs = keras.tree.map_structure(
+            lambda spec: spec.keras_input(), self.input_specs
+        )
+        tensors = {
+            id(value): tensor
+            for value, tensor in zip(
+                keras.tree.flatten(self.input_values), keras.tree.flatten(inputs)
+            )
+        }
+
+        def resolve(leaf):
+            if isinstance(leaf, Value):
+                return tensors[id(leaf)]
+            return leaf
+
+        pinned, annotations = {}, {}
+        for node in self.nodes:
+            args = _map_leaves(resolve, node.args)
+            kwargs = _map_leaves(resolve, node.kwargs)
+            kwargs.pop("training", None)
+            if node.training in (True, False):
+                kwargs["training"] = node.training
+                pinned[node.operation.name] = node.training
+            with _keras_internals.call_context(node.operation, None):
+                outputs = node.operation(*args, **kwargs)
+            for value, tensor in zip(node.outputs, keras.tree.flatten(outputs)):
+                tensors[id(value)] = tensor
+            if node.annotations:
+                annotations.setdefault(node.operation.name, {}).update(
+                    node.annotations
+                )
+        outputs = _map_leaves(resolve, self.outputs)
+        model = KipFunctional(
+            inputs,
+            outputs,
+            name=name or self.name,
+            kip_pinned_training=pinned,
+            kip_annotations=annotations,
+        )
+        model.kip_graph = self
+        return model
+
+    def summary_rows(self):
+        """`(node, layer class, training, annotations, opaque reason)` rows."""
+        return [
+            (
+                node.name,
+                type(node.operation).__name__,
+                "" if node.training in (None, FOLLOW) else str(node.training),
+                ", ".join(f"{k}={v}" for k, v in sorted(node.annotations.items())),
+                node.opaque_reason or "",
+            )
+            for node in self.nodes
+        ]
+
+    def __repr__(self):
+        lines = [f"Graph {self.name!r}: {len(self.nodes)} nodes"]
+        for node in self.nodes:
+            inputs = ", ".join(
+                v.producer.name if v.producer else "input" for v in node.input_values
+            )
+            lines.append(f"  {node.name} = {type(node.operation).__name__}({inputs})")
+        return "\n".join(lines)
+
+
+def _map_leaves(fn, structure):
+    """Map `fn` over a nest whose leaves may be Values (keras.tree would
+    descend into our objects' attributes otherwise)."""
+    if isinstance(structure, Value):
+        return fn(structure)
+    if isinstance(structure, dict):
+        return {key: _map_leaves(fn, item) for key, item in structure.items()}
+    if isinstance(structure, tuple) and hasattr(structure, "_fields"):
+        return type(structure)(*(_map_leaves(fn, item) for item in structure))
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(_map_leaves(fn, item) for item in structure)
+    return fn(structure)
+
+
+def values_in(structure):
+    """The Values among the leaves of a nest, in order."""
+    found = []
+    _map_leaves(lambda leaf: found.append(leaf) if isinstance(leaf, Value) else None, structure)
+    return found
+
+
+def map_values(fn, structure):
+    """Apply `fn` to every Value in a nest, keeping other leaves."""
+    return _map_leaves(lambda leaf: fn(leaf) if isinstance(leaf, Value) else leaf, structure)

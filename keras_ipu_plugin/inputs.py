@@ -1,0 +1,219 @@
+"""Take the first batch from user data and turn it into Keras input specs.
+
+This is the edge where user data enters: every check on the data happens
+here, with errors that say what is wrong.
+"""
+
+import collections.abc
+import inspect
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.errors import InputDataError
+from keras_ipu_plugin.errors import InputTypeError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Shape (without batch), dtype and name of one model input."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    batch_size: object = None  # None, or the static per-replica batch
+
+    def keras_input(self):
+        return keras.Input(
+            shape=self.shape,
+            batch_size=self.batch_size,
+            dtype=self.dtype,
+            name=self.name,
+        )
+
+
+@dataclass
+class FirstBatch:
+    """The first batch: `x`, `y`, `sample_weight`, and whether it is one
+    replica's share already (from a distributed dataset)."""
+
+    x: object
+    y: object = None
+    sample_weight: object = None
+    per_replica: bool = False
+
+
+class _PerReplica:
+    def __init__(self, element):
+        self.element = element
+
+
+def first_batch(data):
+    """Return the `FirstBatch` of `data`.
+
+    Follows Keras's convention: a tuple is `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)`; a list or dict is `x` alone. A dataset's first
+    element is read from a fresh iterator, so what a later `fit` sees is
+    unchanged.
+
+    Example:
+        >>> first_batch((np.zeros((4, 3)), np.ones((4, 1)))).x.shape
+        (4, 3)
+    """
+    element = _first_element(data)
+    per_replica = isinstance(element, _PerReplica)
+    if per_replica:
+        element = element.element
+    if isinstance(element, tuple):
+        if not 1 <= len(element) <= 3:
+            raise InputDataError(
+                f"A tuple batch must be (x,), (x, y) or (x, y, sample_weight); "
+                f"got a tuple of {len(element)} elements. Pass several model "
+                "inputs as a list or a dict."
+            )
+        element = element + (None,) * (3 - len(element))
+        x, y, sample_weight = element
+    else:
+        x, y, sample_weight = element, None, None
+    _check_leaves(x)
+    return FirstBatch(x, y, sample_weight, per_replica)
+
+
+def _first_element(data):
+    if isinstance(data, tf.data.Dataset):
+        return _first_dataset_element(data)
+    if isinstance(data, tf.distribute.DistributedDataset):
+        return _first_distributed_element(data)
+    if isinstance(data, keras.utils.PyDataset):
+        if data.num_batches == 0:
+            raise InputDataError("The PyDataset is empty: it has no batch.")
+        return _as_tuple_if_list_of_xy(data[0])
+    if inspect.isgenerator(data) or isinstance(data, collections.abc.Iterator):
+        raise InputTypeError(
+            f"Cannot take the first batch from a {type(data).__name__}: reading "
+            "it would consume that batch before `fit` sees it, and its length "
+            "is unknown. Pass a tf.data.Dataset (e.g. "
+            "tf.data.Dataset.from_generator(...)), a keras.utils.PyDataset, or "
+            "the first batch itself."
+        )
+    return data
+
+
+def _as_tuple_if_list_of_xy(element):
+    return tuple(element) if isinstance(element, list) else element
+
+
+def _first_dataset_element(dataset):
+    batched = _keras_internals.dataset_is_batched(dataset)
+    if batched is False:
+        raise InputDataError(
+            "The dataset is not batched: call `.batch(batch_size)` on it "
+            "before converting (the first element must be a whole batch)."
+        )
+    for element in dataset.take(1):
+        if batched is None:
+            _check_batch_rank(element)
+        return element
+    raise InputDataError("The dataset is empty: it has no first batch.")
+
+
+def _first_distributed_element(dataset):
+    strategy = tf.distribute.get_strategy()
+    for element in dataset:
+        local = tf.nest.map_structure(
+            lambda v: strategy.experimental_local_results(v)[0], element
+        )
+        return _PerReplica(local)
+    raise InputDataError("The distributed dataset is empty.")
+
+
+def _check_batch_rank(element):
+    x = element[0] if isinstance(element, tuple) else element
+    for leaf in tf.nest.flatten(x):
+        if len(getattr(leaf, "shape", ())) == 0:
+            raise InputDataError(
+                "The dataset yields scalars, so it is not batched: call "
+                "`.batch(batch_size)` on it before converting."
+            )
+
+
+def _check_leaves(x):
+    leaves = tf.nest.flatten(x)
+    if not leaves:
+        raise InputDataError("The first batch `x` holds no tensor.")
+    for path, leaf in keras.tree.flatten_with_path(x):
+        if not isinstance(leaf, (np.ndarray, tf.Tensor, tf.Variable)) and not (
+            hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+        ):
+            where = ".".join(str(p) for p in path) or "x"
+            raise InputTypeError(
+                f"Input `{where}` is a {type(leaf).__name__}; expected a numpy "
+                "array or a tensor."
+            )
+        if len(leaf.shape) == 0:
+            where = ".".join(str(p) for p in path) or "x"
+            raise InputDataError(
+                f"Input `{where}` is a scalar; a batch needs a leading batch "
+                "dimension."
+            )
+
+
+def input_specs(x, *, static_batch=False, strategy=None, already_per_replica=False):
+    """Input specs with the structure of `x` (a dict keeps its keys as names).
+
+    With `static_batch=True` the batch dimension is the per-replica batch of
+    `strategy` (the current one when None): the global batch divided by the
+    number of replicas, which must divide it.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    replicas = 1 if already_per_replica else strategy.num_replicas_in_sync
+
+    def spec(path, leaf):
+        name = _input_name(path)
+        batch = None
+        if static_batch:
+            batch = _per_replica_batch(name, int(leaf.shape[0]), replicas)
+        return InputSpec(
+            name=name,
+            shape=tuple(None if d is None else int(d) for d in leaf.shape[1:]),
+            dtype=_keras_dtype(leaf.dtype),
+            batch_size=batch,
+        )
+
+    specs = [spec(path, leaf) for path, leaf in keras.tree.flatten_with_path(x)]
+    return keras.tree.pack_sequence_as(x, specs)
+
+
+def batch_size_of(x):
+    return int(tf.nest.flatten(x)[0].shape[0])
+
+
+def _per_replica_batch(name, global_batch, replicas):
+    if global_batch % replicas:
+        raise InputDataError(
+            f"Input `{name}`: the global batch of {global_batch} is not "
+            f"divisible by the {replicas} replicas of the active strategy, so "
+            "there is no static per-replica batch. Use a batch size that is a "
+            "multiple of the replica count, or static_batch=False."
+        )
+    return global_batch // replicas
+
+
+def _input_name(path):
+    """Dict keys name inputs; positions in a list or tuple give `input_<i>`."""
+    if not path:
+        return "input"
+    name = "_".join(str(p) for p in path)
+    return name if isinstance(path[0], str) else f"input_{name}"
+
+
+def _keras_dtype(dtype):
+    name = tf.as_dtype(dtype).name
+    # Keras casts float64 data to floatx in fit; keep the converted model's
+    # inputs in the dtype the model really computes in.
+    if name == "float64":
+        return keras.config.floatx()
+    return name

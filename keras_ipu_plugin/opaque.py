@@ -1,0 +1,117 @@
+"""`OpaqueLayer`: one graph node that runs a layer's original Python code.
+
+A layer whose `call` cannot be traced into Keras layers (Python `if` on a
+tensor value, say) is wrapped, not changed: the wrapper holds the original
+layer (so the variables are the same objects) and, in graph mode, runs the
+original `call` through AutoGraph so that such Python control flow becomes
+TensorFlow control flow and trains in `model.fit` without `run_eagerly`.
+"""
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+from keras_ipu_plugin import _keras_internals
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class OpaqueLayer(keras.layers.Layer):
+    """Runs `layer`'s own `call`; output shapes come from a real first call.
+
+    Example:
+        >>> node = OpaqueLayer(model, output_specs=..., reason="Python `if` on a tensor")
+    """
+
+    def __init__(self, layer, output_specs, reason="", **kwargs):
+        kwargs.setdefault("name", f"{layer.name}_opaque")
+        kwargs.setdefault("dtype", layer.dtype_policy)
+        super().__init__(**kwargs)
+        self.layer = layer
+        self.reason = reason
+        # nest of (shape, dtype) with the batch dimension None where it varies
+        self.output_specs = output_specs
+        self._takes_training = "training" in _call_parameters(layer)
+        self._graph_call = None
+        self.built = True
+
+    def call(self, *args, training=None, **kwargs):
+        if self._takes_training:
+            kwargs["training"] = training
+        if tf.executing_eagerly():
+            return self.layer(*args, **kwargs)
+        if self._graph_call is None:
+            # AutoGraph turns Python control flow on tensors into tf.cond /
+            # tf.while_loop; sub-layers are still called through __call__.
+            self._graph_call = tf.autograph.to_graph(type(self.layer).call)
+        with _keras_internals.call_context(self.layer, training):
+            return self._graph_call(self.layer, *args, **kwargs)
+
+    def compute_output_spec(self, *args, **kwargs):
+        return _specs_to_tensors(self.output_specs)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            layer=keras.saving.serialize_keras_object(self.layer),
+            output_specs=_specs_to_config(self.output_specs),
+            reason=self.reason,
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["layer"] = keras.saving.deserialize_keras_object(config["layer"])
+        config["output_specs"] = _specs_from_config(config["output_specs"])
+        return cls(**config)
+
+
+def output_specs_of(outputs, batch_size, static_batch):
+    """(shape, dtype) specs of real outputs, the batch dimension made None
+    where it equals the batch size (unless the batch is static)."""
+
+    def spec(tensor):
+        shape = list(tensor.shape)
+        if shape and not static_batch and shape[0] == batch_size:
+            shape[0] = None
+        return _Spec((tuple(shape), keras.backend.standardize_dtype(tensor.dtype)))
+
+    return keras.tree.map_structure(spec, outputs)
+
+
+class _Spec(tuple):
+    """A (shape, dtype) pair that keras.tree treats as one leaf."""
+
+
+def _is_spec(x):
+    return isinstance(x, _Spec)
+
+
+def _specs_to_tensors(specs):
+    if _is_spec(specs):
+        return keras.KerasTensor(specs[0], dtype=specs[1])
+    if isinstance(specs, dict):
+        return {k: _specs_to_tensors(v) for k, v in specs.items()}
+    return type(specs)(_specs_to_tensors(v) for v in specs)
+
+
+def _specs_to_config(specs):
+    if _is_spec(specs):
+        return {"shape": list(specs[0]), "dtype": specs[1]}
+    if isinstance(specs, dict):
+        return {"dict": {k: _specs_to_config(v) for k, v in specs.items()}}
+    return {"list": [_specs_to_config(v) for v in specs], "tuple": isinstance(specs, tuple)}
+
+
+def _specs_from_config(config):
+    if "shape" in config:
+        return _Spec((tuple(config["shape"]), config["dtype"]))
+    if "dict" in config:
+        return {k: _specs_from_config(v) for k, v in config["dict"].items()}
+    items = [_specs_from_config(v) for v in config["list"]]
+    return tuple(items) if config["tuple"] else items
+
+
+def _call_parameters(layer):
+    return inspect.signature(layer.call).parameters

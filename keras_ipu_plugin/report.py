@@ -1,0 +1,68 @@
+"""The report of a conversion and its passes.
+
+Example:
+    >>> print(converted.kip_report)       # a table: pass, layer, action, detail
+    >>> converted.kip_report.touched("expand")
+    ['block_1', 'block_2']
+"""
+
+import io
+from dataclasses import dataclass
+from dataclasses import field
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing a step did to one layer (or node) of the graph."""
+
+    step: str  # "convert", "expand", "replace", ...
+    layer: str
+    action: str
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    """What conversion and each pass did, and which layers stayed opaque."""
+
+    entries: list = field(default_factory=list)
+    opaque: dict = field(default_factory=dict)  # layer name -> reason
+    metrics: dict = field(default_factory=dict)  # e.g. graph sizes
+
+    def add(self, step, layer, action, detail=""):
+        self.entries.append(Entry(step, layer, action, detail))
+
+    def add_opaque(self, layer, reason):
+        self.opaque[layer] = reason
+
+    def touched(self, step):
+        """Names of the layers that `step` touched, in order."""
+        return [entry.layer for entry in self.entries if entry.step == step]
+
+    def extend(self, other):
+        self.entries.extend(other.entries)
+        self.opaque.update(other.opaque)
+        self.metrics.update(other.metrics)
+
+    def copy(self):
+        return Report(list(self.entries), dict(self.opaque), dict(self.metrics))
+
+    def table(self):
+        table = Table(title="keras_ipu_plugin report")
+        for column in ("step", "layer", "action", "detail"):
+            table.add_column(column)
+        for entry in self.entries:
+            table.add_row(entry.step, entry.layer, entry.action, entry.detail)
+        for layer, reason in self.opaque.items():
+            table.add_row("opaque", layer, "kept as one node", reason)
+        for name, value in self.metrics.items():
+            table.add_row("metric", name, str(value), "")
+        return table
+
+    def __str__(self):
+        buffer = io.StringIO()
+        Console(file=buffer, width=140, force_terminal=False).print(self.table())
+        return buffer.getvalue()

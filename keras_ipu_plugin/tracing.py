@@ -1,0 +1,214 @@
+"""Trace a layer's `call` on symbolic inputs into the graph IR.
+
+Calling `layer.call(...)` (not `layer(...)`) on KerasTensors records one Keras
+node per sub-layer or `keras.ops` call made inside it. We walk those nodes
+back from the outputs into `graph.Node`s, then undo the node bookkeeping on
+the user's layers: the IR is the only record kept, and `Graph.rebuild()`
+makes the final functional model.
+
+`training` is traced twice, under an outer `training=True` and `False`:
+a sub-layer whose recorded value changes with it follows the model's
+`training`; one that does not was pinned by the code (`bn(x, training=False)`).
+If the two traces differ in which layers they call, `call` branches on
+`training` in Python and cannot be captured by one graph.
+"""
+
+import inspect
+
+import keras
+
+from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.graph import FOLLOW
+from keras_ipu_plugin.graph import Graph
+from keras_ipu_plugin.graph import Node
+from keras_ipu_plugin.graph import Value
+
+
+class TraceError(Exception):
+    """`call` cannot be captured as a graph of Keras layers; `reason` says why."""
+
+    def __init__(self, reason):
+        self.reason = reason
+        super().__init__(reason)
+
+
+def accepts_training(layer):
+    """Whether `layer.call` has a `training` parameter."""
+    return "training" in inspect.signature(layer.call).parameters
+
+
+def trace_model(model, input_specs, training=None):
+    """Trace `model.call` on inputs shaped by `input_specs` into a `Graph`.
+
+    Raises `TraceError` when `call` cannot be captured symbolically.
+    """
+    inputs = keras.tree.map_structure(lambda spec: spec.keras_input(), input_specs)
+    input_values = keras.tree.map_structure(
+        lambda tensor: Value(None, 0, tensor), inputs
+    )
+    placeholders = {
+        id(tensor): value
+        for tensor, value in zip(
+            keras.tree.flatten(inputs), keras.tree.flatten(input_values)
+        )
+    }
+    nodes, outputs = trace_call(
+        model, (inputs,), {}, placeholders, training=training, prefix=""
+    )
+    return Graph(input_specs, input_values, nodes, outputs, name=model.name)
+
+
+def trace_call(layer, args, kwargs, placeholders, *, training, prefix):
+    """Trace `layer.call(*args, **kwargs)`; KerasTensors in `args` / `kwargs`
+    must be keys (by id) of `placeholders`, mapping them to graph Values.
+
+    Returns `(nodes, outputs)`: new Nodes named `prefix + layer name` and the
+    output structure in terms of Values.
+    """
+    if training is not None:
+        return _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned=True)
+    nodes_t, outputs_t = _trace_once(
+        layer, args, kwargs, placeholders, True, prefix, pinned=False
+    )
+    nodes_f, outputs_f = _trace_once(
+        layer, args, kwargs, placeholders, False, prefix, pinned=False
+    )
+    if list(map(_identity, nodes_t)) != list(map(_identity, nodes_f)):
+        only = {n.name for n in nodes_t} ^ {n.name for n in nodes_f}
+        raise TraceError(
+            "`call` branches on `training` in Python (layers called in one "
+            f"mode only: {', '.join(sorted(only)) or 'order differs'})"
+        )
+    for node_t, node_f in zip(nodes_t, nodes_f):
+        node_t.training = _training_mode(node_t, node_f)
+    return nodes_t, outputs_t
+
+
+def _identity(node):
+    # Layers are the user's objects; `keras.ops` operations are created anew
+    # at each call, so only their kind can be compared.
+    if node.is_layer:
+        return id(node.operation)
+    return type(node.operation).__name__
+
+
+def _training_mode(node_true, node_false):
+    in_training, in_inference = node_true.training, node_false.training
+    if in_training is None and in_inference is None:
+        return None
+    if in_training is True and in_inference is False:
+        return FOLLOW
+    if in_training == in_inference:
+        return in_training
+    raise TraceError(
+        f"layer `{node_true.name}` is called with `training` set against the "
+        "model's own training mode"
+    )
+
+
+def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned):
+    kwargs = dict(kwargs)
+    if accepts_training(layer):
+        kwargs["training"] = training
+    sub_layers = layer._flatten_layers(include_self=True, recursive=True)
+    with _keras_internals.node_lists_snapshot(sub_layers, always=True):
+        with _keras_internals.call_context(layer, training):
+            try:
+                outputs = layer.call(*args, **kwargs)
+            except TraceError:
+                raise
+            except Exception as error:  # user code failing on symbols
+                raise TraceError(_describe_failure(error)) from error
+        return _collect(outputs, placeholders, prefix, pinned)
+
+
+def _collect(outputs, placeholders, prefix, pinned):
+    """Walk Keras nodes back from `outputs` into Nodes in topological order."""
+    values = dict(placeholders)  # id(KerasTensor) -> Value
+    nodes = []
+    visited = set()
+
+    def visit_tensor(tensor):
+        if id(tensor) in values:
+            return
+        keras_node, _ = _keras_internals.producing_node(tensor)
+        if keras_node is None or _keras_internals.is_input_node(keras_node):
+            raise TraceError(
+                "`call` uses a tensor that does not come from its inputs "
+                f"({tensor!r})"
+            )
+        visit_node(keras_node)
+
+    def visit_node(keras_node):
+        if id(keras_node) in visited:
+            return
+        visited.add(id(keras_node))
+        args, kwargs = _keras_internals.node_arguments(keras_node)
+        for tensor in keras_node.arguments.keras_tensors:
+            visit_tensor(tensor)
+        _reject_variables(keras_node.operation, (args, kwargs))
+        node = Node(
+            name=prefix + keras_node.operation.name,
+            operation=keras_node.operation,
+            args=_to_values(args, values),
+            kwargs=_to_values(kwargs, values),
+            output_structure=None,
+        )
+        recorded = kwargs.get("training")
+        if "training" in _keras_internals.call_context_args(keras_node.operation):
+            node.training = recorded
+        node.kwargs.pop("training", None)
+        if pinned and node.training is not None:
+            node.training = bool(node.training)
+        for index, tensor in enumerate(_keras_internals.node_outputs(keras_node)):
+            value = Value(node, index, tensor)
+            node.outputs.append(value)
+            values[id(tensor)] = value
+        nodes.append(node)
+
+    for tensor in keras.tree.flatten(outputs):
+        if not isinstance(tensor, keras.KerasTensor):
+            raise TraceError(
+                f"`call` returns a {type(tensor).__name__}, not a tensor"
+            )
+        visit_tensor(tensor)
+    output_values = keras.tree.map_structure(lambda t: values[id(t)], outputs)
+    return nodes, output_values
+
+
+def _to_values(structure, values):
+    def convert(leaf):
+        if isinstance(leaf, keras.KerasTensor):
+            return values[id(leaf)]
+        return leaf
+
+    return keras.tree.map_structure(convert, structure) if structure else structure
+
+
+def _reject_variables(operation, structure):
+    for leaf in keras.tree.flatten(structure):
+        if isinstance(leaf, keras.Variable):
+            raise TraceError(
+                f"`call` uses the variable `{leaf.path}` directly (in "
+                f"`{operation.name}`) rather than through a sub-layer"
+            )
+
+
+def _describe_failure(error):
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    where = _failing_layer(error)
+    text = f"{type(error).__name__}: {message}"[:300]
+    return f"{text} (in `{where}`)" if where else text
+
+
+def _failing_layer(error):
+    """Name of the innermost layer whose `call` raised, from the traceback."""
+    name = None
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "call" and isinstance(owner, keras.layers.Layer):
+            name = owner.name
+        tb = tb.tb_next
+    return name
