@@ -18,3 +18,8 @@ from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.report import Report
 
 __version__ = "0.1.0"
+
+from keras_ipu_plugin import passes
+from keras_ipu_plugin.apply import apply_passes
+from keras_ipu_plugin.config import passes_from_config
+from keras_ipu_plugin.config import register_layer

@@ -111,6 +111,34 @@ class Graph:
                 layers.append(node.operation)
         return layers
 
+    def copy(self):
+        """A graph with new Nodes and Values over the same operations, so that
+        passes can edit it without touching this one."""
+        values = {}
+
+        def copy_value(value, producer):
+            new = Value(producer, value.index, value.spec)
+            values[id(value)] = new
+            return new
+
+        input_values = keras.tree.map_structure(
+            lambda v: copy_value(v, None), self.input_values
+        )
+        nodes = []
+        for node in self.nodes:
+            new = Node(
+                node.name, node.operation,
+                map_values(lambda v: values[id(v)], node.args),
+                map_values(lambda v: values[id(v)], node.kwargs),
+                node.output_structure, training=node.training,
+            )
+            new.annotations = dict(node.annotations)
+            new.opaque_reason = node.opaque_reason
+            new.outputs = [copy_value(v, new) for v in node.outputs]
+            nodes.append(new)
+        outputs = map_values(lambda v: values[id(v)], self.outputs)
+        return Graph(self.input_specs, input_values, nodes, outputs, self.name)
+
     # -- edits -------------------------------------------------------------
     def splice(self, node, new_nodes, output_map):
         """Replace `node` by `new_nodes`; `output_map` maps each old output

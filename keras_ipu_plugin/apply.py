@@ -1,0 +1,86 @@
+"""`apply_passes`: run passes over a functional model's graph."""
+
+import keras
+
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.inputs import InputSpec
+from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.passes.base import Pass
+from keras_ipu_plugin.report import Report
+from keras_ipu_plugin.tracing import TraceError
+from keras_ipu_plugin.tracing import trace_model
+
+
+def apply_passes(model, passes):
+    """Return a new functional model: `model`'s graph after `passes`.
+
+    Layers that no pass replaces are the same objects as in `model` (their
+    variables are shared). The result's `kip_report` holds the conversion
+    report of `model` (if any) followed by what each pass did.
+
+    Example:
+        >>> converted = kip.convert_to_functional(MyModel(), x)
+        >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
+        >>> print(passed.kip_report)
+    """
+    passes = validate_passes(passes)
+    graph = graph_of(model)
+    report = (getattr(model, "kip_report", None) or Report()).copy()
+    for one_pass in passes:
+        graph = one_pass.run(graph, report)
+    result = graph.rebuild(name=model.name)
+    result.kip_report = report
+    return result
+
+
+def validate_passes(passes):
+    """A list of Pass objects from passes or a config (dict or path)."""
+    from keras_ipu_plugin.config import passes_from_config
+
+    if isinstance(passes, (dict, str)) or hasattr(passes, "__fspath__"):
+        return passes_from_config(passes)
+    if isinstance(passes, Pass):
+        return [passes]
+    if not isinstance(passes, (list, tuple)):
+        raise PassError(
+            "`passes` must be a list of kip.passes objects, a config dict or a "
+            f"config file path; got {type(passes).__name__}."
+        )
+    for index, item in enumerate(passes):
+        if not isinstance(item, Pass):
+            raise PassError(
+                f"passes[{index}] is a {type(item).__name__}, not a kip pass "
+                "(kip.passes.Expand, Replace, Outline, Recompute, PipelineStages)."
+            )
+    return list(passes)
+
+
+def graph_of(model):
+    """The graph IR of a functional model, with its recorded annotations."""
+    if not isinstance(model, keras.Model) or not hasattr(model, "_nodes_by_depth"):
+        raise PassError(
+            f"apply_passes needs a functional model; `{getattr(model, 'name', model)}` "
+            "is not one. Convert it first: kip.convert_to_functional(model, data)."
+        )
+    if getattr(model, "kip_graph", None) is not None:
+        return model.kip_graph.copy()
+    specs = keras.tree.map_structure(_spec_of_input, model.input)
+    try:
+        graph = trace_model(model, specs)
+    except TraceError as error:  # pragma: no cover - functional models trace
+        raise PassError(f"Cannot read the graph of `{model.name}`: {error.reason}")
+    annotations = getattr(model, "kip_annotations", {})
+    for node in graph.nodes:
+        node.annotations.update(annotations.get(getattr(node.operation, "name", None), {}))
+        if isinstance(node.operation, OpaqueLayer):
+            node.opaque_reason = node.operation.reason
+    return graph
+
+
+def _spec_of_input(tensor):
+    return InputSpec(
+        name=tensor.name,
+        shape=tuple(tensor.shape[1:]),
+        dtype=tensor.dtype,
+        batch_size=tensor.shape[0],
+    )

@@ -1,0 +1,84 @@
+"""What every pass shares: the `Pass` interface and target matching.
+
+A target is a layer name (the layer's own name, or its node path such as
+`"block_1.dense"`), a layer class (subclasses match too), or `"all"`.
+"""
+
+import keras
+
+from keras_ipu_plugin.errors import PassError
+
+ALL = "all"
+
+
+class Pass:
+    """A graph transformation: `run(graph, report) -> graph`.
+
+    Subclasses set `step` (the name the report uses) and implement `run`.
+    """
+
+    step = "pass"
+
+    def run(self, graph, report):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and vars(self) == vars(other)
+
+
+def as_targets(targets):
+    """A tuple of targets from one target or a list of them."""
+    if isinstance(targets, (list, tuple, set, frozenset)):
+        targets = tuple(targets)
+    else:
+        targets = (targets,)
+    for target in targets:
+        if not (isinstance(target, str) or _is_layer_class(target)):
+            raise PassError(
+                f"A target must be a layer name, a layer class or 'all'; got "
+                f"{target!r}."
+            )
+    return targets
+
+
+def matches(node, target):
+    """Whether graph `node` is matched by one `target`."""
+    if target == ALL:
+        return node.is_layer
+    if isinstance(target, str):
+        return target in (node.name, getattr(node.operation, "name", None))
+    return isinstance(node.operation, target)
+
+
+def matched_nodes(graph, targets, step):
+    """Nodes matched by any of `targets`; a target matching none is an error."""
+    found = []
+    for target in targets:
+        hits = [node for node in graph.nodes if matches(node, target)]
+        if not hits:
+            raise PassError(
+                f"{step}: target {describe(target)} matches no layer of the "
+                f"model `{graph.name}` (layers: {_layer_names(graph)})."
+            )
+        found.extend(node for node in hits if node not in found)
+    return [node for node in graph.nodes if node in found]
+
+
+def describe(target):
+    if isinstance(target, str):
+        return repr(target)
+    return f"class {target.__name__}"
+
+
+def _layer_names(graph):
+    names = [node.name for node in graph.nodes if node.is_layer]
+    text = ", ".join(names[:12])
+    return text + (", ..." if len(names) > 12 else "")
+
+
+def _is_layer_class(target):
+    return isinstance(target, type) and issubclass(target, keras.layers.Layer)

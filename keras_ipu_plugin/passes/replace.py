@@ -1,0 +1,242 @@
+"""`Replace`: swap layers for other (accelerator-optimised) layer classes.
+
+The new layer is built from the old layer's config merged with `params`;
+with `copy_weights=True` the old weights are copied into it (default copiers
+for Dense, LayerNormalization, Embedding and Conv layers; `copy_weights_fn`
+for anything else). Targets inside custom layers that are not expanded are
+reached by expanding the layers that contain them, which the report says.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.graph import map_values
+from keras_ipu_plugin.passes.base import Pass
+from keras_ipu_plugin.passes.base import as_targets
+from keras_ipu_plugin.passes.base import describe
+from keras_ipu_plugin.passes.base import matches
+from keras_ipu_plugin.passes.expand import expand_node
+from keras_ipu_plugin.passes.expand import is_expandable
+
+_DEFAULT_COPIED = (
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+    keras.layers.LayerNormalization,
+    keras.layers.Embedding,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+    keras.layers.DepthwiseConv2D,
+    keras.layers.SeparableConv2D,
+    keras.layers.BatchNormalization,
+)
+
+
+class Replacement:
+    """How to replace one target: the new class, config changes, weights.
+
+    Example:
+        >>> Replacement(MyDense, params={"name": "fast_dense"}, copy_weights=True)
+    """
+
+    def __init__(self, new_class, params=None, copy_weights=False, copy_weights_fn=None):
+        if not (isinstance(new_class, type) and issubclass(new_class, keras.layers.Layer)):
+            raise PassError(
+                f"Replacement: `new_class` must be a keras Layer class; got {new_class!r}."
+            )
+        self.new_class = new_class
+        self.params = dict(params or {})
+        self.copy_weights = bool(copy_weights or copy_weights_fn)
+        self.copy_weights_fn = copy_weights_fn
+        unknown = sorted(set(self.params) - accepted_config_keys(new_class))
+        if unknown:
+            raise PassError(
+                f"Replacement of {new_class.__name__}: unknown parameter "
+                f"`{unknown[0]}` (accepted: {', '.join(sorted(accepted_config_keys(new_class)))})."
+            )
+
+    def __repr__(self):
+        return (f"Replacement({self.new_class.__name__}, params={self.params!r}, "
+                f"copy_weights={self.copy_weights})")
+
+    def __eq__(self, other):
+        return isinstance(other, Replacement) and (
+            self.new_class, self.params, self.copy_weights, self.copy_weights_fn
+        ) == (other.new_class, other.params, other.copy_weights, other.copy_weights_fn)
+
+    def make_layer(self, old):
+        accepted = accepted_config_keys(self.new_class)
+        config = {k: v for k, v in old.get_config().items() if k in accepted}
+        config.update(self.params)
+        return self.new_class.from_config(config)
+
+
+class Replace(Pass):
+    """Replace matched layers: `Replace({target: Replacement(...)})`.
+
+    Example:
+        >>> passed = kip.apply_passes(converted, [
+        ...     kip.passes.Replace({keras.layers.Dense: Replacement(MyDense, copy_weights=True)})])
+    """
+
+    step = "replace"
+
+    def __init__(self, mapping):
+        if not isinstance(mapping, dict) or not mapping:
+            raise PassError("Replace takes a non-empty dict {target: Replacement}.")
+        for target, replacement in mapping.items():
+            as_targets(target)
+            if not isinstance(replacement, Replacement):
+                raise PassError(
+                    f"Replace: the value for {describe(target)} must be a "
+                    f"Replacement; got {type(replacement).__name__}."
+                )
+        self.mapping = dict(mapping)
+
+    def run(self, graph, report):
+        for target, replacement in self.mapping.items():
+            _expand_until_visible(graph, target, report)
+            nodes = [n for n in graph.nodes if matches(n, target)]
+            if not nodes:
+                raise PassError(
+                    f"replace: target {describe(target)} matches no layer of the "
+                    f"model `{graph.name}`."
+                )
+            new_layers = {}  # one new layer per old layer: sharing is kept
+            for node in nodes:
+                old = node.operation
+                if id(old) not in new_layers:
+                    new_layers[id(old)] = _new_layer(node, replacement, report, self.step)
+                node.operation = new_layers[id(old)]
+        return graph
+
+
+def _expand_until_visible(graph, target, report):
+    """Expand custom layers whose sub-layers contain `target`."""
+    while True:
+        containers = [
+            node for node in graph.nodes
+            if is_expandable(node.operation) and not node.opaque_reason
+            and not matches(node, target)
+            and any(_layer_matches(sub, target)
+                    for sub in node.operation._flatten_layers(include_self=False))
+        ]
+        if not containers:
+            return
+        for node in containers:
+            if not expand_node(graph, node, report, "replace"):
+                raise PassError(
+                    f"replace: target {describe(target)} is inside layer "
+                    f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
+                )
+
+
+def _layer_matches(layer, target):
+    if isinstance(target, str):
+        return layer.name == target
+    return isinstance(layer, target)
+
+
+def _new_layer(node, replacement, report, step):
+    old = node.operation
+    strategy = owning_strategy(old)
+    with strategy.scope():
+        new = replacement.make_layer(old)
+        args = map_values(lambda v: _random_like(v.spec), node.args)
+        kwargs = map_values(lambda v: _random_like(v.spec), node.kwargs)
+        kwargs.pop("training", None)
+        new(*args, **kwargs)  # builds the variables, under the owning strategy
+    detail = f"{type(old).__name__} -> {type(new).__name__}"
+    if replacement.params:
+        detail += f", params {replacement.params}"
+    if replacement.copy_weights:
+        copy = replacement.copy_weights_fn or _default_copier(old, new)
+        copy(old, new)
+        difference = _max_difference(old, new, args, kwargs)
+        detail += f", weights copied, max output difference {difference:.2e}"
+        if _config_equivalent(replacement) and difference > 1e-5:
+            raise PassError(
+                f"replace: `{node.name}` replaced by {type(new).__name__} with "
+                f"copied weights differs from the original by {difference:.3g}; "
+                "the replacement is not equivalent."
+            )
+    report.add(step, node.name, "replaced", detail)
+    return new
+
+
+def owning_strategy(layer):
+    """The tf.distribute strategy that created `layer`'s variables."""
+    for variable in layer.weights:
+        strategy = getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
+        if strategy is not None:
+            return strategy
+    return tf.distribute.get_strategy()
+
+
+def _config_equivalent(replacement):
+    return set(replacement.params) <= {"name"}
+
+
+def _default_copier(old, new):
+    if isinstance(old, _DEFAULT_COPIED):
+        return copy_weights_by_name
+    raise PassError(
+        f"replace: no default weight copier for {type(old).__name__} "
+        f"(`{old.name}`); pass copy_weights_fn=lambda old, new: ..."
+    )
+
+
+def copy_weights_by_name(old, new):
+    """Copy each weight of `old` into the weight of `new` with the same name."""
+    sources = {v.name: v for v in old.weights}
+    for variable in new.weights:
+        source = sources.get(variable.name)
+        if source is None or tuple(source.shape) != tuple(variable.shape):
+            raise PassError(
+                f"replace: cannot copy weights from `{old.name}` into "
+                f"`{new.name}`: no weight named `{variable.name}` of shape "
+                f"{tuple(variable.shape)} in the original."
+            )
+        variable.assign(source)
+
+
+def _random_like(spec):
+    shape = [d if d is not None else 2 for d in spec.shape]
+    rng = np.random.RandomState(0)
+    if "int" in spec.dtype:
+        return tf.constant(rng.randint(0, 2, size=shape), dtype=spec.dtype)
+    if spec.dtype == "bool":
+        return tf.constant(rng.rand(*shape) > 0.5)
+    if spec.dtype == "string":
+        return tf.fill(shape, "")
+    return tf.constant(rng.randn(*shape), dtype=spec.dtype)
+
+
+def _max_difference(old, new, args, kwargs):
+    expected = keras.tree.flatten(old(*args, **kwargs))
+    actual = keras.tree.flatten(new(*args, **kwargs))
+    return max(
+        float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(e, "float64"))))
+        for e, a in zip(expected, actual)
+    )
+
+
+def accepted_config_keys(layer_class):
+    """Config keys `layer_class` accepts: its `__init__` parameters up the
+    class hierarchy, plus the base Layer's."""
+    keys = set()
+    for klass in layer_class.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        for name, parameter in inspect.signature(klass.__init__).parameters.items():
+            if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+                keys.add(name)
+        if klass is keras.layers.Layer:
+            break
+    keys.discard("self")
+    keys.update({"name", "dtype", "trainable", "autocast"})
+    return keys

@@ -1,0 +1,33 @@
+"""Test setup: quiet TensorFlow, two logical CPU devices for MirroredStrategy.
+
+The logical devices must be configured before TensorFlow initialises its
+runtime, so this runs at import time, before any test module touches TF.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(
+    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    keras.utils.set_random_seed(1234)
+    np.random.seed(1234)
+    yield
+    keras.backend.clear_session(free_memory=False)
+
+
+@pytest.fixture
+def mirrored():
+    """A MirroredStrategy over the two logical CPU devices."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
