@@ -166,3 +166,27 @@ def run_functional_graph(model, inputs, mask, operation_fn):
 
 def call_context_args(operation):
     return getattr(operation, "_call_context_args", ())
+
+
+def functional_nodes(model):
+    """The nodes of a functional model in execution order (inputs excluded)."""
+    ordered = []
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                ordered.append(node)
+    return ordered
+
+
+def node_input_ids(node):
+    return [id(tensor) for tensor in node.arguments.keras_tensors]
+
+
+def node_fill_in(node, tensors):
+    """`(args, kwargs)` of `node` with its KerasTensors replaced from
+    `tensors` (a dict keyed by KerasTensor id)."""
+    return node.arguments.fill_in(tensors)
+
+
+def standardize_inputs(model, inputs):
+    return model._standardize_inputs(inputs)

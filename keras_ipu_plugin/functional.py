@@ -28,18 +28,55 @@ class KipFunctional(_keras_internals.Functional):
     """
 
     def __init__(
-        self, *args, kip_pinned_training=None, kip_annotations=None, **kwargs
+        self,
+        *args,
+        kip_pinned_training=None,
+        kip_annotations=None,
+        kip_stage_devices=None,
+        **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.kip_pinned_training = dict(kip_pinned_training or {})
         self.kip_annotations = {
             name: dict(values) for name, values in (kip_annotations or {}).items()
         }
+        self.kip_stage_devices = list(kip_stage_devices or [])
         self.kip_report = None
         self.kip_graph = None
+        self._kip_executor = None
+
+    @property
+    def kip_stages(self):
+        """`{layer name: pipeline stage}` from the PipelineStages pass."""
+        return {
+            name: notes["stage"]
+            for name, notes in self.kip_annotations.items()
+            if "stage" in notes
+        }
+
+    def _uses_executor(self):
+        return bool(self.kip_stage_devices) or any(
+            "recompute" in notes or "outline" in notes
+            for notes in self.kip_annotations.values()
+        )
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         context = dict(kwargs, training=training)
+        if self._uses_executor():
+            if self._kip_executor is None:
+                from keras_ipu_plugin.backend import get_backend
+                from keras_ipu_plugin.executor import Executor
+
+                self._kip_executor = Executor(self, get_backend())
+            inputs = _keras_internals.standardize_inputs(self, inputs)
+            if mask is not None:
+                for x, one_mask in zip(inputs, keras.tree.flatten(mask)):
+                    if one_mask is not None:
+                        _keras_internals.set_keras_mask(x, one_mask)
+            outputs = self._kip_executor(inputs, training, context)
+            if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
+                return outputs[0]
+            return outputs
         pinned = self.kip_pinned_training
 
         def operation_fn(operation):
@@ -66,4 +103,5 @@ class KipFunctional(_keras_internals.Functional):
         config["kip_annotations"] = {
             name: dict(values) for name, values in self.kip_annotations.items()
         }
+        config["kip_stage_devices"] = list(self.kip_stage_devices)
         return config

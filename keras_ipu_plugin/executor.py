@@ -1,0 +1,177 @@
+"""Run a `KipFunctional` graph with its annotations taking effect.
+
+The plan is made once per model: nodes in Keras's execution order, grouped
+into recompute segments (portable backend) that end at each checkpointed
+layer. Layers that carry state updated in the forward pass (moving
+statistics, RNG seeds) never sit inside a segment: recomputing them would
+update that state twice or draw different random numbers in the backward
+pass, silently changing results.
+"""
+
+from dataclasses import dataclass
+from dataclasses import field
+
+import keras
+import tensorflow as tf
+
+from keras_ipu_plugin import _keras_internals
+
+
+@dataclass
+class Segment:
+    """Nodes run together; `recompute` segments run under the backend's
+    checkpointing. `inputs` / `outputs` are KerasTensor ids crossing it."""
+
+    nodes: list
+    recompute: bool = False
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+
+
+def make_plan(model, backend):
+    nodes = _keras_internals.functional_nodes(model)
+    checkpoints = {
+        name for name, notes in model.kip_annotations.items() if notes.get("recompute")
+    }
+    segments, current = [], []
+    for node in nodes:
+        if not backend.recomputes_segments or _has_forward_state(node.operation):
+            if current:
+                segments.append(Segment(current, recompute=False))
+                current = []
+            segments.append(Segment([node]))
+            continue
+        current.append(node)
+        if getattr(node.operation, "name", None) in checkpoints:
+            segments.append(Segment(current, recompute=True))
+            current = []
+    if current:
+        segments.append(Segment(current))
+    _wire(segments, model)
+    return segments
+
+
+def _has_forward_state(operation):
+    if not isinstance(operation, keras.layers.Layer):
+        return False
+    return bool(operation.non_trainable_variables)
+
+
+def _wire(segments, model):
+    """Fill each segment's crossing tensors (ids of KerasTensors)."""
+    output_ids = {id(t) for t in model.outputs}
+    later_needs = set(output_ids)
+    for segment in reversed(segments):
+        produced = {
+            id(t) for node in segment.nodes for t in _keras_internals.node_outputs(node)
+        }
+        needed = []
+        for node in segment.nodes:
+            for tensor_id in _keras_internals.node_input_ids(node):
+                if tensor_id not in produced and tensor_id not in needed:
+                    needed.append(tensor_id)
+        segment.outputs = [
+            id(t) for node in segment.nodes
+            for t in _keras_internals.node_outputs(node) if id(t) in later_needs
+        ]
+        segment.inputs = needed
+        later_needs |= set(needed)
+
+
+class Executor:
+    """Runs one model's plan; made lazily by `KipFunctional`."""
+
+    def __init__(self, model, backend):
+        self.model = model
+        self.backend = backend
+        self.segments = make_plan(model, backend)
+        self.outlined = {}  # key -> shared function
+
+    def __call__(self, inputs, training, context):
+        tensors = {
+            id(x): y for x, y in zip(self.model.inputs, keras.tree.flatten(inputs))
+        }
+        for segment in self.segments:
+            if segment.recompute:
+                self._run_recomputed(segment, tensors, training, context)
+            else:
+                self._run_nodes(segment.nodes, tensors, training, context)
+        outputs = [tensors[id(t)] for t in self.model.outputs]
+        return keras.tree.pack_sequence_as(self.model._outputs_struct, outputs)
+
+    def _run_recomputed(self, segment, tensors, training, context):
+        def body(*inputs):
+            local = dict(zip(segment.inputs, inputs))
+            self._run_nodes(segment.nodes, local, training, context)
+            return [local[i] for i in segment.outputs]
+
+        results = self.backend.checkpoint_segment(body)(
+            *[tensors[i] for i in segment.inputs]
+        )
+        tensors.update(zip(segment.outputs, results))
+
+    def _run_nodes(self, nodes, tensors, training, context):
+        for node in nodes:
+            operation = node.operation
+            args, kwargs = _keras_internals.node_fill_in(node, tensors)
+            name = getattr(operation, "name", None)
+            notes = self.model.kip_annotations.get(name, {})
+            if isinstance(operation, keras.layers.Layer):
+                accepted = _keras_internals.call_context_args(operation)
+                for key, value in context.items():
+                    if value is None or key not in accepted:
+                        continue
+                    if key == "training" and name in self.model.kip_pinned_training:
+                        continue
+                    kwargs[key] = value
+            with self.backend.stage_scope(notes.get("stage", 0), self.model.kip_stage_devices):
+                if "outline" in notes and isinstance(operation, keras.layers.Layer):
+                    outputs = self._outlined_call(operation, notes["outline"], args, kwargs)
+                else:
+                    outputs = operation(*args, **kwargs)
+            flat = keras.tree.flatten(outputs)
+            if not self.backend.recomputes_segments and notes.get("recompute"):
+                flat = self.backend.checkpoint_outputs(flat)
+                outputs = keras.tree.pack_sequence_as(outputs, flat)
+            for tensor, value in zip(_keras_internals.node_outputs(node), flat):
+                tensors[id(tensor)] = value
+
+    def _outlined_call(self, layer, outline_kwargs, args, kwargs):
+        tensor_kwargs = [k for k, v in kwargs.items() if tf.is_tensor(v)]
+        if tensor_kwargs or not layer.built:
+            return layer(*args, **kwargs)
+        key = _outline_key(layer, args, kwargs)
+        shared = self.outlined.get(key)
+        if shared is None:
+            shared = self.backend.outline(_stateless_body(layer, kwargs), **outline_kwargs)
+            self.outlined[key] = shared
+        outputs, new_state = shared(
+            [tf.convert_to_tensor(v.value) for v in layer.trainable_variables],
+            [tf.convert_to_tensor(v.value) for v in layer.non_trainable_variables],
+            *args,
+        )
+        for variable, value in zip(layer.non_trainable_variables, new_state):
+            variable.assign(value)
+        return outputs
+
+
+def _stateless_body(representative, kwargs):
+    """One body for every layer of a group: the representative layer's code
+    run on the weights passed in (`stateless_call`), so N layers share it."""
+    kwargs = dict(kwargs)
+
+    def body(trainable, non_trainable, *args):
+        return representative.stateless_call(trainable, non_trainable, *args, **kwargs)
+
+    return body
+
+
+def _outline_key(layer, args, kwargs):
+    config = dict(layer.get_config())
+    config.pop("name", None)
+    signature = tuple(
+        (tuple(t.shape), t.dtype.name) if tf.is_tensor(t) else repr(t)
+        for t in keras.tree.flatten(args)
+    )
+    return (type(layer), repr(sorted(config.items())), signature,
+            repr(sorted(kwargs.items())))
