@@ -190,3 +190,10 @@ def node_fill_in(node, tensors):
 
 def standardize_inputs(model, inputs):
     return model._standardize_inputs(inputs)
+
+
+def make_step_function(model, step_function):
+    """Keras's own train/test function maker (`TensorFlowTrainer._make_function`)
+    around `step_function`: distribution, `jit_compile`, `steps_per_execution`
+    and `run_eagerly` behave exactly as in `fit` / `evaluate`."""
+    return model._make_function(step_function)

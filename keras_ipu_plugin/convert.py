@@ -7,6 +7,8 @@ equal on that batch. A model whose `call` cannot be traced becomes one
 opaque node that runs the original code.
 """
 
+import re
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -68,10 +70,18 @@ class Converter:
         specs = inputs_lib.input_specs(
             x, static_batch=self.static_batch, already_per_replica=batch.per_replica
         )
-        graph, report = self.trace(model, x, specs)
-        converted = graph.rebuild(name=f"{model.name}_functional")
-        if self.verify:
-            check_equivalent(model, converted, x)
+        # Calling, tracing and verifying build layers and record nodes on
+        # the user's objects; a failure part way must not leave any of that
+        # behind (a half-built Dense would reject the right data later).
+        state = ModelState(model)
+        try:
+            graph, report = self.trace(model, x, specs)
+            converted = graph.rebuild(name=f"{model.name}_functional")
+            if self.verify:
+                check_equivalent(model, converted, x)
+        except BaseException:
+            state.restore()
+            raise
         converted.kip_report = report
         return converted
 
@@ -90,6 +100,92 @@ class Converter:
         for node in graph.nodes:
             report.add("convert", node.name, "traced", type(node.operation).__name__)
         return graph, report
+
+
+class ModelState:
+    """A snapshot of what a conversion can change on `model`, to undo it.
+
+    Covers the instance attributes of the model and of every layer in it
+    (and of their variable trackers), the contents of the lists, dicts and
+    sets those attributes hold (variable lists, node lists, build shapes),
+    and the values of non-trainable variables (BatchNormalization moving
+    statistics, RNG seeds: a call can change those; nothing in a conversion
+    assigns trainable weights).
+
+    Example:
+        >>> state = ModelState(model)
+        >>> try:
+        ...     risky(model)
+        ... except Exception:
+        ...     state.restore()
+        ...     raise
+    """
+
+    def __init__(self, model):
+        self._objects = []
+        for layer in model._flatten_layers(include_self=True, recursive=True):
+            self._objects.append(_ObjectState(layer))
+            tracker = vars(layer).get("_tracker")
+            if tracker is not None:
+                self._objects.append(_ObjectState(tracker))
+        self._values = [
+            (variable, np.array(variable.numpy(), copy=True))
+            for variable in model.non_trainable_variables
+        ]
+
+    def restore(self):
+        for state in self._objects:
+            state.restore()
+        for variable, value in self._values:
+            variable.assign(value)
+
+
+class _ObjectState:
+    """One object's `__dict__`, and the contents of every list / dict / set
+    reachable from it through containers only."""
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.attributes = dict(vars(obj))
+        self.containers = []
+        seen = set()
+        for value in self.attributes.values():
+            self._remember(value, seen)
+
+    def _remember(self, value, seen):
+        if not isinstance(value, (list, dict, set)) or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            self.containers.append((value, dict(value)))
+            children = value.values()
+        else:
+            self.containers.append((value, list(value)))
+            children = value
+        for child in list(children):
+            self._remember(child, seen)
+
+    def restore(self):
+        current = vars(self.obj)
+        for name in [name for name in current if name not in self.attributes]:
+            del current[name]
+        for name, value in self.attributes.items():
+            if current.get(name, _MISSING) is not value:
+                current[name] = value
+        # The base-class methods: Keras's tracked containers would re-track
+        # (and so re-register) every item put back through their own.
+        for container, contents in self.containers:
+            if isinstance(container, list):
+                list.__setitem__(container, slice(None), contents)
+            elif isinstance(container, dict):
+                dict.clear(container)
+                dict.update(container, contents)
+            else:
+                set.clear(container)
+                set.update(container, contents)
+
+
+_MISSING = object()
 
 
 def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
@@ -147,8 +243,32 @@ def _call_original(model, x):
     except Exception as error:
         raise InputDataError(
             f"`{model.name}.call` rejected the first batch "
-            f"({_describe_structure(x)}): {type(error).__name__}: {error}"
+            f"({_describe_structure(x)}): {type(error).__name__}: "
+            f"{_essential_message(error)}"
         ) from error
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _essential_message(error, limit=600):
+    """The part of a Keras error that says what is wrong.
+
+    Keras wraps errors from `call` in a banner ("Exception encountered when
+    calling ...") with ANSI bold codes and appends every argument's value,
+    which for a batch is the whole tensor printed out.
+    """
+    # str(KeyError) is the repr of its message, escapes and all.
+    raw = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    text = _ANSI.sub("", raw)
+    text = text.split("Arguments received by")[0]
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.startswith("Exception encountered when calling")
+    ]
+    text = " ".join(lines) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe_structure(x):

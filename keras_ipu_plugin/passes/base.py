@@ -4,6 +4,8 @@ A target is a layer name (the layer's own name, or its node path such as
 `"block_1.dense"`), a layer class (subclasses match too), or `"all"`.
 """
 
+import weakref
+
 import keras
 
 from keras_ipu_plugin.errors import PassError
@@ -50,8 +52,34 @@ def matches(node, target):
     if target == ALL:
         return node.is_layer
     if isinstance(target, str):
-        return target in (node.name, getattr(node.operation, "name", None))
+        return target == node.name or target in _names_of(node.operation)
     return isinstance(node.operation, target)
+
+
+def _names_of(operation):
+    name = getattr(operation, "name", None)
+    return (name, original_name(operation)) if name is not None else ()
+
+
+# The name each layer had before Expand named it after its path
+# (`block_1.conv1` for `conv1`), so that targets can still use it.
+_original_names = weakref.WeakKeyDictionary()
+
+
+def original_name(operation):
+    """The name `operation` had before an Expand renamed it."""
+    try:
+        return _original_names.get(operation, operation.name)
+    except TypeError:  # not weak-referenceable
+        return operation.name
+
+
+def remember_original_name(operation, name):
+    """Record `name` as `operation`'s original name; False if one already is."""
+    if operation in _original_names:
+        return False
+    _original_names[operation] = name
+    return True
 
 
 def matched_nodes(graph, targets, step):

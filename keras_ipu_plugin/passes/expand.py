@@ -7,6 +7,8 @@ and are reported) remain. Sub-layers shared between call sites stay shared,
 because the same layer objects are called.
 """
 
+import re
+
 import keras
 
 from keras_ipu_plugin import tracing
@@ -18,6 +20,8 @@ from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import matched_nodes
+from keras_ipu_plugin.passes.base import original_name
+from keras_ipu_plugin.passes.base import remember_original_name
 
 
 class Expand(Pass):
@@ -89,10 +93,43 @@ def expand_node(graph, node, report, step):
         node.opaque_reason = reason
         report.add_opaque(node.name, reason)
         return []
+    used = set()
     for new in new_nodes:
         if new.training == FOLLOW and node.training in (True, False):
             new.training = node.training
+        _name_after_path(new, node.name, used)
     output_map = {id(old): new for old, new in zip(node.outputs, flat_outputs)}
     graph.splice(node, new_nodes, output_map)
     report.add(step, node.name, "expanded", ", ".join(n.name for n in new_nodes))
     return new_nodes
+
+
+_AUTO_SUFFIX = re.compile(r"_\d+$")
+
+def _name_after_path(node, parent_path, used):
+    """Name `node` (and its layer) `parent.child`.
+
+    A functional model needs one name per operation, and sub-layers of
+    different custom layers often share a name (`conv1` in every block), so
+    an inlined layer takes its path as its name. A layer inlined at several
+    call sites (a shared layer) keeps the name of its first one. The original
+    name is remembered, so re-expanding the same layers gives the same names
+    and targets can still use it.
+    """
+    operation = node.operation
+    if not isinstance(operation, keras.layers.Layer):
+        # A keras.ops operation the trace made: its auto-generated name
+        # (`add_17`) depends on what ran before; number it within its parent.
+        base = _AUTO_SUFFIX.sub("", operation.name) or "op"
+        name, count = f"{parent_path}.{base}", 0
+        while name in used:
+            count += 1
+            name = f"{parent_path}.{base}_{count}"
+        used.add(name)
+        node.name = operation.name = name
+        return
+    base = original_name(operation)
+    node.name = f"{parent_path}.{base}"
+    used.add(node.name)
+    if remember_original_name(operation, base):
+        operation.name = node.name

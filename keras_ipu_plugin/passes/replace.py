@@ -19,6 +19,7 @@ from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import matches
+from keras_ipu_plugin.passes.base import original_name
 from keras_ipu_plugin.passes.expand import expand_node
 from keras_ipu_plugin.passes.expand import is_expandable
 
@@ -122,8 +123,7 @@ def _expand_until_visible(graph, target, report):
             node for node in graph.nodes
             if is_expandable(node.operation) and not node.opaque_reason
             and not matches(node, target)
-            and any(_layer_matches(sub, target)
-                    for sub in node.operation._flatten_layers(include_self=False))
+            and _contains(node, target)
         ]
         if not containers:
             return
@@ -135,10 +135,18 @@ def _expand_until_visible(graph, target, report):
                 )
 
 
-def _layer_matches(layer, target):
-    if isinstance(target, str):
-        return layer.name == target
-    return isinstance(layer, target)
+def _contains(node, target):
+    """Whether `target` (a name, a `parent.child` path or a class) is a
+    sub-layer of the layer of `node`."""
+    if isinstance(target, str) and target.startswith(node.name + "."):
+        return True
+    for sub in node.operation._flatten_layers(include_self=False):
+        if isinstance(target, str):
+            if target in (sub.name, original_name(sub)):
+                return True
+        elif isinstance(sub, target):
+            return True
+    return False
 
 
 def _new_layer(node, replacement, report, step):

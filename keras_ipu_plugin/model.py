@@ -1,0 +1,231 @@
+"""`PluginModel`: a drop-in `keras.Model` that runs its wrapped model's
+converted graph.
+
+The wrapped model is tracked under a dunder attribute, which Keras's saving
+skips, and the wrapped model's own attributes are exposed as the wrapper's
+(`__getattr__` / `__dir__`), so `save_weights` writes the same variable
+paths as the wrapped model: weights saved from either load into the other.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ipu_plugin import inputs as inputs_lib
+from keras_ipu_plugin.apply import apply_passes
+from keras_ipu_plugin.apply import validate_passes
+from keras_ipu_plugin.convert import Converter
+
+_WRAPPED = "__kip_wrapped__"
+_CONVERTED = "__kip_converted__"
+_STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class PluginModel(keras.Model):
+    """Wrap a subclassed model; convert it at the first batch it sees.
+
+    Example:
+        >>> model = kip.PluginModel(MyModel(), passes=[kip.passes.Expand()])
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(x, y, epochs=2)
+        >>> print(model.kip_report)
+    """
+
+    def __init__(self, model, passes=(), rebuild_on_new_variables=True, verify=True, **kwargs):
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                f"PluginModel wraps a keras.Model; got {type(model).__name__}."
+            )
+        kwargs.setdefault("name", f"{model.name}_plugin")
+        super().__init__(**kwargs)
+        setattr(self, _WRAPPED, model)
+        self._kip_passes = validate_passes(passes)
+        self._kip_passes_config = passes if isinstance(passes, (dict, str)) else None
+        self.rebuild_on_new_variables = rebuild_on_new_variables
+        self.verify = verify
+
+    # -- the wrapped model's attributes are the wrapper's ---------------------
+    @property
+    def wrapped(self):
+        return self.__dict__[_WRAPPED] if _WRAPPED in self.__dict__ else getattr(self, _WRAPPED)
+
+    @property
+    def converted(self):
+        """The functional model once the first batch has been seen, else None."""
+        return self.__dict__.get(_CONVERTED)
+
+    @property
+    def layers(self):
+        """The wrapped model's layers (what `save_weights` walks, too)."""
+        return self.wrapped.layers
+
+    @property
+    def variables(self):
+        return _union(super().variables, self._converted_attr("variables"))
+
+    @property
+    def weights(self):
+        return _union(super().weights, self._converted_attr("weights"))
+
+    def _converted_attr(self, name):
+        # Layers a Replace pass created live only in the converted model.
+        converted = self.converted
+        return [] if converted is None else getattr(converted, name)
+
+    @property
+    def kip_report(self):
+        converted = self.converted
+        return None if converted is None else converted.kip_report
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_tracker", "_kip_passes"):
+            raise AttributeError(name)
+        wrapped = self.__dict__.get(_WRAPPED)
+        if wrapped is None:
+            raise AttributeError(name)
+        return getattr(wrapped, name)
+
+    def __dir__(self):
+        # Keras's saving walks `dir()`: list the wrapped model's own
+        # attributes and hide the wrapper's views of it, so that saved
+        # weights have the wrapped model's layout.
+        names = set(super().__dir__()) - {"wrapped", "converted", "kip_report"}
+        wrapped = self.__dict__.get(_WRAPPED)
+        if wrapped is not None:
+            names |= set(dir(wrapped)) - set(dir(keras.Model))
+        return sorted(names)
+
+    # -- conversion -------------------------------------------------------------
+    def convert(self, data):
+        """Convert now from `data` (a batch or a dataset); done once."""
+        if self.converted is not None:
+            return self.converted
+        with self.distribute_strategy.scope():
+            converted = Converter(verify=self.verify).convert(self.wrapped, data)
+            if self._kip_passes:
+                converted = apply_passes(converted, self._kip_passes)
+        # Not tracked as a sub-layer: its layers are the wrapped model's (and
+        # the `variables` / `weights` properties add any a pass created).
+        object.__setattr__(self, _CONVERTED, converted)
+        return converted
+
+    def call(self, inputs, training=None, **kwargs):
+        converted = self.converted
+        if converted is None:
+            if not _is_concrete(inputs):
+                # Keras's symbolic build before the first batch: the wrapped
+                # model computes the same thing on symbols.
+                return self.wrapped(inputs, training=training, **kwargs)
+            converted = self.convert(inputs)
+        return converted(inputs, training=training, **kwargs)
+
+    def build(self, input_shape):
+        # Reached on `load_model` (from the saved build config) before the
+        # weights are loaded: the wrapped model's variables must exist, so
+        # call it once on zeros of the saved shape.
+        if not self.wrapped.built and input_shape is not None:
+            self.wrapped(_zeros(input_shape))
+        self.built = True
+
+    # -- training: the wrapped model's own steps, forward through `converted`
+    def train_step(self, data):
+        return self._step("train_step", data)
+
+    def test_step(self, data):
+        return self._step("test_step", data)
+
+    def predict_step(self, data):
+        return self._step("predict_step", data)
+
+    def compute_loss(self, *args, **kwargs):
+        return self._step("compute_loss", *args, **kwargs)
+
+    def compute_metrics(self, *args, **kwargs):
+        return self._step("compute_metrics", *args, **kwargs)
+
+    def _step(self, name, *args, **kwargs):
+        own = getattr(type(self.wrapped), name)
+        if own is getattr(keras.Model, name):
+            return getattr(super(), name)(*args, **kwargs)
+        return own(self, *args, **kwargs)
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._before_first_step(x, batch_size, "fit")
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._before_first_step(x, batch_size, "evaluate")
+        return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        self._before_first_step(x, batch_size, "predict", compiled=False)
+        return super().predict(x, batch_size, *args, **kwargs)
+
+    def _before_first_step(self, x, batch_size, method, compiled=True):
+        if compiled and not self.compiled:
+            raise ValueError(
+                f"PluginModel `{self.name}`: call `compile(...)` on the wrapper "
+                f"before `{method}` (the wrapped model `{self.wrapped.name}` is "
+                "trained through it)."
+            )
+        if self.converted is None and x is not None:
+            self.convert(_first_slice(x, batch_size))
+
+    # -- saving ----------------------------------------------------------------
+    def get_config(self):
+        if self._kip_passes and self._kip_passes_config is None:
+            raise ValueError(
+                f"PluginModel `{self.name}` was given passes as Python objects; "
+                "to save the whole model pass them as a config (dict or file) "
+                "so they can be stored, or save the weights only."
+            )
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.wrapped),
+            "passes": self._kip_passes_config or {},
+            "rebuild_on_new_variables": self.rebuild_on_new_variables,
+            "verify": self.verify,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["model"] = keras.saving.deserialize_keras_object(config["model"])
+        return cls(**config)
+
+
+def _is_concrete(inputs):
+    return all(
+        isinstance(leaf, (np.ndarray, tf.Tensor)) and not isinstance(leaf, keras.KerasTensor)
+        and (not tf.is_tensor(leaf) or hasattr(leaf, "numpy"))
+        for leaf in keras.tree.flatten(inputs)
+    )
+
+
+def _zeros(shape):
+    if isinstance(shape, dict):
+        return {k: _zeros(v) for k, v in shape.items()}
+    if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple, dict)):
+        return type(shape)(_zeros(s) for s in shape)
+    return np.zeros([1 if d is None else d for d in shape], keras.config.floatx())
+
+
+def _first_slice(x, batch_size):
+    """The first batch of `x`: a dataset's first element, or the first
+    `batch_size` (default 32, as in `fit`) rows of arrays."""
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        return x
+    if isinstance(x, tf.distribute.DistributedDataset):
+        return x
+    size = batch_size or 32
+    return keras.tree.map_structure(lambda a: a[:size], x)
+
+
+def _union(first, second):
+    seen, merged = set(), []
+    for variable in list(first) + list(second):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            merged.append(variable)
+    return merged
