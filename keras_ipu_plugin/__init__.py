@@ -27,3 +27,5 @@ from keras_ipu_plugin.backend import backend
 from keras_ipu_plugin.backend import ipu_replacements
 from keras_ipu_plugin.callback import PluginCallback
 from keras_ipu_plugin.model import PluginModel
+from keras_ipu_plugin.scope import scope
+from keras_ipu_plugin.scope import scope_report

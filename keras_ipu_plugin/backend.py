@@ -72,6 +72,9 @@ class PortableBackend:
     def replacements(self, serial_dense=False):
         return {}
 
+    def default_strategy(self):
+        return tf.distribute.get_strategy()
+
 
 class IpuBackend:
     """The passes through Graphcore's IPU APIs (needs the Poplar SDK)."""
@@ -105,6 +108,12 @@ class IpuBackend:
             assignment.pipeline_stage = stages[assignment.layer.name]
         model.set_pipeline_stage_assignment(assignments)
         return stages
+
+    def default_strategy(self):
+        """An IPUStrategy (Graphcore's), unless another strategy is active."""
+        if tf.distribute.has_strategy():
+            return tf.distribute.get_strategy()
+        return self.ipu.ipu_strategy.IPUStrategy()
 
     def replacements(self, serial_dense=False):
         """`{keras layer class name: addons class}` for the Replace pass."""

@@ -5,9 +5,20 @@ tensor value, say) is wrapped, not changed: the wrapper holds the original
 layer (so the variables are the same objects) and, in graph mode, runs the
 original `call` through AutoGraph so that such Python control flow becomes
 TensorFlow control flow and trains in `model.fit` without `run_eagerly`.
+
+Keras 3 never applies AutoGraph itself, and AutoGraph does not convert code
+reached through a Keras `Layer.__call__`, so converting only the wrapped
+layer's `call` would leave a dynamic *sub-layer* (a custom block with a
+Python `if` inside an otherwise plain model) failing in graph mode. While a
+graph is being traced, every layer whose `call` is user code therefore runs
+an AutoGraph-converted `call` (see `_autographed_calls`).
 """
 
+import contextlib
+import functools
 import inspect
+import threading
+import types
 
 import keras
 import tensorflow as tf
@@ -32,7 +43,6 @@ class OpaqueLayer(keras.layers.Layer):
         # nest of (shape, dtype) with the batch dimension None where it varies
         self.output_specs = output_specs
         self._takes_training = "training" in _call_parameters(layer)
-        self._graph_call = None
         self.built = True
 
     def call(self, *args, training=None, **kwargs):
@@ -40,12 +50,11 @@ class OpaqueLayer(keras.layers.Layer):
             kwargs["training"] = training
         if tf.executing_eagerly():
             return self.layer(*args, **kwargs)
-        if self._graph_call is None:
-            # AutoGraph turns Python control flow on tensors into tf.cond /
-            # tf.while_loop; sub-layers are still called through __call__.
-            self._graph_call = tf.autograph.to_graph(type(self.layer).call)
-        with _keras_internals.call_context(self.layer, training):
-            return self._graph_call(self.layer, *args, **kwargs)
+        # AutoGraph turns Python control flow on tensors into tf.cond /
+        # tf.while_loop; going through `__call__` keeps Keras's own handling
+        # of masks, autocasting and the training context.
+        with _autographed_calls(self.layer):
+            return self.layer(*args, **kwargs)
 
     def compute_output_spec(self, *args, **kwargs):
         return _specs_to_tensors(self.output_specs)
@@ -115,3 +124,68 @@ def _specs_from_config(config):
 
 def _call_parameters(layer):
     return inspect.signature(layer.call).parameters
+
+
+# id(layer) -> [layer, number of graph traces now inside _autographed_calls]
+_active = {}
+_active_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _converted(function):
+    """`function` converted by AutoGraph (cached: conversion parses source)."""
+    try:
+        return tf.autograph.to_graph(function)
+    except Exception:  # no source to convert (defined in exec, a C call)
+        return function
+
+
+def _user_call(layer):
+    """The class's `call` when it is user code AutoGraph should convert."""
+    if "call" in vars(layer):  # set on the instance by its owner: leave it
+        return None
+    function = getattr(type(layer), "call", None)
+    module = getattr(function, "__module__", "") or ""
+    if function is None or module.split(".")[0] in _LIBRARY_PACKAGES:
+        return None
+    return function
+
+
+_LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
+
+
+@contextlib.contextmanager
+def _autographed_calls(layer):
+    """While a graph is traced, `layer` and each layer inside it whose `call`
+    is user code run the AutoGraph-converted `call`.
+
+    This is the one place that sets an attribute on the user's layers: an
+    instance `call` that shadows the class's, only for the duration of the
+    trace, always removed afterwards (also on error). Nested and concurrent
+    traces (MirroredStrategy traces each replica in its own thread) share a
+    count, so the last one out removes it.
+    """
+    layers = [
+        sub
+        for sub in layer._flatten_layers(include_self=True, recursive=True)
+        if _user_call(sub) is not None or id(sub) in _active
+    ]
+    with _active_lock:
+        for sub in layers:
+            entry = _active.get(id(sub))
+            if entry is None:
+                function = _user_call(sub)
+                _active[id(sub)] = [sub, 1]
+                vars(sub)["call"] = types.MethodType(_converted(function), sub)
+            else:
+                entry[1] += 1
+    try:
+        yield
+    finally:
+        with _active_lock:
+            for sub in layers:
+                entry = _active[id(sub)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _active[id(sub)]
+                    vars(sub).pop("call", None)

@@ -53,6 +53,31 @@ def check_equivalent(
 
 
 def _outputs_and_gradients(model, x, variables):
+    """Outputs and gradients, computed in a replica context.
+
+    Under a `tf.distribute` strategy scope the caller is in the cross-replica
+    context, where a mirrored variable has no single handle to differentiate
+    against; the computation then runs as one replica's step (every replica
+    sees the whole batch, so the first replica's result is the answer).
+    """
+    strategy = tf.distribute.get_strategy()
+    if not (tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context()):
+        return _outputs_and_gradients_here(model, x, variables)
+    per_replica = strategy.run(
+        _outputs_and_gradients_here, args=(model, x, variables)
+    )
+
+    def first_replica(value):
+        return None if value is None else strategy.experimental_local_results(value)[0]
+
+    outputs, gradients = per_replica
+    return (
+        keras.tree.map_structure(first_replica, outputs),
+        [first_replica(g) for g in gradients],
+    )
+
+
+def _outputs_and_gradients_here(model, x, variables):
     with tf.GradientTape() as tape:
         outputs = model(x, training=False)
         scalar = _projection(outputs)

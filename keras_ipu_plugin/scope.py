@@ -1,0 +1,97 @@
+"""`kip.scope`: models compiled inside it train through the plugin.
+
+Nothing in Keras is patched. On entry the scope notes which models exist
+and how they were compiled; on exit it finds the models compiled inside it
+and gives each the plugin's lazy train / test functions, the slot Keras's own
+`fit` / `evaluate` use (`model.train_function`), exactly as `PluginCallback`
+does. A later `compile` outside the scope resets those functions, as it
+resets Keras's own.
+"""
+
+import contextlib
+import gc
+
+import keras
+
+from keras_ipu_plugin.apply import apply_passes
+from keras_ipu_plugin.apply import validate_passes
+from keras_ipu_plugin.backend import get_backend
+from keras_ipu_plugin.convert import Converter
+from keras_ipu_plugin.training import LazyStepFunction
+
+
+@contextlib.contextmanager
+def scope(strategy=None, passes=(), verify=True):
+    """Enter `strategy`'s scope; models compiled inside train through the plugin.
+
+    `strategy=None` uses the current strategy (IPUStrategy where the IPU
+    backend provides one).
+
+    Example:
+        >>> with kip.scope(passes=[kip.passes.Expand()]) as strategy:
+        ...     model = MyModel()
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(x, y)          # converted at the first batch
+        >>> kip.scope_report(model)  # what the conversion and passes did
+    """
+    passes = validate_passes(passes)
+    strategy = strategy or get_backend().default_strategy()
+    before = _compile_states()
+    with strategy.scope():
+        yield strategy
+    for model in _compiled_since(before):
+        install(model, passes, verify)
+
+
+def install(model, passes=(), verify=True):
+    """Route `model.fit` / `evaluate` through the plugin (what the scope does)."""
+    converter = _ModelConverter(model, validate_passes(passes), verify)
+    model.train_function = LazyStepFunction(model, "train_step", converter)
+    model.test_function = LazyStepFunction(model, "test_step", converter)
+    _converters[id(model)] = converter
+
+
+def scope_report(model):
+    """The report of a model plugged in by `kip.scope`, once it has trained."""
+    converter = _converters.get(id(model))
+    converted = None if converter is None else converter.converted
+    return None if converted is None else converted.kip_report
+
+
+_converters = {}
+
+
+class _ModelConverter:
+    """Converts `model` once; both lazy functions share the result."""
+
+    def __init__(self, model, passes, verify):
+        self.model, self.passes, self.verify = model, passes, verify
+        self.converted = None
+
+    def __call__(self, x):
+        if self.converted is None:
+            with self.model.distribute_strategy.scope():
+                converted = Converter(verify=self.verify).convert(self.model, x)
+                if self.passes:
+                    converted = apply_passes(converted, self.passes)
+            self.converted = converted
+        return self.converted
+
+
+def _compile_states():
+    return {
+        id(obj): getattr(obj, "_compile_config", None)
+        for obj in gc.get_objects()
+        if isinstance(obj, keras.Model)
+    }
+
+
+def _compiled_since(before):
+    found = []
+    for obj in gc.get_objects():
+        if not isinstance(obj, keras.Model) or not getattr(obj, "compiled", False):
+            continue
+        config = getattr(obj, "_compile_config", None)
+        if id(obj) not in before or before[id(obj)] is not config:
+            found.append(obj)
+    return found
