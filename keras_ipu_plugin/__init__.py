@@ -23,8 +23,8 @@ from keras_ipu_plugin import passes
 from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.config import passes_from_config
 from keras_ipu_plugin.config import register_layer
-from keras_ipu_plugin.backend import backend
-from keras_ipu_plugin.backend import ipu_replacements
+from keras_ipu_plugin.backends import backend
+from keras_ipu_plugin.backends import ipu_replacements
 from keras_ipu_plugin.callback import PluginCallback
 from keras_ipu_plugin.model import PluginModel
 from keras_ipu_plugin.scope import scope

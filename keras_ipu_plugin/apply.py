@@ -2,7 +2,9 @@
 
 import keras
 
+from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.functional import KipFunctional
 from keras_ipu_plugin.inputs import InputSpec
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import Pass
@@ -29,6 +31,9 @@ def apply_passes(model, passes):
     for one_pass in passes:
         graph = one_pass.run(graph, report)
     result = graph.rebuild(name=model.name)
+    stage_devices = getattr(model, "kip_stage_devices", None)
+    if stage_devices and not result.kip_stage_devices:
+        result.kip_stage_devices = list(stage_devices)
     result.kip_report = report
     return result
 
@@ -66,7 +71,7 @@ def graph_of(model):
         return model.kip_graph.copy()
     specs = keras.tree.map_structure(_spec_of_input, model.input)
     try:
-        graph = trace_model(model, specs)
+        graph = trace_model(_plain_view(model), specs)
     except TraceError as error:  # pragma: no cover - functional models trace
         raise PassError(f"Cannot read the graph of `{model.name}`: {error.reason}")
     annotations = getattr(model, "kip_annotations", {})
@@ -75,6 +80,22 @@ def graph_of(model):
         if isinstance(node.operation, OpaqueLayer):
             node.opaque_reason = node.operation.reason
     return graph
+
+
+def _plain_view(model):
+    """A model over `model`'s graph that runs its layers one by one.
+
+    A `KipFunctional` with annotations runs through the backend executor
+    (outlined bodies, recompute segments), which is for real tensors; the
+    graph is read through a view without annotations that shares the same
+    layers and keeps the pinned `training` values.
+    """
+    if not isinstance(model, KipFunctional):
+        return model
+    return KipFunctional(
+        model.input, model.output, name=model.name,
+        kip_pinned_training=model.kip_pinned_training,
+    )
 
 
 def _spec_of_input(tensor):

@@ -7,8 +7,6 @@ equal on that batch. A model whose `call` cannot be traced becomes one
 opaque node that runs the original code.
 """
 
-import re
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -23,6 +21,7 @@ from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.opaque import output_specs_of
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.tracing import TraceError
+from keras_ipu_plugin.tracing import essential_message
 from keras_ipu_plugin.tracing import trace_model
 from keras_ipu_plugin.verify import check_equivalent
 
@@ -244,31 +243,10 @@ def _call_original(model, x):
         raise InputDataError(
             f"`{model.name}.call` rejected the first batch "
             f"({_describe_structure(x)}): {type(error).__name__}: "
-            f"{_essential_message(error)}"
+            f"{essential_message(error)}"
         ) from error
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _essential_message(error, limit=600):
-    """The part of a Keras error that says what is wrong.
-
-    Keras wraps errors from `call` in a banner ("Exception encountered when
-    calling ...") with ANSI bold codes and appends every argument's value,
-    which for a batch is the whole tensor printed out.
-    """
-    # str(KeyError) is the repr of its message, escapes and all.
-    raw = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-    text = _ANSI.sub("", raw)
-    text = text.split("Arguments received by")[0]
-    lines = [
-        line.strip()
-        for line in text.splitlines()
-        if line.strip() and not line.startswith("Exception encountered when calling")
-    ]
-    text = " ".join(lines) or type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe_structure(x):

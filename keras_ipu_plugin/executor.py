@@ -8,6 +8,7 @@ update that state twice or draw different random numbers in the backward
 pass, silently changing results.
 """
 
+import inspect
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -126,7 +127,7 @@ class Executor:
                     kwargs[key] = value
             with self.backend.stage_scope(notes.get("stage", 0), self.model.kip_stage_devices):
                 if "outline" in notes and isinstance(operation, keras.layers.Layer):
-                    outputs = self._outlined_call(operation, notes["outline"], args, kwargs)
+                    outputs = self._outlined_call(node, notes["outline"], args, kwargs)
                 else:
                     outputs = operation(*args, **kwargs)
             flat = keras.tree.flatten(outputs)
@@ -136,11 +137,16 @@ class Executor:
             for tensor, value in zip(_keras_internals.node_outputs(node), flat):
                 tensors[id(tensor)] = value
 
-    def _outlined_call(self, layer, outline_kwargs, args, kwargs):
+    def _outlined_call(self, node, outline_kwargs, args, kwargs):
+        layer = node.operation
+        # `stateless_call` goes straight to `call`: pass only what it takes
+        # (Layer.__call__ would drop an unused `training` itself).
+        accepted = inspect.signature(layer.call).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
         tensor_kwargs = [k for k, v in kwargs.items() if tf.is_tensor(v)]
         if tensor_kwargs or not layer.built:
             return layer(*args, **kwargs)
-        key = _outline_key(layer, args, kwargs)
+        key = _outline_key(layer, node, kwargs)
         shared = self.outlined.get(key)
         if shared is None:
             shared = self.backend.outline(_stateless_body(layer, kwargs), **outline_kwargs)
@@ -166,12 +172,13 @@ def _stateless_body(representative, kwargs):
     return body
 
 
-def _outline_key(layer, args, kwargs):
+def _outline_key(layer, node, kwargs):
+    """Layers share a body when class, config (but the name), the symbolic
+    input signature and the call's keyword values are equal."""
     config = dict(layer.get_config())
     config.pop("name", None)
     signature = tuple(
-        (tuple(t.shape), t.dtype.name) if tf.is_tensor(t) else repr(t)
-        for t in keras.tree.flatten(args)
+        (tuple(t.shape), t.dtype) for t in node.arguments.keras_tensors
     )
     return (type(layer), repr(sorted(config.items())), signature,
             repr(sorted(kwargs.items())))

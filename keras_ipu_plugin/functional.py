@@ -64,7 +64,7 @@ class KipFunctional(_keras_internals.Functional):
         context = dict(kwargs, training=training)
         if self._uses_executor():
             if self._kip_executor is None:
-                from keras_ipu_plugin.backend import get_backend
+                from keras_ipu_plugin.backends import get_backend
                 from keras_ipu_plugin.executor import Executor
 
                 self._kip_executor = Executor(self, get_backend())

@@ -121,7 +121,9 @@ def _first_dataset_element(dataset):
 
 
 def _first_distributed_element(dataset):
-    strategy = tf.distribute.get_strategy()
+    # The dataset's own strategy: the caller may be outside its scope, where
+    # the current (default) strategy cannot unwrap its per-replica values.
+    strategy = getattr(dataset, "_strategy", None) or tf.distribute.get_strategy()
     for element in dataset:
         local = tf.nest.map_structure(
             lambda v: strategy.experimental_local_results(v)[0], element

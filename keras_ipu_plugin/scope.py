@@ -15,7 +15,7 @@ import keras
 
 from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.apply import validate_passes
-from keras_ipu_plugin.backend import get_backend
+from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.convert import Converter
 from keras_ipu_plugin.training import LazyStepFunction
 

@@ -14,6 +14,7 @@ If the two traces differ in which layers they call, `call` branches on
 """
 
 import inspect
+import re
 
 import keras
 
@@ -195,10 +196,32 @@ def _reject_variables(operation, structure):
 
 
 def _describe_failure(error):
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     where = _failing_layer(error)
-    text = f"{type(error).__name__}: {message}"[:300]
+    text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     return f"{text} (in `{where}`)" if where else text
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def essential_message(error, limit=600):
+    """The part of a Keras error that says what is wrong.
+
+    Keras wraps errors from `call` in a banner ("Exception encountered when
+    calling ...") with ANSI bold codes and appends every argument's value,
+    which for a batch is the whole tensor printed out.
+    """
+    # str(KeyError) is the repr of its message, escapes and all.
+    raw = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    text = _ANSI.sub("", raw)
+    text = text.split("Arguments received by")[0]
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.startswith("Exception encountered when calling")
+    ]
+    text = " ".join(lines) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _failing_layer(error):

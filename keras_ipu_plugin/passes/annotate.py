@@ -1,7 +1,7 @@
 """`Outline`, `Recompute`, `PipelineStages`: annotations on graph nodes.
 
 These passes record what should happen to matched layers; the backend turns
-the annotations into effect when the model runs (see `backend.py`). They are
+the annotations into effect when the model runs (see `backends.py`). They are
 stored on the rebuilt model (`kip_annotations`), so they survive `rebuild()`
 and saving.
 """
@@ -86,13 +86,15 @@ class PipelineStages(Pass):
                     )
                 assigned[id(node)] = index
         for node in graph.nodes:
-            inputs = [assigned[id(v.producer)] for v in node.input_values if v.producer]
-            stage = assigned.get(id(node), max(inputs, default=0))
-            if inputs and stage < max(inputs):
+            producers = [v.producer for v in node.input_values if v.producer]
+            latest = max(producers, key=lambda p: assigned[id(p)], default=None)
+            inputs_stage = assigned[id(latest)] if latest is not None else 0
+            stage = assigned.get(id(node), inputs_stage)
+            if stage < inputs_stage:
                 raise PassError(
                     f"pipeline_stages: layer `{node.name}` is in stage {stage} "
-                    f"but reads the output of stage {max(inputs)}; stages must "
-                    "follow the data flow."
+                    f"but reads the output of `{latest.name}`, in stage "
+                    f"{inputs_stage}; stages must follow the data flow."
                 )
             assigned[id(node)] = stage
             node.annotations["stage"] = stage

@@ -10,9 +10,12 @@ because the same layer objects are called.
 import re
 
 import keras
+import tensorflow as tf
 
 from keras_ipu_plugin import tracing
 from keras_ipu_plugin.graph import FOLLOW
+from keras_ipu_plugin.graph import Value
+from keras_ipu_plugin.graph import _map_leaves as map_leaves
 from keras_ipu_plugin.graph import map_values
 from keras_ipu_plugin.graph import values_in
 from keras_ipu_plugin.opaque import OpaqueLayer
@@ -76,10 +79,15 @@ def expand_node(graph, node, report, step):
     kwargs = map_values(lambda v: tensors[id(v)], node.kwargs)
     training = node.training if node.training in (True, False) else None
     try:
-        new_nodes, outputs = tracing.trace_call(
-            layer, args, kwargs, placeholders, training=training,
-            prefix=node.name + ".",
-        )
+        # The tape sees only eager work: a sub-layer called on a constant
+        # inside `call` runs eagerly, and its result would be frozen into the
+        # graph as a constant (stale weights, no gradient).
+        with tf.GradientTape(persistent=True) as tape:
+            new_nodes, outputs = tracing.trace_call(
+                layer, args, kwargs, placeholders, training=training,
+                prefix=node.name + ".",
+            )
+        _reject_frozen_variables(layer, new_nodes, tape)
     except tracing.TraceError as error:
         node.opaque_reason = error.reason
         report.add_opaque(node.name, error.reason)
@@ -102,6 +110,33 @@ def expand_node(graph, node, report, step):
     graph.splice(node, new_nodes, output_map)
     report.add(step, node.name, "expanded", ", ".join(n.name for n in new_nodes))
     return new_nodes
+
+
+def _reject_frozen_variables(layer, nodes, tape):
+    """Raise `TraceError` when a traced node reads a concrete tensor that was
+    computed from `layer`'s variables (it would never change again)."""
+    constants = [
+        leaf for node in nodes
+        for leaf in _leaves((node.args, node.kwargs))
+        if tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, Value))
+        and leaf.dtype.is_floating
+    ]
+    if not constants:
+        return
+    variables = [getattr(v, "value", v) for v in layer.weights]
+    for constant in constants:
+        if any(g is not None for g in tape.gradient(constant, variables)):
+            raise tracing.TraceError(
+                "`call` computes a tensor from the layer's weights outside the "
+                "graph (a sub-layer called on a constant, e.g. position ids); "
+                "inlined, it would be frozen"
+            )
+
+
+def _leaves(structure):
+    found = []
+    map_leaves(found.append, structure)
+    return found
 
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")

@@ -69,10 +69,15 @@ class Replacement:
             self.new_class, self.params, self.copy_weights, self.copy_weights_fn
         ) == (other.new_class, other.params, other.copy_weights, other.copy_weights_fn)
 
-    def make_layer(self, old):
+    def make_layer(self, old, name=None):
+        """A new layer from `old`'s config merged with `params` (and `name`:
+        the functional model needs distinct names when one `params` name
+        replaces several layers)."""
         accepted = accepted_config_keys(self.new_class)
         config = {k: v for k, v in old.get_config().items() if k in accepted}
         config.update(self.params)
+        if name is not None:
+            config["name"] = name
         return self.new_class.from_config(config)
 
 
@@ -107,11 +112,20 @@ class Replace(Pass):
                     f"replace: target {describe(target)} matches no layer of the "
                     f"model `{graph.name}`."
                 )
+            replaced = {id(node) for node in nodes}
+            taken = {
+                getattr(node.operation, "name", None)
+                for node in graph.nodes if id(node) not in replaced
+            }
             new_layers = {}  # one new layer per old layer: sharing is kept
             for node in nodes:
                 old = node.operation
                 if id(old) not in new_layers:
-                    new_layers[id(old)] = _new_layer(node, replacement, report, self.step)
+                    name = _unique(replacement.params.get("name", old.name), taken)
+                    taken.add(name)
+                    new_layers[id(old)] = _new_layer(
+                        node, replacement, report, self.step, name
+                    )
                 node.operation = new_layers[id(old)]
         return graph
 
@@ -149,11 +163,19 @@ def _contains(node, target):
     return False
 
 
-def _new_layer(node, replacement, report, step):
+def _unique(name, taken):
+    candidate, count = name, 0
+    while candidate in taken:
+        count += 1
+        candidate = f"{name}_{count}"
+    return candidate
+
+
+def _new_layer(node, replacement, report, step, name=None):
     old = node.operation
     strategy = owning_strategy(old)
     with strategy.scope():
-        new = replacement.make_layer(old)
+        new = replacement.make_layer(old, name)
         args = map_values(lambda v: _random_like(v.spec), node.args)
         kwargs = map_values(lambda v: _random_like(v.spec), node.kwargs)
         kwargs.pop("training", None)

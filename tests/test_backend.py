@@ -1,0 +1,242 @@
+"""Backends: portable recompute and outline take real effect; IPU wiring."""
+
+import sys
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin import backends as backend_lib
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, width=32, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(width, activation="gelu")
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x):
+        return x + self.norm(self.dense(x))
+
+
+class Tower(keras.Model):
+    def __init__(self, depth=12, width=32):
+        super().__init__()
+        self.stem = keras.layers.Dense(width)
+        self.blocks = [Block(width, name=f"block_{i}") for i in range(depth)]
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _data(n=64, features=16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def _gradients(model, x, y, jit_compile=False):
+    @tf.function(jit_compile=jit_compile)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    return step(x, y)
+
+
+@pytest.fixture
+def tower():
+    x, y = _data()
+    model = Tower(depth=6)
+    converted = kip.convert_to_functional(model, x)
+    return model, converted, x, y
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_recompute_gradients_equal_in_graph_mode(tower, jit_compile):
+    model, converted, x, y = tower
+    recomputed = kip.apply_passes(converted, [kip.passes.Recompute(["block_1", "block_3"])])
+    expected = _gradients(converted, x, y)
+    actual = _gradients(recomputed, x, y, jit_compile=jit_compile)
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, atol=1e-5)
+    plan = recomputed._kip_executor.segments
+    assert sum(s.recompute for s in plan) == 2
+
+
+def test_recompute_really_recomputes_in_the_backward_pass(tower):
+    model, converted, x, y = tower
+    recomputed = kip.apply_passes(converted, [kip.passes.Recompute(["block_2"])])
+
+    def forward_matmuls(m):
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((m(x, training=True) - y) ** 2)
+            return tape.gradient(loss, m.trainable_variables)
+
+        graph = step.get_concrete_function(
+            tf.TensorSpec((None, 16)), tf.TensorSpec((None, 1))).graph
+        ops = [op.type for op in graph.get_operations()]
+        for function in graph._functions.values():
+            ops += [op.type for op in function.graph.get_operations()] if hasattr(function, "graph") else []
+        return ops
+
+    base, reco = forward_matmuls(converted), forward_matmuls(recomputed)
+    # recompute_grad re-runs the segment in the gradient: more ops overall
+    assert len(reco) > len(base)
+
+
+def test_recompute_fit_loss_equal_after_10_steps():
+    x, y = _data(n=160)
+    losses = []
+    for recompute in (False, True):
+        keras.utils.set_random_seed(3)
+        model = Tower(depth=4)
+        converted = kip.convert_to_functional(model, x[:16])
+        if recompute:
+            converted = kip.apply_passes(converted, [kip.passes.Recompute(["block_0", "block_2"])])
+        converted.compile(optimizer="adam", loss="mse")
+        history = converted.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        losses.append(history.history["loss"][-1])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_recompute_under_mirrored_strategy(mirrored):
+    x, y = _data()
+    with mirrored.scope():
+        model = Tower(depth=4)
+        converted = kip.convert_to_functional(model, x)
+        recomputed = kip.apply_passes(converted, [kip.passes.Recompute(["block_1"])])
+        recomputed.compile(optimizer="sgd", loss="mse")
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    recomputed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+
+
+def _op_count(model, features=16):
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(
+        tf.TensorSpec((None, features)), tf.TensorSpec((None, 1))).graph
+    return len(graph.get_operations())
+
+
+def test_outline_shares_one_body_and_keeps_results():
+    x, y = _data()
+    model = Tower(depth=12)
+    converted = kip.convert_to_functional(model, x)
+    outlined = kip.apply_passes(converted, [kip.passes.Outline(Block)])
+    kip.verify.check_equivalent(model, outlined, x)
+    expected = _gradients(converted, x, y)
+    actual = _gradients(outlined, x, y)
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, atol=1e-5)
+    plain, shared = _op_count(converted), _op_count(outlined)
+    assert shared < plain / 2, (plain, shared)
+    assert len(outlined._kip_executor.outlined) == 1
+
+
+def test_pipeline_stages_exposed_and_placed():
+    x, _ = _data()
+    model = Tower(depth=2)
+    converted = kip.convert_to_functional(model, x)
+    staged = kip.apply_passes(converted, [kip.passes.PipelineStages([["block_0"], ["block_1"]])])
+    assert staged.kip_stages["block_0"] == 0 and staged.kip_stages["block_1"] == 1
+    assert staged.kip_stages[model.head.name] == 1
+    staged.kip_stage_devices = ["/cpu:0", "/cpu:1"]
+    np.testing.assert_allclose(staged(x), model(x), atol=1e-5)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+
+@pytest.fixture
+def ipu_stand_in(monkeypatch):
+    """A RECORDING STAND-IN for Graphcore's `tensorflow.python.ipu` and
+    `ipu_tensorflow_addons.keras.layers`, installed in `sys.modules` for this
+    test only. There is no IPU or Poplar SDK here: this checks the wiring
+    (which IPU API each pass calls, on which tensors, with which kwargs),
+    not IPU execution."""
+    recorder = _Recorder()
+    ipu = types.ModuleType("tensorflow.python.ipu")
+    ipu.pipelining_ops = types.SimpleNamespace(
+        recomputation_checkpoint=lambda t: recorder.calls.append(("checkpoint", tuple(t.shape))) or t
+    )
+
+    def outlined_function(fn, **kwargs):
+        recorder.calls.append(("outlined_function", kwargs))
+        return fn
+
+    ipu.outlined_function = outlined_function
+    ipu.ipu_strategy = types.SimpleNamespace(IPUStrategy=lambda: tf.distribute.get_strategy())
+    addons = types.ModuleType("ipu_tensorflow_addons.keras.layers")
+
+    class Dropout(keras.layers.Dropout):
+        pass
+
+    class LayerNormalization(keras.layers.LayerNormalization):
+        pass
+
+    addons.Dropout, addons.LayerNormalization = Dropout, LayerNormalization
+    monkeypatch.setitem(sys.modules, "tensorflow.python.ipu", ipu)
+    monkeypatch.setitem(sys.modules, "ipu_tensorflow_addons", types.ModuleType("ipu_tensorflow_addons"))
+    monkeypatch.setitem(sys.modules, "ipu_tensorflow_addons.keras", types.ModuleType("ipu_tensorflow_addons.keras"))
+    monkeypatch.setitem(sys.modules, "ipu_tensorflow_addons.keras.layers", addons)
+    backend_lib.get_backend.cache_clear()
+    yield recorder, addons
+    backend_lib.get_backend.cache_clear()
+
+
+def test_ipu_wiring_with_stand_in(ipu_stand_in):
+    recorder, addons = ipu_stand_in
+    assert kip.backend() == "ipu"
+    x, _ = _data()
+    model = Tower(depth=3)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [
+        kip.passes.Recompute(["block_0", "block_2"]),
+        kip.passes.Outline(Block, maximum_num_reuses=4),
+    ])
+    passed(x)
+    checkpoints = [c for c in recorder.calls if c[0] == "checkpoint"]
+    assert len(checkpoints) == 2 and all(shape == (64, 32) for _, shape in checkpoints)
+    outlines = [c for c in recorder.calls if c[0] == "outlined_function"]
+    assert outlines == [("outlined_function", {"maximum_num_reuses": 4})]
+    replace = kip.ipu_replacements()
+    assert len(replace) == 1
+    mapping = replace[0].mapping
+    assert mapping[keras.layers.LayerNormalization].new_class is addons.LayerNormalization
+    assert mapping[keras.layers.Dropout].new_class is addons.Dropout
+
+
+def test_ipu_stage_assignment_uses_graphcore_keras_api(ipu_stand_in):
+    """With the recording stand-in: stages go through
+    get/set_pipeline_stage_assignment of a model that has them."""
+    assignments = [types.SimpleNamespace(layer=types.SimpleNamespace(name=n), pipeline_stage=None)
+                   for n in ("a", "b")]
+    recorded = {}
+    fake_model = types.SimpleNamespace(
+        get_pipeline_stage_assignment=lambda: assignments,
+        set_pipeline_stage_assignment=lambda a: recorded.setdefault("set", [x.pipeline_stage for x in a]),
+    )
+    backend_lib.get_backend().assign_stages(fake_model, {"a": 0, "b": 1})
+    assert recorded["set"] == [0, 1]
+
+
+def test_portable_backend_off_ipu():
+    assert kip.backend() == "portable"
+    assert kip.ipu_replacements() == []
