@@ -108,6 +108,7 @@ class PluginModel(keras.Model):
         # Not tracked as a sub-layer: its layers are the wrapped model's (and
         # the `variables` / `weights` properties add any a pass created).
         object.__setattr__(self, _CONVERTED, converted)
+        self.built = True  # the wrapped model's variables exist now
         return converted
 
     def call(self, inputs, training=None, **kwargs):

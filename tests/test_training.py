@@ -1,0 +1,234 @@
+"""Training integration: PluginModel, PluginCallback and kip.scope."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ipu_plugin as kip
+
+
+@keras.saving.register_keras_serializable(package="kip_tests")
+class Net(keras.Model):
+    def __init__(self, width=16, **kwargs):
+        super().__init__(**kwargs)
+        self.width = width
+        self.hidden = keras.layers.Dense(width, activation="relu")
+        self.norm = keras.layers.LayerNormalization()
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        return self.out(self.norm(self.hidden(x)))
+
+    def get_config(self):
+        return {"width": self.width, **super().get_config()}
+
+
+class WideAndDeep(keras.Model):
+    """Two parts, two optimizers, a custom train_step (the premade-model RFC)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = keras.layers.Dense(1, name="linear")
+        self.deep_hidden = keras.layers.Dense(8, activation="relu", name="deep_hidden")
+        self.deep_out = keras.layers.Dense(1, name="deep_out")
+        self.linear_optimizer = keras.optimizers.SGD(0.05)
+        self.deep_optimizer = keras.optimizers.Adam(0.01)
+        self.running_mean = keras.Variable(0.0, trainable=False, name="running_mean")
+
+    def call(self, x):
+        return self.linear(x) + self.deep_out(self.deep_hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        linear_vars = self.linear.trainable_variables
+        deep_vars = self.deep_hidden.trainable_variables + self.deep_out.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, linear_vars + deep_vars)
+        self.linear_optimizer.apply_gradients(zip(grads[: len(linear_vars)], linear_vars))
+        self.deep_optimizer.apply_gradients(zip(grads[len(linear_vars):], deep_vars))
+        # a part trained without any gradient: a running statistic
+        self.running_mean.assign(0.9 * self.running_mean + 0.1 * tf.reduce_mean(y))
+        return {"loss": loss}
+
+
+def _data(n=64, features=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def _losses(make, fit_kwargs, run_eagerly=False, epochs=3, data=None):
+    keras.utils.set_random_seed(7)
+    x, y = data or _data()
+    model, callbacks = make()
+    model.compile(optimizer="adam", loss="mse", run_eagerly=run_eagerly)
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=callbacks, **fit_kwargs)
+    return history.history["loss"], model
+
+
+def _plain():
+    return Net(), []
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_plugin_model_matches_plain_keras(run_eagerly):
+    expected, _ = _losses(_plain, {}, run_eagerly)
+    actual, model = _losses(lambda: (kip.PluginModel(Net(), passes=[kip.passes.Expand()]), []), {}, run_eagerly)
+    np.testing.assert_allclose(actual, expected, atol=1e-5)
+    assert isinstance(model.converted, kip.KipFunctional)
+    assert "convert" in str(model.kip_report)
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_callback_matches_plain_keras(run_eagerly):
+    expected, _ = _losses(_plain, {}, run_eagerly)
+    callback = kip.PluginCallback(passes=[kip.passes.Expand(), kip.passes.Outline(keras.layers.Dense)])
+    actual, model = _losses(lambda: (Net(), [callback]), {}, run_eagerly)
+    np.testing.assert_allclose(actual, expected, atol=1e-5)
+    assert callback.converted is not None
+    assert {v.path for v in callback.converted.weights} == {v.path for v in model.weights}
+
+
+def test_callback_with_dataset_does_not_skip_a_batch():
+    x, y = _data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    keras.utils.set_random_seed(7)
+    plain = Net()
+    plain.compile(optimizer="sgd", loss="mse")
+    expected = plain.fit(dataset, epochs=2, verbose=0).history["loss"]
+    keras.utils.set_random_seed(7)
+    model = Net()
+    model.compile(optimizer="sgd", loss="mse")
+    actual = model.fit(dataset, epochs=2, verbose=0, callbacks=[kip.PluginCallback()]).history["loss"]
+    np.testing.assert_allclose(actual, expected, atol=1e-5)
+    assert int(model.optimizer.iterations.numpy()) == 8
+
+
+def test_scope_matches_plain_keras():
+    expected, _ = _losses(_plain, {})
+    keras.utils.set_random_seed(7)
+    x, y = _data()
+    with kip.scope(passes=[kip.passes.Expand()]):
+        model = Net()
+        model.compile(optimizer="adam", loss="mse")
+    other = Net()
+    other.compile(optimizer="adam", loss="mse")  # compiled outside: untouched
+    actual = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(actual, expected, atol=1e-5)
+    assert kip.scope_report(model) is not None
+    assert kip.scope_report(other) is None and other.train_function is None
+
+
+def test_custom_train_step_with_two_optimizers_trains_both_parts():
+    x, y = _data()
+    wrapped = WideAndDeep()
+    model = kip.PluginModel(wrapped)
+    model.compile(loss="mse")
+    model(x[:4])
+    linear_before = wrapped.linear.kernel.numpy().copy()
+    deep_before = wrapped.deep_out.kernel.numpy().copy()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not np.array_equal(linear_before, wrapped.linear.kernel.numpy())
+    assert not np.array_equal(deep_before, wrapped.deep_out.kernel.numpy())
+    assert int(wrapped.linear_optimizer.iterations.numpy()) == 4
+    assert int(wrapped.deep_optimizer.iterations.numpy()) == 4
+    assert float(wrapped.running_mean.numpy()) != 0.0
+    assert model.converted is not None
+
+
+def test_weights_interchange_both_ways(tmp_path):
+    x, y = _data()
+    model = kip.PluginModel(Net())
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.save_weights(tmp_path / "wrapper.weights.h5")
+    fresh = Net()
+    fresh(x[:2])
+    fresh.load_weights(tmp_path / "wrapper.weights.h5")
+    np.testing.assert_allclose(fresh(x), model(x), atol=1e-6)
+
+    original = Net()
+    original(x[:2])
+    original.save_weights(tmp_path / "original.weights.h5")
+    wrapper = kip.PluginModel(Net())
+    wrapper(x[:2])
+    wrapper.load_weights(tmp_path / "original.weights.h5")
+    np.testing.assert_allclose(wrapper(x), original(x), atol=1e-6)
+
+
+def test_save_and_load_model(tmp_path):
+    x, y = _data()
+    model = kip.PluginModel(Net(), passes={"expand": "all"})
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.save(tmp_path / "plugin.keras")
+    loaded = keras.models.load_model(tmp_path / "plugin.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_checkpoint_and_early_stopping_callbacks(tmp_path):
+    x, y = _data()
+    model = kip.PluginModel(Net())
+    model.compile(optimizer="adam", loss="mse")
+    path = tmp_path / "best.weights.h5"
+    model.fit(x, y, validation_data=(x, y), batch_size=16, epochs=3, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(path, save_weights_only=True),
+        keras.callbacks.EarlyStopping(patience=1),
+    ])
+    fresh = Net()
+    fresh(x[:2])
+    fresh.load_weights(path)
+    np.testing.assert_allclose(fresh(x), model(x), atol=1e-6)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_to_the_same_weights(tmp_path):
+    x, y = _data()
+
+    def fresh_model():
+        keras.utils.set_random_seed(11)
+        model = kip.PluginModel(Net())
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    reference = fresh_model()
+    reference.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0)
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    interrupted = fresh_model()
+    with pytest.raises(RuntimeError):
+        interrupted.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+                        callbacks=[backup, _Interrupt()])
+    resumed = fresh_model()
+    resumed.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[backup])
+    for expected, actual in zip(reference.weights, resumed.weights):
+        np.testing.assert_allclose(actual.numpy(), expected.numpy(), atol=1e-5)
+
+
+def test_errors_before_any_training_step():
+    x, y = _data()
+    with pytest.raises(kip.PassError, match="not a kip pass"):
+        kip.PluginModel(Net(), passes=["expand"])
+    with pytest.raises(kip.PassError, match="list of kip.passes"):
+        kip.PluginCallback(passes=42)
+    never_compiled = kip.PluginModel(Net())
+    with pytest.raises(ValueError, match="compile"):
+        never_compiled.fit(x, y, verbose=0)
+
+    net = Net()
+    net(x[:2])
+    before = [v.numpy().copy() for v in net.weights]
+    model = kip.PluginModel(net, passes={"recompute": ["no_such_layer"]})
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(kip.PassError, match="no_such_layer"):
+        model.fit(x, y, verbose=0)
+    for b, v in zip(before, net.weights):
+        np.testing.assert_array_equal(b, v.numpy())
+    assert int(model.optimizer.iterations.numpy()) == 0
