@@ -197,3 +197,52 @@ def make_step_function(model, step_function):
     around `step_function`: distribution, `jit_compile`, `steps_per_execution`
     and `run_eagerly` behave exactly as in `fit` / `evaluate`."""
     return model._make_function(step_function)
+
+
+# -- optimizer state (no public API extends a built optimizer) ----------------
+
+
+def optimizer_trainable_variables(optimizer):
+    return list(getattr(optimizer, "_trainable_variables", []))
+
+
+def optimizer_slot_lists(optimizer):
+    """`{attribute: list}` of per-variable state lists (one entry per
+    trainable variable, e.g. Adam's `_momentums`, EMA's averages)."""
+    count = len(optimizer_trainable_variables(optimizer))
+    from keras.src.backend.common.variables import Variable
+
+    lists = {}
+    for name, value in vars(optimizer).items():
+        if name == "_trainable_variables" or not isinstance(value, list):
+            continue
+        if count and len(value) == count and all(
+            item is None or isinstance(item, Variable) for item in value
+        ):
+            lists[name] = value
+    return lists
+
+
+def transplant_optimizer_state(target, scratch, old_count):
+    """Give `target` the state lists of `scratch` (built on target's old
+    variables followed by the new ones), keeping target's own non-slot
+    variables (iterations, learning rate, ...) and copying the old entries'
+    values across."""
+    old_lists = optimizer_slot_lists(target)
+    new_lists = optimizer_slot_lists(scratch)
+    for name, old in old_lists.items():
+        new = new_lists[name]
+        for index in range(old_count):
+            if old[index] is not None:
+                new[index].assign(old[index])
+    in_new_lists = {id(v) for lst in new_lists.values() for v in lst if v is not None}
+    in_old_lists = {id(v) for lst in old_lists.values() for v in lst if v is not None}
+    target_others = iter([v for v in target._variables if id(v) not in in_old_lists])
+    variables = [
+        v if id(v) in in_new_lists else next(target_others) for v in scratch._variables
+    ]
+    for name, new in new_lists.items():
+        object.__setattr__(target, name, new)
+    target._variables = variables
+    target._trainable_variables = scratch._trainable_variables[:]
+    target._trainable_variables_indices = dict(scratch._trainable_variables_indices)

@@ -65,7 +65,7 @@ class Converter:
     def convert(self, model, data):
         _check_model(model)
         batch = inputs_lib.first_batch(data)
-        x = _as_tensors(batch.x)
+        x = as_tensors(batch.x)
         specs = inputs_lib.input_specs(
             x, static_batch=self.static_batch, already_per_replica=batch.per_replica
         )
@@ -227,7 +227,7 @@ def _check_model(model):
         )
 
 
-def _as_tensors(x):
+def as_tensors(x):
     def convert(leaf):
         if isinstance(leaf, np.ndarray) and leaf.dtype == np.float64:
             leaf = leaf.astype(keras.config.floatx())

@@ -11,14 +11,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import inputs as inputs_lib
-from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.apply import validate_passes
-from keras_ipu_plugin.convert import Converter
+from keras_ipu_plugin.convert import as_tensors
+from keras_ipu_plugin.inputs import first_batch
+from keras_ipu_plugin.training import Runtime
+from keras_ipu_plugin.training import StepFunction
 
 _WRAPPED = "__kip_wrapped__"
-_CONVERTED = "__kip_converted__"
-_STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -40,10 +39,13 @@ class PluginModel(keras.Model):
         kwargs.setdefault("name", f"{model.name}_plugin")
         super().__init__(**kwargs)
         setattr(self, _WRAPPED, model)
-        self._kip_passes = validate_passes(passes)
         self._kip_passes_config = passes if isinstance(passes, (dict, str)) else None
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify
+        self._kip_runtime = Runtime(
+            model, self, validate_passes(passes), verify=verify,
+            rebuild_on_new_variables=rebuild_on_new_variables,
+        )
 
     # -- the wrapped model's attributes are the wrapper's ---------------------
     @property
@@ -53,7 +55,8 @@ class PluginModel(keras.Model):
     @property
     def converted(self):
         """The functional model once the first batch has been seen, else None."""
-        return self.__dict__.get(_CONVERTED)
+        runtime = self.__dict__.get("_kip_runtime")
+        return None if runtime is None else runtime.converted
 
     @property
     def layers(self):
@@ -79,7 +82,7 @@ class PluginModel(keras.Model):
         return None if converted is None else converted.kip_report
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_tracker", "_kip_passes"):
+        if name.startswith("__") or name in ("_tracker", "_kip_runtime"):
             raise AttributeError(name)
         wrapped = self.__dict__.get(_WRAPPED)
         if wrapped is None:
@@ -98,18 +101,15 @@ class PluginModel(keras.Model):
 
     # -- conversion -------------------------------------------------------------
     def convert(self, data):
-        """Convert now from `data` (a batch or a dataset); done once."""
-        if self.converted is not None:
-            return self.converted
-        with self.distribute_strategy.scope():
-            converted = Converter(verify=self.verify).convert(self.wrapped, data)
-            if self._kip_passes:
-                converted = apply_passes(converted, self._kip_passes)
-        # Not tracked as a sub-layer: its layers are the wrapped model's (and
-        # the `variables` / `weights` properties add any a pass created).
-        object.__setattr__(self, _CONVERTED, converted)
-        self.built = True  # the wrapped model's variables exist now
-        return converted
+        """Convert now from `data` (a batch or a dataset); done once.
+
+        The converted model is not tracked as a sub-layer: its layers are the
+        wrapped model's (and `variables` / `weights` add any a pass created).
+        """
+        if self.converted is None:
+            self._kip_runtime.convert(as_tensors(first_batch(data).x))
+            self.built = True  # the wrapped model's variables exist now
+        return self.converted
 
     def call(self, inputs, training=None, **kwargs):
         converted = self.converted
@@ -130,6 +130,20 @@ class PluginModel(keras.Model):
         self.built = True
 
     # -- training: the wrapped model's own steps, forward through `converted`
+    def make_train_function(self, force=False):
+        if self.train_function is None or force:
+            self.train_function = StepFunction(self._kip_runtime, self._step_method("train_step"))
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            self.test_function = StepFunction(self._kip_runtime, self._step_method("test_step"))
+        return self.test_function
+
+    def _step_method(self, name):
+        """The wrapped model's override of step `name`, else Keras's own."""
+        return getattr(type(self.wrapped), name)
+
     def train_step(self, data):
         return self._step("train_step", data)
 
@@ -175,7 +189,7 @@ class PluginModel(keras.Model):
 
     # -- saving ----------------------------------------------------------------
     def get_config(self):
-        if self._kip_passes and self._kip_passes_config is None:
+        if self._kip_runtime.passes and self._kip_passes_config is None:
             raise ValueError(
                 f"PluginModel `{self.name}` was given passes as Python objects; "
                 "to save the whole model pass them as a config (dict or file) "

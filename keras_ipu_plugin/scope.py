@@ -10,14 +10,14 @@ resets Keras's own.
 
 import contextlib
 import gc
+import weakref
 
 import keras
 
-from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.apply import validate_passes
 from keras_ipu_plugin.backends import get_backend
-from keras_ipu_plugin.convert import Converter
-from keras_ipu_plugin.training import LazyStepFunction
+from keras_ipu_plugin.training import Runtime
+from keras_ipu_plugin.training import install as install_functions
 
 
 @contextlib.contextmanager
@@ -43,39 +43,22 @@ def scope(strategy=None, passes=(), verify=True):
         install(model, passes, verify)
 
 
-def install(model, passes=(), verify=True):
+def install(model, passes=(), verify=True, rebuild_on_new_variables=True):
     """Route `model.fit` / `evaluate` through the plugin (what the scope does)."""
-    converter = _ModelConverter(model, validate_passes(passes), verify)
-    model.train_function = LazyStepFunction(model, "train_step", converter)
-    model.test_function = LazyStepFunction(model, "test_step", converter)
-    _converters[id(model)] = converter
+    runtime = Runtime(model, model, validate_passes(passes), verify=verify,
+                      rebuild_on_new_variables=rebuild_on_new_variables)
+    install_functions(model, runtime)
+    _runtimes[model] = runtime
 
 
 def scope_report(model):
     """The report of a model plugged in by `kip.scope`, once it has trained."""
-    converter = _converters.get(id(model))
-    converted = None if converter is None else converter.converted
+    runtime = _runtimes.get(model)
+    converted = None if runtime is None else runtime.converted
     return None if converted is None else converted.kip_report
 
 
-_converters = {}
-
-
-class _ModelConverter:
-    """Converts `model` once; both lazy functions share the result."""
-
-    def __init__(self, model, passes, verify):
-        self.model, self.passes, self.verify = model, passes, verify
-        self.converted = None
-
-    def __call__(self, x):
-        if self.converted is None:
-            with self.model.distribute_strategy.scope():
-                converted = Converter(verify=self.verify).convert(self.model, x)
-                if self.passes:
-                    converted = apply_passes(converted, self.passes)
-            self.converted = converted
-        return self.converted
+_runtimes = weakref.WeakKeyDictionary()
 
 
 def _compile_states():

@@ -1,77 +1,265 @@
 """Route a compiled model's `fit` / `evaluate` through its converted graph.
 
-Used by `PluginCallback` and `kip.scope`, which must leave the user's model
-object as it is: instead of changing the model, they give `fit` a train
-function (Keras honours a `model.train_function` set before the first step)
-that, at its first call, reads the first batch from the iterator `fit`
-passes, converts the model, runs that batch, and from then on runs the
-model's own `train_step` with the forward pass going through the converted
-graph.
+One `Runtime` per model holds what every entry point shares (the converter,
+the converted model, the `VariableWatch`); `StepFunction` is the
+`train_function` / `test_function` that `fit` / `evaluate` call (Keras
+honours one set before the first step). At its first call it reads the
+first batch from the iterator `fit` passes, converts, runs that batch, and
+from then on runs the model's own `train_step` with the forward pass going
+through the converted graph.
+
+New variables: a step that creates variables, an optimizer that meets
+variables it does not know, or a model whose layer sequence changed at an
+epoch boundary leads to a rebuild of the converted graph and of the step
+function; the optimizer gains state for the new variables only.
 """
 
 import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.apply import apply_passes
+from keras_ipu_plugin.convert import Converter
+from keras_ipu_plugin.dynamic import NeedsExtension
+from keras_ipu_plugin.dynamic import NewVariablesError
+from keras_ipu_plugin.dynamic import OptimizingFacade
+from keras_ipu_plugin.dynamic import VariableWatch
+from keras_ipu_plugin.dynamic import describe_new_variables
+from keras_ipu_plugin.dynamic import extend_optimizer
+from keras_ipu_plugin.inputs import input_specs
+from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.tracing import TraceError
+from keras_ipu_plugin.tracing import trace_model
+
+_MAX_REBUILDS_PER_STEP = 8
+
+
+class Runtime:
+    """Conversion state shared by the train and test functions of a model.
+
+    `subject` is the model converted (the user's model); `owner` is the
+    model whose attributes a train step sees as `self` (the user's model,
+    or the PluginModel wrapping it).
+    """
+
+    def __init__(self, subject, owner, passes, verify=True, rebuild_on_new_variables=True):
+        self.subject = subject
+        self.owner = owner
+        self.passes = passes
+        self.verify = verify
+        self.rebuild_on_new_variables = rebuild_on_new_variables
+        self.watch = VariableWatch()
+        self.converted = None
+        self.first_x = None
+        self.rebuilds = 0
+        self._known = set()
+        self._layer_sequence = None
+
+    @property
+    def strategy(self):
+        return self.owner.distribute_strategy
+
+    def convert(self, x):
+        """Convert once, from the first batch `x`."""
+        if self.converted is None:
+            self.first_x = x
+            self._convert()
+        return self.converted
+
+    def _convert(self, report_entries=()):
+        with self.strategy.scope(), self.watch.watching():
+            converted = Converter(verify=self.verify).convert(self.subject, self.first_x)
+            self._layer_sequence = _layer_sequence(converted)
+            if self.passes:
+                converted = apply_passes(converted, self.passes)
+        self.watch.take()
+        for entry in report_entries:
+            converted.kip_report.add(*entry)
+        self.converted = converted
+        self._known = {id(v) for v in self.subject.variables}
+
+    def rebuild(self, reason):
+        """Convert again (the model's variables or layers changed)."""
+        new = [v for v in self.subject.variables if id(v) not in self._known]
+        entries = [("rebuild", self.subject.name, reason,
+                    ", ".join(v.path for v in new) or "no new variables")]
+        self.rebuilds += 1
+        self._convert(report_entries=entries)
+
+    def structure_changed(self):
+        """Whether `call` now reaches other layers than at the last conversion
+        (a Python attribute switched a branch). Checked at epoch boundaries."""
+        if self._layer_sequence is None or _is_opaque(self.converted):
+            return False
+        specs = input_specs(self.first_x)
+        with self.strategy.scope(), self.watch.watching():
+            try:
+                graph = trace_model(self.subject, specs)
+            except TraceError:
+                return True
+        return [id(layer) for layer in graph.layers()] != self._layer_sequence
+
+    def new_variables(self):
+        """Model variables created since the last conversion (checked only
+        when the watch saw a variable being created)."""
+        if not self.watch.changed:
+            return []
+        self.watch.take()
+        return [v for v in self.subject.trainable_variables if id(v) not in self._known]
 
 
 class ForwardProxy:
-    """Stands in for `model` as `self` of its `train_step` / `test_step`:
-    calling it runs the converted graph; every other attribute (optimizer,
-    loss, metrics, sub-layers) is the model's own.
+    """Stands in for the model as `self` of its `train_step` / `test_step`:
+    calling it runs the converted graph; optimizers are wrapped so that new
+    variables are learnt; every other attribute is the model's own.
 
     Example:
-        >>> proxy = ForwardProxy(model, converted)
-        >>> type(model).train_step(proxy, data)   # forward through `converted`
+        >>> proxy = ForwardProxy(runtime)
+        >>> type(model).train_step(proxy, data)   # forward through the graph
     """
 
-    def __init__(self, model, converted):
-        object.__setattr__(self, "_kip_model", model)
-        object.__setattr__(self, "_kip_converted", converted)
+    def __init__(self, runtime):
+        object.__setattr__(self, "_kip_runtime", runtime)
 
     def __call__(self, *args, **kwargs):
-        return self._kip_converted(*args, **kwargs)
+        return self._kip_runtime.converted(*args, **kwargs)
 
     def __getattr__(self, name):
-        return getattr(self._kip_model, name)
+        runtime = self._kip_runtime
+        if name in _VARIABLE_VIEWS:
+            # Layers a Replace pass created live only in the converted model.
+            return _union(getattr(runtime.owner, name), getattr(runtime.converted, name))
+        value = getattr(runtime.owner, name)
+        if isinstance(value, keras.optimizers.Optimizer):
+            return OptimizingFacade(value, runtime.rebuild_on_new_variables, runtime.subject)
+        return value
 
     def __setattr__(self, name, value):
-        setattr(self._kip_model, name, value)
+        setattr(self._kip_runtime.owner, name, value)
 
 
-class LazyStepFunction:
-    """A `train_function` / `test_function` that converts at its first call.
+class StepFunction:
+    """A `train_function` / `test_function` running `step(proxy, data)`.
 
-    `convert(first_batch_x)` returns the converted model. The batch it reads
-    to convert is the batch it then runs: none is skipped or read twice.
+    `step` is the unbound step method to run (the user's override, or
+    Keras's own), e.g. `type(model).train_step`.
     """
 
-    def __init__(self, model, step_name, convert):
-        self.model = model
-        self.step_name = step_name
-        self.convert = convert
+    def __init__(self, runtime, step):
+        self.runtime = runtime
+        self.step = step
         self.function = None
+        self._iterator = None
 
     def __call__(self, iterator):
-        if self.function is not None:
-            return self.function(iterator)
-        try:
-            data = iterator.get_next()
-        except (tf.errors.OutOfRangeError, StopIteration):
-            raise StopIteration
-        x = keras.utils.unpack_x_y_sample_weight(_local(self.model, data))[0]
-        converted = self.convert(x)
-        proxy = ForwardProxy(self.model, converted)
-        step = getattr(type(self.model), self.step_name)
+        runtime = self.runtime
+        if runtime.converted is None or self.function is None:
+            data = _next(iterator)
+            self._iterator = iterator
+            runtime.convert(_first_x(runtime.owner, data))
+            self._make()
+            return self._run([data])
+        if iterator is not self._iterator:  # a new epoch: a new iterator
+            self._iterator = iterator
+            if runtime.rebuild_on_new_variables and runtime.structure_changed():
+                runtime.rebuild("layers reached by `call` changed")
+                self._make()
+        if runtime.owner.run_eagerly:
+            return self._run([_next(iterator)])
+        return self._run(iterator)
+
+    def _make(self):
+        proxy = ForwardProxy(self.runtime)
+        step = self.step
         self.function = _keras_internals.make_step_function(
-            self.model, lambda batch: step(proxy, batch)
+            self.runtime.owner, lambda batch: step(proxy, batch)
         )
-        return self.function([data])
+
+    def _run(self, source):
+        runtime = self.runtime
+        for _ in range(_MAX_REBUILDS_PER_STEP):
+            try:
+                with runtime.watch.watching():
+                    outputs = self.function(source)
+            except NeedsExtension as need:
+                # Met while tracing (or in a replica): nothing ran; extend the
+                # optimizer outside, under its strategy, and trace anew.
+                extend_optimizer(need.optimizer, need.variables)
+                runtime.converted.kip_report.add(
+                    "rebuild", need.optimizer.name, "optimizer extended",
+                    ", ".join(v.path for v in need.variables))
+                self._make()
+                continue
+            except ValueError as error:
+                if "singleton" not in str(error) and "first call" not in str(error):
+                    raise
+                # Variables created on a non-first trace of the tf.function.
+                if not runtime.rebuild_on_new_variables:
+                    raise NewVariablesError(describe_new_variables(
+                        runtime.new_variables(), runtime.subject)) from error
+                runtime.rebuild("variables created while tracing")
+                self._make()
+                continue
+            new = runtime.new_variables()
+            if new:
+                if not runtime.rebuild_on_new_variables:
+                    raise NewVariablesError(describe_new_variables(new, runtime.subject))
+                runtime.rebuild("variables created in a step")
+                self._make()
+            return outputs
+        raise RuntimeError(
+            f"keras_ipu_plugin: model `{runtime.subject.name}` kept creating "
+            "variables; gave up after repeated rebuilds in one step."
+        )
 
 
-def _local(model, data):
-    """One replica's share of a (possibly distributed) batch."""
+_VARIABLE_VIEWS = frozenset({
+    "variables", "trainable_variables", "non_trainable_variables",
+    "weights", "trainable_weights", "non_trainable_weights",
+})
+
+
+def _union(first, second):
+    seen, merged = set(), []
+    for variable in list(first) + list(second):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            merged.append(variable)
+    return merged
+
+
+def _next(iterator):
+    if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+        try:
+            return iterator.get_next()
+        except tf.errors.OutOfRangeError:
+            raise StopIteration
+    return next(iter(iterator))
+
+
+def _first_x(model, data):
+    """`x` of one replica's share of a (possibly distributed) batch."""
     strategy = model.distribute_strategy
-    return tf.nest.map_structure(
+    local = tf.nest.map_structure(
         lambda v: strategy.experimental_local_results(v)[0], data
     )
+    return keras.utils.unpack_x_y_sample_weight(local)[0]
+
+
+def _layer_sequence(converted):
+    graph = converted.kip_graph
+    return None if graph is None else [id(layer) for layer in graph.layers()]
+
+
+def _is_opaque(converted):
+    graph = getattr(converted, "kip_graph", None)
+    return graph is not None and any(isinstance(n.operation, OpaqueLayer) for n in graph.nodes)
+
+
+def install(model, runtime, steps=None):
+    """Give `model` plugin train / test functions (what the callback and
+    `kip.scope` do); `steps` maps "train_step" / "test_step" to the step
+    methods to run (default: the model class's own)."""
+    steps = steps or {}
+    model.train_function = StepFunction(runtime, steps.get("train_step", type(model).train_step))
+    model.test_function = StepFunction(runtime, steps.get("test_step", type(model).test_step))

@@ -43,17 +43,54 @@ class Expand(Pass):
 
     def run(self, graph, report):
         if self.targets == (ALL,):
-            pending = [node for node in graph.nodes if is_expandable(node.operation)]
-            recursive = True
+            expand_graph(graph, lambda node: is_expandable(node.operation), report,
+                         self.step, recursive=True)
         else:
-            pending = matched_nodes(graph, self.targets, self.step)
-            recursive = False
-        while pending:
-            node = pending.pop(0)
-            new_nodes = expand_node(graph, node, report, self.step)
-            if recursive:
-                pending = [n for n in new_nodes if is_expandable(n.operation)] + pending
+            matched = {id(node) for node in matched_nodes(graph, self.targets, self.step)}
+            expand_graph(graph, lambda node: id(node) in matched, report, self.step,
+                         recursive=False)
         return graph
+
+
+def expand_graph(graph, should_expand, report, step, recursive):
+    """Expand every node for which `should_expand(node)` holds, in one walk
+    over the graph (linear in its size); with `recursive`, the nodes an
+    expansion produces are offered to `should_expand` too.
+
+    Returns the nodes that stayed opaque although `should_expand` chose them.
+    """
+    replaced = {}  # id(old output Value) -> the Value that stands for it
+    nodes, opaque = [], []
+
+    def resolve(value):
+        while id(value) in replaced:
+            value = replaced[id(value)]
+        return value
+
+    def visit(node, offered):
+        if replaced:
+            node.args = map_values(resolve, node.args)
+            node.kwargs = map_values(resolve, node.kwargs)
+        if not (offered and should_expand(node)):
+            nodes.append(node)
+            return
+        traced = trace_node(node, report)
+        if traced is None:
+            nodes.append(node)
+            opaque.append(node)
+            return
+        new_nodes, output_map = traced
+        replaced.update(output_map)
+        report.add(step, node.name, "expanded", ", ".join(n.name for n in new_nodes))
+        for new in new_nodes:
+            visit(new, recursive)
+
+    for node in graph.nodes:
+        visit(node, True)
+    graph.nodes = nodes
+    if replaced:
+        graph.outputs = map_values(resolve, graph.outputs)
+    return opaque
 
 
 def is_expandable(operation):
@@ -68,6 +105,23 @@ def is_expandable(operation):
 def expand_node(graph, node, report, step):
     """Replace `node` by the traced body of its layer; return the new nodes
     (an empty list when the layer stays opaque)."""
+    traced = trace_node(node, report)
+    if traced is None:
+        return []
+    new_nodes, output_map = traced
+    graph.splice(node, new_nodes, output_map)
+    report.add(step, node.name, "expanded", ", ".join(n.name for n in new_nodes))
+    return new_nodes
+
+
+def trace_node(node, report):
+    """Trace the layer of `node` into new nodes named `node.name + ".child"`.
+
+    Returns `(new_nodes, output_map)`, `output_map` mapping the id of each
+    output Value of `node` to the Value that replaces it; or None when the
+    layer cannot be traced (then `node.opaque_reason` says why, and the
+    report has it).
+    """
     layer = node.operation
     placeholders, tensors = {}, {}
     for value in values_in((node.args, node.kwargs)):
@@ -89,27 +143,25 @@ def expand_node(graph, node, report, step):
             )
         _reject_frozen_variables(layer, new_nodes, tape)
     except tracing.TraceError as error:
-        node.opaque_reason = error.reason
-        report.add_opaque(node.name, error.reason)
-        return []
+        return _stay_opaque(node, error.reason, report)
     flat_outputs = keras.tree.flatten(outputs)
     if len(flat_outputs) != len(node.outputs):
-        reason = (
+        return _stay_opaque(node, (
             f"`call` traced to {len(flat_outputs)} outputs but the layer "
             f"produced {len(node.outputs)}"
-        )
-        node.opaque_reason = reason
-        report.add_opaque(node.name, reason)
-        return []
+        ), report)
     used = set()
     for new in new_nodes:
         if new.training == FOLLOW and node.training in (True, False):
             new.training = node.training
         _name_after_path(new, node.name, used)
-    output_map = {id(old): new for old, new in zip(node.outputs, flat_outputs)}
-    graph.splice(node, new_nodes, output_map)
-    report.add(step, node.name, "expanded", ", ".join(n.name for n in new_nodes))
-    return new_nodes
+    return new_nodes, {id(old): new for old, new in zip(node.outputs, flat_outputs)}
+
+
+def _stay_opaque(node, reason, report):
+    node.opaque_reason = reason
+    report.add_opaque(node.name, reason)
+    return None
 
 
 def _reject_frozen_variables(layer, nodes, tape):

@@ -20,7 +20,7 @@ from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import matches
 from keras_ipu_plugin.passes.base import original_name
-from keras_ipu_plugin.passes.expand import expand_node
+from keras_ipu_plugin.passes.expand import expand_graph
 from keras_ipu_plugin.passes.expand import is_expandable
 
 _DEFAULT_COPIED = (
@@ -131,22 +131,21 @@ class Replace(Pass):
 
 
 def _expand_until_visible(graph, target, report):
-    """Expand custom layers whose sub-layers contain `target`."""
-    while True:
-        containers = [
-            node for node in graph.nodes
-            if is_expandable(node.operation) and not node.opaque_reason
-            and not matches(node, target)
-            and _contains(node, target)
-        ]
-        if not containers:
-            return
-        for node in containers:
-            if not expand_node(graph, node, report, "replace"):
-                raise PassError(
-                    f"replace: target {describe(target)} is inside layer "
-                    f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
-                )
+    """Expand custom layers whose sub-layers contain `target`, recursively."""
+
+    def contains_target(node):
+        return (
+            is_expandable(node.operation) and not node.opaque_reason
+            and not matches(node, target) and _contains(node, target)
+        )
+
+    opaque = expand_graph(graph, contains_target, report, "replace", recursive=True)
+    if opaque:
+        node = opaque[0]
+        raise PassError(
+            f"replace: target {describe(target)} is inside layer "
+            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
+        )
 
 
 def _contains(node, target):

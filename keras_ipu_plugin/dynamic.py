@@ -1,0 +1,179 @@
+"""Dynamically created variables: notice them, extend optimizers, rebuild.
+
+A model may create variables after its first batch: a branch taken for the
+first time, a layer switched on between epochs. Plain Keras then fails in
+the optimizer ("Unknown variable ... This optimizer can only be called for
+the variables it was originally built with").
+
+- `VariableWatch` notices variable creation during a step or a trace through
+  `tf.variable_creator_scope`: entering it costs the same whether or not
+  anything is created, and nothing walks the model's variables unless a
+  variable was created.
+- `extend_optimizer` gives a built optimizer state for new variables only:
+  the old variables' moments, EMA and the iteration count are kept exactly.
+- `OptimizingFacade` stands in for an optimizer inside a train step, and
+  extends it when it is asked to apply gradients to variables it does not
+  know (so the new variables get their update in the step that created
+  them); inside a `tf.function` trace or a replica it asks the caller to
+  extend it outside and retrace instead (`NeedsExtension`).
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from keras_ipu_plugin import _keras_internals
+
+
+class VariableWatch:
+    """Records variables created while `watching()` is active.
+
+    Example:
+        >>> watch = VariableWatch()
+        >>> with watch.watching():
+        ...     layer(x)
+        >>> watch.take()     # the variables created, and clears the record
+    """
+
+    def __init__(self):
+        self._created = []
+
+    def _creator(self, next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        self._created.append(variable)
+        return variable
+
+    @contextlib.contextmanager
+    def watching(self):
+        with tf.variable_creator_scope(self._creator):
+            yield self
+
+    @property
+    def changed(self):
+        return bool(self._created)
+
+    def take(self):
+        created, self._created = self._created, []
+        return created
+
+
+class NeedsExtension(Exception):
+    """Raised inside a trace: `optimizer` must learn `variables` first."""
+
+    def __init__(self, optimizer, variables):
+        self.optimizer = optimizer
+        self.variables = variables
+        super().__init__(
+            f"optimizer `{optimizer.name}` meets new variables: "
+            + ", ".join(v.path for v in variables)
+        )
+
+
+class NewVariablesError(ValueError):
+    """New variables appeared and `rebuild_on_new_variables=False`."""
+
+
+def extend_optimizer(optimizer, new_variables):
+    """Give a built `optimizer` state for `new_variables`, keeping the rest.
+
+    Example:
+        >>> extend_optimizer(model.optimizer, [new_layer.kernel, new_layer.bias])
+    """
+    known = _keras_internals.optimizer_trainable_variables(optimizer)
+    known_ids = {id(v) for v in known}
+    new_variables = [v for v in new_variables if id(v) not in known_ids]
+    if not new_variables:
+        return []
+    if not optimizer.built:
+        return new_variables  # built later on all variables by Keras itself
+    strategy = _owning_strategy(optimizer)
+    with strategy.scope():
+        scratch = optimizer.__class__.from_config(optimizer.get_config())
+        scratch.build(known + new_variables)
+        _keras_internals.transplant_optimizer_state(optimizer, scratch, len(known))
+    return new_variables
+
+
+def _owning_strategy(optimizer):
+    variable = getattr(optimizer.iterations, "value", optimizer.iterations)
+    return getattr(variable, "_distribute_strategy", None) or tf.distribute.get_strategy()
+
+
+class OptimizingFacade:
+    """An optimizer that learns unknown variables before applying to them.
+
+    With `rebuild=False` it raises `NewVariablesError` naming the variables
+    and their layers instead (Keras's behaviour, with a clearer message).
+    """
+
+    def __init__(self, optimizer, rebuild=True, owner=None):
+        object.__setattr__(self, "_kip_optimizer", optimizer)
+        object.__setattr__(self, "_kip_rebuild", rebuild)
+        object.__setattr__(self, "_kip_owner", owner)
+
+    def __getattr__(self, name):
+        return getattr(self._kip_optimizer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._kip_optimizer, name, value)
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is not None:
+            self._learn(trainable_variables)
+        return self._kip_optimizer.apply(grads, trainable_variables)
+
+    def apply_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        self._learn([v for _, v in grads_and_vars])
+        return self._kip_optimizer.apply_gradients(grads_and_vars)
+
+    def _learn(self, variables):
+        optimizer = self._kip_optimizer
+        if not optimizer.built:
+            return
+        known = optimizer._trainable_variables_indices
+        if len(variables) == len(known):  # the usual step: nothing new
+            return
+        unknown = [v for v in variables if id(v) not in known]
+        if not unknown:
+            return
+        if not self._kip_rebuild:
+            raise NewVariablesError(describe_new_variables(unknown, self._kip_owner))
+        # Extend in place only where variables may be created right here:
+        # eagerly, outside any replica of a multi-device strategy.
+        if tf.executing_eagerly() and tf.distribute.get_strategy().num_replicas_in_sync == 1:
+            extend_optimizer(optimizer, unknown)
+            return
+        raise NeedsExtension(optimizer, unknown)
+
+
+def describe_new_variables(variables, owner=None):
+    names = ", ".join(f"`{v.path}`" for v in variables)
+    layers = sorted({v.path.rsplit("/", 1)[0] for v in variables})
+    model = f" of model `{owner.name}`" if owner is not None else ""
+    return (
+        f"New variables appeared during training{model}: {names} (in "
+        f"{', '.join(layers)}). The optimizer was built without them. Pass "
+        "rebuild_on_new_variables=True (the default) to kip.PluginModel / "
+        "kip.PluginCallback to rebuild the graph and extend the optimizer."
+    )
+
+
+def optimizers_of(model):
+    """The model's optimizer and any optimizer held as a model attribute."""
+    found = []
+    candidates = [getattr(model, "optimizer", None)] + list(vars(model).values())
+    wrapped = vars(model).get("__kip_wrapped__")
+    if wrapped is not None:
+        candidates += list(vars(wrapped).values())
+    for value in candidates:
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+    return found
+
+
+__all__ = [
+    "VariableWatch", "NeedsExtension", "NewVariablesError", "extend_optimizer",
+    "OptimizingFacade", "describe_new_variables", "optimizers_of",
+]
