@@ -136,7 +136,10 @@ class ModelState:
         for state in self._objects:
             state.restore()
         for variable, value in self._values:
-            variable.assign(value)
+            # Only what changed: an assignment can itself fail (a mirrored
+            # variable outside its strategy's scope), hiding the real error.
+            if not np.array_equal(variable.numpy(), value):
+                variable.assign(value)
 
 
 class _ObjectState:

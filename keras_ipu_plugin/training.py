@@ -52,6 +52,7 @@ class Runtime:
         self.converted = None
         self.first_x = None
         self.rebuilds = 0
+        self.traces = 0  # Python runs of a step: traces, in graph mode
         self._known = set()
         self._layer_sequence = None
 
@@ -169,11 +170,14 @@ class StepFunction:
         return self._run(iterator)
 
     def _make(self):
-        proxy = ForwardProxy(self.runtime)
-        step = self.step
-        self.function = _keras_internals.make_step_function(
-            self.runtime.owner, lambda batch: step(proxy, batch)
-        )
+        runtime, step = self.runtime, self.step
+        proxy = ForwardProxy(runtime)
+
+        def run_step(batch):
+            runtime.traces += 1
+            return step(proxy, batch)
+
+        self.function = _keras_internals.make_step_function(runtime.owner, run_step)
 
     def _run(self, source):
         runtime = self.runtime

@@ -132,6 +132,9 @@ def trace_node(node, report):
     args = map_values(lambda v: tensors[id(v)], node.args)
     kwargs = map_values(lambda v: tensors[id(v)], node.kwargs)
     training = node.training if node.training in (True, False) else None
+    agnostic = training is None and training_agnostic(layer)
+    if agnostic:
+        training = False  # one trace is enough: no sub-layer reads it
     try:
         # The tape sees only eager work: a sub-layer called on a constant
         # inside `call` runs eagerly, and its result would be frozen into the
@@ -152,10 +155,52 @@ def trace_node(node, report):
         ), report)
     used = set()
     for new in new_nodes:
+        if agnostic:
+            new.training = None
         if new.training == FOLLOW and node.training in (True, False):
             new.training = node.training
         _name_after_path(new, node.name, used)
     return new_nodes, {id(old): new for old, new in zip(node.outputs, flat_outputs)}
+
+
+# Built-in layers whose output never depends on `training` (exact classes:
+# a subclass may read it). `Dense` / `EinsumDense` take a `training`
+# argument, used only when quantized; `training_agnostic` checks that.
+_TRAINING_AGNOSTIC = frozenset(
+    getattr(keras.layers, name) for name in (
+        "Dense", "EinsumDense", "Embedding", "LayerNormalization",
+        "GroupNormalization", "UnitNormalization", "RMSNormalization",
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D",
+        "SeparableConv1D", "SeparableConv2D",
+        "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
+        "Concatenate", "Dot", "Activation", "ReLU", "LeakyReLU", "PReLU",
+        "ELU", "Softmax", "Identity", "Reshape", "Flatten", "Permute",
+        "RepeatVector", "MaxPooling1D", "MaxPooling2D", "MaxPooling3D",
+        "AveragePooling1D", "AveragePooling2D", "AveragePooling3D",
+        "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D",
+        "GlobalAveragePooling1D", "GlobalAveragePooling2D",
+        "GlobalAveragePooling3D", "ZeroPadding1D", "ZeroPadding2D",
+        "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
+        "UpSampling1D", "UpSampling2D", "UpSampling3D",
+    )
+    if hasattr(keras.layers, name)
+)
+
+
+def training_agnostic(layer):
+    """Whether `layer.call` computes the same in training and inference:
+    a custom layer whose `call` takes no `training` and whose sub-layers are
+    all such layers or listed built-in ones. Tracing it once is then enough
+    (`training` is otherwise traced both ways to find what follows it)."""
+    if type(layer) in _TRAINING_AGNOSTIC:
+        return getattr(layer, "quantization_mode", None) is None
+    if not is_expandable(layer) or tracing.accepts_training(layer):
+        return False
+    return all(
+        training_agnostic(sub)
+        for sub in layer._flatten_layers(include_self=False, recursive=False)
+    )
 
 
 def _stay_opaque(node, reason, report):
