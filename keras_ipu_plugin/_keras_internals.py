@@ -246,3 +246,10 @@ def transplant_optimizer_state(target, scratch, old_count):
     target._variables = variables
     target._trainable_variables = scratch._trainable_variables[:]
     target._trainable_variables_indices = dict(scratch._trainable_variables_indices)
+
+
+def model_strategy(model):
+    """The strategy `model` was created under, or None (Keras keeps it in a
+    private attribute; `model.distribute_strategy` falls back to the current
+    one, which hides whether the model was built inside a scope)."""
+    return getattr(model, "_distribute_strategy", None)

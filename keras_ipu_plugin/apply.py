@@ -62,14 +62,26 @@ def validate_passes(passes):
 
 def graph_of(model):
     """The graph IR of a functional model, with its recorded annotations."""
-    if not isinstance(model, keras.Model) or not hasattr(model, "_nodes_by_depth"):
+    functional = isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth")
+    sequential = isinstance(model, keras.Sequential)
+    if not (functional or sequential):
         raise PassError(
             f"apply_passes needs a functional model; `{getattr(model, 'name', model)}` "
             "is not one. Convert it first: kip.convert_to_functional(model, data)."
         )
     if getattr(model, "kip_graph", None) is not None:
         return model.kip_graph.copy()
-    specs = keras.tree.map_structure(_spec_of_input, model.input)
+    try:
+        # A Sequential model has one input; `.input` fails on one built from
+        # a keras.Input but never called, `.inputs` does not.
+        model_inputs = model.inputs[0] if sequential else model.input
+    except (AttributeError, ValueError, TypeError, IndexError) as error:
+        raise PassError(
+            f"apply_passes: the sequential model `{model.name}` has no defined "
+            "input yet; build it with keras.Input first, or convert it: "
+            "kip.convert_to_functional(model, data)."
+        ) from error
+    specs = keras.tree.map_structure(_spec_of_input, model_inputs)
     try:
         graph = trace_model(_plain_view(model), specs)
     except TraceError as error:  # pragma: no cover - functional models trace

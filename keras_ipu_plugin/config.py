@@ -119,7 +119,7 @@ class _Resolver:
         try:
             cls = self.find(name)
         except ConfigError as error:
-            raise ConfigError(path, str(error).split(": ", 1)[-1]) from error
+            raise _at(path, error) from error
         if cls is None:
             raise ConfigError(
                 path,
@@ -143,6 +143,12 @@ class _Resolver:
         return cls
 
 
+def _at(path, error):
+    """`error` (raised where the path was not known) placed at `path`."""
+    message = error.args[0] if not error.path else str(error)
+    return ConfigError(path, message)
+
+
 def _target(value, path, resolver):
     if not isinstance(value, str):
         raise ConfigError(path, f"a target must be a string; got {type(value).__name__}")
@@ -151,7 +157,7 @@ def _target(value, path, resolver):
     try:
         cls = resolver.find(value)
     except ConfigError as error:
-        raise ConfigError(path, str(error).split(": ", 1)[-1]) from error
+        raise _at(path, error) from error
     return cls if cls is not None else value
 
 
@@ -204,6 +210,9 @@ def _outline(value, resolver):
         kwargs = value.get("kwargs", {}) or {}
         if not isinstance(kwargs, dict):
             raise ConfigError("outline.kwargs", f"expected a mapping; got {type(kwargs).__name__}")
+        for key in kwargs:
+            if not isinstance(key, str) or not key.isidentifier():
+                raise ConfigError(f"outline.kwargs.{key}", "expected a keyword argument name")
         return passes_lib.Outline(_targets(value.get("targets"), "outline.targets", resolver), **kwargs)
     return passes_lib.Outline(_targets(value, "outline", resolver))
 

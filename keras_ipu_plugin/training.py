@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.convert import Converter
+from keras_ipu_plugin.distribution import check_built_under
 from keras_ipu_plugin.dynamic import NeedsExtension
 from keras_ipu_plugin.dynamic import NewVariablesError
 from keras_ipu_plugin.dynamic import OptimizingFacade
@@ -68,6 +69,7 @@ class Runtime:
         return self.converted
 
     def _convert(self, report_entries=()):
+        check_built_under(self.subject, _keras_internals.model_strategy(self.owner))
         with self.strategy.scope(), self.watch.watching():
             converted = Converter(verify=self.verify).convert(self.subject, self.first_x)
             self._layer_sequence = _layer_sequence(converted)

@@ -185,9 +185,9 @@ def _new_layer(node, replacement, report, step, name=None):
     if replacement.copy_weights:
         copy = replacement.copy_weights_fn or _default_copier(old, new)
         copy(old, new)
-        difference = _max_difference(old, new, args, kwargs)
+        difference, scale = _max_difference(old, new, args, kwargs)
         detail += f", weights copied, max output difference {difference:.2e}"
-        if _config_equivalent(replacement) and difference > 1e-5:
+        if _config_equivalent(replacement) and difference > 1e-5 * max(scale, 1.0):
             raise PassError(
                 f"replace: `{node.name}` replaced by {type(new).__name__} with "
                 f"copied weights differs from the original by {difference:.3g}; "
@@ -246,12 +246,17 @@ def _random_like(spec):
 
 
 def _max_difference(old, new, args, kwargs):
-    expected = keras.tree.flatten(old(*args, **kwargs))
-    actual = keras.tree.flatten(new(*args, **kwargs))
-    return max(
-        float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(e, "float64"))))
-        for e, a in zip(expected, actual)
-    )
+    """The largest absolute output difference, and the largest |output|."""
+    expected = [np.asarray(e, "float64") for e in keras.tree.flatten(old(*args, **kwargs))]
+    actual = [np.asarray(a, "float64") for a in keras.tree.flatten(new(*args, **kwargs))]
+    if len(expected) != len(actual) or any(
+        e.shape != a.shape for e, a in zip(expected, actual)
+    ):
+        return float("inf"), 0.0
+    difference = max((float(np.max(np.abs(a - e), initial=0.0))
+                      for e, a in zip(expected, actual)), default=0.0)
+    scale = max((float(np.max(np.abs(e), initial=0.0)) for e in expected), default=0.0)
+    return difference, scale
 
 
 def accepted_config_keys(layer_class):
