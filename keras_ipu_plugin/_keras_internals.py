@@ -10,6 +10,8 @@ here, so a Keras upgrade is a change in this file (and in `tracing.py` /
 import contextlib
 import sys
 
+import tensorflow as tf
+
 from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
 from keras.src.models.functional import Functional
@@ -253,3 +255,37 @@ def model_strategy(model):
     private attribute; `model.distribute_strategy` falls back to the current
     one, which hides whether the model was built inside a scope)."""
     return getattr(model, "_distribute_strategy", None)
+
+
+def symbolic_build_from_one_replica(model, iterator=None, data_batch=None):
+    """Keras's `_maybe_symbolic_build`, shaping the build from one replica's
+    share of the first batch.
+
+    Keras 3 (to at least 3.15) reduces a distributed first batch with
+    `strategy.reduce("MEAN", ...)`, which fails under
+    MultiWorkerMirroredStrategy ("Attempt to convert a value (PerReplica...)");
+    only its shapes and dtypes matter here, so one replica's values do.
+    """
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None:
+        return
+    if iterator is not None:
+        for _, _, epoch_iterator in iterator:
+            batch = next(epoch_iterator)
+            data_batch = tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues) else v,
+                batch,
+            )
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
+def reduces_across_workers(strategy):
+    """Whether Keras reduces step outputs with a collective across workers
+    (MultiWorkerMirroredStrategy with more than one worker)."""
+    extended = getattr(strategy, "extended", None)
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
+        getattr(extended, "_in_multi_worker_mode", lambda: False)()
+    )

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import validate_passes
 from keras_ipu_plugin.convert import as_tensors
 from keras_ipu_plugin.inputs import first_batch
@@ -139,6 +140,12 @@ class PluginModel(keras.Model):
         if self.test_function is None or force:
             self.test_function = StepFunction(self._kip_runtime, self._step_method("test_step"))
         return self.test_function
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras's version fails under MultiWorkerMirroredStrategy (see
+        # `_keras_internals.symbolic_build_from_one_replica`); this class is
+        # ours, so its build can take one replica's batch instead.
+        _keras_internals.symbolic_build_from_one_replica(self, iterator, data_batch)
 
     def _step_method(self, name):
         """The wrapped model's override of step `name`, else Keras's own."""

@@ -9,21 +9,19 @@ TensorFlow control flow and trains in `model.fit` without `run_eagerly`.
 Keras 3 never applies AutoGraph itself, and AutoGraph does not convert code
 reached through a Keras `Layer.__call__`, so converting only the wrapped
 layer's `call` would leave a dynamic *sub-layer* (a custom block with a
-Python `if` inside an otherwise plain model) failing in graph mode. While a
-graph is being traced, every layer whose `call` is user code therefore runs
-an AutoGraph-converted `call` (see `_autographed_calls`).
+Python `if` inside an otherwise plain model) failing in graph mode. In graph
+mode the wrapper therefore calls a *view* of the layer (`_autograph_view`):
+an object of a subclass whose `call` is AutoGraph-converted, sharing the
+layer's variables and state, with user-written sub-layers viewed the same
+way. The user's layers are never modified.
 """
 
-import contextlib
 import functools
 import inspect
-import threading
 import types
 
 import keras
 import tensorflow as tf
-
-from keras_ipu_plugin import _keras_internals
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -53,8 +51,7 @@ class OpaqueLayer(keras.layers.Layer):
         # AutoGraph turns Python control flow on tensors into tf.cond /
         # tf.while_loop; going through `__call__` keeps Keras's own handling
         # of masks, autocasting and the training context.
-        with _autographed_calls(self.layer):
-            return self.layer(*args, **kwargs)
+        return _autograph_view(self.layer)(*args, **kwargs)
 
     def compute_output_spec(self, *args, **kwargs):
         return _specs_to_tensors(self.output_specs)
@@ -126,11 +123,6 @@ def _call_parameters(layer):
     return inspect.signature(layer.call).parameters
 
 
-# id(layer) -> [layer, number of graph traces now inside _autographed_calls]
-_active = {}
-_active_lock = threading.Lock()
-
-
 @functools.lru_cache(maxsize=None)
 def _converted(function):
     """`function` converted by AutoGraph (cached: conversion parses source)."""
@@ -138,6 +130,50 @@ def _converted(function):
         return tf.autograph.to_graph(function)
     except Exception:  # no source to convert (defined in exec, a C call)
         return function
+
+
+@functools.lru_cache(maxsize=None)
+def _view_class(cls, function):
+    """A subclass of `cls` whose `call` is `function` converted by AutoGraph.
+
+    Being a subclass keeps `isinstance` and zero-argument `super()` in the
+    user's code working.
+    """
+    return type(cls.__name__, (cls,), {"call": _converted(function), "__module__": cls.__module__})
+
+
+def _autograph_view(layer, memo=None):
+    """A view of `layer` that runs AutoGraph-converted user `call`s.
+
+    The view is a new object of a subclass of the layer's class, holding a
+    shallow copy of the layer's attributes in which user-written sub-layers
+    are replaced by their own views. It shares every variable and state list
+    with the layer; the user's objects are only read, never changed. Layers
+    without user code (Keras's own) are used as they are.
+    """
+    memo = {} if memo is None else memo
+    if id(layer) in memo:
+        return memo[id(layer)]
+    function = _user_call(layer)
+    if function is None:
+        memo[id(layer)] = layer
+        return layer
+    view = object.__new__(_view_class(type(layer), function))
+    memo[id(layer)] = view
+    state = {name: _views_in(value, memo) for name, value in vars(layer).items()}
+    object.__setattr__(view, "__dict__", state)
+    return view
+
+
+def _views_in(value, memo):
+    if isinstance(value, keras.layers.Layer):
+        return _autograph_view(value, memo)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, keras.layers.Layer) for v in value):
+        views = [_views_in(v, memo) for v in value]
+        return tuple(views) if isinstance(value, tuple) else views
+    if isinstance(value, dict) and any(isinstance(v, keras.layers.Layer) for v in value.values()):
+        return {k: _views_in(v, memo) for k, v in value.items()}
+    return value
 
 
 def _user_call(layer):
@@ -152,40 +188,3 @@ def _user_call(layer):
 
 
 _LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
-
-
-@contextlib.contextmanager
-def _autographed_calls(layer):
-    """While a graph is traced, `layer` and each layer inside it whose `call`
-    is user code run the AutoGraph-converted `call`.
-
-    This is the one place that sets an attribute on the user's layers: an
-    instance `call` that shadows the class's, only for the duration of the
-    trace, always removed afterwards (also on error). Nested and concurrent
-    traces (MirroredStrategy traces each replica in its own thread) share a
-    count, so the last one out removes it.
-    """
-    layers = [
-        sub
-        for sub in layer._flatten_layers(include_self=True, recursive=True)
-        if _user_call(sub) is not None or id(sub) in _active
-    ]
-    with _active_lock:
-        for sub in layers:
-            entry = _active.get(id(sub))
-            if entry is None:
-                function = _user_call(sub)
-                _active[id(sub)] = [sub, 1]
-                vars(sub)["call"] = types.MethodType(_converted(function), sub)
-            else:
-                entry[1] += 1
-    try:
-        yield
-    finally:
-        with _active_lock:
-            for sub in layers:
-                entry = _active[id(sub)]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del _active[id(sub)]
-                    vars(sub).pop("call", None)

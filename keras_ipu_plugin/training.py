@@ -175,9 +175,18 @@ class StepFunction:
         runtime, step = self.runtime, self.step
         proxy = ForwardProxy(runtime)
 
+        across_workers = _keras_internals.reduces_across_workers(runtime.strategy)
+
         def run_step(batch):
             runtime.traces += 1
-            return step(proxy, batch)
+            logs = step(proxy, batch)
+            if across_workers:
+                # Keras (to at least 3.15) reduces step outputs across workers
+                # with `strategy.reduce("MEAN", v, axis=0)`, which fails on
+                # the scalar logs ("Invalid reduction dimension 0 for input
+                # with 0 dimensions"); a length-1 axis reduces to the mean.
+                logs = tf.nest.map_structure(_with_leading_axis, logs)
+            return logs
 
         self.function = _keras_internals.make_step_function(runtime.owner, run_step)
 
@@ -232,6 +241,11 @@ def _union(first, second):
             seen.add(id(variable))
             merged.append(variable)
     return merged
+
+
+def _with_leading_axis(value):
+    value = tf.convert_to_tensor(value)
+    return tf.reshape(value, [1]) if value.shape.rank == 0 else value
 
 
 def _next(iterator):

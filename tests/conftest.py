@@ -29,5 +29,15 @@ def _seed():
 
 @pytest.fixture
 def mirrored():
-    """A MirroredStrategy over the two logical CPU devices."""
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    """A MirroredStrategy over the two logical CPU devices, reducing through
+    one device rather than collective ops.
+
+    Two MirroredStrategy instances with collective ops in one process hand
+    out the same collective instance keys, so a second `fit` under a fresh
+    strategy fails with "Shape mismatch in the collective instance 100"
+    (plain Keras too, no plugin involved). Collectives are not what these
+    tests are about; the multi-worker test uses real collectives.
+    """
+    return tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )

@@ -102,18 +102,6 @@ def is_expandable(operation):
     return not type(operation).__module__.startswith("keras.")
 
 
-def expand_node(graph, node, report, step):
-    """Replace `node` by the traced body of its layer; return the new nodes
-    (an empty list when the layer stays opaque)."""
-    traced = trace_node(node, report)
-    if traced is None:
-        return []
-    new_nodes, output_map = traced
-    graph.splice(node, new_nodes, output_map)
-    report.add(step, node.name, "expanded", ", ".join(n.name for n in new_nodes))
-    return new_nodes
-
-
 def trace_node(node, report):
     """Trace the layer of `node` into new nodes named `node.name + ".child"`.
 
@@ -139,7 +127,8 @@ def trace_node(node, report):
         # The tape sees only eager work: a sub-layer called on a constant
         # inside `call` runs eagerly, and its result would be frozen into the
         # graph as a constant (stale weights, no gradient).
-        with tf.GradientTape(persistent=True) as tape:
+        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            tape.watch(_tf_variables(layer))
             new_nodes, outputs = tracing.trace_call(
                 layer, args, kwargs, placeholders, training=training,
                 prefix=node.name + ".",
@@ -220,7 +209,7 @@ def _reject_frozen_variables(layer, nodes, tape):
     ]
     if not constants:
         return
-    variables = [getattr(v, "value", v) for v in layer.weights]
+    variables = _tf_variables(layer)
     for constant in constants:
         if any(g is not None for g in tape.gradient(constant, variables)):
             raise tracing.TraceError(
@@ -230,6 +219,13 @@ def _reject_frozen_variables(layer, nodes, tape):
             )
 
 
+def _tf_variables(layer):
+    """The TensorFlow variables under `layer`'s Keras variables, trainable
+    or not (a frozen moving mean is as stale as a frozen kernel)."""
+    variables = (getattr(v, "value", v) for v in layer.weights)
+    return [v for v in variables if v.dtype.is_floating]
+
+
 def _leaves(structure):
     found = []
     map_leaves(found.append, structure)
@@ -237,6 +233,7 @@ def _leaves(structure):
 
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")
+
 
 def _name_after_path(node, parent_path, used):
     """Name `node` (and its layer) `parent.child`.

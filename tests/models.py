@@ -1,0 +1,363 @@
+"""A small zoo of subclassed Keras models shared by the test files.
+
+Each model is tiny (tests must be fast) but exercises one thing conversion
+must get right: custom layers, BatchNormalization, masking, dict inputs and
+outputs, deep nesting, Python control flow on tensor values, a sub-layer with
+a hard-coded `training=False`, string inputs.
+
+Each `make_*` function returns `(model, x)`: a fresh model and a first batch
+for it (numpy, so a test can wrap it in any data form it needs).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+# -- MLP --------------------------------------------------------------------
+class MLP(keras.Model):
+    """Dense -> Dropout -> Dense -> Dense."""
+
+    def __init__(self, hidden=16, outputs=3, **kwargs):
+        super().__init__(**kwargs)
+        self.dense_1 = keras.layers.Dense(hidden, activation="relu")
+        self.dropout = keras.layers.Dropout(0.2)
+        self.dense_2 = keras.layers.Dense(hidden, activation="tanh")
+        self.head = keras.layers.Dense(outputs)
+
+    def call(self, inputs, training=None):
+        x = self.dense_1(inputs)
+        x = self.dropout(x, training=training)
+        x = self.dense_2(x)
+        return self.head(x)
+
+
+def make_mlp(batch=8, features=6):
+    x = np.random.RandomState(0).normal(size=(batch, features)).astype("float32")
+    return MLP(), x
+
+
+# -- CNN with custom residual blocks ---------------------------------------
+class ResidualBlock(keras.layers.Layer):
+    """Conv -> BN -> relu -> Conv -> BN, plus the input (a custom layer)."""
+
+    def __init__(self, filters, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = filters
+        self.conv_1 = keras.layers.Conv2D(filters, 3, padding="same")
+        self.bn_1 = keras.layers.BatchNormalization()
+        self.conv_2 = keras.layers.Conv2D(filters, 3, padding="same")
+        self.bn_2 = keras.layers.BatchNormalization()
+
+    def call(self, inputs, training=None):
+        x = self.conv_1(inputs)
+        x = self.bn_1(x, training=training)
+        x = keras.ops.relu(x)
+        x = self.conv_2(x)
+        x = self.bn_2(x, training=training)
+        return keras.ops.relu(x + inputs)
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters}
+
+
+class ResNetTiny(keras.Model):
+    def __init__(self, filters=4, classes=3, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = keras.layers.Conv2D(filters, 3, padding="same")
+        self.stem_bn = keras.layers.BatchNormalization()
+        self.block_1 = ResidualBlock(filters)
+        self.block_2 = ResidualBlock(filters)
+        self.pool = keras.layers.GlobalAveragePooling2D()
+        self.head = keras.layers.Dense(classes)
+
+    def call(self, inputs, training=None):
+        x = keras.ops.relu(self.stem_bn(self.stem(inputs), training=training))
+        x = self.block_1(x, training=training)
+        x = self.block_2(x, training=training)
+        return self.head(self.pool(x))
+
+
+def make_cnn(batch=4):
+    x = np.random.RandomState(1).normal(size=(batch, 8, 8, 3)).astype("float32")
+    return ResNetTiny(), x
+
+
+# -- small transformer encoder with masking --------------------------------
+class PositionEmbedding(keras.layers.Layer):
+    """Token embedding (mask_zero) plus a learned position embedding."""
+
+    def __init__(self, vocab, length, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(vocab, dim, mask_zero=True)
+        self.positions = keras.layers.Embedding(length, dim)
+        self.length = length
+
+    def call(self, inputs):
+        positions = keras.ops.arange(0, keras.ops.shape(inputs)[-1])
+        return self.tokens(inputs) + self.positions(positions)
+
+    def compute_mask(self, inputs, mask=None):
+        return self.tokens.compute_mask(inputs)
+
+
+class EncoderBlock(keras.layers.Layer):
+    """Self-attention (padding mask) + feed-forward, post-norm."""
+
+    def __init__(self, dim, heads, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True  # the mask is passed on unchanged
+        self.attention = keras.layers.MultiHeadAttention(heads, dim // heads)
+        self.norm_1 = keras.layers.LayerNormalization()
+        self.dropout = keras.layers.Dropout(0.1)
+        self.ff_1 = keras.layers.Dense(dim * 2, activation="relu")
+        self.ff_2 = keras.layers.Dense(dim)
+        self.norm_2 = keras.layers.LayerNormalization()
+
+    def call(self, inputs, mask=None, training=None):
+        attention_mask = None
+        if mask is not None:
+            attention_mask = keras.ops.logical_and(
+                keras.ops.expand_dims(mask, 1), keras.ops.expand_dims(mask, 2)
+            )
+        attended = self.attention(
+            inputs, inputs, attention_mask=attention_mask, training=training
+        )
+        x = self.norm_1(inputs + self.dropout(attended, training=training))
+        return self.norm_2(x + self.ff_2(self.ff_1(x)))
+
+
+class TinyTransformer(keras.Model):
+    def __init__(self, vocab=20, length=6, dim=8, heads=2, classes=2, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = PositionEmbedding(vocab, length, dim)
+        self.block = EncoderBlock(dim, heads)
+        self.pool = keras.layers.GlobalAveragePooling1D()
+        self.head = keras.layers.Dense(classes)
+
+    def call(self, inputs, training=None):
+        x = self.embedding(inputs)
+        mask = self.embedding.compute_mask(inputs)
+        x = self.block(x, mask=mask, training=training)
+        return self.head(self.pool(x, mask=mask))
+
+
+def make_transformer(batch=4, length=6, vocab=20):
+    tokens = np.random.RandomState(2).randint(1, vocab, size=(batch, length))
+    tokens[:, -2:] = 0  # padding, so the mask matters
+    tokens[0, 3:] = 0
+    return TinyTransformer(vocab=vocab, length=length), tokens.astype("int32")
+
+
+class MaskedRNN(keras.Model):
+    """Embedding(mask_zero=True) feeding a GRU: padded steps are skipped."""
+
+    def __init__(self, vocab=20, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = keras.layers.Embedding(vocab, 4, mask_zero=True)
+        self.gru = keras.layers.GRU(5)
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs, training=None):
+        return self.head(self.gru(self.embedding(inputs), training=training))
+
+
+def make_rnn(batch=4, length=6, vocab=20):
+    _, tokens = make_transformer(batch, length, vocab)
+    return MaskedRNN(vocab=vocab), tokens
+
+
+# -- dict inputs, several outputs ------------------------------------------
+class DictModel(keras.Model):
+    """Dict in (float features + int token ids), dict out."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = keras.layers.Embedding(10, 4)
+        self.pool = keras.layers.GlobalAveragePooling1D()
+        self.dense = keras.layers.Dense(8, activation="relu")
+        self.concat = keras.layers.Concatenate()
+        self.score = keras.layers.Dense(1)
+        self.label = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        tokens = self.pool(self.embedding(inputs["tokens"]))
+        features = self.dense(inputs["features"])
+        joint = self.concat([tokens, features])
+        return {"score": self.score(joint), "label": self.label(joint)}
+
+
+class TupleOutputModel(keras.Model):
+    """List in (two float inputs), tuple (or list) out."""
+
+    def __init__(self, as_list=False, **kwargs):
+        super().__init__(**kwargs)
+        self.as_list = as_list
+        self.left = keras.layers.Dense(4)
+        self.right = keras.layers.Dense(4)
+        self.add = keras.layers.Add()
+        self.out_1 = keras.layers.Dense(2)
+        self.out_2 = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        a, b = inputs
+        joint = self.add([self.left(a), self.right(b)])
+        outputs = (self.out_1(joint), self.out_2(joint))
+        return list(outputs) if self.as_list else outputs
+
+
+def make_dict_model(batch=6):
+    rng = np.random.RandomState(3)
+    x = {
+        "features": rng.normal(size=(batch, 5)).astype("float32"),
+        "tokens": rng.randint(0, 10, size=(batch, 7)).astype("int64"),
+    }
+    return DictModel(), x
+
+
+def make_tuple_model(batch=6, as_list=False):
+    rng = np.random.RandomState(4)
+    x = [
+        rng.normal(size=(batch, 3)).astype("float32"),
+        rng.normal(size=(batch, 5)).astype("float32"),
+    ]
+    return TupleOutputModel(as_list=as_list), x
+
+
+# -- three levels of nested custom layers ----------------------------------
+class Leaf(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, inputs):
+        return keras.ops.gelu(self.norm(self.dense(inputs)))
+
+
+class Middle(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.leaf_1 = Leaf(units)
+        self.leaf_2 = Leaf(units)
+
+    def call(self, inputs):
+        return self.leaf_2(self.leaf_1(inputs)) + inputs
+
+
+class Outer(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.middle_1 = Middle(units)
+        self.middle_2 = Middle(units)
+        self.scale = keras.layers.Dense(units, use_bias=False)
+
+    def call(self, inputs):
+        return self.scale(self.middle_2(self.middle_1(inputs)))
+
+
+class NestedModel(keras.Model):
+    def __init__(self, units=6, **kwargs):
+        super().__init__(**kwargs)
+        self.outer = Outer(units)
+        self.head = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.head(self.outer(inputs))
+
+
+def make_nested(batch=5, units=6):
+    x = np.random.RandomState(5).normal(size=(batch, units)).astype("float32")
+    return NestedModel(units=units), x
+
+
+# -- Python control flow on a tensor value ---------------------------------
+class DynamicBranchModel(keras.Model):
+    """Keras 3 port of the model in shared/seeds/dynamic-variables-discussion:
+    `call` branches in Python on the value of its input, so it cannot be
+    traced on symbolic inputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense_layer = keras.layers.Dense(1)
+        self.layer1 = keras.layers.Dense(1)
+        self.layer2 = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        x = self.dense_layer(inputs)
+        if inputs[0] > 0.1:
+            return x
+        else:
+            return self.layer1(x)
+
+
+def make_dynamic(batch=4, value=0.2):
+    return DynamicBranchModel(), np.full((batch, 1), value, dtype="float32")
+
+
+# -- frozen BatchNormalization ---------------------------------------------
+class FrozenBNModel(keras.Model):
+    """Fine-tuning pattern: a BatchNormalization called with a hard-coded
+    `training=False`, so its moving statistics must never change."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+        self.frozen_bn = keras.layers.BatchNormalization()
+        self.dropout = keras.layers.Dropout(0.1)
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs, training=None):
+        x = self.dense(inputs)
+        x = self.frozen_bn(x, training=False)
+        x = self.dropout(x, training=training)
+        return self.head(x)
+
+
+def make_frozen_bn(batch=8):
+    x = np.random.RandomState(6).normal(3.0, 2.0, size=(batch, 3)).astype("float32")
+    return FrozenBNModel(), x
+
+
+# -- string input ------------------------------------------------------------
+class StringModel(keras.Model):
+    """Raw strings in; StringLookup -> Embedding -> Dense."""
+
+    VOCAB = ["red", "green", "blue", "cyan"]
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lookup = keras.layers.StringLookup(vocabulary=self.VOCAB)
+        self.embedding = keras.layers.Embedding(len(self.VOCAB) + 1, 4)
+        self.flatten = keras.layers.Flatten()
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.head(self.flatten(self.embedding(self.lookup(inputs))))
+
+
+def make_string(batch=4):
+    x = np.array(
+        [["red", "blue"], ["green", "magenta"], ["cyan", "red"], ["blue", "blue"]]
+    )[:batch]
+    return StringModel(), x
+
+
+#: Models whose conversion must trace into sub-layers (not opaque).
+TRACEABLE = {
+    "mlp": make_mlp,
+    "cnn": make_cnn,
+    "transformer": make_transformer,
+    "rnn": make_rnn,
+    "dict": make_dict_model,
+    "tuple": make_tuple_model,
+    "list": lambda: make_tuple_model(as_list=True),
+    "nested": make_nested,
+    "frozen_bn": make_frozen_bn,
+    "string": make_string,
+}
+
+
+def as_tensor(x):
+    """`x` with every numpy leaf a tf.Tensor."""
+    return tf.nest.map_structure(tf.convert_to_tensor, x)

@@ -1,0 +1,862 @@
+"""Tests for `kip.convert_to_functional` (issue 2: first-batch conversion
+with verification).
+
+Every test compares against the behaviour of the original subclassed model,
+so it fails if the converted model computes something else, holds copies of
+the variables, drops a `training` value or a mask, or if a failed conversion
+leaves the user's model altered.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ipu_plugin as kip
+from keras_ipu_plugin.graph import FOLLOW
+
+import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
+
+
+# -- helpers -------------------------------------------------------------------
+def float_leaves(structure):
+    return [
+        t for t in tf.nest.flatten(structure) if tf.as_dtype(t.dtype).is_floating
+    ]
+
+
+def projection(outputs):
+    """A fixed, non-uniform scalar of all float outputs (a plain sum would
+    hide errors that cancel, e.g. a softmax or a normalisation)."""
+    total = tf.constant(0.0)
+    for index, tensor in enumerate(keras.tree.flatten(outputs)):
+        tensor = tf.convert_to_tensor(tensor)
+        if not tensor.dtype.is_floating:
+            continue
+        weights = np.random.RandomState(100 + index).normal(size=tensor.shape[1:])
+        total += tf.reduce_sum(tensor * weights.astype(tensor.dtype.as_numpy_dtype))
+    return total
+
+
+def outputs_and_grads(model, x, variables, training=False):
+    """Outputs, gradients w.r.t. `variables` and w.r.t. the float inputs."""
+    x = zoo.as_tensor(x)
+    inputs = float_leaves(x)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(inputs)
+        outputs = model(x, training=training)
+        scalar = projection(outputs)
+    variable_grads = tape.gradient(scalar, [v.value for v in variables])
+    input_grads = tape.gradient(scalar, inputs)
+    dense = lambda g: None if g is None else tf.convert_to_tensor(g)  # IndexedSlices
+    return outputs, [dense(g) for g in variable_grads], [dense(g) for g in input_grads]
+
+
+def assert_close(actual, expected, what, rtol=1e-5, atol=1e-5):
+    np.testing.assert_allclose(
+        np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol, err_msg=what
+    )
+
+
+def assert_equivalent(original, converted, x, training=False):
+    """Independent of `kip.verify`: same outputs (structure included), same
+    gradients w.r.t. every trainable variable and every float input."""
+    variables = original.trainable_variables
+    assert variables, "the model has no trainable variable to compare"
+    out_o, grads_o, in_o = outputs_and_grads(original, x, variables, training)
+    out_c, grads_c, in_c = outputs_and_grads(converted, x, variables, training)
+    keras.tree.assert_same_structure(out_o, out_c)
+    for (path, a), b in zip(
+        keras.tree.flatten_with_path(out_o), keras.tree.flatten(out_c)
+    ):
+        assert a.dtype == b.dtype, path
+        assert_close(b, a, f"output {path}")
+    assert sum(g is not None for g in grads_o) > 0
+    for variable, a, b in zip(variables, grads_o, grads_c):
+        assert (a is None) == (b is None), variable.path
+        if a is not None:
+            assert float(tf.reduce_max(tf.abs(a))) > 0 or variable.path.endswith(
+                "bias"
+            ), f"zero gradient for {variable.path}: the check would be vacuous"
+            assert_close(b, a, f"gradient of {variable.path}")
+    for a, b in zip(in_o, in_c):
+        assert_close(b, a, "input gradient")
+
+
+def assert_shares_variables(original, converted):
+    """The converted model holds the very variable objects of the original."""
+    assert len(converted.weights) == len(original.weights)
+    for variable in converted.weights:
+        assert any(variable is mine for mine in original.weights), variable.path
+    for variable in original.weights:
+        assert any(variable is theirs for theirs in converted.weights), variable.path
+
+
+def all_layers(model):
+    return model._flatten_layers(include_self=True, recursive=True)
+
+
+class Snapshot:
+    """What "the model is unchanged" means: for the model and every layer in
+    it, the same instance attributes (names and identities), the same
+    variables with the same values, and `call` still the class's."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = list(all_layers(model))
+        self.attributes = [dict(vars(layer)) for layer in self.layers]
+        # Lists are changed in place (variables, nodes recorded by symbolic
+        # calls): keep their contents too.
+        self.lists = [
+            {k: list(v) for k, v in vars(layer).items() if isinstance(v, list)}
+            for layer in self.layers
+        ]
+        self.weights = [(w, np.array(w.numpy(), copy=True)) for w in model.weights]
+        self.built = [layer.built for layer in self.layers]
+
+    def assert_unchanged(self):
+        model = self.model
+        assert list(all_layers(model)) == self.layers
+        for layer, before in zip(self.layers, self.attributes):
+            after = vars(layer)
+            assert set(after) == set(before), (
+                f"{layer.name}: attributes added {set(after) - set(before)}, "
+                f"removed {set(before) - set(after)}"
+            )
+            changed = [k for k in before if after[k] is not before[k]]
+            assert not changed, f"{layer.name}: attributes replaced: {changed}"
+            assert "call" not in after, f"{layer.name}.call was rebound"
+        for layer, lists in zip(self.layers, self.lists):
+            for name, contents in lists.items():
+                now = vars(layer)[name]
+                assert len(now) == len(contents) and all(
+                    a is b for a, b in zip(now, contents)
+                ), f"{layer.name}.{name} changed"
+            assert layer.call.__func__ is type(layer).call
+        assert [layer.built for layer in self.layers] == self.built
+        assert len(model.weights) == len(self.weights)
+        for (variable, value), now in zip(self.weights, model.weights):
+            assert now is variable
+            np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def no_opaque(converted):
+    assert converted.kip_report.opaque == {}
+    assert not any(isinstance(l, kip.OpaqueLayer) for l in converted.layers)
+
+
+def targets_for(outputs):
+    """Training targets with the structure and shapes of `outputs`."""
+    return keras.tree.map_structure(
+        lambda t: np.random.RandomState(7).normal(size=t.shape).astype("float32"),
+        outputs,
+    )
+
+
+# -- equivalence -------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(zoo.TRACEABLE))
+def test_outputs_and_gradients_match(name):
+    model, x = zoo.TRACEABLE[name]()
+    converted = kip.convert_to_functional(model, x)
+    assert isinstance(converted, kip.KipFunctional)
+    no_opaque(converted)
+    kip.verify.check_equivalent(model, converted, zoo.as_tensor(x))
+    assert_equivalent(model, converted, x)
+    assert_shares_variables(model, converted)
+
+
+@pytest.mark.parametrize("name", ["cnn", "dict"])
+def test_converted_model_accepts_other_batch_sizes(name):
+    model, x = zoo.TRACEABLE[name]()
+    converted = kip.convert_to_functional(model, x)
+    smaller = keras.tree.map_structure(lambda a: a[:3], x)
+    assert_equivalent(model, converted, smaller)
+
+
+def test_training_flag_reaches_dropout():
+    model, x = zoo.make_mlp()
+    converted = kip.convert_to_functional(model, x)
+    inference = converted(x, training=False)
+    assert_close(converted(x, training=False), inference, "inference is deterministic")
+    dropped = converted(x, training=True)
+    assert not np.allclose(dropped, inference), "Dropout ignored training=True"
+    assert_close(converted(x), inference, "training defaults to inference")
+    assert converted.kip_graph.node(model.dropout.name).training == FOLLOW
+
+
+def test_training_flag_reaches_batch_normalization():
+    """In training mode BN normalises with batch statistics and updates its
+    moving statistics: the converted model must do both, like the original."""
+    model, x = zoo.make_cnn()
+    converted = kip.convert_to_functional(model, x)
+    stats = [v for v in model.non_trainable_variables if "moving" in v.path]
+    assert len(stats) == 10
+    before = [v.numpy().copy() for v in stats]
+
+    expected = model(x, training=True).numpy()
+    expected_stats = [v.numpy().copy() for v in stats]
+    for variable, value in zip(stats, before):
+        variable.assign(value)
+
+    actual = converted(x, training=True).numpy()
+    assert_close(actual, expected, "training-mode output")
+    assert not np.allclose(actual, converted(x, training=False))
+    for variable, old, new in zip(stats, before, expected_stats):
+        assert not np.array_equal(variable.numpy(), old), variable.path
+        assert_close(variable.numpy(), new, variable.path)
+
+
+def test_training_mode_outputs_match_for_cnn():
+    model, x = zoo.make_cnn()
+    converted = kip.convert_to_functional(model, x)
+    assert_equivalent(model, converted, x, training=True)
+
+
+def test_fixed_training_argument():
+    model, x = zoo.make_mlp()
+    converted = kip.convert_to_functional(model, x, training=False)
+    assert_close(converted(x, training=True), model(x, training=False), "pinned")
+    with pytest.raises(ValueError, match="training"):
+        kip.convert_to_functional(model, x, training="yes")
+
+
+def test_transformer_mask_is_used():
+    """Equality with the original only proves masking survives conversion if
+    the mask changes the result: check that first."""
+    model, tokens = zoo.make_transformer()
+    converted = kip.convert_to_functional(model, tokens)
+    embedded = tf.identity(model.embedding(tokens))  # drops the Keras mask
+    unmasked = model.head(model.pool(model.block(embedded, mask=None)))
+    assert not np.allclose(unmasked, model(tokens)), "the mask changes nothing"
+    assert_equivalent(model, converted, tokens)
+
+
+def test_rnn_mask_is_used():
+    model, tokens = zoo.make_rnn()
+    converted = kip.convert_to_functional(model, tokens)
+    unmasked = model.head(model.gru(tf.identity(model.embedding(tokens))))
+    assert not np.allclose(unmasked, model(tokens)), "the mask changes nothing"
+    assert_equivalent(model, converted, tokens)
+
+
+def test_nested_layers_are_traced_as_nodes():
+    model, x = zoo.make_nested()
+    converted = kip.convert_to_functional(model, x)
+    names = [node.name for node in converted.kip_graph.nodes]
+    assert names == [model.outer.name, model.head.name]
+    assert converted.get_layer(model.outer.name) is model.outer
+    assert_equivalent(model, converted, x)
+
+
+# -- shared variables ------------------------------------------------------------
+def test_variables_are_the_same_objects_not_copies():
+    model, x = zoo.make_cnn()
+    converted = kip.convert_to_functional(model, x)
+    assert_shares_variables(model, converted)
+    for mine, theirs in zip(model.trainable_variables, converted.trainable_variables):
+        assert mine is theirs
+    # Assigning through the original changes what the converted model computes.
+    kernel = model.head.kernel
+    kernel.assign(kernel.numpy() * 2.0)
+    assert_close(converted(x), model(x), "after assign")
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "dict"])
+def test_original_matches_after_training_converted(name):
+    """Five optimizer steps on the converted model train the original's
+    variables: no stale copy anywhere (outputs and input-gradients agree)."""
+    model, x = zoo.TRACEABLE[name]()
+    converted = kip.convert_to_functional(model, x)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    y = targets_for(converted(x))
+    loss = keras.tree.map_structure(lambda _: "mse", y)
+    converted.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    history = converted.fit(x, y, batch_size=len(tf.nest.flatten(x)[0]), epochs=5,
+                            verbose=0, shuffle=False)
+    assert len(history.history["loss"]) == 5
+    assert converted.optimizer.iterations.numpy() == 5
+    changed = [
+        not np.array_equal(v.numpy(), b)
+        for v, b in zip(model.trainable_variables, before)
+    ]
+    assert all(changed), [v.path for v, c in zip(model.trainable_variables, changed) if not c]
+    assert_equivalent(model, converted, x)
+    kip.verify.check_equivalent(model, converted, zoo.as_tensor(x))
+
+
+# -- inputs: names, dtypes, batch dimension --------------------------------------
+def test_dict_input_names_and_dtypes_follow_x():
+    model, x = zoo.make_dict_model()
+    converted = kip.convert_to_functional(model, x)
+    specs = {t.name: t for t in converted.inputs}
+    assert set(specs) == {"features", "tokens"}
+    assert specs["tokens"].dtype == "int64", "int token ids must stay int"
+    assert specs["features"].dtype == "float32"
+    assert tuple(specs["tokens"].shape) == (None, 7)
+    assert tuple(specs["features"].shape) == (None, 5)
+    out = converted(x)
+    assert set(out) == {"score", "label"}
+
+
+def test_int_and_string_inputs_keep_their_dtype():
+    model, tokens = zoo.make_transformer()
+    converted = kip.convert_to_functional(model, tokens)
+    assert converted.inputs[0].dtype == "int32"
+    model, words = zoo.make_string()
+    converted = kip.convert_to_functional(model, words)
+    assert converted.inputs[0].dtype == "string"
+    assert_close(converted(tf.constant(words)), model(tf.constant(words)), "strings")
+
+
+def test_float64_data_becomes_floatx():
+    model, x = zoo.make_mlp()
+    converted = kip.convert_to_functional(model, x.astype("float64"))
+    assert converted.inputs[0].dtype == keras.config.floatx()
+
+
+def test_list_and_tuple_inputs_and_outputs():
+    model, x = zoo.make_tuple_model()
+    converted = kip.convert_to_functional(model, x)
+    assert [t.name for t in converted.inputs] == ["input_0", "input_1"]
+    out = converted(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    model, x = zoo.make_tuple_model(as_list=True)
+    converted = kip.convert_to_functional(model, x)
+    out = converted(x)
+    assert isinstance(out, list) and len(out) == 2
+    assert_equivalent(model, converted, x)
+
+
+def test_batch_dimension_is_none_by_default():
+    model, x = zoo.make_dict_model()
+    converted = kip.convert_to_functional(model, x)
+    assert all(t.shape[0] is None for t in converted.inputs)
+
+
+def test_static_batch_without_strategy():
+    model, x = zoo.make_dict_model(batch=6)
+    converted = kip.convert_to_functional(model, x, static_batch=True)
+    assert [t.shape[0] for t in converted.inputs] == [6, 6]
+    assert_equivalent(model, converted, x)
+
+
+def test_static_batch_is_per_replica_under_mirrored(mirrored):
+    assert mirrored.num_replicas_in_sync == 2
+    with mirrored.scope():
+        model, x = zoo.make_mlp(batch=8)
+        converted = kip.convert_to_functional(model, x, static_batch=True)
+        assert tuple(converted.inputs[0].shape) == (4, 6)
+        assert_shares_variables(model, converted)
+        converted.compile(optimizer="sgd", loss="mse")
+        before = model.head.kernel.numpy().copy()
+        converted.fit(x, np.ones((8, 3), "float32"), batch_size=8, epochs=2, verbose=0)
+    assert not np.array_equal(model.head.kernel.numpy(), before)
+    with mirrored.scope():
+        unfixed = kip.convert_to_functional(model, x)
+    assert unfixed.inputs[0].shape[0] is None
+
+
+def test_static_batch_from_distributed_dataset(mirrored):
+    with mirrored.scope():
+        model, x = zoo.make_mlp(batch=8)
+    dataset = mirrored.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(x).batch(8)
+    )
+    # The dataset's elements are already one replica's share each.
+    for scope in (mirrored.scope(), _no_scope()):
+        with scope:
+            converted = kip.convert_to_functional(model, dataset, static_batch=True)
+        assert tuple(converted.inputs[0].shape) == (4, 6)
+
+
+def test_static_batch_needs_a_divisible_batch(mirrored):
+    with mirrored.scope():
+        model, x = zoo.make_mlp(batch=7)
+        model(x)
+        snapshot = Snapshot(model)
+        with pytest.raises(kip.InputDataError, match="not divisible by the 2 replicas"):
+            kip.convert_to_functional(model, x, static_batch=True)
+    snapshot.assert_unchanged()
+
+
+class _no_scope:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- every data form ------------------------------------------------------------
+def _mlp_forms():
+    _, x = zoo.make_mlp()
+    y = np.ones((8, 3), "float32")
+    sw = np.linspace(0.5, 1.5, 8).astype("float32")
+    slices = tf.data.Dataset.from_tensor_slices
+    return x, {
+        "numpy": x,
+        "tensor": tf.constant(x),
+        "variable": tf.Variable(x),
+        "x_only_tuple": (x,),
+        "x_y": (x, y),
+        "x_y_sw": (x, y, sw),
+        "tensor_x_y": (tf.constant(x), tf.constant(y)),
+        "dataset_x": slices(x).batch(8),
+        "dataset_x_y": slices((x, y)).batch(8),
+        "dataset_x_y_sw": slices((x, y, sw)).batch(8),
+        "dataset_mapped": slices(x).batch(8).map(lambda a: a * 1.0).prefetch(1),
+        "dataset_padded": slices(x).padded_batch(8),
+    }
+
+
+@pytest.mark.parametrize("form", sorted(_mlp_forms()[1]))
+def test_every_data_form_of_one_input(form):
+    x, forms = _mlp_forms()
+    model, _ = zoo.make_mlp()
+    converted = kip.convert_to_functional(model, forms[form])
+    assert tuple(converted.inputs[0].shape) == (None, 6)
+    assert converted.inputs[0].dtype == "float32"
+    assert_equivalent(model, converted, x)
+
+
+def test_structured_data_forms():
+    model, x = zoo.make_dict_model()
+    y = {"score": np.ones((6, 1), "float32"), "label": np.ones((6, 3), "float32")}
+    slices = tf.data.Dataset.from_tensor_slices
+    for data in (x, (x, y), slices(x).batch(3), slices((x, y)).batch(6)):
+        converted = kip.convert_to_functional(model, data)
+        assert {t.name: t.dtype for t in converted.inputs} == {
+            "features": "float32", "tokens": "int64"
+        }
+        assert_equivalent(model, converted, x)
+
+    model, pair = zoo.make_tuple_model()
+    y = np.ones((6, 2), "float32")
+    # A tuple is (x, y, sample_weight) by Keras's convention, so a tuple x
+    # travels as (x,) or (x, y); tf.data turns lists into tuples.
+    for data in ((tuple(pair),), (pair, y), slices((tuple(pair), y)).batch(6)):
+        converted = kip.convert_to_functional(model, data)
+        assert [t.name for t in converted.inputs] == ["input_0", "input_1"]
+        assert_equivalent(model, converted, pair)
+
+
+def test_dataset_of_strings_keeps_strings():
+    model, words = zoo.make_string()
+    dataset = tf.data.Dataset.from_tensor_slices((words, np.zeros(4))).batch(4)
+    converted = kip.convert_to_functional(model, dataset)
+    assert converted.inputs[0].dtype == "string"
+
+
+def test_dataset_is_not_consumed():
+    """The first batch is read from a fresh iterator: the dataset (even one
+    fed by a Python generator) still yields every batch, first one first,
+    and `fit` afterwards runs over all of them."""
+    model, x = zoo.make_mlp(batch=12)
+    y = np.arange(12, dtype="float32").reshape(12, 1).repeat(3, axis=1)
+    started = []
+
+    def rows():
+        started.append(True)
+        yield from zip(x, y)
+
+    dataset = tf.data.Dataset.from_generator(
+        rows,
+        output_signature=(
+            tf.TensorSpec((6,), tf.float32), tf.TensorSpec((3,), tf.float32)
+        ),
+    ).batch(4)
+    first_before = next(iter(dataset))
+    converted = kip.convert_to_functional(model, dataset)
+    batches = list(dataset)
+    assert len(batches) == 3
+    np.testing.assert_array_equal(batches[0][0], first_before[0])
+    np.testing.assert_array_equal(batches[0][1], y[:4])
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), y)
+
+    seen = []
+    converted.compile(optimizer="sgd", loss="mse")
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    converted.fit(dataset, epochs=1, verbose=0, callbacks=[Count()])
+    assert seen == [0, 1, 2]
+
+
+def test_py_dataset():
+    class Batches(keras.utils.PyDataset):
+        def __init__(self, x):
+            super().__init__()
+            self.x = x
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            part = self.x[index * 4 : (index + 1) * 4]
+            return part, np.zeros((len(part), 3), "float32")
+
+    model, x = zoo.make_mlp()
+    data = Batches(x)
+    converted = kip.convert_to_functional(model, data)
+    assert tuple(converted.inputs[0].shape) == (None, 6)
+    np.testing.assert_array_equal(data[0][0], x[:4])
+
+
+def test_functional_and_sequential_models_are_rewired():
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                   keras.layers.Dense(2)])
+    x = np.random.rand(5, 4).astype("float32")
+    converted = kip.convert_to_functional(sequential, x)
+    assert converted is not sequential
+    assert_shares_variables(sequential, converted)
+    assert_equivalent(sequential, converted, x)
+
+
+# -- dynamic (opaque) ----------------------------------------------------------
+def test_dynamic_branch_model_becomes_opaque_and_matches_both_branches():
+    model, x = zoo.make_dynamic(value=0.2)
+    converted = kip.convert_to_functional(model, x)
+    report = converted.kip_report
+    assert list(report.opaque) == [model.name]
+    assert "boolean" in report.opaque[model.name]
+    opaque = [l for l in converted.layers if isinstance(l, kip.OpaqueLayer)]
+    assert len(opaque) == 1 and opaque[0].layer is model
+    assert model.name in str(report) and "kept as one node" in str(report)
+    # The branch the first batch did not take is built too (before any
+    # optimizer sees the model), and the converted model takes it as well.
+    assert model.layer1.built
+    assert_shares_variables(model, converted)
+    assert len(model.trainable_variables) == 4
+    for value in (0.2, 0.02):
+        other = np.full((4, 1), value, "float32")
+        assert_equivalent(model, converted, other)
+        kip.verify.check_equivalent(model, converted, other)
+    assert not np.allclose(converted(np.full((4, 1), 0.02, "float32")),
+                           model.dense_layer(np.full((4, 1), 0.02, "float32")))
+
+
+def _fit_dynamic(converted, model):
+    x = np.concatenate(
+        [np.full((4, 1), 0.5), np.full((4, 1), 0.02)] * 3
+    ).astype("float32")
+    y = np.ones((24, 1), "float32") * 2.0
+    converted.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    assert not converted.run_eagerly
+    before = {v.path: v.numpy().copy() for v in model.trainable_variables}
+    calls.clear()
+    history = converted.fit(x, y, batch_size=4, epochs=4, verbose=0, shuffle=False)
+    # fit ran as a tf.function (graph mode), where a Python `if` on a tensor
+    # only works through AutoGraph: `call`'s Python ran only while tracing,
+    # not once per step (24 steps), and never eagerly.
+    assert calls and not any(calls), calls
+    assert len(calls) < 6, calls
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0], losses
+    for variable in model.trainable_variables:
+        assert not np.array_equal(variable.numpy(), before[variable.path]), variable.path
+    return losses
+
+
+calls = []  # tf.executing_eagerly() at each Python run of RecordingDynamic.call
+
+
+class RecordingDynamic(zoo.DynamicBranchModel):
+    def call(self, inputs):
+        calls.append(tf.executing_eagerly())
+        return super().call(inputs)
+
+
+def test_dynamic_branch_model_trains_in_graph_mode():
+    model, x = RecordingDynamic(), np.full((4, 1), 0.2, "float32")
+    converted = kip.convert_to_functional(model, x)
+    _fit_dynamic(converted, model)
+    # Shared variables: the original agrees after training on both branches.
+    for value in (0.5, 0.02):
+        other = np.full((4, 1), value, "float32")
+        assert_close(converted(other), model(other), f"after fit, x={value}")
+
+
+class DynamicBlock(keras.layers.Layer):
+    """A custom layer with a Python `if` on a tensor value."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        if keras.ops.mean(inputs) > 0.1:
+            return self.dense(inputs)
+        return self.dense(inputs) * 3.0
+
+
+class HostModel(keras.Model):
+    """A plain model around a dynamic custom layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense_layer = keras.layers.Dense(2)
+        self.dynamic = DynamicBlock(name="dynamic_block")
+
+    def call(self, inputs):
+        return self.dynamic(self.dense_layer(inputs))
+
+
+def test_dynamic_sub_layer_converts_and_trains_in_graph_mode():
+    """Conversion never fails because part of a model is dynamic: the report
+    names the dynamic layer, and `fit` runs it in graph mode."""
+    model = HostModel()
+    x = np.full((4, 1), 0.5, "float32")
+    converted = kip.convert_to_functional(model, x)
+    (reason,) = converted.kip_report.opaque.values()
+    assert "`dynamic_block`" in reason
+    for value in (0.5, -0.5):
+        assert_equivalent(model, converted, np.full((4, 1), value, "float32"))
+    snapshot_attributes = {id(l): set(vars(l)) for l in all_layers(model)}
+    converted.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse")
+    data = np.concatenate([np.full((4, 1), 0.5), np.full((4, 1), -0.5)] * 2)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    history = converted.fit(data.astype("float32"), np.ones((16, 1), "float32"),
+                            batch_size=4, epochs=3, verbose=0, shuffle=False)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert all(not np.array_equal(v.numpy(), b)
+               for v, b in zip(model.trainable_variables, before))
+    # Running in graph mode left no attribute (no rebound `call`) behind.
+    assert {id(l): set(vars(l)) for l in all_layers(model)} == snapshot_attributes
+    assert all("call" not in vars(l) for l in all_layers(model))
+
+
+# -- frozen BatchNormalization -----------------------------------------------------
+def test_frozen_batch_normalization_stays_frozen_in_fit():
+    model, x = zoo.make_frozen_bn()
+    converted = kip.convert_to_functional(model, x)
+    bn = model.frozen_bn
+    assert converted.kip_graph.node(bn.name).training is False
+    assert converted.kip_pinned_training == {bn.name: False}
+    assert converted.kip_graph.node(model.dropout.name).training == FOLLOW
+    mean, variance = bn.moving_mean.numpy().copy(), bn.moving_variance.numpy().copy()
+    gamma, kernel = bn.gamma.numpy().copy(), model.dense.kernel.numpy().copy()
+
+    converted.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    converted.fit(x, np.ones((8, 1), "float32"), batch_size=4, epochs=3, verbose=0)
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), mean)
+    np.testing.assert_array_equal(bn.moving_variance.numpy(), variance)
+    # It did train: the frozen BN's scale and the other layers moved.
+    assert not np.array_equal(bn.gamma.numpy(), gamma)
+    assert not np.array_equal(model.dense.kernel.numpy(), kernel)
+    # And called directly in training mode, the statistics still stay put.
+    converted(x, training=True)
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), mean)
+    assert_equivalent(model, converted, x)
+
+
+def test_frozen_batch_normalization_behaves_as_in_original_when_training():
+    model, x = zoo.make_frozen_bn()
+    model.dropout.rate = 0.0  # make training-mode outputs deterministic
+    converted = kip.convert_to_functional(model, x)
+    assert_close(converted(x, training=True), model(x, training=True), "train mode")
+
+
+# -- verification ---------------------------------------------------------------
+def test_verify_names_the_mismatching_output():
+    model, x = zoo.make_dict_model()
+    other, _ = zoo.make_dict_model()
+    converted_other = kip.convert_to_functional(other, x)
+    with pytest.raises(kip.ConversionError, match=r"output `label`") as info:
+        kip.verify.check_equivalent(model, converted_other, zoo.as_tensor(x))
+    assert isinstance(info.value, ValueError)
+
+
+def test_verify_names_a_variable_with_a_missing_gradient():
+    model, x = zoo.make_mlp()
+    model(x)
+    twin, _ = zoo.make_mlp()
+    twin(x)
+    twin.set_weights(model.get_weights())  # same values, other variables
+    converted_twin = kip.convert_to_functional(twin, x)
+    kip.verify.check_equivalent(model, converted_twin, tf.constant(x), gradients=False)
+    with pytest.raises(kip.ConversionError) as info:
+        kip.verify.check_equivalent(model, converted_twin, tf.constant(x))
+    message = str(info.value)
+    assert f"`{model.trainable_variables[0].path}`" in message
+    assert "missing" in message
+
+
+class Scaled(keras.Model):
+    def __init__(self, dense, trick=False, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+        self.trick = trick
+
+    def call(self, inputs):
+        y = self.dense(inputs)
+        if self.trick:  # same value, twice the gradient
+            return 2.0 * y - keras.ops.stop_gradient(y)
+        return y
+
+
+def test_verify_names_a_variable_whose_gradient_differs():
+    dense = keras.layers.Dense(2)
+    x = np.random.rand(4, 3).astype("float32")
+    plain, tricked = Scaled(dense), Scaled(dense, trick=True)
+    converted = kip.convert_to_functional(tricked, x)
+    with pytest.raises(kip.ConversionError, match="differs") as info:
+        kip.verify.check_equivalent(plain, converted, tf.constant(x))
+    assert f"gradient w.r.t. variable `{dense.kernel.path}`" in str(info.value)
+
+
+class TwoFaced(keras.Model):
+    """Computes something else when traced than when run: what verification
+    exists to catch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        y = self.dense(inputs)
+        if isinstance(inputs, keras.KerasTensor):
+            return {"out": y * 2.0}
+        return {"out": y}
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_verify_true_raises_and_leaves_the_model_unchanged(built):
+    model = TwoFaced()
+    x = np.random.rand(4, 3).astype("float32")
+    if built:
+        model(x)
+    snapshot = Snapshot(model)
+    with pytest.raises(kip.ConversionError, match=r"output `out`"):
+        kip.convert_to_functional(model, x, verify=True)
+    snapshot.assert_unchanged()
+    converted = kip.convert_to_functional(model, x, verify=False)
+    assert not np.allclose(converted(x)["out"], model(x)["out"])
+
+
+# -- bad input --------------------------------------------------------------------
+def _bad_data_cases():
+    x = np.random.RandomState(0).normal(size=(8, 6)).astype("float32")
+    slices = tf.data.Dataset.from_tensor_slices
+    return {
+        "empty_dataset": (slices(x).batch(4).take(0), kip.InputDataError, "empty"),
+        "filtered_empty": (
+            slices(x).batch(4).filter(lambda b: False), kip.InputDataError, "empty"),
+        "unbatched_dataset": (slices(x), kip.InputDataError, "not batched"),
+        "unbatched_x_y": (slices((x, x[:, :1])), kip.InputDataError, "not batched"),
+        "unbatched_mapped": (
+            slices(x).map(lambda a: a + 1.0), kip.InputDataError, "not batched"),
+        "unbatch_of_batched": (
+            slices(x).batch(4).unbatch(), kip.InputDataError, "not batched"),
+        "generator": ((row for row in [x]), kip.InputTypeError, "generator"),
+        "iterator": (iter([x]), kip.InputTypeError, "first batch"),
+        "wrong_width": (x[:, :2], kip.InputDataError, "rejected the first batch"),
+        "dict_for_array_model": (
+            {"a": x}, kip.InputDataError, r"rejected the first batch \(a dict with keys 'a'\)"),
+        "list_of_three": ([x, x, x], kip.InputDataError, "rejected the first batch"),
+        "tuple_of_four": ((x, x, x, x), kip.InputDataError, "tuple of 4"),
+        "scalar": (np.float32(1.0), kip.InputDataError, "scalar"),
+        "string": ("x", kip.InputTypeError, "Input `x` is a str"),
+        "none": (None, kip.InputTypeError, "NoneType"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case, built",
+    [
+        (case, built)
+        for case in sorted(_bad_data_cases())
+        for built in (True, False)
+        # An unbuilt model takes any width: that batch is its first.
+        if not (case == "wrong_width" and not built)
+    ],
+)
+def test_bad_data_raises_and_leaves_the_model_unchanged(case, built):
+    data, error, message = _bad_data_cases()[case]
+    model, x = zoo.make_mlp()
+    if built:
+        model(x)
+    snapshot = Snapshot(model)
+    with pytest.raises(error, match=message) as info:
+        kip.convert_to_functional(model, data)
+    assert isinstance(info.value, (ValueError, TypeError))
+    snapshot.assert_unchanged()
+    # Nothing half-built stays behind: good data converts afterwards.
+    converted = kip.convert_to_functional(model, x)
+    assert_equivalent(model, converted, x)
+
+
+def test_generator_is_not_read():
+    _, x = zoo.make_mlp()
+    model, _ = zoo.make_mlp()
+    generator = (batch for batch in [x, x * 2])
+    with pytest.raises(kip.InputTypeError, match="generator"):
+        kip.convert_to_functional(model, generator)
+    np.testing.assert_array_equal(next(generator), x)
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["built", "unbuilt"])
+def test_data_whose_structure_call_rejects(built):
+    model, x = zoo.make_dict_model()
+    if built:
+        model(x)
+    snapshot = Snapshot(model)
+    with pytest.raises(kip.InputDataError, match=rf"`{model.name}.call` rejected"):
+        kip.convert_to_functional(model, x["features"])
+    snapshot.assert_unchanged()
+    with pytest.raises(kip.InputDataError, match="keys 'features'"):
+        kip.convert_to_functional(model, {"features": x["features"]})
+    snapshot.assert_unchanged()
+    converted = kip.convert_to_functional(model, x)
+    assert_equivalent(model, converted, x)
+
+
+@pytest.mark.parametrize(
+    "not_a_model",
+    [keras.layers.Dense(3), lambda x: x, tf.Module(), None, zoo.MLP],
+    ids=["layer", "function", "tf_module", "none", "model_class"],
+)
+def test_not_a_keras_model(not_a_model):
+    x = np.zeros((4, 6), "float32")
+    with pytest.raises(kip.InputTypeError, match="Expected a keras.Model") as info:
+        kip.convert_to_functional(not_a_model, x)
+    assert isinstance(info.value, TypeError)
+    assert type(not_a_model).__name__ in str(info.value)
+
+
+def test_not_a_model_layer_is_left_alone():
+    layer = keras.layers.Dense(3)
+    layer(np.zeros((2, 6), "float32"))
+    snapshot = Snapshot(layer)
+    with pytest.raises(kip.InputTypeError, match="got Dense"):
+        kip.convert_to_functional(layer, np.zeros((4, 6), "float32"))
+    snapshot.assert_unchanged()
+
+
+def test_successful_conversion_rebinds_nothing():
+    model, x = zoo.make_cnn()
+    model(x)
+    weights = [w.numpy().copy() for w in model.weights]
+    kip.convert_to_functional(model, x)
+    for layer in all_layers(model):
+        assert "call" not in vars(layer)
+    for before, after in zip(weights, model.weights):
+        np.testing.assert_array_equal(after.numpy(), before)
+
+
+def test_dynamic_model_trains_under_mirrored(mirrored):
+    """MirroredStrategy traces each replica's step in its own thread: the
+    opaque node's graph-mode call must work there too, and leave nothing on
+    the user's layers."""
+    with mirrored.scope():
+        model = HostModel()
+        converted = kip.convert_to_functional(model, np.full((4, 1), 0.5, "float32"))
+        converted.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse")
+    data = np.concatenate([np.full((4, 1), 0.5), np.full((4, 1), -0.5)] * 2)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    converted.fit(data.astype("float32"), np.ones((16, 1), "float32"),
+                  batch_size=8, epochs=2, verbose=0, shuffle=False)
+    assert all(not np.array_equal(v.numpy(), b)
+               for v, b in zip(model.trainable_variables, before))
+    assert all("call" not in vars(l) for l in all_layers(model))
