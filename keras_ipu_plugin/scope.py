@@ -14,6 +14,7 @@ import weakref
 
 import keras
 
+from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import validate_passes
 from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.training import Runtime
@@ -36,6 +37,16 @@ def scope(strategy=None, passes=(), verify=True):
     """
     passes = validate_passes(passes)
     strategy = strategy or get_backend().default_strategy()
+    if _keras_internals.reduces_across_workers(strategy):
+        raise ValueError(
+            "kip.scope cannot plug models into MultiWorkerMirroredStrategy "
+            "training: a model created inside the strategy's scope makes "
+            "Keras's own `fit` fail in its first symbolic build, before any "
+            "plugin code runs, and the plugin does not patch your model. Use "
+            "kip.PluginModel (created inside the scope), or create the model "
+            "outside the scope, then build, compile and fit it inside "
+            "`with strategy.scope():` with kip.PluginCallback."
+        )
     before = _compile_states()
     with strategy.scope():
         yield strategy
