@@ -56,8 +56,9 @@ def build_model():
     return Regressor()
 
 
-def train(strategy, out_dir=None, is_chief=True, index=0):
-    """Train under `strategy`; return the final weights as numpy arrays."""
+def train(strategy, out_dir=None, is_chief=True, index=0, entry="plugin_model"):
+    """Train under `strategy` through `entry` ("plugin_model" or "callback");
+    return the losses and the trained model."""
     import tensorflow as tf
 
     import keras_ipu_plugin as kip
@@ -67,12 +68,22 @@ def train(strategy, out_dir=None, is_chief=True, index=0):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     dataset = dataset.with_options(options)
-    with strategy.scope():
-        model = build_model()
-        model(x[:2])
-        plugin = kip.PluginModel(model, passes=[kip.passes.Expand()])
-        plugin.compile(optimizer="sgd", loss="mse")
-    history = plugin.fit(dataset, epochs=EPOCHS, verbose=0)
+    if entry == "plugin_model":
+        with strategy.scope():
+            model = build_model()
+            model(x[:2])
+            plugin = kip.PluginModel(model, passes=[kip.passes.Expand()])
+            plugin.compile(optimizer="sgd", loss="mse")
+        history = plugin.fit(dataset, epochs=EPOCHS, verbose=0)
+    else:
+        # Created outside the scope: Keras's own fit would otherwise fail in
+        # its first symbolic build under MultiWorkerMirroredStrategy.
+        plugin = build_model()
+        with strategy.scope():
+            plugin(x[:2])
+            plugin.compile(optimizer="sgd", loss="mse")
+            history = plugin.fit(dataset, epochs=EPOCHS, verbose=0, callbacks=[
+                kip.PluginCallback(passes=[kip.passes.Expand()])])
     if out_dir:
         if is_chief:
             plugin.save_weights(os.path.join(out_dir, "chief.weights.h5"))
@@ -82,13 +93,13 @@ def train(strategy, out_dir=None, is_chief=True, index=0):
     return history.history["loss"], plugin
 
 
-def worker_main(out_dir):
+def worker_main(out_dir, entry):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    loss, _ = train(strategy, out_dir, is_chief=index == 0, index=index)
+    loss, _ = train(strategy, out_dir, is_chief=index == 0, index=index, entry=entry)
     print(f"worker {index} final loss: {loss[-1]:.5f}", flush=True)
 
 
@@ -102,7 +113,7 @@ def free_ports(count):
     return ports
 
 
-def launch(out_dir, workers=2, timeout=240):
+def launch(out_dir, workers=2, timeout=240, entry="plugin_model"):
     """Start `workers` processes on 127.0.0.1 and wait; on any failure or
     timeout every process is killed. Returns their outputs."""
     os.makedirs(out_dir, exist_ok=True)
@@ -114,7 +125,7 @@ def launch(out_dir, workers=2, timeout=240):
             env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CONFIG=json.dumps(
                 {"cluster": cluster, "task": {"type": "worker", "index": index}}))
             processes.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--out", out_dir],
+                [sys.executable, __file__, "--worker", "--out", out_dir, "--entry", entry],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout
         outputs = []
@@ -137,12 +148,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--entry", choices=["plugin_model", "callback"], default="plugin_model")
     args = parser.parse_args()
     if args.worker:
-        worker_main(args.out)
+        worker_main(args.out, args.entry)
         return
     out_dir = args.out or tempfile.mkdtemp(prefix="kip_multi_worker_")
-    for output in launch(out_dir):
+    for output in launch(out_dir, entry=args.entry):
         print(output.strip().splitlines()[-1])
     print(f"chief checkpoint: {os.path.join(out_dir, 'chief.weights.h5')}")
 

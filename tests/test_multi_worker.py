@@ -19,16 +19,17 @@ def _example():
 
 
 @pytest.mark.slow
-def test_two_workers_train_like_one_process(tmp_path):
+@pytest.mark.parametrize("entry", ["plugin_model", "callback"])
+def test_two_workers_train_like_one_process(tmp_path, entry):
     example = _example()
     # `launch` kills both workers on failure or after the time limit.
-    example.launch(str(tmp_path), workers=2, timeout=300)
+    example.launch(str(tmp_path), workers=2, timeout=300, entry=entry)
     results = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
     assert (tmp_path / "chief.weights.h5").exists()
     for mine, theirs in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(np.array(mine), np.array(theirs))
 
-    losses, single = example.train(tf.distribute.get_strategy())
+    losses, single = example.train(tf.distribute.get_strategy(), entry=entry)
     for expected, actual in zip(single.get_weights(), results[0]["weights"]):
         np.testing.assert_allclose(np.array(actual), expected, atol=1e-4)
     np.testing.assert_allclose(results[0]["loss"], losses, atol=1e-4)
