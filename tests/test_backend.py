@@ -182,7 +182,11 @@ def ipu_stand_in(monkeypatch):
         return fn
 
     ipu.outlined_function = outlined_function
-    ipu.ipu_strategy = types.SimpleNamespace(IPUStrategy=lambda: tf.distribute.get_strategy())
+    def ipu_strategy():
+        recorder.calls.append(("IPUStrategy",))
+        return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+    ipu.ipu_strategy = types.SimpleNamespace(IPUStrategy=ipu_strategy)
     addons = types.ModuleType("ipu_tensorflow_addons.keras.layers")
 
     class Dropout(keras.layers.Dropout):
@@ -240,3 +244,12 @@ def test_ipu_stage_assignment_uses_graphcore_keras_api(ipu_stand_in):
 def test_portable_backend_off_ipu():
     assert kip.backend() == "portable"
     assert kip.ipu_replacements() == []
+
+
+def test_scope_uses_ipu_strategy_by_default(ipu_stand_in):
+    """With the recording stand-in: kip.scope() enters an IPUStrategy."""
+    recorder, _ = ipu_stand_in
+    with kip.scope() as strategy:
+        assert tf.distribute.get_strategy() is strategy
+    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    assert ("IPUStrategy",) in recorder.calls
