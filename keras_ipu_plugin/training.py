@@ -14,6 +14,8 @@ epoch boundary leads to a rebuild of the converted graph and of the step
 function; the optimizer gains state for the new variables only.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -103,10 +105,9 @@ class Runtime:
         return [id(layer) for layer in graph.layers()] != self._layer_sequence
 
     def new_variables(self):
-        """Model variables created since the last conversion (checked only
-        when the watch saw a variable being created)."""
-        if not self.watch.changed:
-            return []
+        """Model variables created since the last conversion. Walks the
+        model's variables: called only after a trace, or after an eager step
+        in which the watch saw a variable being created."""
         self.watch.take()
         return [v for v in self.subject.trainable_variables if id(v) not in self._known]
 
@@ -192,9 +193,14 @@ class StepFunction:
 
     def _run(self, source):
         runtime = self.runtime
+        eager = runtime.owner.run_eagerly
         for _ in range(_MAX_REBUILDS_PER_STEP):
+            traces = runtime.traces
             try:
-                with runtime.watch.watching():
+                # In graph mode variables can only appear while the step is
+                # traced, which `runtime.traces` counts: the compiled steps
+                # pay nothing. Eager steps run under the watch's creator scope.
+                with runtime.watch.watching() if eager else contextlib.nullcontext():
                     outputs = self.function(source)
             except NeedsExtension as need:
                 # Met while tracing (or in a replica): nothing ran; extend the
@@ -215,7 +221,8 @@ class StepFunction:
                 runtime.rebuild("variables created while tracing")
                 self._make()
                 continue
-            new = runtime.new_variables()
+            created = runtime.watch.changed if eager else runtime.traces != traces
+            new = runtime.new_variables() if created else []
             if new:
                 if not runtime.rebuild_on_new_variables:
                     raise NewVariablesError(describe_new_variables(new, runtime.subject))
