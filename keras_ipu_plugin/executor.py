@@ -143,17 +143,19 @@ class Executor:
         # (Layer.__call__ would drop an unused `training` itself).
         accepted = inspect.signature(layer.call).parameters
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        tensor_kwargs = [k for k, v in kwargs.items() if tf.is_tensor(v)]
-        if tensor_kwargs or not layer.built:
-            return layer(*args, **kwargs)
-        key = _outline_key(layer, node, kwargs)
+        # Tensors (a mask, an attention mask) are arguments of the shared
+        # body; other values are part of what makes two calls share it.
+        tensor_kwargs = {k: v for k, v in kwargs.items() if tf.is_tensor(v)}
+        static_kwargs = {k: v for k, v in kwargs.items() if k not in tensor_kwargs}
+        key = _outline_key(layer, node, static_kwargs) + (tuple(sorted(tensor_kwargs)),)
         shared = self.outlined.get(key)
         if shared is None:
-            shared = self.backend.outline(_stateless_body(layer, kwargs), **outline_kwargs)
+            shared = self.backend.outline(_stateless_body(layer, static_kwargs), **outline_kwargs)
             self.outlined[key] = shared
         outputs, new_state = shared(
             [tf.convert_to_tensor(v.value) for v in layer.trainable_variables],
             [tf.convert_to_tensor(v.value) for v in layer.non_trainable_variables],
+            tensor_kwargs,
             *args,
         )
         for variable, value in zip(layer.non_trainable_variables, new_state):
@@ -166,8 +168,10 @@ def _stateless_body(representative, kwargs):
     run on the weights passed in (`stateless_call`), so N layers share it."""
     kwargs = dict(kwargs)
 
-    def body(trainable, non_trainable, *args):
-        return representative.stateless_call(trainable, non_trainable, *args, **kwargs)
+    def body(trainable, non_trainable, tensor_kwargs, *args):
+        return representative.stateless_call(
+            trainable, non_trainable, *args, **kwargs, **tensor_kwargs
+        )
 
     return body
 

@@ -123,12 +123,27 @@ class PluginModel(keras.Model):
         return converted(inputs, training=training, **kwargs)
 
     def build(self, input_shape):
-        # Reached on `load_model` (from the saved build config) before the
-        # weights are loaded: the wrapped model's variables must exist, so
-        # call it once on zeros of the saved shape.
-        if not self.wrapped.built and input_shape is not None:
-            self.wrapped(_zeros(input_shape))
+        # Nothing to build here: the first real batch converts (and builds)
+        # the wrapped model, with the right dtypes.
         self.built = True
+
+    def build_from_config(self, config):
+        # `load_model` restores weights right after this, so the wrapped
+        # model's variables must exist: call it once on zeros of the saved
+        # input shape (float inputs; a model taking strings or ids needs
+        # `plugin(first_batch)` before `load_weights` instead).
+        shape = (config or {}).get("input_shape")
+        if shape is not None and not self.wrapped.built:
+            self.wrapped(_zeros(shape))
+        self.built = True
+
+    @property
+    def metrics(self):
+        """The wrapped model's metrics when its class defines them (a custom
+        `train_step` with its own trackers), else the compiled ones."""
+        if type(self.wrapped).metrics is not keras.Model.metrics:
+            return self.wrapped.metrics
+        return super().metrics
 
     # -- training: the wrapped model's own steps, forward through `converted`
     def make_train_function(self, force=False):

@@ -15,6 +15,7 @@ function; the optimizer gains state for the new variables only.
 """
 
 import contextlib
+import types
 
 import keras
 import tensorflow as tf
@@ -136,6 +137,11 @@ class ForwardProxy:
         value = getattr(runtime.owner, name)
         if isinstance(value, keras.optimizers.Optimizer):
             return OptimizingFacade(value, runtime.rebuild_on_new_variables, runtime.subject)
+        if _is_user_method(value, runtime):
+            # A helper of the model's own class called from its train step
+            # (`self.losses_of(x)`) must see the proxy as `self` too, so its
+            # `self(x)` also runs the converted graph.
+            return types.MethodType(value.__func__, self)
         return value
 
     def __setattr__(self, name, value):
@@ -248,6 +254,18 @@ def _union(first, second):
             seen.add(id(variable))
             merged.append(variable)
     return merged
+
+
+_LIBRARY_PACKAGES = ("keras", "tensorflow", "keras_ipu_plugin")
+
+
+def _is_user_method(value, runtime):
+    if not isinstance(value, types.MethodType):
+        return False
+    if value.__self__ is not runtime.subject and value.__self__ is not runtime.owner:
+        return False
+    module = getattr(value.__func__, "__module__", "") or ""
+    return module.split(".")[0] not in _LIBRARY_PACKAGES
 
 
 def _with_leading_axis(value):

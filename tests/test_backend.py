@@ -253,3 +253,38 @@ def test_scope_uses_ipu_strategy_by_default(ipu_stand_in):
         assert tf.distribute.get_strategy() is strategy
     assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
     assert ("IPUStrategy",) in recorder.calls
+
+
+class MaskedBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x, mask=None):
+        return self.norm(x + self.attention(x, x, attention_mask=mask))
+
+
+class MaskedTower(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Embedding(20, 8)
+        self.blocks = [MaskedBlock(name=f"masked_{i}") for i in range(3)]
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        mask = keras.ops.expand_dims(keras.ops.not_equal(ids, 0), 1)
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return self.head(x[:, 0])
+
+
+def test_outline_passes_tensor_keyword_arguments_through():
+    ids = np.random.default_rng(0).integers(1, 20, size=(4, 6))
+    ids[:, 4:] = 0
+    model = MaskedTower()
+    converted = kip.convert_to_functional(model, ids)
+    outlined = kip.apply_passes(converted, [kip.passes.Outline(MaskedBlock)])
+    kip.verify.check_equivalent(model, outlined, ids)
+    assert len(outlined._kip_executor.outlined) == 1

@@ -232,3 +232,62 @@ def test_errors_before_any_training_step():
     for b, v in zip(before, net.weights):
         np.testing.assert_array_equal(b, v.numpy())
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+class TrackedLossModel(keras.Model):
+    """The keras.io custom-train_step pattern: its own tracker in `metrics`,
+    and a helper method that runs the forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(1)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def squared_error(self, x, y):
+        return tf.reduce_mean((self(x, training=True) - y) ** 2)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.squared_error(x, y)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+class CountingDense(keras.layers.Dense):
+    calls = 0
+
+    def call(self, inputs, training=None):
+        CountingDense.calls += 1
+        return super().call(inputs)
+
+
+def test_custom_metrics_property_and_helper_methods_are_honoured():
+    x, y = _data()
+    keras.utils.set_random_seed(3)
+    plain = TrackedLossModel()
+    plain.compile(optimizer="sgd")
+    expected = plain.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history["loss"]
+
+    keras.utils.set_random_seed(3)
+    CountingDense.calls = 0
+    plugin = kip.PluginModel(TrackedLossModel(), passes=[kip.passes.Replace(
+        {keras.layers.Dense: kip.passes.Replacement(CountingDense, copy_weights=True)})])
+    plugin.compile(optimizer="sgd")
+    plugin.convert(x[:16])
+    CountingDense.calls = 0  # Replace itself called the new layers
+    actual = plugin.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(actual, expected, atol=1e-5)
+    # the helper's `self(x)` ran the converted graph, whose Dense layers
+    # are the replacements (counted while the train step is traced)
+    assert CountingDense.calls > 0
