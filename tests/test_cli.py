@@ -1,0 +1,118 @@
+"""`python -m keras_ipu_plugin inspect` on a gallery model."""
+
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keras_ipu_plugin import cli
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RESNET = f"{EXAMPLES / 'resnet_blocks.py'}:SmallResNet"
+SEQ2SEQ = f"{EXAMPLES / 'seq2seq.py'}:Seq2Seq"
+
+
+def test_inspect_prints_the_report_and_the_graph_summary(capsys):
+    assert cli.main(["inspect", RESNET, "--data-shape", "16,16,3"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs: float32[2, 16, 16, 3]" in out
+    assert "keras_ipu_plugin report" in out
+    assert "│ convert │ block_0" in out                     # the report's rows
+    assert 'Model: "small_res_net_functional"' in out      # the summary
+    assert "block_1 (ResidualBlock)" in out and "Total params" in out
+
+
+def test_inspect_applies_a_passes_config(tmp_path, capsys):
+    config = tmp_path / "passes.yaml"
+    config.write_text("expand: all\nrecompute: [block_0.bn_2]\n")
+    assert cli.main(["inspect", RESNET, "--data-shape", "16x16x3", "--passes", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "│ expand    │ block_0" in out
+    assert "│ recompute │ block_0.bn_2" in out
+    summary = out.split("Model: ", 1)[1]
+    assert "block_1.conv_1 (Conv2D)" in summary  # the passed graph's summary
+
+
+def test_inspect_named_integer_inputs_make_a_dict(capsys):
+    argv = ["inspect", SEQ2SEQ, "--data-shape", "source=6", "--data-shape", "target_in=6",
+            "--dtype", "int32", "--int-range", "2,12"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "inputs: source: int32[2, 6], target_in: int32[2, 6]" in out
+    assert "source (InputLayer)" in out and "target_in (InputLayer)" in out
+
+
+@pytest.mark.skipif(
+    shutil.which("dot") is None,
+    reason="graphviz's `dot` is not on PATH (apt-get install graphviz), so "
+           "keras.utils.plot_model cannot draw",
+)
+def test_plot_writes_a_png(tmp_path, capsys):
+    # pydot comes with the `plot` extra; where `dot` exists it must be there too.
+    out_file = tmp_path / "plots" / "resnet.png"
+    assert cli.main(["inspect", RESNET, "--data-shape", "16,16,3", "--plot", str(out_file)]) == 0
+    assert out_file.is_file() and out_file.stat().st_size > 1000
+    assert out_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {out_file}" in capsys.readouterr().out
+
+
+def test_plot_without_pydot_says_so_and_exits_2(tmp_path, monkeypatch, capsys):
+    real_import = importlib.import_module
+
+    def import_module(name, *args, **kwargs):
+        if name == "pydot" or name.startswith("pydot."):
+            raise ImportError("No module named 'pydot'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    out_file = tmp_path / "resnet.png"
+    code = cli.main(["inspect", RESNET, "--data-shape", "16,16,3", "--plot", str(out_file)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "pydot is not installed" in err and "pip install pydot" in err
+    assert "graphviz" in err
+    assert not out_file.exists()
+
+
+def test_plot_without_graphviz_says_so_and_exits_2(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("pydot", reason="this test is about `dot` missing once pydot imports")
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+    code = cli.main(["inspect", RESNET, "--data-shape", "16,16,3",
+                     "--plot", str(tmp_path / "resnet.png")])
+    assert code == 2
+    assert "no `dot` on PATH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "no_such_file.py:Model", "--data-shape", "4"], "no such file"),
+    (["inspect", str(EXAMPLES / "vae.py"), "--data-shape", "4"], "expected FILE.py:NAME"),
+    (["inspect", f"{EXAMPLES / 'vae.py'}:Nope", "--data-shape", "4"], "has no `Nope`"),
+    (["inspect", f"{EXAMPLES / 'vae.py'}:make_data", "--data-shape", "4"], "not a keras.Model"),
+    (["inspect", RESNET, "--data-shape", "16,a"], "dimensions must be integers"),
+    (["inspect", RESNET, "--data-shape", "4", "--data-shape", "4",
+      "--dtype", "int32", "--dtype", "int32", "--dtype", "int32"], "once per --data-shape"),
+])
+def test_usage_errors_are_one_line_with_exit_code_2(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_a_model_that_rejects_the_data_fails_with_exit_code_1(capsys):
+    assert cli.main(["inspect", RESNET, "--data-shape", "16"]) == 1
+    assert "rejected the first batch" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_ipu_plugin", "inspect", RESNET, "--data-shape", "16,16,3"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "keras_ipu_plugin report" in result.stdout
+    assert "Total params" in result.stdout
