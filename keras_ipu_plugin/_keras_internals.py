@@ -289,3 +289,8 @@ def reduces_across_workers(strategy):
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
         getattr(extended, "_in_multi_worker_mode", lambda: False)()
     )
+
+
+def all_layers(layer):
+    """`layer` and every layer inside it, each once."""
+    return layer._flatten_layers(include_self=True, recursive=True)

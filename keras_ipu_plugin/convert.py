@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import inputs as inputs_lib
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
@@ -122,7 +123,7 @@ class ModelState:
 
     def __init__(self, model):
         self._objects = []
-        for layer in model._flatten_layers(include_self=True, recursive=True):
+        for layer in _keras_internals.all_layers(model):
             self._objects.append(_ObjectState(layer))
             tracker = vars(layer).get("_tracker")
             if tracker is not None:

@@ -111,7 +111,7 @@ def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned):
     kwargs = dict(kwargs)
     if accepts_training(layer):
         kwargs["training"] = training
-    sub_layers = layer._flatten_layers(include_self=True, recursive=True)
+    sub_layers = _keras_internals.all_layers(layer)
     with _keras_internals.node_lists_snapshot(sub_layers, always=True):
         with _keras_internals.call_context(layer, training):
             try:

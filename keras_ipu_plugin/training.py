@@ -59,6 +59,7 @@ class Runtime:
         self.traces = 0  # Python runs of a step: traces, in graph mode
         self._known = set()
         self._layer_sequence = None
+        self._fingerprint = None
 
     @property
     def strategy(self):
@@ -83,6 +84,7 @@ class Runtime:
             converted.kip_report.add(*entry)
         self.converted = converted
         self._known = {id(v) for v in self.subject.variables}
+        self._fingerprint = _attribute_fingerprint(self.subject)
 
     def rebuild(self, reason):
         """Convert again (the model's variables or layers changed)."""
@@ -94,9 +96,15 @@ class Runtime:
 
     def structure_changed(self):
         """Whether `call` now reaches other layers than at the last conversion
-        (a Python attribute switched a branch). Checked at epoch boundaries."""
+        (a Python attribute switched a branch). Checked at epoch boundaries:
+        the model is traced again only when the plain Python attributes of
+        its layers (flags, counts, names) changed since the last look."""
         if self._layer_sequence is None or _is_opaque(self.converted):
             return False
+        fingerprint = _attribute_fingerprint(self.subject)
+        if fingerprint == self._fingerprint:
+            return False
+        self._fingerprint = fingerprint
         specs = input_specs(self.first_x)
         with self.strategy.scope(), self.watch.watching():
             try:
@@ -257,6 +265,20 @@ def _union(first, second):
 
 
 _LIBRARY_PACKAGES = ("keras", "tensorflow", "keras_ipu_plugin")
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _attribute_fingerprint(model):
+    """The plain Python attributes of every layer of `model` (and the
+    lengths of its containers): what a Python branch in `call` can read."""
+    parts = []
+    for layer in _keras_internals.all_layers(model):
+        for name, value in vars(layer).items():
+            if isinstance(value, _PLAIN):
+                parts.append((id(layer), name, value))
+            elif isinstance(value, (list, tuple, dict)) and not name.startswith("_"):
+                parts.append((id(layer), name, len(value)))
+    return hash(tuple(parts))
 
 
 def _is_user_method(value, runtime):
@@ -301,10 +323,11 @@ def _is_opaque(converted):
     return graph is not None and any(isinstance(n.operation, OpaqueLayer) for n in graph.nodes)
 
 
-def install(model, runtime, steps=None):
+def install(model, runtime):
     """Give `model` plugin train / test functions (what the callback and
-    `kip.scope` do); `steps` maps "train_step" / "test_step" to the step
-    methods to run (default: the model class's own)."""
-    steps = steps or {}
-    model.train_function = StepFunction(runtime, steps.get("train_step", type(model).train_step))
-    model.test_function = StepFunction(runtime, steps.get("test_step", type(model).test_step))
+    `kip.scope` do), keeping ones already given for the same runtime so a
+    second `fit` does not trace the step again."""
+    for attribute, step in (("train_function", "train_step"), ("test_function", "test_step")):
+        current = getattr(model, attribute, None)
+        if not (isinstance(current, StepFunction) and current.runtime is runtime):
+            setattr(model, attribute, StepFunction(runtime, getattr(type(model), step)))

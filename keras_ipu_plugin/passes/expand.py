@@ -221,9 +221,20 @@ def _reject_frozen_variables(layer, nodes, tape):
 
 def _tf_variables(layer):
     """The TensorFlow variables under `layer`'s Keras variables, trainable
-    or not (a frozen moving mean is as stale as a frozen kernel)."""
-    variables = (getattr(v, "value", v) for v in layer.weights)
-    return [v for v in variables if v.dtype.is_floating]
+    or not (a frozen moving mean is as stale as a frozen kernel); for a
+    distributed variable, its per-replica components (an eager read outside
+    a replica context reads one of them)."""
+    found = []
+    for variable in layer.weights:
+        variable = getattr(variable, "value", variable)
+        if not variable.dtype.is_floating:
+            continue
+        strategy = getattr(variable, "_distribute_strategy", None)
+        if strategy is not None:
+            found.extend(strategy.experimental_local_results(variable))
+        else:
+            found.append(variable)
+    return found
 
 
 def _leaves(structure):
