@@ -6,6 +6,7 @@ Example:
     >>> print(converted.kip_report)
 """
 
+from keras_ipu_plugin.alias import LayerAlias
 from keras_ipu_plugin.convert import Converter
 from keras_ipu_plugin.convert import convert_to_functional
 from keras_ipu_plugin.errors import ConfigError

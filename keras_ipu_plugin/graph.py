@@ -60,6 +60,7 @@ class Node:
         self.training = training
         self.annotations = {}
         self.opaque_reason = None
+        self.made_by_pass = False  # a layer a pass created, not the user's
 
     @property
     def input_values(self):
@@ -134,6 +135,7 @@ class Graph:
             )
             new.annotations = dict(node.annotations)
             new.opaque_reason = node.opaque_reason
+            new.made_by_pass = node.made_by_pass
             new.outputs = [copy_value(v, new) for v in node.outputs]
             nodes.append(new)
         outputs = map_values(lambda v: values[id(v)], self.outputs)
@@ -175,21 +177,21 @@ class Graph:
             return leaf
 
         pinned, annotations = {}, {}
+        named = _UniqueNames()
         for node in self.nodes:
+            operation = named.operation_for(node)
             args = _map_leaves(resolve, node.args)
             kwargs = _map_leaves(resolve, node.kwargs)
             kwargs.pop("training", None)
             if node.training in (True, False):
                 kwargs["training"] = node.training
-                pinned[node.operation.name] = node.training
-            with _keras_internals.call_context(node.operation, None):
-                outputs = node.operation(*args, **kwargs)
+                pinned[operation.name] = node.training
+            with _keras_internals.call_context(operation, None):
+                outputs = operation(*args, **kwargs)
             for value, tensor in zip(node.outputs, keras.tree.flatten(outputs)):
                 tensors[id(value)] = tensor
             if node.annotations:
-                annotations.setdefault(node.operation.name, {}).update(
-                    node.annotations
-                )
+                annotations.setdefault(operation.name, {}).update(node.annotations)
         outputs = _map_leaves(resolve, self.outputs)
         model = KipFunctional(
             inputs,
@@ -222,6 +224,45 @@ class Graph:
             )
             lines.append(f"  {node.name} = {type(node.operation).__name__}({inputs})")
         return "\n".join(lines)
+
+
+class _UniqueNames:
+    """Names the rebuilt model's layers after their nodes.
+
+    A layer inlined by Expand has the node name `parent.child`; the user's
+    layer object keeps its own name (the plugin does not rename user
+    objects), so the rebuilt model calls it through a `LayerAlias` with the
+    node's name. That also gives every layer the distinct name a functional
+    model needs when blocks share sub-layer names (`conv1` in every block).
+    A layer called at several nodes gets one alias, named after the first.
+    Layers a pass created (Replace) are ours and keep the name they were
+    given.
+    """
+
+    def __init__(self):
+        self.taken = set()
+        self.chosen = {}  # id(layer) -> the layer or its alias
+
+    def operation_for(self, node):
+        operation = node.operation
+        if not isinstance(operation, keras.layers.Layer):
+            return operation  # keras.ops operations: ours, already named
+        if id(operation) in self.chosen:
+            return self.chosen[id(operation)]
+        own_name = node.name == operation.name or node.made_by_pass
+        if own_name and operation.name not in self.taken:
+            chosen = operation
+        else:
+            from keras_ipu_plugin.alias import LayerAlias
+
+            name, count = node.name, 0
+            while name in self.taken:
+                count += 1
+                name = f"{node.name}_{count}"
+            chosen = LayerAlias(operation, name=name)
+        self.taken.add(chosen.name)
+        self.chosen[id(operation)] = chosen
+        return chosen
 
 
 def _map_leaves(fn, structure):

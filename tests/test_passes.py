@@ -282,6 +282,8 @@ def test_expand_all_leaves_builtin_layers_same_results_same_variables(name):
     for node in nodes:
         assert type(node.operation).__module__.startswith("keras."), node
     for layer in passed.layers:  # the Keras model agrees with its graph
+        if isinstance(layer, kip.LayerAlias):  # a taken name: same layer, new name
+            layer = layer.layer
         if not isinstance(layer, layers.InputLayer):
             assert type(layer).__module__.startswith("keras."), layer
     kip.verify.check_equivalent(model, passed, x)  # outputs and gradients
@@ -290,21 +292,28 @@ def test_expand_all_leaves_builtin_layers_same_results_same_variables(name):
 
 
 def test_expand_names_nodes_parent_child_at_every_depth():
-    _, passed, _ = expanded(make_nested)
+    model, passed, _ = expanded(make_nested)
     names = node_names(passed)
     assert "l1.l2.l3.dense" in names
     assert "l1.l2.norm" in names
     assert "l1.proj" in names
     assert "head" in names
     assert not any(n in names for n in ("l1", "l1.l2", "l1.l2.l3"))
-    # The Keras layers carry the same names, so summary() shows the origin.
+    # The Keras layers carry the node names, so summary() shows the origin;
+    # the user's own layer keeps its name (reached through an alias).
     assert "l1.l2.l3.dense" in [layer.name for layer in passed.layers]
+    assert passed.kip_graph.node("l1.l2.l3.dense").operation.name == "dense"
 
 
 def test_expand_same_sublayer_names_in_two_blocks_stay_distinct():
     model, passed, x = expanded(make_cnn)
     names = node_names(passed)
     assert {"block_1.conv1", "block_2.conv1", "block_1.bn2", "block_2.bn2"} <= set(names)
+    # the user's layers keep their names; the second `conv1` is aliased
+    assert model.block_1.conv1.name == model.block_2.conv1.name == "conv1"
+    aliases = [layer for layer in passed.layers if isinstance(layer, kip.LayerAlias)]
+    assert any(alias.layer is model.block_2.conv1 and alias.name == "block_2.conv1"
+               for alias in aliases)
     assert passed.kip_graph.node("block_1.conv1").operation is model.block_1.conv1
     assert passed.kip_graph.node("block_2.conv1").operation is model.block_2.conv1
     # Expanding the same model again gives the same names, not doubled ones.
@@ -682,7 +691,7 @@ def test_replace_without_default_copier_needs_copy_weights_fn():
         pass
 
     calls = []
-    _, conv, x = converted(make_cnn)
+    model, conv, x = converted(make_cnn)
     with pytest.raises(kip.PassError, match="copy_weights_fn"):
         kip.apply_passes(
             conv, [Expand(), Replace({layers.GlobalAveragePooling2D: Replacement(
@@ -690,9 +699,10 @@ def test_replace_without_default_copier_needs_copy_weights_fn():
         )
     passed = kip.apply_passes(
         conv, [Expand(), Replace({layers.Add: Replacement(
-            MyAdd, copy_weights_fn=lambda old, new: calls.append((old.name, new.name)))})]
+            MyAdd, copy_weights_fn=lambda old, new: calls.append((old, new)))})]
     )
-    assert sorted(old for old, _ in calls) == ["block_1.add", "block_2.add"]
+    adds = {id(model.block_1.add), id(model.block_2.add)}
+    assert len(calls) == 2 and {id(old) for old, _ in calls} == adds
     assert_same_outputs(conv, passed, x, atol=1e-5)
 
 

@@ -4,7 +4,6 @@ A target is a layer name (the layer's own name, or its node path such as
 `"block_1.dense"`), a layer class (subclasses match too), or `"all"`.
 """
 
-import weakref
 
 import keras
 
@@ -58,28 +57,7 @@ def matches(node, target):
 
 def _names_of(operation):
     name = getattr(operation, "name", None)
-    return (name, original_name(operation)) if name is not None else ()
-
-
-# The name each layer had before Expand named it after its path
-# (`block_1.conv1` for `conv1`), so that targets can still use it.
-_original_names = weakref.WeakKeyDictionary()
-
-
-def original_name(operation):
-    """The name `operation` had before an Expand renamed it."""
-    try:
-        return _original_names.get(operation, operation.name)
-    except TypeError:  # not weak-referenceable
-        return operation.name
-
-
-def remember_original_name(operation, name):
-    """Record `name` as `operation`'s original name; False if one already is."""
-    if operation in _original_names:
-        return False
-    _original_names[operation] = name
-    return True
+    return (name,) if name is not None else ()
 
 
 def matched_nodes(graph, targets, step):

@@ -23,8 +23,6 @@ from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import matched_nodes
-from keras_ipu_plugin.passes.base import original_name
-from keras_ipu_plugin.passes.base import remember_original_name
 
 
 class Expand(Pass):
@@ -247,14 +245,13 @@ _AUTO_SUFFIX = re.compile(r"_\d+$")
 
 
 def _name_after_path(node, parent_path, used):
-    """Name `node` (and its layer) `parent.child`.
+    """Name `node` `parent.child`.
 
-    A functional model needs one name per operation, and sub-layers of
-    different custom layers often share a name (`conv1` in every block), so
-    an inlined layer takes its path as its name. A layer inlined at several
-    call sites (a shared layer) keeps the name of its first one. The original
-    name is remembered, so re-expanding the same layers gives the same names
-    and targets can still use it.
+    The user's layers keep their own names (`Graph.rebuild` calls a layer
+    whose name is already taken through a `LayerAlias` named after its
+    path). The `keras.ops` operations the trace made are ours: they take
+    their path as their name, since their auto-generated one (`add_17`)
+    depends on what ran before.
     """
     operation = node.operation
     if not isinstance(operation, keras.layers.Layer):
@@ -268,8 +265,5 @@ def _name_after_path(node, parent_path, used):
         used.add(name)
         node.name = operation.name = name
         return
-    base = original_name(operation)
-    node.name = f"{parent_path}.{base}"
+    node.name = f"{parent_path}.{operation.name}"
     used.add(node.name)
-    if remember_original_name(operation, base):
-        operation.name = node.name

@@ -19,7 +19,6 @@ from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import matches
-from keras_ipu_plugin.passes.base import original_name
 from keras_ipu_plugin.passes.expand import expand_graph
 from keras_ipu_plugin.passes.expand import is_expandable
 
@@ -127,6 +126,7 @@ class Replace(Pass):
                         node, replacement, report, self.step, name
                     )
                 node.operation = new_layers[id(old)]
+                node.made_by_pass = True  # ours: keeps the name it was given
         return graph
 
 
@@ -155,7 +155,7 @@ def _contains(node, target):
         return True
     for sub in node.operation._flatten_layers(include_self=False):
         if isinstance(target, str):
-            if target in (sub.name, original_name(sub)):
+            if target == sub.name:
                 return True
         elif isinstance(sub, target):
             return True

@@ -1,0 +1,56 @@
+"""`LayerAlias`: a second name for a layer inside a functional model.
+
+A functional model needs a distinct name for each layer, but sub-layers of
+different custom layers often share one (`conv1` in every residual block),
+and those layers are the user's objects, whose names the plugin must not
+change. When an inlined layer's name is taken, the rebuilt model calls it
+through an alias named after its graph path (`block_2.conv1`): a thin layer
+that holds the same layer object, so the variables are the same.
+"""
+
+import inspect
+
+import keras
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class LayerAlias(keras.layers.Layer):
+    """Calls `layer` under another name.
+
+    Example:
+        >>> alias = LayerAlias(block_2.conv1, name="block_2.conv1")
+        >>> alias.layer is block_2.conv1
+        True
+    """
+
+    def __init__(self, layer, **kwargs):
+        kwargs.setdefault("dtype", layer.dtype_policy)
+        super().__init__(**kwargs)
+        self.layer = layer
+        self.supports_masking = layer.supports_masking
+        self._passes_training = "training" in inspect.signature(layer.call).parameters
+        self.built = True
+
+    def call(self, *args, training=None, **kwargs):
+        if self._passes_training:
+            kwargs["training"] = training
+        return self.layer(*args, **kwargs)
+
+    def compute_output_spec(self, *args, training=None, **kwargs):
+        if self._passes_training:
+            kwargs["training"] = training
+        return self.layer.compute_output_spec(*args, **kwargs)
+
+    def compute_mask(self, *args, **kwargs):
+        return self.layer.compute_mask(*args, **kwargs)
+
+    def get_config(self):
+        config = super().get_config()
+        config["layer"] = keras.saving.serialize_keras_object(self.layer)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["layer"] = keras.saving.deserialize_keras_object(config["layer"])
+        return cls(**config)
