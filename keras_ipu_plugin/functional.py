@@ -43,6 +43,9 @@ class KipFunctional(_keras_internals.Functional):
         self.kip_stage_devices = list(kip_stage_devices or [])
         self.kip_report = None
         self.kip_graph = None
+        # (old layer, new layer) pairs made by Replace; not tracked, so the
+        # replaced layers' variables are not this model's
+        object.__setattr__(self, "kip_replaced", ())
         self._kip_executor = None
 
     @property

@@ -87,6 +87,7 @@ class Graph:
         self.nodes = list(nodes)
         self.outputs = outputs  # nest of Values
         self.name = name
+        self.replaced = []  # (old layer, new layer) pairs made by Replace
 
     # -- queries ---------------------------------------------------------
     def consumers(self, node):
@@ -139,7 +140,9 @@ class Graph:
             new.outputs = [copy_value(v, new) for v in node.outputs]
             nodes.append(new)
         outputs = map_values(lambda v: values[id(v)], self.outputs)
-        return Graph(self.input_specs, input_values, nodes, outputs, self.name)
+        graph = Graph(self.input_specs, input_values, nodes, outputs, self.name)
+        graph.replaced = list(self.replaced)
+        return graph
 
     # -- edits -------------------------------------------------------------
     def splice(self, node, new_nodes, output_map):
@@ -201,6 +204,7 @@ class Graph:
             kip_annotations=annotations,
         )
         model.kip_graph = self
+        object.__setattr__(model, "kip_replaced", tuple(self.replaced))
         return model
 
     def summary_rows(self):

@@ -66,16 +66,52 @@ class PluginModel(keras.Model):
 
     @property
     def variables(self):
-        return _union(super().variables, self._converted_attr("variables"))
+        return self._in_use("variables")
 
     @property
     def weights(self):
-        return _union(super().weights, self._converted_attr("weights"))
+        return self._in_use("weights")
 
-    def _converted_attr(self, name):
-        # Layers a Replace pass created live only in the converted model.
+    def _in_use(self, name):
+        """The wrapped model's `name` (variables or weights) and the converted
+        model's: the layers a Replace pass created live only there, and the
+        layers they replaced are no longer used, so not trained."""
+        mine = getattr(super(), name)
         converted = self.converted
-        return [] if converted is None else getattr(converted, name)
+        if converted is None:
+            return mine
+        unused = {id(v) for old, _ in converted.kip_replaced for v in getattr(old, name)}
+        return _union([v for v in mine if id(v) not in unused], getattr(converted, name))
+
+    # -- saving: the wrapped model's layout --------------------------------------
+    def save_weights(self, filepath, *args, **kwargs):
+        self._copy_replacements_back()
+        return super().save_weights(filepath, *args, **kwargs)
+
+    def save(self, filepath, *args, **kwargs):
+        self._copy_replacements_back()
+        return super().save(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        result = super().load_weights(filepath, *args, **kwargs)
+        self._copy_into_replacements()
+        return result
+
+    def _copy_replacements_back(self):
+        """Saved weights keep the wrapped model's layout, so that a fresh
+        instance of the original class loads them: the trained weights of
+        layers a Replace pass created are copied back into the layers they
+        replaced (by weight name) before saving."""
+        for old, new in self._replaced_pairs():
+            _copy_by_name(new, old, "save")
+
+    def _copy_into_replacements(self):
+        for old, new in self._replaced_pairs():
+            _copy_by_name(old, new, "load")
+
+    def _replaced_pairs(self):
+        converted = self.converted
+        return () if converted is None else converted.kip_replaced
 
     @property
     def kip_report(self):
@@ -257,6 +293,19 @@ def _first_slice(x, batch_size):
         return x
     size = batch_size or 32
     return keras.tree.map_structure(lambda a: a[:size], x)
+
+
+def _copy_by_name(source, target, action):
+    from keras_ipu_plugin.passes.replace import copy_weights_by_name
+
+    try:
+        copy_weights_by_name(source, target)
+    except ValueError as error:
+        raise ValueError(
+            f"PluginModel cannot {action} weights in the wrapped model's layout: "
+            f"the replacement of `{source.name if action == 'save' else target.name}` "
+            f"does not have the same weights. {error}"
+        ) from error
 
 
 def _union(first, second):

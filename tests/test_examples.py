@@ -96,11 +96,7 @@ def assert_replaced_gradients_equal(model, passed, x):
     """Gradients w.r.t. each replaced layer's weights equal the gradients
     w.r.t. the weights of the layer it replaced (copied weights: the
     replacement computes the same function)."""
-    originals = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
-    pairs = [
-        (originals[layer.name], layer) for layer in passed.layers
-        if layer.name in originals and originals[layer.name] is not layer
-    ]
+    pairs = passed.kip_replaced
     assert pairs, "Replace replaced nothing"
     old_vars = [v for old, _ in pairs for v in old.trainable_variables]
     new_vars = [v for _, new in pairs for v in new.trainable_variables]

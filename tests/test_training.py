@@ -291,3 +291,31 @@ def test_custom_metrics_property_and_helper_methods_are_honoured():
     # the helper's `self(x)` ran the converted graph, whose Dense layers
     # are the replacements (counted while the train step is traced)
     assert CountingDense.calls > 0
+
+
+class WideDense(keras.layers.Dense):
+    """A stand-in for an accelerator-optimised Dense."""
+
+
+def test_replaced_layers_train_save_and_load_in_the_wrapped_layout(tmp_path):
+    x, y = _data()
+    model = Net()
+    plugin = kip.PluginModel(model, passes=[kip.passes.Replace(
+        {keras.layers.Dense: kip.passes.Replacement(WideDense, copy_weights=True)})])
+    plugin.compile(optimizer="adam", loss="mse")
+    plugin.convert(x[:16])
+    replaced = {id(v) for old, _ in plugin.converted.kip_replaced for v in old.weights}
+    assert replaced and not replaced & {id(v) for v in plugin.trainable_variables}
+    plugin.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    plugin.save_weights(tmp_path / "plugin.weights.h5")
+    fresh = Net()
+    fresh(x[:2])
+    fresh.load_weights(tmp_path / "plugin.weights.h5")
+    np.testing.assert_allclose(fresh(x), plugin(x), atol=1e-5)
+
+    again = kip.PluginModel(Net(), passes=[kip.passes.Replace(
+        {keras.layers.Dense: kip.passes.Replacement(WideDense, copy_weights=True)})])
+    again.compile(optimizer="adam", loss="mse")
+    again.convert(x[:16])
+    again.load_weights(tmp_path / "plugin.weights.h5")
+    np.testing.assert_allclose(again(x), plugin(x), atol=1e-5)

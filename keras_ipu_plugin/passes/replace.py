@@ -120,11 +120,14 @@ class Replace(Pass):
             for node in nodes:
                 old = node.operation
                 if id(old) not in new_layers:
-                    name = _unique(replacement.params.get("name", old.name), taken)
+                    # A new layer is ours to name: after its node's path
+                    # (`block_1.conv1`) unless `params` names it.
+                    name = _unique(replacement.params.get("name", node.name), taken)
                     taken.add(name)
                     new_layers[id(old)] = _new_layer(
                         node, replacement, report, self.step, name
                     )
+                    graph.replaced.append((old, new_layers[id(old)]))
                 node.operation = new_layers[id(old)]
                 node.made_by_pass = True  # ours: keeps the name it was given
         return graph
