@@ -13,11 +13,17 @@ other branch creates 2 more.
 Such a `call` cannot be traced on symbolic inputs, so the plugin keeps the
 model as one opaque node that runs the original code (the report says so and
 why). In graph mode that code runs through AutoGraph (the `if` becomes a
-`tf.cond`), so `fit` needs no `run_eagerly`. The branch the first batch did
-not take is built at conversion, before the optimizer is built, so all 4
-variables train from the first step; variables created later still would
-make the plugin rebuild the graph and extend the optimizer
-(`rebuild_on_new_variables=True`, the default).
+`tf.cond`), so `fit` needs no `run_eagerly`.
+
+The script trains in two phases, as the discussion's users would meet it:
+1. plain Keras, eagerly, on data that only ever takes the `return x`
+   branch: the optimizer is built for the 2 variables that exist;
+2. through `kip.PluginCallback`, in graph mode, on mixed data: conversion
+   builds the other branch's layer, the optimizer meets its 2 new variables,
+   and the plugin extends the optimizer (keeping the state of the first 2)
+   and retraces the step before it runs. Plain Keras stops here with
+   "Unknown variable ... This optimizer can only be called for the
+   variables it was originally built with".
 """
 
 import os
@@ -74,12 +80,21 @@ def main():
     # As in the discussion: the variables depend on the data seen.
     model(np.full((1, 1), 0.2, "float32"))
     print("variable number is", len(model.trainable_variables), "after data 1")
+
+    # Phase 1: plain Keras, eagerly, only the `return x` branch.
+    x_high = np.full((64, 1), 0.15, "float32")
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", run_eagerly=True)
+    model.fit(x_high, 3 * x_high + 1, batch_size=8, epochs=1, verbose=0)
+    print("optimizer built for", len(model.optimizer._trainable_variables), "variables")
+
+    # Phase 2: mixed data, graph mode, through the plugin.
     x, y = make_data()
-    plugin = kip.PluginModel(model, passes=passes())
-    compile_model(plugin)
-    history = plugin.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=2)
+    model.compile(optimizer=model.optimizer, loss="mse")
+    callback = kip.PluginCallback(passes=passes())
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=2,
+                        callbacks=[callback])
     print("variable number is", len(model.trainable_variables), "after training")
-    print(plugin.kip_report)
+    print(callback.kip_report)
     print(f"backend: {kip.backend()}")
     print(f"final loss: {history.history['loss'][-1]:.4f}")
     return history

@@ -137,10 +137,11 @@ class OptimizingFacade:
         optimizer = self._kip_optimizer
         if not optimizer.built:
             return
-        known = optimizer._trainable_variables_indices
+        known = _keras_internals.optimizer_trainable_variables(optimizer)
         if len(variables) == len(known):  # the usual step: nothing new
             return
-        unknown = [v for v in variables if id(v) not in known]
+        known_ids = {id(v) for v in known}
+        unknown = [v for v in variables if id(v) not in known_ids]
         if not unknown:
             return
         if not self._kip_rebuild:

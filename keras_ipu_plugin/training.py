@@ -219,10 +219,10 @@ class StepFunction:
             except NeedsExtension as need:
                 # Met while tracing (or in a replica): nothing ran; extend the
                 # optimizer outside, under its strategy, and trace anew.
-                extend_optimizer(need.optimizer, need.variables)
+                added = extend_optimizer(need.optimizer, need.variables)
                 runtime.converted.kip_report.add(
                     "rebuild", need.optimizer.name, "optimizer extended",
-                    ", ".join(v.path for v in need.variables))
+                    ", ".join(v.path for v in added))
                 self._make()
                 continue
             except ValueError as error:

@@ -302,3 +302,26 @@ def test_extend_optimizer_keeps_old_state_exactly(name):
         np.testing.assert_array_equal(actual.numpy(), expected)
     optimizer.apply([tf.fill(v.shape, 0.1) for v in old + new], old + new)
     assert not np.array_equal(new[0].numpy(), np.ones((4,), "float32"))
+
+
+def test_optimizer_applied_to_a_subset_of_known_variables_is_not_extended():
+    """A train step that applies an optimizer to some of the variables it was
+    built with (one part of a model) must not be taken for new variables."""
+    x, y = _grow_data()
+
+    class PartTrained(GrowingModel):
+        def train_step(self, data):
+            inputs, targets = data
+            part = self.out.trainable_variables
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((self(inputs, training=True) - targets) ** 2)
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, part), part))
+            return {"loss": loss}
+
+    model = PartTrained()
+    model(x[:1])
+    model.compile(optimizer="sgd", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    callback = kip.PluginCallback()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback])
+    assert "optimizer extended" not in str(callback.kip_report)
