@@ -21,7 +21,6 @@ the variables it was originally built with").
 
 import contextlib
 
-import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
@@ -166,20 +165,17 @@ def describe_new_variables(variables, owner=None):
     )
 
 
-def optimizers_of(model):
-    """The model's optimizer and any optimizer held as a model attribute."""
-    found = []
-    candidates = [getattr(model, "optimizer", None)] + list(vars(model).values())
-    wrapped = vars(model).get("__kip_wrapped__")
-    if wrapped is not None:
-        candidates += list(vars(wrapped).values())
-    for value in candidates:
-        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
-            found.append(value)
-    return found
+def union_of_variables(first, second):
+    """The variables of `first` then those of `second` not already in it."""
+    seen, merged = set(), []
+    for variable in list(first) + list(second):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            merged.append(variable)
+    return merged
 
 
 __all__ = [
     "VariableWatch", "NeedsExtension", "NewVariablesError", "extend_optimizer",
-    "OptimizingFacade", "describe_new_variables", "optimizers_of",
+    "OptimizingFacade", "describe_new_variables", "union_of_variables",
 ]

@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import validate_passes
 from keras_ipu_plugin.convert import as_tensors
+from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.inputs import first_batch
 from keras_ipu_plugin.training import Runtime
 from keras_ipu_plugin.training import StepFunction
@@ -81,7 +82,7 @@ class PluginModel(keras.Model):
         if converted is None:
             return mine
         unused = {id(v) for old, _ in converted.kip_replaced for v in getattr(old, name)}
-        return _union([v for v in mine if id(v) not in unused], getattr(converted, name))
+        return union_of_variables([v for v in mine if id(v) not in unused], getattr(converted, name))
 
     # -- saving: the wrapped model's layout --------------------------------------
     def save_weights(self, filepath, *args, **kwargs):
@@ -306,12 +307,3 @@ def _copy_by_name(source, target, action):
             f"the replacement of `{source.name if action == 'save' else target.name}` "
             f"does not have the same weights. {error}"
         ) from error
-
-
-def _union(first, second):
-    seen, merged = set(), []
-    for variable in list(first) + list(second):
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            merged.append(variable)
-    return merged

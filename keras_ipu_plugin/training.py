@@ -30,6 +30,7 @@ from keras_ipu_plugin.dynamic import OptimizingFacade
 from keras_ipu_plugin.dynamic import VariableWatch
 from keras_ipu_plugin.dynamic import describe_new_variables
 from keras_ipu_plugin.dynamic import extend_optimizer
+from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.inputs import input_specs
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.tracing import TraceError
@@ -141,7 +142,7 @@ class ForwardProxy:
         runtime = self._kip_runtime
         if name in _VARIABLE_VIEWS:
             # Layers a Replace pass created live only in the converted model.
-            return _union(getattr(runtime.owner, name), getattr(runtime.converted, name))
+            return union_of_variables(getattr(runtime.owner, name), getattr(runtime.converted, name))
         value = getattr(runtime.owner, name)
         if isinstance(value, keras.optimizers.Optimizer):
             return OptimizingFacade(value, runtime.rebuild_on_new_variables, runtime.subject)
@@ -253,15 +254,6 @@ _VARIABLE_VIEWS = frozenset({
     "variables", "trainable_variables", "non_trainable_variables",
     "weights", "trainable_weights", "non_trainable_weights",
 })
-
-
-def _union(first, second):
-    seen, merged = set(), []
-    for variable in list(first) + list(second):
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            merged.append(variable)
-    return merged
 
 
 _LIBRARY_PACKAGES = ("keras", "tensorflow", "keras_ipu_plugin")

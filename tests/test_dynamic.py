@@ -9,22 +9,11 @@ import keras_ipu_plugin as kip
 from keras_ipu_plugin.dynamic import NewVariablesError
 from keras_ipu_plugin.dynamic import extend_optimizer
 
+import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
 
-class BranchModel(keras.Model):
-    """The model of the dynamically-added-variables discussion (Keras 3)."""
 
-    def __init__(self):
-        super().__init__()
-        self.dense_layer = keras.layers.Dense(1)
-        self.layer1 = keras.layers.Dense(1)
-        self.layer2 = keras.layers.Dense(1)
-
-    def call(self, inputs):
-        x = self.dense_layer(inputs)
-        if inputs[0] > 0.1:
-            return x
-        else:
-            return self.layer1(x)
+# The model of the dynamically-added-variables discussion (Keras 3 port).
+BranchModel = zoo.DynamicBranchModel
 
 
 class GrowingModel(keras.Model):
