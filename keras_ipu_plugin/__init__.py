@@ -17,6 +17,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.functional import KipFunctional
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.report import Report
+from keras_ipu_plugin.report import summary
 
 __version__ = "0.1.0"
 

@@ -135,10 +135,6 @@ def dataset_is_batched(dataset):
     return None
 
 
-def get_keras_mask(tensor):
-    return getattr(tensor, "_keras_mask", None)
-
-
 def set_keras_mask(tensor, mask):
     from keras.src import backend
 

@@ -144,23 +144,6 @@ class Graph:
         graph.replaced = list(self.replaced)
         return graph
 
-    # -- edits -------------------------------------------------------------
-    def splice(self, node, new_nodes, output_map):
-        """Replace `node` by `new_nodes`; `output_map` maps each old output
-        Value (by id) to the Value that now stands for it."""
-        index = self.nodes.index(node)
-        self.nodes[index : index + 1] = new_nodes
-
-        def remap(leaf):
-            if isinstance(leaf, Value):
-                return output_map.get(id(leaf), leaf)
-            return leaf
-
-        for other in self.nodes:
-            other.args = _map_leaves(remap, other.args)
-            other.kwargs = _map_leaves(remap, other.kwargs)
-        self.outputs = _map_leaves(remap, self.outputs)
-
     # -- back to Keras -------------------------------------------------------
     def rebuild(self, name=None):
         """A `KipFunctional` model running this graph, with the same layers."""

@@ -66,3 +66,32 @@ class Report:
         buffer = io.StringIO()
         Console(file=buffer, width=140, force_terminal=False).print(self.table())
         return buffer.getvalue()
+
+
+def graph_table(graph):
+    """A rich table of the graph's nodes: the `model.summary()` companion
+    that shows what Keras's summary cannot (node paths, pinned `training`,
+    pass annotations, opaque reasons)."""
+    table = Table(title=f"keras_ipu_plugin graph of {graph.name!r}")
+    for column in ("node", "layer class", "training", "annotations", "opaque reason"):
+        table.add_column(column)
+    for row in graph.summary_rows():
+        table.add_row(*row)
+    return table
+
+
+def summary(model, print_fn=None):
+    """Keras's `model.summary()` followed by the plugin's graph table and report.
+
+    Example:
+        >>> kip.summary(passed)     # layers, then nodes with their annotations
+    """
+    print_fn = print_fn or print
+    model.summary(print_fn=print_fn)
+    graph = getattr(model, "kip_graph", None)
+    for table in ([graph_table(graph)] if graph is not None else []) + (
+        [model.kip_report.table()] if getattr(model, "kip_report", None) else []
+    ):
+        buffer = io.StringIO()
+        Console(file=buffer, width=140, force_terminal=False).print(table)
+        print_fn(buffer.getvalue())

@@ -1057,3 +1057,21 @@ def test_expand_and_replace_under_mirrored_strategy(mirrored):
     assert isinstance(new, MyDense)
     assert isinstance(new.kernel.value, tf.distribute.DistributedValues)
     assert_same_outputs(model, passed, x, atol=1e-5)
+
+
+def test_summary_shows_nodes_annotations_and_the_report():
+    model, passed, _ = expanded(make_cnn, ANNOTATING)
+    lines = []
+    kip.summary(passed, print_fn=lambda text, **_: lines.append(text))
+    text = "\n".join(lines)
+    assert "Total params" in text  # Keras's own summary first
+    assert "block_1.add" in text and "recompute=True" in text and "stage=" in text
+    assert "keras_ipu_plugin report" in text
+
+
+def test_graph_consumers_follow_the_data_flow():
+    _, conv, _ = converted(make_cnn)
+    graph = conv.kip_graph
+    stem = graph.node("stem")
+    assert [node.name for node in graph.consumers(stem)] == ["block_1"]
+    assert graph.consumers(graph.nodes[-1]) == []
