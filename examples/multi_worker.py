@@ -68,6 +68,15 @@ def train(strategy, out_dir=None, is_chief=True, index=0, entry="plugin_model"):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     dataset = dataset.with_options(options)
+    if entry == "scope_error":
+        # kip.scope cannot serve here (see the README): it says so up front.
+        try:
+            with kip.scope(strategy):
+                pass
+        except ValueError as error:
+            print(f"kip.scope refused: {error}", flush=True)
+            return [float("nan")], None
+        raise RuntimeError("kip.scope accepted MultiWorkerMirroredStrategy")
     if entry == "plugin_model":
         with strategy.scope():
             model = build_model()
@@ -148,7 +157,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--entry", choices=["plugin_model", "callback"], default="plugin_model")
+    parser.add_argument("--entry", choices=["plugin_model", "callback", "scope_error"],
+                        default="plugin_model")
     args = parser.parse_args()
     if args.worker:
         worker_main(args.out, args.entry)

@@ -58,3 +58,11 @@ def test_launch_kills_workers_past_the_time_limit(tmp_path):
     with pytest.raises(Exception, match="timed out|Timeout"):
         example.launch(str(tmp_path), workers=2, timeout=1)
     assert _processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_scope_refuses_multi_worker_strategy_with_a_clear_error(tmp_path):
+    example = _example()
+    outputs = example.launch(str(tmp_path), workers=2, timeout=180, entry="scope_error")
+    for output in outputs:
+        assert "kip.scope refused" in output and "kip.PluginModel" in output
