@@ -290,3 +290,24 @@ def reduces_across_workers(strategy):
 def all_layers(layer):
     """`layer` and every layer inside it, each once."""
     return layer._flatten_layers(include_self=True, recursive=True)
+
+
+def record_call(operation, args, kwargs, output_specs):
+    """Record `operation(*args, **kwargs)` in a functional graph without
+    calling it: its outputs are new KerasTensors shaped like `output_specs`
+    (KerasTensors the graph IR kept from the trace).
+
+    A symbolic call would run Keras's `compute_output_spec`, which for a
+    layer without `compute_output_shape` traces its whole `call` in a
+    scratch TensorFlow graph; the IR already knows every output shape, and
+    every layer in it is built, so rebuilding needs only the node.
+    """
+    import keras
+
+    outputs = [
+        keras.KerasTensor(spec.shape, dtype=spec.dtype, sparse=spec.sparse,
+                          ragged=getattr(spec, "ragged", False))
+        for spec in output_specs
+    ]
+    KerasNode(operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
+    return outputs

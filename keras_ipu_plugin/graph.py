@@ -172,9 +172,18 @@ class Graph:
             if node.training in (True, False):
                 kwargs["training"] = node.training
                 pinned[operation.name] = node.training
-            with _keras_internals.call_context(operation, None):
-                outputs = operation(*args, **kwargs)
-            for value, tensor in zip(node.outputs, keras.tree.flatten(outputs)):
+            if node.made_by_pass:
+                # A new layer may compute other shapes than the one it
+                # replaced: let Keras work them out.
+                with _keras_internals.call_context(operation, None):
+                    outputs = keras.tree.flatten(operation(*args, **kwargs))
+                for value, tensor in zip(node.outputs, outputs):
+                    value.spec = tensor
+            else:
+                outputs = _keras_internals.record_call(
+                    operation, args, kwargs, [value.spec for value in node.outputs]
+                )
+            for value, tensor in zip(node.outputs, outputs):
                 tensors[id(value)] = tensor
             if node.annotations:
                 annotations.setdefault(operation.name, {}).update(node.annotations)
