@@ -13,8 +13,12 @@ If the two traces differ in which layers they call, `call` branches on
 `training` in Python and cannot be captured by one graph.
 """
 
+import functools
 import inspect
+import io
 import re
+import textwrap
+import tokenize
 
 import keras
 
@@ -68,6 +72,17 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix):
     """
     if training is not None:
         return _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned=True)
+    if not _call_mentions_training(type(layer).call):
+        # `call` neither reads `training` nor passes it on: every sub-layer
+        # takes it from the context, so one trace under `training=True`
+        # tells them all (each records True: it follows the model's).
+        nodes, outputs = _trace_once(
+            layer, args, kwargs, placeholders, True, prefix, pinned=False
+        )
+        for node in nodes:
+            if node.training is True:
+                node.training = FOLLOW
+        return nodes, outputs
     nodes_t, outputs_t = _trace_once(
         layer, args, kwargs, placeholders, True, prefix, pinned=False
     )
@@ -83,6 +98,21 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix):
     for node_t, node_f in zip(nodes_t, nodes_f):
         node_t.training = _training_mode(node_t, node_f)
     return nodes_t, outputs_t
+
+
+@functools.lru_cache(maxsize=None)
+def _call_mentions_training(function):
+    """Whether the source of a `call` uses the name `training` or forwards
+    `**kwargs` (unknown source counts as yes)."""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD
+           for p in inspect.signature(function).parameters.values()):
+        return True
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return True
+    return any(t.type == tokenize.NAME and t.string == "training" for t in tokens)
 
 
 def _identity(node):

@@ -1075,3 +1075,40 @@ def test_graph_consumers_follow_the_data_flow():
     stem = graph.node("stem")
     assert [node.name for node in graph.consumers(stem)] == ["block_1"]
     assert graph.consumers(graph.nodes[-1]) == []
+
+
+class CountingBlock(layers.Layer):
+    calls = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def call(self, x):
+        CountingBlock.calls += 1
+        return self.dense(x)
+
+
+class NoTrainingModel(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.block = CountingBlock()
+
+    def call(self, x):
+        return self.block(x)
+
+
+class TrainingModel(NoTrainingModel):
+    def call(self, x, training=None):
+        return self.block(x, training=training)
+
+
+@pytest.mark.parametrize("model_class, traces", [(NoTrainingModel, 1), (TrainingModel, 2)])
+def test_call_that_never_names_training_is_traced_once(model_class, traces):
+    model = model_class()
+    x = _rand(2, 3)
+    model(x)
+    CountingBlock.calls = 0
+    kip.convert_to_functional(model, x, verify=False)
+    # the eager first-batch call, then one symbolic run of the block per trace
+    assert CountingBlock.calls == 1 + traces
