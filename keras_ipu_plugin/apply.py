@@ -4,6 +4,7 @@ import keras
 
 from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.executor import train_graph_ops
 from keras_ipu_plugin.functional import KipFunctional
 from keras_ipu_plugin.inputs import InputSpec
 from keras_ipu_plugin.opaque import OpaqueLayer
@@ -35,7 +36,21 @@ def apply_passes(model, passes):
     if stage_devices and not result.kip_stage_devices:
         result.kip_stage_devices = list(stage_devices)
     result.kip_report = report
+    if result.kip_stages:
+        get_backend().assign_stages(result, result.kip_stages)
+    if any("outline" in node.annotations for node in graph.nodes):
+        _report_outlined_graph_size(graph, result, report)
     return result
+
+
+def _report_outlined_graph_size(graph, outlined, report):
+    """Put the op count of the training step with and without outlining in
+    the report (portable outlining's effect is a smaller traced graph)."""
+    plain = graph.copy()
+    for node in plain.nodes:
+        node.annotations.pop("outline", None)
+    report.metrics["train graph ops without outlining"] = train_graph_ops(plain.rebuild())
+    report.metrics["train graph ops with outlining"] = train_graph_ops(outlined)
 
 
 def validate_passes(passes):

@@ -1,11 +1,28 @@
 """`tf.distribute` checks shared by the conversion and training paths."""
 
+import tensorflow as tf
+
 from keras_ipu_plugin.errors import ConversionError
 
 
 def owning_strategy(variable):
     """The strategy that created `variable` (None for the default one)."""
     return getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
+
+
+def strategy_owning(variables):
+    """The strategy that created the first of `variables` made under one,
+    else the current strategy: where new, related variables must be made.
+
+    Example:
+        >>> with strategy_owning(layer.weights).scope():
+        ...     new_layer.build(shape)
+    """
+    for variable in variables:
+        strategy = owning_strategy(variable)
+        if strategy is not None:
+            return strategy
+    return tf.distribute.get_strategy()
 
 
 def check_built_under(model, strategy):

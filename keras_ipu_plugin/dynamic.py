@@ -24,6 +24,7 @@ import contextlib
 import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.distribution import strategy_owning
 
 
 class VariableWatch:
@@ -91,17 +92,12 @@ def extend_optimizer(optimizer, new_variables):
         return []
     if not optimizer.built:
         return new_variables  # built later on all variables by Keras itself
-    strategy = _owning_strategy(optimizer)
+    strategy = strategy_owning([optimizer.iterations])
     with strategy.scope():
         scratch = optimizer.__class__.from_config(optimizer.get_config())
         scratch.build(known + new_variables)
         _keras_internals.transplant_optimizer_state(optimizer, scratch, len(known))
     return new_variables
-
-
-def _owning_strategy(optimizer):
-    variable = getattr(optimizer.iterations, "value", optimizer.iterations)
-    return getattr(variable, "_distribute_strategy", None) or tf.distribute.get_strategy()
 
 
 class OptimizingFacade:

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.distribution import strategy_owning
 
 
 @dataclass
@@ -186,3 +187,35 @@ def _outline_key(layer, node, kwargs):
     )
     return (type(layer), repr(sorted(config.items())), signature,
             repr(sorted(kwargs.items())))
+
+
+def train_graph_ops(model):
+    """Number of ops in a traced training step of `model` (forward pass in
+    training mode and the gradients of its outputs): what outlining shrinks.
+
+    Example:
+        >>> train_graph_ops(passed)
+        144
+    """
+    specs = keras.tree.map_structure(
+        lambda tensor: tf.TensorSpec(tensor.shape, tensor.dtype), model.input
+    )
+
+    strategy = strategy_owning(model.trainable_variables)
+
+    def one_replica(inputs):
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=True)
+            loss = tf.add_n([
+                tf.reduce_sum(tf.cast(output, "float32"))
+                for output in keras.tree.flatten(outputs)
+                if output.dtype.is_floating
+            ])
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function(autograph=False)
+    def step(inputs):
+        # Mirrored variables can only be read inside a replica.
+        return strategy.run(one_replica, args=(inputs,))
+
+    return len(step.get_concrete_function(specs).graph.get_operations())

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin.distribution import strategy_owning
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.graph import map_values
 from keras_ipu_plugin.passes.base import Pass
@@ -175,7 +176,7 @@ def _unique(name, taken):
 
 def _new_layer(node, replacement, report, step, name=None):
     old = node.operation
-    strategy = owning_strategy(old)
+    strategy = strategy_owning(old.weights)
     with strategy.scope():
         new = replacement.make_layer(old, name)
         args = map_values(lambda v: _random_like(v.spec), node.args)
@@ -198,15 +199,6 @@ def _new_layer(node, replacement, report, step, name=None):
             )
     report.add(step, node.name, "replaced", detail)
     return new
-
-
-def owning_strategy(layer):
-    """The tf.distribute strategy that created `layer`'s variables."""
-    for variable in layer.weights:
-        strategy = getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
-        if strategy is not None:
-            return strategy
-    return tf.distribute.get_strategy()
 
 
 def _config_equivalent(replacement):
