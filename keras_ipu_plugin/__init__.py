@@ -3,31 +3,40 @@
 Example:
     >>> import keras_ipu_plugin as kip
     >>> converted = kip.convert_to_functional(MyModel(), x_first_batch)
-    >>> print(converted.kip_report)
+    >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
+    >>> print(passed.kip_report)
 """
 
+__version__ = "0.1.0"
+
+from keras_ipu_plugin import passes
 from keras_ipu_plugin.alias import LayerAlias
+from keras_ipu_plugin.apply import apply_passes
+from keras_ipu_plugin.backends import backend
+from keras_ipu_plugin.backends import ipu_replacements
+from keras_ipu_plugin.callback import PluginCallback
+from keras_ipu_plugin.config import passes_from_config
+from keras_ipu_plugin.config import register_layer
 from keras_ipu_plugin.convert import Converter
 from keras_ipu_plugin.convert import convert_to_functional
+from keras_ipu_plugin.dynamic import NewVariablesError
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.functional import KipFunctional
+from keras_ipu_plugin.model import PluginModel
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.report import summary
-
-__version__ = "0.1.0"
-
-from keras_ipu_plugin import passes
-from keras_ipu_plugin.apply import apply_passes
-from keras_ipu_plugin.config import passes_from_config
-from keras_ipu_plugin.config import register_layer
-from keras_ipu_plugin.backends import backend
-from keras_ipu_plugin.backends import ipu_replacements
-from keras_ipu_plugin.callback import PluginCallback
-from keras_ipu_plugin.model import PluginModel
 from keras_ipu_plugin.scope import scope
 from keras_ipu_plugin.scope import scope_report
+
+__all__ = [
+    "ConfigError", "ConversionError", "Converter", "InputDataError", "InputTypeError",
+    "KipFunctional", "LayerAlias", "NewVariablesError", "OpaqueLayer", "PassError",
+    "PluginCallback", "PluginModel", "Report", "apply_passes", "backend",
+    "convert_to_functional", "ipu_replacements", "passes", "passes_from_config",
+    "register_layer", "scope", "scope_report", "summary",
+]
