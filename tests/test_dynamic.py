@@ -314,3 +314,50 @@ def test_optimizer_applied_to_a_subset_of_known_variables_is_not_extended():
     callback = kip.PluginCallback()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback])
     assert "optimizer extended" not in str(callback.kip_report)
+
+
+class TwoOptimizerGrowing(GrowingModel):
+    """A custom train_step with two optimizers: `out` by one, the rest
+    (including the head grown at epoch 2) by the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_optimizer = keras.optimizers.SGD(0.05)
+        self.body_optimizer = keras.optimizers.Adam(0.01)
+
+    def train_step(self, data):
+        x, y = data
+        head = self.out.trainable_variables
+        body = [v for v in self.trainable_variables if all(v is not h for h in head)]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, head + body)
+        self.head_optimizer.apply_gradients(zip(grads[: len(head)], head))
+        self.body_optimizer.apply_gradients(
+            [(g, v) for g, v in zip(grads[len(head):], body) if g is not None])
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_two_optimizers_each_learn_only_their_new_variables(run_eagerly):
+    keras.utils.set_random_seed(5)
+    x, y = _grow_data()
+    model = TwoOptimizerGrowing()
+    model(x[:1])
+    plugin = kip.PluginModel(model)
+    plugin.compile(loss="mse", run_eagerly=run_eagerly)
+    plugin.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    body_before = {v.path: v.numpy().copy() for v in model.body_optimizer.variables}
+    head_iterations = int(model.head_optimizer.iterations.numpy())
+    model.grow = True
+    plugin.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    body_known = {id(v) for v in model.body_optimizer._trainable_variables}
+    head_known = {id(v) for v in model.head_optimizer._trainable_variables}
+    assert all(id(v) in body_known for v in model.extra.trainable_variables)
+    assert not any(id(v) in head_known for v in model.extra.trainable_variables)
+    assert int(model.head_optimizer.iterations.numpy()) == head_iterations + 6
+    # the body optimizer's state for the old variables carried over: its
+    # iteration count continued, and every old slot still exists
+    after = {v.path for v in model.body_optimizer.variables}
+    assert set(body_before) <= after
+    assert int(model.body_optimizer.iterations.numpy()) == head_iterations + 6
