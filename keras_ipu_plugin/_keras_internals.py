@@ -292,6 +292,17 @@ def all_layers(layer):
     return layer._flatten_layers(include_self=True, recursive=True)
 
 
+def sub_layers(layer, recursive=True):
+    """The layers inside `layer` (all of them, or only its direct ones)."""
+    return layer._flatten_layers(include_self=False, recursive=recursive)
+
+
+def variable_strategy(variable):
+    """The tf.distribute strategy that created `variable` (a Keras or a TF
+    variable), or None for the default one."""
+    return getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
+
+
 def record_call(operation, args, kwargs, output_specs):
     """Record `operation(*args, **kwargs)` in a functional graph without
     calling it: its outputs are new KerasTensors shaped like `output_specs`

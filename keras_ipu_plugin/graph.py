@@ -166,8 +166,8 @@ class Graph:
         named = _UniqueNames()
         for node in self.nodes:
             operation = named.operation_for(node)
-            args = _map_leaves(resolve, node.args)
-            kwargs = _map_leaves(resolve, node.kwargs)
+            args = map_leaves(resolve, node.args)
+            kwargs = map_leaves(resolve, node.kwargs)
             kwargs.pop("training", None)
             if node.training in (True, False):
                 kwargs["training"] = node.training
@@ -187,7 +187,7 @@ class Graph:
                 tensors[id(value)] = tensor
             if node.annotations:
                 annotations.setdefault(operation.name, {}).update(node.annotations)
-        outputs = _map_leaves(resolve, self.outputs)
+        outputs = map_leaves(resolve, self.outputs)
         model = KipFunctional(
             inputs,
             outputs,
@@ -261,27 +261,27 @@ class _UniqueNames:
         return chosen
 
 
-def _map_leaves(fn, structure):
+def map_leaves(fn, structure):
     """Map `fn` over a nest whose leaves may be Values (keras.tree would
     descend into our objects' attributes otherwise)."""
     if isinstance(structure, Value):
         return fn(structure)
     if isinstance(structure, dict):
-        return {key: _map_leaves(fn, item) for key, item in structure.items()}
+        return {key: map_leaves(fn, item) for key, item in structure.items()}
     if isinstance(structure, tuple) and hasattr(structure, "_fields"):
-        return type(structure)(*(_map_leaves(fn, item) for item in structure))
+        return type(structure)(*(map_leaves(fn, item) for item in structure))
     if isinstance(structure, (list, tuple)):
-        return type(structure)(_map_leaves(fn, item) for item in structure)
+        return type(structure)(map_leaves(fn, item) for item in structure)
     return fn(structure)
 
 
 def values_in(structure):
     """The Values among the leaves of a nest, in order."""
     found = []
-    _map_leaves(lambda leaf: found.append(leaf) if isinstance(leaf, Value) else None, structure)
+    map_leaves(lambda leaf: found.append(leaf) if isinstance(leaf, Value) else None, structure)
     return found
 
 
 def map_values(fn, structure):
     """Apply `fn` to every Value in a nest, keeping other leaves."""
-    return _map_leaves(lambda leaf: fn(leaf) if isinstance(leaf, Value) else leaf, structure)
+    return map_leaves(lambda leaf: fn(leaf) if isinstance(leaf, Value) else leaf, structure)

@@ -52,7 +52,7 @@ class PluginModel(keras.Model):
     # -- the wrapped model's attributes are the wrapper's ---------------------
     @property
     def wrapped(self):
-        return self.__dict__[_WRAPPED] if _WRAPPED in self.__dict__ else getattr(self, _WRAPPED)
+        return vars(self)[_WRAPPED]
 
     @property
     def converted(self):

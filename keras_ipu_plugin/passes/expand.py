@@ -12,10 +12,12 @@ import re
 import keras
 import tensorflow as tf
 
+from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import tracing
+from keras_ipu_plugin.distribution import owning_strategy
 from keras_ipu_plugin.graph import FOLLOW
 from keras_ipu_plugin.graph import Value
-from keras_ipu_plugin.graph import _map_leaves as map_leaves
+from keras_ipu_plugin.graph import map_leaves
 from keras_ipu_plugin.graph import map_values
 from keras_ipu_plugin.graph import values_in
 from keras_ipu_plugin.opaque import OpaqueLayer
@@ -186,7 +188,7 @@ def training_agnostic(layer):
         return False
     return all(
         training_agnostic(sub)
-        for sub in layer._flatten_layers(include_self=False, recursive=False)
+        for sub in _keras_internals.sub_layers(layer, recursive=False)
     )
 
 
@@ -224,10 +226,10 @@ def _tf_variables(layer):
     a replica context reads one of them)."""
     found = []
     for variable in layer.weights:
+        strategy = owning_strategy(variable)
         variable = getattr(variable, "value", variable)
         if not variable.dtype.is_floating:
             continue
-        strategy = getattr(variable, "_distribute_strategy", None)
         if strategy is not None:
             found.extend(strategy.experimental_local_results(variable))
         else:

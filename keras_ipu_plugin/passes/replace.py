@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.distribution import strategy_owning
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.graph import map_values
@@ -157,7 +158,7 @@ def _contains(node, target):
     sub-layer of the layer of `node`."""
     if isinstance(target, str) and target.startswith(node.name + "."):
         return True
-    for sub in node.operation._flatten_layers(include_self=False):
+    for sub in _keras_internals.sub_layers(node.operation):
         if isinstance(target, str):
             if target == sub.name:
                 return True
