@@ -303,6 +303,13 @@ def variable_strategy(variable):
     return getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
 
 
+def stored_value(variable):
+    """A read of `variable`'s stored value (its own dtype, whatever autocast
+    scope is active): `variable.value` would already be cast to a mixed
+    precision compute dtype. Gradients reach the variable through the read."""
+    return tf.convert_to_tensor(variable._value)
+
+
 def record_call(operation, args, kwargs, output_specs):
     """Record `operation(*args, **kwargs)` in a functional graph without
     calling it: its outputs are new KerasTensors shaped like `output_specs`

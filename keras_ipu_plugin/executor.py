@@ -6,6 +6,13 @@ layer. Layers that carry state updated in the forward pass (moving
 statistics, RNG seeds) never sit inside a segment: recomputing them would
 update that state twice or draw different random numbers in the backward
 pass, silently changing results.
+
+A recomputed segment reads its variables once, in the forward pass, and runs
+(also when recomputed) on those values through a `keras.StatelessScope`. Had
+the recomputation read the variables itself, it would read them in the
+backward pass, where TensorFlow's graph optimiser (Grappler's dependency
+optimisation) let an optimizer's update of a variable run before such a read
+in about one step in five: gradients then came from half-updated weights.
 """
 
 import inspect
@@ -28,6 +35,7 @@ class Segment:
     recompute: bool = False
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
+    variables: list = field(default_factory=list)
 
 
 def make_plan(model, backend):
@@ -77,7 +85,19 @@ def _wire(segments, model):
             for t in _keras_internals.node_outputs(node) if id(t) in later_needs
         ]
         segment.inputs = needed
+        segment.variables = _variables_of(segment.nodes) if segment.recompute else []
         later_needs |= set(needed)
+
+
+def _variables_of(nodes):
+    """The Keras variables of the layers run by `nodes`, each once."""
+    seen, variables = set(), []
+    for node in nodes:
+        for variable in getattr(node.operation, "variables", []):
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
 
 
 class Executor:
@@ -102,15 +122,31 @@ class Executor:
         return keras.tree.pack_sequence_as(self.model._outputs_struct, outputs)
 
     def _run_recomputed(self, segment, tensors, training, context):
-        def body(*inputs):
-            local = dict(zip(segment.inputs, inputs))
-            self._run_nodes(segment.nodes, local, training, context)
-            return [local[i] for i in segment.outputs]
+        count = len(segment.inputs)
+        loss_owners = []
+
+        def body(*flat):
+            local = dict(zip(segment.inputs, flat[:count]))
+            state = list(zip(segment.variables, flat[count:]))
+            owners = []
+            # Losses added inside (activity regularizers) become outputs of
+            # the segment, so that they get gradients too.
+            with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
+                for node in segment.nodes:
+                    before = len(scope.losses)
+                    self._run_nodes([node], local, training, context)
+                    owners += [node.operation] * (len(scope.losses) - before)
+            loss_owners[:] = owners
+            return [local[i] for i in segment.outputs] + list(scope.losses)
 
         results = self.backend.checkpoint_segment(body)(
-            *[tensors[i] for i in segment.inputs]
+            *[tensors[i] for i in segment.inputs],
+            *[_keras_internals.stored_value(v) for v in segment.variables],
         )
-        tensors.update(zip(segment.outputs, results))
+        outputs = len(results) - len(loss_owners)
+        tensors.update(zip(segment.outputs, results[:outputs]))
+        for layer, loss in zip(loss_owners, results[outputs:]):
+            layer.add_loss(loss)
 
     def _run_nodes(self, nodes, tensors, training, context):
         for node in nodes:
