@@ -18,10 +18,11 @@ way. The user's layers are never modified.
 
 import functools
 import inspect
-import types
 
 import keras
 import tensorflow as tf
+
+from keras_ipu_plugin.views import layer_view
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -142,49 +143,7 @@ def _view_class(cls, function):
     return type(cls.__name__, (cls,), {"call": _converted(function), "__module__": cls.__module__})
 
 
-def _autograph_view(layer, memo=None):
-    """A view of `layer` that runs AutoGraph-converted user `call`s.
-
-    The view is a new object of a subclass of the layer's class, holding a
-    shallow copy of the layer's attributes in which user-written sub-layers
-    are replaced by their own views. It shares every variable and state list
-    with the layer; the user's objects are only read, never changed. Layers
-    without user code (Keras's own) are used as they are.
-    """
-    memo = {} if memo is None else memo
-    if id(layer) in memo:
-        return memo[id(layer)]
-    function = _user_call(layer)
-    if function is None:
-        memo[id(layer)] = layer
-        return layer
-    view = object.__new__(_view_class(type(layer), function))
-    memo[id(layer)] = view
-    state = {name: _views_in(value, memo) for name, value in vars(layer).items()}
-    object.__setattr__(view, "__dict__", state)
-    return view
-
-
-def _views_in(value, memo):
-    if isinstance(value, keras.layers.Layer):
-        return _autograph_view(value, memo)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, keras.layers.Layer) for v in value):
-        views = [_views_in(v, memo) for v in value]
-        return tuple(views) if isinstance(value, tuple) else views
-    if isinstance(value, dict) and any(isinstance(v, keras.layers.Layer) for v in value.values()):
-        return {k: _views_in(v, memo) for k, v in value.items()}
-    return value
-
-
-def _user_call(layer):
-    """The class's `call` when it is user code AutoGraph should convert."""
-    if "call" in vars(layer):  # set on the instance by its owner: leave it
-        return None
-    function = getattr(type(layer), "call", None)
-    module = getattr(function, "__module__", "") or ""
-    if function is None or module.split(".")[0] in _LIBRARY_PACKAGES:
-        return None
-    return function
-
-
-_LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
+def _autograph_view(layer):
+    """A view (`views.layer_view`) of `layer` whose user-written `call`s, its
+    own and its sub-layers', run AutoGraph-converted."""
+    return layer_view(layer, _view_class)

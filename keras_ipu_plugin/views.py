@@ -1,0 +1,65 @@
+"""Views of user layers: stand-ins that run a layer's code differently
+without changing the layer.
+
+A view of `layer` is a new object of a subclass of the layer's class (made by
+a `view_class(cls, call)` factory), holding a shallow copy of the layer's
+attributes in which user-written sub-layers are replaced by their own views.
+It shares every variable, state list and Keras-internal list with the layer;
+the user's objects are only read. Layers without user code (Keras's own) are
+used as they are. Being a subclass keeps `isinstance` and zero-argument
+`super()` in the user's code working.
+
+`opaque.py` uses views whose `call` is AutoGraph-converted; `tracing.py` uses
+views whose symbolic calls are traced inline on KerasTensors.
+
+Example:
+    >>> view = layer_view(model, lambda cls, call: type(cls.__name__, (cls,), {}))
+    >>> view.blocks[0] is not model.blocks[0]   # a view of the block
+    True
+"""
+
+LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
+
+
+def layer_view(layer, view_class, memo=None):
+    """A view of `layer` whose class is `view_class(type(layer), user_call)`;
+    `memo` ({id(layer): view}) shares one view per layer across a call."""
+    import keras
+
+    memo = {} if memo is None else memo
+    if id(layer) in memo:
+        return memo[id(layer)]
+    function = user_call(layer)
+    if function is None:
+        memo[id(layer)] = layer
+        return layer
+    view = object.__new__(view_class(type(layer), function))
+    memo[id(layer)] = view
+
+    def views_in(value):
+        if isinstance(value, keras.layers.Layer):
+            return layer_view(value, view_class, memo)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, keras.layers.Layer) for v in value):
+            views = [views_in(v) for v in value]
+            return tuple(views) if isinstance(value, tuple) else views
+        if isinstance(value, dict) and any(isinstance(v, keras.layers.Layer) for v in value.values()):
+            return {k: views_in(v) for k, v in value.items()}
+        return value
+
+    state = {name: views_in(value) for name, value in vars(layer).items()}
+    object.__setattr__(view, "__dict__", state)
+    return view
+
+
+def user_call(layer):
+    """The class's `call` when it is user code (not Keras's, TF's or ours)."""
+    if "call" in vars(layer):  # set on the instance by its owner: leave it
+        return None
+    function = getattr(type(layer), "call", None)
+    module = getattr(function, "__module__", "") or ""
+    if function is None or module.split(".")[0] in LIBRARY_PACKAGES:
+        return None
+    return function
+
+
+__all__ = ["layer_view", "user_call", "LIBRARY_PACKAGES"]
