@@ -11,6 +11,14 @@ a sub-layer whose recorded value changes with it follows the model's
 `training`; one that does not was pinned by the code (`bn(x, training=False)`).
 If the two traces differ in which layers they call, `call` branches on
 `training` in Python and cannot be captured by one graph.
+
+`call` runs on a view of the layer (`views.layer_view`) whose user-written
+sub-layers work out their output shapes by running their own `call` inline
+on the KerasTensors. Keras would otherwise trace each custom block's `call`
+in a scratch TensorFlow graph (`compute_output_spec`), several times slower.
+A block whose `call` does not run on KerasTensors (TensorFlow ops on them)
+falls back to Keras's own way. Nodes recorded on views name the user's
+layers.
 """
 
 import functools
@@ -27,6 +35,7 @@ from keras_ipu_plugin.graph import FOLLOW
 from keras_ipu_plugin.graph import Graph
 from keras_ipu_plugin.graph import Node
 from keras_ipu_plugin.graph import Value
+from keras_ipu_plugin.views import layer_view
 
 
 class TraceError(Exception):
@@ -142,19 +151,56 @@ def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned):
     if accepts_training(layer):
         kwargs["training"] = training
     sub_layers = _keras_internals.all_layers(layer)
+    originals = {}  # id(view) -> the user's layer
+    view = layer_view(layer, _inline_view_class, originals=originals)
     with _keras_internals.node_lists_snapshot(sub_layers, always=True):
         with _keras_internals.call_context(layer, training):
             try:
-                outputs = layer.call(*args, **kwargs)
+                outputs = type(layer).call(view, *args, **kwargs)
             except TraceError:
                 raise
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
-        return _collect(outputs, placeholders, prefix, pinned)
+        return _collect(outputs, placeholders, prefix, pinned, originals)
 
 
-def _collect(outputs, placeholders, prefix, pinned):
-    """Walk Keras nodes back from `outputs` into Nodes in topological order."""
+@functools.lru_cache(maxsize=None)
+def _inline_view_class(cls, function):
+    """A subclass of `cls` whose symbolic calls run `call` inline (see the
+    module docstring); classes that say their own output shape keep it."""
+    if cls.compute_output_spec is not keras.layers.Layer.compute_output_spec or (
+        cls.compute_output_shape is not keras.layers.Layer.compute_output_shape
+    ):
+        return type(cls.__name__, (cls,), {"__module__": cls.__module__})
+    return type(cls.__name__, (cls,), {
+        "__module__": cls.__module__,
+        "compute_output_spec": _inline_output_spec,
+    })
+
+
+def _inline_output_spec(self, *args, **kwargs):
+    """Output KerasTensors of `self.call(*args, **kwargs)`, run on the
+    KerasTensors themselves; Keras's scratch-graph way if that fails."""
+    layers = _keras_internals.all_layers(self)
+    try:
+        with _keras_internals.node_lists_snapshot(layers, always=True):
+            outputs = self.call(*args, **kwargs)
+            return keras.tree.map_structure(_fresh_keras_tensor, outputs)
+    except Exception:
+        return super(type(self), self).compute_output_spec(*args, **kwargs)
+
+
+def _fresh_keras_tensor(tensor):
+    if not isinstance(tensor, keras.KerasTensor):
+        raise TypeError(f"`call` returned a {type(tensor).__name__}")
+    return keras.KerasTensor(tensor.shape, dtype=tensor.dtype, sparse=tensor.sparse,
+                             ragged=tensor.ragged)
+
+
+def _collect(outputs, placeholders, prefix, pinned, originals=None):
+    """Walk Keras nodes back from `outputs` into Nodes in topological order;
+    `originals` maps id(view) to the user's layer it views."""
+    originals = originals or {}
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes = []
     visited = set()
@@ -177,16 +223,17 @@ def _collect(outputs, placeholders, prefix, pinned):
         args, kwargs = _keras_internals.node_arguments(keras_node)
         for tensor in keras_node.arguments.keras_tensors:
             visit_tensor(tensor)
-        _reject_variables(keras_node.operation, (args, kwargs))
+        operation = originals.get(id(keras_node.operation), keras_node.operation)
+        _reject_variables(operation, (args, kwargs))
         node = Node(
-            name=prefix + keras_node.operation.name,
-            operation=keras_node.operation,
+            name=prefix + operation.name,
+            operation=operation,
             args=_to_values(args, values),
             kwargs=_to_values(kwargs, values),
             output_structure=None,
         )
         recorded = kwargs.get("training")
-        if "training" in _keras_internals.call_context_args(keras_node.operation):
+        if "training" in _keras_internals.call_context_args(operation):
             node.training = recorded
         node.kwargs.pop("training", None)
         if pinned and node.training is not None:

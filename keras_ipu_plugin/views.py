@@ -21,9 +21,10 @@ Example:
 LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
 
 
-def layer_view(layer, view_class, memo=None):
+def layer_view(layer, view_class, memo=None, originals=None):
     """A view of `layer` whose class is `view_class(type(layer), user_call)`;
-    `memo` ({id(layer): view}) shares one view per layer across a call."""
+    `memo` ({id(layer): view}) shares one view per layer across a call, and
+    `originals`, when given, gets {id(view): layer} for every view made."""
     import keras
 
     memo = {} if memo is None else memo
@@ -35,10 +36,12 @@ def layer_view(layer, view_class, memo=None):
         return layer
     view = object.__new__(view_class(type(layer), function))
     memo[id(layer)] = view
+    if originals is not None:
+        originals[id(view)] = layer
 
     def views_in(value):
         if isinstance(value, keras.layers.Layer):
-            return layer_view(value, view_class, memo)
+            return layer_view(value, view_class, memo, originals)
         if isinstance(value, (list, tuple)) and any(isinstance(v, keras.layers.Layer) for v in value):
             views = [views_in(v) for v in value]
             return tuple(views) if isinstance(value, tuple) else views

@@ -860,3 +860,60 @@ def test_dynamic_model_trains_under_mirrored(mirrored):
     assert all(not np.array_equal(v.numpy(), b)
                for v, b in zip(model.trainable_variables, before))
     assert all("call" not in vars(l) for l in all_layers(model))
+
+
+# -- inline tracing through views -------------------------------------------------
+def _attribute_identities(model):
+    return {
+        (id(layer), name): id(value)
+        for layer in all_layers(model)
+        for name, value in vars(layer).items()
+    }
+
+
+def test_tracing_through_views_leaves_every_layer_attribute_as_it_was():
+    model, x = zoo.make_nested()
+    model(x)
+    before = _attribute_identities(model)
+    converted = kip.apply_passes(kip.convert_to_functional(model, x), [kip.passes.Expand()])
+    assert _attribute_identities(model) == before
+    # the graph names the user's layers, never a view of them
+    user_layers = {id(layer) for layer in all_layers(model)}
+    for node in converted.kip_graph.nodes:
+        operation = getattr(node.operation, "layer", node.operation)  # through an alias
+        if isinstance(operation, keras.layers.Layer):  # not a `keras.ops` call
+            assert id(operation) in user_layers, node.name
+    assert_equivalent(model, converted, x)
+
+
+class TensorFlowOpsBlock(keras.layers.Layer):
+    """`call` uses TensorFlow ops, which do not take KerasTensors."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return tf.nn.relu(self.dense(x))
+
+
+class WithTensorFlowOpsBlock(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.block = TensorFlowOpsBlock(name="tf_block")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def test_block_that_only_runs_on_real_tensors_is_still_one_node():
+    # The inline trace fails on `tf.nn.relu(KerasTensor)`; Keras's own
+    # output-shape trace (a scratch TF graph) still gives the block's shape.
+    model = WithTensorFlowOpsBlock()
+    x = np.random.rand(4, 3).astype("float32")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    operations = [node.operation for node in converted.kip_graph.nodes]
+    assert operations[0] is model.block and operations[1] is model.head and len(operations) == 2
+    assert_equivalent(model, converted, x)
