@@ -41,14 +41,25 @@ def _data(n=64, features=16):
     return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
 
 
-def _gradients(model, x, y, jit_compile=False):
+def _gradient_step(model, jit_compile=False):
+    """A tf.function: the MSE loss's gradients w.r.t. `model`'s weights."""
     @tf.function(jit_compile=jit_compile)
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
         return tape.gradient(loss, model.trainable_variables)
 
-    return step(x, y)
+    return step
+
+
+def _step_graph(model, features=16):
+    """The traced graph of `_gradient_step(model)`."""
+    return _gradient_step(model).get_concrete_function(
+        tf.TensorSpec((None, features)), tf.TensorSpec((None, 1))).graph
+
+
+def _gradients(model, x, y, jit_compile=False):
+    return _gradient_step(model, jit_compile)(x, y)
 
 
 @pytest.fixture
@@ -76,14 +87,7 @@ def test_recompute_really_recomputes_in_the_backward_pass(tower):
     recomputed = kip.apply_passes(converted, [kip.passes.Recompute(["block_2"])])
 
     def forward_matmuls(m):
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((m(x, training=True) - y) ** 2)
-            return tape.gradient(loss, m.trainable_variables)
-
-        graph = step.get_concrete_function(
-            tf.TensorSpec((None, 16)), tf.TensorSpec((None, 1))).graph
+        graph = _step_graph(m)
         ops = [op.type for op in graph.get_operations()]
         for function in graph._functions.values():
             ops += [op.type for op in function.graph.get_operations()] if hasattr(function, "graph") else []
@@ -94,16 +98,9 @@ def test_recompute_really_recomputes_in_the_backward_pass(tower):
     assert len(reco) > len(base)
 
 
-def _variable_reads(model, variable, x, y):
+def _variable_reads(model, variable):
     """ReadVariableOps of `variable` in a traced forward-and-gradient step."""
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        return tape.gradient(loss, model.trainable_variables)
-
-    graph = step.get_concrete_function(
-        tf.TensorSpec((None,) + x.shape[1:]), tf.TensorSpec((None,) + y.shape[1:])).graph
+    graph = _step_graph(model)
     handles = [inner for outer, inner in graph.captures if outer is variable.value.handle]
     return sum(
         1 for op in graph.get_operations()
@@ -118,7 +115,7 @@ def test_recomputed_segment_reads_its_variables_only_in_the_forward_pass(tower):
     model, converted, x, y = tower
     recomputed = kip.apply_passes(converted, [kip.passes.Recompute(["block_1"])])
     for variable in model.blocks[1].trainable_variables:
-        assert _variable_reads(recomputed, variable, x, y) == _variable_reads(converted, variable, x, y) == 1
+        assert _variable_reads(recomputed, variable) == _variable_reads(converted, variable) == 1
 
 
 def test_recomputed_training_step_equals_plain_keras_step_every_time():
@@ -217,15 +214,7 @@ def test_recompute_under_mirrored_strategy(mirrored):
 
 
 def _op_count(model, features=16):
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        return tape.gradient(loss, model.trainable_variables)
-
-    graph = step.get_concrete_function(
-        tf.TensorSpec((None, features)), tf.TensorSpec((None, 1))).graph
-    return len(graph.get_operations())
+    return len(_step_graph(model, features).get_operations())
 
 
 def test_outline_shares_one_body_and_keeps_results():
