@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.distribution import strategy_owning
+from keras_ipu_plugin.dynamic import union_of_variables
 
 
 @dataclass
@@ -91,13 +92,9 @@ def _wire(segments, model):
 
 def _variables_of(nodes):
     """The Keras variables of the layers run by `nodes`, each once."""
-    seen, variables = set(), []
-    for node in nodes:
-        for variable in getattr(node.operation, "variables", []):
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                variables.append(variable)
-    return variables
+    return union_of_variables(
+        [v for node in nodes for v in getattr(node.operation, "variables", [])], []
+    )
 
 
 class Executor:

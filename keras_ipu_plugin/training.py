@@ -35,6 +35,7 @@ from keras_ipu_plugin.inputs import input_specs
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import trace_model
+from keras_ipu_plugin.views import LIBRARY_PACKAGES
 
 _MAX_REBUILDS_PER_STEP = 8
 
@@ -256,7 +257,6 @@ _VARIABLE_VIEWS = frozenset({
 })
 
 
-_LIBRARY_PACKAGES = ("keras", "tensorflow", "keras_ipu_plugin")
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -279,7 +279,7 @@ def _is_user_method(value, runtime):
     if value.__self__ is not runtime.subject and value.__self__ is not runtime.owner:
         return False
     module = getattr(value.__func__, "__module__", "") or ""
-    return module.split(".")[0] not in _LIBRARY_PACKAGES
+    return module.split(".")[0] not in LIBRARY_PACKAGES
 
 
 def _with_leading_axis(value):
