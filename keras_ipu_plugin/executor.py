@@ -58,8 +58,41 @@ def make_plan(model, backend):
             current = []
     if current:
         segments.append(Segment(current))
+    _keep_last_segment(segments)
     _wire(segments, model)
     return segments
+
+
+def _keep_last_segment(segments):
+    """Run the last recomputed segment normally when little follows it.
+
+    The backward pass starts with the layers after the last checkpoint and
+    then needs that segment's activations at once: recomputing it only saves
+    memory while the tail's own activations are alive. The peak is
+    `max(tail, segment)` with recomputation and `tail + segment` without, so
+    when the tail keeps less than the segment's largest single activation,
+    recomputing costs a forward pass of the segment for nothing.
+    """
+    recomputed = [i for i, segment in enumerate(segments) if segment.recompute]
+    if not recomputed:
+        return
+    last = recomputed[-1]
+    tail = [node for segment in segments[last + 1:] for node in segment.nodes]
+    largest = max(_activation_size([node]) for node in segments[last].nodes)
+    if _activation_size(tail) < largest:
+        segments[last].recompute = False
+
+
+def _activation_size(nodes):
+    """Elements per example in the outputs of `nodes` (unknown dims as 1)."""
+    total = 0
+    for node in nodes:
+        for tensor in _keras_internals.node_outputs(node):
+            size = 1
+            for dim in tensor.shape[1:]:
+                size *= dim or 1
+            total += size
+    return total
 
 
 def _has_forward_state(operation):

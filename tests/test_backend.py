@@ -82,6 +82,22 @@ def test_recompute_gradients_equal_in_graph_mode(tower, jit_compile):
     assert sum(s.recompute for s in plan) == 2
 
 
+def test_last_segment_is_recomputed_only_when_the_layers_after_it_keep_more(tower):
+    # Tower(depth=6): stem, block_0..block_5, head = Dense(1).
+    model, converted, x, y = tower
+
+    def plan(checkpoints):
+        recomputed = kip.apply_passes(converted, [kip.passes.Recompute(checkpoints)])
+        recomputed(x)  # makes the executor
+        return recomputed._kip_executor.segments
+
+    # After block_5 only the 1-wide head: recomputing block_2..block_5 would
+    # not lower the peak (its activations are needed first in the backward).
+    assert [s.recompute for s in plan(["block_1", "block_5"])] == [True, False, False]
+    # After block_3 come two 32-wide blocks: the segment stays recomputed.
+    assert [s.recompute for s in plan(["block_1", "block_3"])] == [True, True, False]
+
+
 def test_recompute_really_recomputes_in_the_backward_pass(tower):
     model, converted, x, y = tower
     recomputed = kip.apply_passes(converted, [kip.passes.Recompute(["block_2"])])
