@@ -87,11 +87,17 @@ class Converter:
 
     def trace(self, model, x, specs):
         """The graph IR of `model` and the conversion report."""
-        outputs = _call_original(model, x)
+        # A model never called is built by one eager call on the batch, which
+        # also tells a batch the model rejects (a clear InputDataError) from
+        # code that cannot be traced. An already built model is traced
+        # straight away: the eager call is then needed only if tracing fails.
+        outputs = None if model.built else _call_original(model, x)
         report = Report()
         try:
             graph = trace_model(model, specs, training=self.training)
         except TraceError as error:
+            if outputs is None:
+                outputs = _call_original(model, x)
             graph = opaque_graph(
                 model, specs, outputs, error.reason,
                 batch_size=inputs_lib.batch_size_of(x), static_batch=self.static_batch,
