@@ -13,6 +13,15 @@ existing layers that Keras does itself), in the same run.
 Goals: kip / clone <= 1.5 at every N, and kip(500) / kip(50) <= 12 (linear).
 The goals are printed, not asserted.
 
+The table also prints a floor: the time to construct, alone, the
+`LayerAlias` layers that give the 4N expanded sub-layers their `parent.child`
+names (API.md: "Expanded sub-layers are named `parent.child`"; the user's
+layers cannot be renamed). One Keras layer's `__init__` costs about what
+`clone_model` spends per layer call, so these names alone cost about 1.3x a
+whole `clone_model`, before any tracing; the functional model itself must
+also be recorded once (1x). This is why the 1.5 ratio is out of reach while
+the names are kept.
+
 Usage:
     python benchmarks/conversion.py            # N = 10, 50, 100, 500
     python benchmarks/conversion.py 10 100     # other sizes
@@ -88,14 +97,25 @@ def kip_convert_and_expand(model, x):
     return kip.apply_passes(converted, [kip.passes.Expand()])
 
 
+def alias_floor(passed):
+    """Seconds to construct, alone, one `LayerAlias` per aliased layer of
+    `passed` (the same layers and names the expanded model uses)."""
+    aliases = [layer for layer in passed.layers if isinstance(layer, kip.LayerAlias)]
+    seconds, _ = timed(lambda: [
+        kip.LayerAlias(alias.layer, name=alias.name + "_floor") for alias in aliases
+    ])
+    return seconds
+
+
 def measure(n, repeats):
-    """Best-of-`repeats` seconds: (kip total, its convert, its expand, clone)."""
+    """Best-of-`repeats` seconds: (kip total, its convert, its expand, clone,
+    alias floor)."""
     x = np.random.RandomState(0).normal(size=(4, WIDTH)).astype("float32")
     model = Stack(n, name=f"stack_{n}")
     model(x)  # built
     functional = functional_stack(n)
     functional(x)
-    kip_best = clone_best = (float("inf"),)
+    kip_best = clone_best = floor_best = (float("inf"),)
     for _ in range(repeats):
         convert_time, converted = timed(
             lambda: kip.convert_to_functional(model, x, verify=False))
@@ -107,10 +127,11 @@ def measure(n, repeats):
         clone_time, _ = timed(
             lambda: keras.models.clone_model(functional, clone_function=lambda layer: layer))
         clone_best = (min(clone_best[0], clone_time),)
+        floor_best = (min(floor_best[0], alias_floor(passed)),)
     # A sanity check outside the timed region: the result is the full graph.
     assert len([n_ for n_ in passed.kip_graph.nodes if n_.is_layer]) == 4 * n
     np.testing.assert_allclose(np.asarray(passed(x)), np.asarray(model(x)), atol=1e-5)
-    return kip_best + clone_best
+    return kip_best + clone_best + floor_best
 
 
 def main():
@@ -134,12 +155,13 @@ def main():
     measure(5, 1)  # warm up TensorFlow / Keras
     rows = {}
     print(f"{'N':>6} {'kip s':>9} {'clone s':>9} {'ratio':>7}   "
-          f"{'(convert s':>10} {'expand s)':>10}")
+          f"{'(convert s':>10} {'expand s)':>10}   {'aliases alone / clone':>21}")
     for n in args.sizes:
-        kip_time, convert_time, expand_time, clone_time = measure(n, args.repeats)
+        kip_time, convert_time, expand_time, clone_time, floor = measure(n, args.repeats)
         rows[n] = (kip_time, clone_time)
         print(f"{n:>6} {kip_time:9.3f} {clone_time:9.3f} {kip_time / clone_time:7.2f}   "
-              f"{convert_time:10.3f} {expand_time:10.3f}", flush=True)
+              f"{convert_time:10.3f} {expand_time:10.3f}   {floor / clone_time:21.2f}",
+              flush=True)
     ratios = {n: k / c for n, (k, c) in rows.items()}
     ratio_met = all(r <= RATIO_GOAL for r in ratios.values())
     print(f"goal ratio <= {RATIO_GOAL} at every N: {'met' if ratio_met else 'NOT met'} "
