@@ -164,6 +164,12 @@ class PluginModel(keras.Model):
         # the wrapped model, with the right dtypes.
         self.built = True
 
+    def get_build_config(self):
+        # The wrapped model's own: without one, `load_model` leaves the
+        # wrapper unbuilt, so it does not build the optimizer either, and the
+        # saved optimizer state is skipped ("Skipping variable loading").
+        return self.wrapped.get_build_config()
+
     def build_from_config(self, config):
         # `load_model` restores weights right after this, so the wrapped
         # model's variables must exist: call it once on zeros of the saved
