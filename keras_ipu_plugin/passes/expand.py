@@ -59,12 +59,16 @@ def expand_graph(graph, should_expand, report, step, recursive):
 
     Returns the nodes that stayed opaque although `should_expand` chose them.
     """
-    replaced = {}  # id(old output Value) -> the Value that stands for it
+    # old output Value -> the Value that stands for it. Keyed by the Values
+    # themselves, not their ids: an expanded node nested in another one is
+    # referenced by nothing else once expanded, and a dead Value's id can
+    # come back as a new Value's (which would then be rewired silently).
+    replaced = {}
     nodes, opaque = [], []
 
     def resolve(value):
-        while id(value) in replaced:
-            value = replaced[id(value)]
+        while value in replaced:
+            value = replaced[value]
         return value
 
     def visit(node, offered):
@@ -105,8 +109,8 @@ def is_expandable(operation):
 def trace_node(node, report):
     """Trace the layer of `node` into new nodes named `node.name + ".child"`.
 
-    Returns `(new_nodes, output_map)`, `output_map` mapping the id of each
-    output Value of `node` to the Value that replaces it; or None when the
+    Returns `(new_nodes, output_map)`, `output_map` mapping each output
+    Value of `node` to the Value that replaces it; or None when the
     layer cannot be traced (then `node.opaque_reason` says why, and the
     report has it).
     """
@@ -144,12 +148,14 @@ def trace_node(node, report):
         ), report)
     used = set()
     for new in new_nodes:
+        if new.opaque_reason:  # a dynamic sub-layer, kept whole
+            report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
         if agnostic:
             new.training = None
         if new.training == FOLLOW and node.training in (True, False):
             new.training = node.training
         _name_after_path(new, node.name, used)
-    return new_nodes, {id(old): new for old, new in zip(node.outputs, flat_outputs)}
+    return new_nodes, dict(zip(node.outputs, flat_outputs))
 
 
 # Built-in layers whose output never depends on `training` (exact classes:
