@@ -105,6 +105,9 @@ class Converter:
             report.add_opaque(model.name, error.reason)
         for node in graph.nodes:
             report.add("convert", node.name, "traced", type(node.operation).__name__)
+            if isinstance(node.operation, OpaqueLayer):
+                # The whole model, or a dynamic sub-layer kept whole.
+                report.add_opaque(node.operation.layer.name, node.opaque_reason)
         return graph, report
 
 

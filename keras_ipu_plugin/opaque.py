@@ -49,10 +49,7 @@ class OpaqueLayer(keras.layers.Layer):
             kwargs["training"] = training
         if tf.executing_eagerly():
             return self.layer(*args, **kwargs)
-        # AutoGraph turns Python control flow on tensors into tf.cond /
-        # tf.while_loop; going through `__call__` keeps Keras's own handling
-        # of masks, autocasting and the training context.
-        return _autograph_view(self.layer)(*args, **kwargs)
+        return autograph_call(self.layer, args, kwargs)
 
     def compute_output_spec(self, *args, **kwargs):
         return _specs_to_tensors(self.output_specs)
@@ -72,6 +69,16 @@ class OpaqueLayer(keras.layers.Layer):
         config["layer"] = keras.saving.deserialize_keras_object(config["layer"])
         config["output_specs"] = _specs_from_config(config["output_specs"])
         return cls(**config)
+
+
+def autograph_call(layer, args, kwargs):
+    """`layer(*args, **kwargs)` as an `OpaqueLayer` runs it in graph mode.
+
+    AutoGraph turns Python control flow on tensors into tf.cond /
+    tf.while_loop; going through `__call__` keeps Keras's own handling of
+    masks, autocasting and the training context.
+    """
+    return _autograph_view(layer)(*args, **kwargs)
 
 
 def output_specs_of(outputs, batch_size, static_batch):

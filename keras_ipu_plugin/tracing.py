@@ -17,8 +17,10 @@ sub-layers work out their output shapes by running their own `call` inline
 on the KerasTensors. Keras would otherwise trace each custom block's `call`
 in a scratch TensorFlow graph (`compute_output_spec`), several times slower.
 A block whose `call` does not run on KerasTensors (TensorFlow ops on them)
-falls back to Keras's own way. Nodes recorded on views name the user's
-layers.
+falls back to Keras's own way. A block that fails that way too (Python
+control flow on a tensor's value) but runs once AutoGraph has converted it
+becomes one opaque node (`OpaqueLayer`), so the rest of the model is still
+traced. Nodes recorded on views name the user's layers.
 """
 
 import functools
@@ -29,6 +31,7 @@ import textwrap
 import tokenize
 
 import keras
+import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.graph import FOLLOW
@@ -79,24 +82,25 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix):
     Returns `(nodes, outputs)`: new Nodes named `prefix + layer name` and the
     output structure in terms of Values.
     """
+    made = {}  # id(user layer) -> the OpaqueLayer standing for it
     if training is not None:
-        return _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned=True)
+        return _trace_once(layer, args, kwargs, placeholders, training, prefix, True, made)
     if not _call_mentions_training(type(layer).call):
         # `call` neither reads `training` nor passes it on: every sub-layer
         # takes it from the context, so one trace under `training=True`
         # tells them all (each records True: it follows the model's).
         nodes, outputs = _trace_once(
-            layer, args, kwargs, placeholders, True, prefix, pinned=False
+            layer, args, kwargs, placeholders, True, prefix, False, made
         )
         for node in nodes:
             if node.training is True:
                 node.training = FOLLOW
         return nodes, outputs
     nodes_t, outputs_t = _trace_once(
-        layer, args, kwargs, placeholders, True, prefix, pinned=False
+        layer, args, kwargs, placeholders, True, prefix, False, made
     )
     nodes_f, outputs_f = _trace_once(
-        layer, args, kwargs, placeholders, False, prefix, pinned=False
+        layer, args, kwargs, placeholders, False, prefix, False, made
     )
     if list(map(_identity, nodes_t)) != list(map(_identity, nodes_f)):
         only = {n.name for n in nodes_t} ^ {n.name for n in nodes_f}
@@ -127,6 +131,8 @@ def _call_mentions_training(function):
 def _identity(node):
     # Layers are the user's objects; `keras.ops` operations are created anew
     # at each call, so only their kind can be compared.
+    if node.opaque_reason is not None:
+        return id(node.operation.layer)
     if node.is_layer:
         return id(node.operation)
     return type(node.operation).__name__
@@ -146,13 +152,17 @@ def _training_mode(node_true, node_false):
     )
 
 
-def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned):
+def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned, opaque_layers):
     kwargs = dict(kwargs)
     if accepts_training(layer):
         kwargs["training"] = training
     sub_layers = _keras_internals.all_layers(layer)
     originals = {}  # id(view) -> the user's layer
     view = layer_view(layer, _inline_view_class, originals=originals)
+    for inner in _keras_internals.all_layers(view):
+        if id(inner) in originals and inner is not view:
+            # Only the view's own dict: an opaque fallback needs the layer.
+            vars(inner)[_VIEW_OF] = originals[id(inner)]
     with _keras_internals.node_lists_snapshot(sub_layers, always=True):
         with _keras_internals.call_context(layer, training):
             try:
@@ -161,7 +171,7 @@ def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned):
                 raise
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
-        return _collect(outputs, placeholders, prefix, pinned, originals)
+        return _collect(outputs, placeholders, prefix, pinned, originals, opaque_layers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,16 +188,58 @@ def _inline_view_class(cls, function):
     })
 
 
+_VIEW_OF = "_kip_view_of"  # in a view's dict: the user's layer it views
+_OPAQUE = "_kip_opaque"  # in a view's dict: (reason, output specs) when opaque
+
+
 def _inline_output_spec(self, *args, **kwargs):
     """Output KerasTensors of `self.call(*args, **kwargs)`, run on the
-    KerasTensors themselves; Keras's scratch-graph way if that fails."""
+    KerasTensors themselves; Keras's scratch-graph way if that fails, and
+    AutoGraph's (the view then stands for an opaque node) if that fails."""
     layers = _keras_internals.all_layers(self)
     try:
         with _keras_internals.node_lists_snapshot(layers, always=True):
             outputs = self.call(*args, **kwargs)
             return keras.tree.map_structure(_fresh_keras_tensor, outputs)
     except Exception:
+        pass
+    try:
         return super(type(self), self).compute_output_spec(*args, **kwargs)
+    except Exception as error:
+        layer = vars(self).get(_VIEW_OF)
+        if layer is None:
+            raise
+        try:
+            outputs = _autograph_output_spec(layer, args, kwargs)
+        except Exception:
+            raise error from None
+        vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
+        return outputs
+
+
+def _autograph_output_spec(layer, args, kwargs):
+    """Output KerasTensors of `layer`'s call run as an `OpaqueLayer` runs it
+    in graph mode (AutoGraph-converted), traced in a scratch graph."""
+    from keras_ipu_plugin.opaque import autograph_call
+
+    symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+
+    def run(*tensors):
+        supply = iter(tensors)
+        filled_args, filled_kwargs = keras.tree.map_structure(
+            lambda leaf: next(supply) if isinstance(leaf, keras.KerasTensor) else leaf,
+            (args, kwargs),
+        )
+        return autograph_call(layer, filled_args, filled_kwargs)
+
+    function = tf.function(run, autograph=False)
+    traced = function.get_concrete_function(
+        *[tf.TensorSpec(t.shape, t.dtype) for t in symbols]
+    )
+    return keras.tree.map_structure(
+        lambda t: keras.KerasTensor(t.shape, dtype=t.dtype), traced.structured_outputs
+    )
 
 
 def _fresh_keras_tensor(tensor):
@@ -197,10 +249,12 @@ def _fresh_keras_tensor(tensor):
                              ragged=tensor.ragged)
 
 
-def _collect(outputs, placeholders, prefix, pinned, originals=None):
+def _collect(outputs, placeholders, prefix, pinned, originals=None, opaque_layers=None):
     """Walk Keras nodes back from `outputs` into Nodes in topological order;
-    `originals` maps id(view) to the user's layer it views."""
+    `originals` maps id(view) to the user's layer it views, `opaque_layers`
+    collects the OpaqueLayers made (see `_opaque_layer`)."""
     originals = originals or {}
+    opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes = []
     visited = set()
@@ -224,6 +278,9 @@ def _collect(outputs, placeholders, prefix, pinned, originals=None):
         for tensor in keras_node.arguments.keras_tensors:
             visit_tensor(tensor)
         operation = originals.get(id(keras_node.operation), keras_node.operation)
+        opaque = vars(keras_node.operation).get(_OPAQUE)
+        if opaque is not None:
+            operation = _opaque_layer(operation, *opaque, opaque_layers)
         _reject_variables(operation, (args, kwargs))
         node = Node(
             name=prefix + operation.name,
@@ -232,6 +289,8 @@ def _collect(outputs, placeholders, prefix, pinned, originals=None):
             kwargs=_to_values(kwargs, values),
             output_structure=None,
         )
+        if opaque is not None:
+            node.opaque_reason = operation.reason
         recorded = kwargs.get("training")
         if "training" in _keras_internals.call_context_args(operation):
             node.training = recorded
@@ -254,6 +313,22 @@ def _collect(outputs, placeholders, prefix, pinned, originals=None):
     return nodes, output_values
 
 
+def _opaque_layer(layer, reason, outputs, made):
+    """The `OpaqueLayer` standing for `layer`, made once per `trace_call`
+    (`made`: id(layer) -> it), as its traces under `training=True` and
+    `False` must agree on the node's operation."""
+    from keras_ipu_plugin.opaque import OpaqueLayer
+    from keras_ipu_plugin.opaque import output_specs_of
+
+    if id(layer) not in made:
+        # Named as the layer: it stands for it in the graph, and the layer
+        # itself sits inside it, not beside it in the functional model.
+        made[id(layer)] = OpaqueLayer(
+            layer, output_specs_of(outputs, None, False), reason=reason, name=layer.name
+        )
+    return made[id(layer)]
+
+
 def _to_values(structure, values):
     def convert(leaf):
         if isinstance(leaf, keras.KerasTensor):
@@ -272,8 +347,8 @@ def _reject_variables(operation, structure):
             )
 
 
-def _describe_failure(error):
-    where = _failing_layer(error)
+def _describe_failure(error, default=None):
+    where = _failing_layer(error) or default
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     return f"{text} (in `{where}`)" if where else text
 
@@ -292,6 +367,9 @@ def essential_message(error, limit=600):
     raw = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     text = _ANSI.sub("", raw)
     text = text.split("Arguments received by")[0]
+    # Keras's "Could not automatically infer the output shape / dtype of
+    # ... Error encountered:" wraps the error that says what happened.
+    text = text.split("Error encountered:")[-1]
     lines = [
         line.strip()
         for line in text.splitlines()
