@@ -39,6 +39,7 @@ from keras_ipu_plugin.graph import Graph
 from keras_ipu_plugin.graph import Node
 from keras_ipu_plugin.graph import Value
 from keras_ipu_plugin.views import layer_view
+from keras_ipu_plugin.views import viewed_layer
 
 
 class TraceError(Exception):
@@ -157,12 +158,7 @@ def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned, opa
     if accepts_training(layer):
         kwargs["training"] = training
     sub_layers = _keras_internals.all_layers(layer)
-    originals = {}  # id(view) -> the user's layer
-    view = layer_view(layer, _inline_view_class, originals=originals)
-    for inner in _keras_internals.all_layers(view):
-        if id(inner) in originals and inner is not view:
-            # Only the view's own dict: an opaque fallback needs the layer.
-            vars(inner)[_VIEW_OF] = originals[id(inner)]
+    view = layer_view(layer, _inline_view_class)
     with _keras_internals.node_lists_snapshot(sub_layers, always=True):
         with _keras_internals.call_context(layer, training):
             try:
@@ -171,7 +167,7 @@ def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned, opa
                 raise
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
-        return _collect(outputs, placeholders, prefix, pinned, originals, opaque_layers)
+        return _collect(outputs, placeholders, prefix, pinned, opaque_layers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +184,6 @@ def _inline_view_class(cls, function):
     })
 
 
-_VIEW_OF = "_kip_view_of"  # in a view's dict: the user's layer it views
 _OPAQUE = "_kip_opaque"  # in a view's dict: (reason, output specs) when opaque
 
 
@@ -206,9 +201,7 @@ def _inline_output_spec(self, *args, **kwargs):
     try:
         return super(type(self), self).compute_output_spec(*args, **kwargs)
     except Exception as error:
-        layer = vars(self).get(_VIEW_OF)
-        if layer is None:
-            raise
+        layer = viewed_layer(self)  # only views have this method
         try:
             outputs = _autograph_output_spec(layer, args, kwargs)
         except Exception:
@@ -249,11 +242,10 @@ def _fresh_keras_tensor(tensor):
                              ragged=tensor.ragged)
 
 
-def _collect(outputs, placeholders, prefix, pinned, originals=None, opaque_layers=None):
-    """Walk Keras nodes back from `outputs` into Nodes in topological order;
-    `originals` maps id(view) to the user's layer it views, `opaque_layers`
+def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
+    """Walk Keras nodes back from `outputs` into Nodes in topological order,
+    naming the user's layers where views were called; `opaque_layers`
     collects the OpaqueLayers made (see `_opaque_layer`)."""
-    originals = originals or {}
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes = []
@@ -277,7 +269,9 @@ def _collect(outputs, placeholders, prefix, pinned, originals=None, opaque_layer
         args, kwargs = _keras_internals.node_arguments(keras_node)
         for tensor in keras_node.arguments.keras_tensors:
             visit_tensor(tensor)
-        operation = originals.get(id(keras_node.operation), keras_node.operation)
+        operation = viewed_layer(keras_node.operation)
+        if operation is None:  # not a view: a Keras layer or operation
+            operation = keras_node.operation
         opaque = vars(keras_node.operation).get(_OPAQUE)
         if opaque is not None:
             operation = _opaque_layer(operation, *opaque, opaque_layers)

@@ -21,10 +21,12 @@ Example:
 LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
 
 
-def layer_view(layer, view_class, memo=None, originals=None):
+_VIEWED = "_kip_viewed_layer"  # in a view's own dict: the layer it views
+
+
+def layer_view(layer, view_class, memo=None):
     """A view of `layer` whose class is `view_class(type(layer), user_call)`;
-    `memo` ({id(layer): view}) shares one view per layer across a call, and
-    `originals`, when given, gets {id(view): layer} for every view made."""
+    `memo` ({id(layer): view}) shares one view per layer across a call."""
     import keras
 
     memo = {} if memo is None else memo
@@ -36,12 +38,10 @@ def layer_view(layer, view_class, memo=None, originals=None):
         return layer
     view = object.__new__(view_class(type(layer), function))
     memo[id(layer)] = view
-    if originals is not None:
-        originals[id(view)] = layer
 
     def views_in(value):
         if isinstance(value, keras.layers.Layer):
-            return layer_view(value, view_class, memo, originals)
+            return layer_view(value, view_class, memo)
         if isinstance(value, (list, tuple)) and any(isinstance(v, keras.layers.Layer) for v in value):
             views = [views_in(v) for v in value]
             return tuple(views) if isinstance(value, tuple) else views
@@ -50,8 +50,14 @@ def layer_view(layer, view_class, memo=None, originals=None):
         return value
 
     state = {name: views_in(value) for name, value in vars(layer).items()}
+    state[_VIEWED] = layer
     object.__setattr__(view, "__dict__", state)
     return view
+
+
+def viewed_layer(obj):
+    """The user's layer `obj` is a view of, or None when it is not a view."""
+    return getattr(obj, "__dict__", {}).get(_VIEWED)
 
 
 def user_call(layer):
@@ -65,4 +71,4 @@ def user_call(layer):
     return function
 
 
-__all__ = ["layer_view", "user_call", "LIBRARY_PACKAGES"]
+__all__ = ["layer_view", "viewed_layer", "user_call", "LIBRARY_PACKAGES"]
