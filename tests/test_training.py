@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
+import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
 
 
 @keras.saving.register_keras_serializable(package="kip_tests")
@@ -104,6 +105,50 @@ def test_callback_with_dataset_does_not_skip_a_batch():
     actual = model.fit(dataset, epochs=2, verbose=0, callbacks=[kip.PluginCallback()]).history["loss"]
     np.testing.assert_allclose(actual, expected, atol=1e-5)
     assert int(model.optimizer.iterations.numpy()) == 8
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return len(self.x) // self.batch
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch, (index + 1) * self.batch)
+        return self.x[rows], self.y[rows]
+
+
+def _dict_data(n=48):
+    rng = np.random.RandomState(3)
+    x = {"features": rng.normal(size=(n, 5)).astype("float32"),
+         "tokens": rng.randint(0, 10, size=(n, 7)).astype("int64")}
+    y = {"score": rng.normal(size=(n, 1)).astype("float32"),
+         "label": rng.normal(size=(n, 3)).astype("float32")}
+    return x, y
+
+
+@pytest.mark.parametrize("source", ["py_dataset", "dict_arrays"])
+def test_callback_takes_the_first_batch_of_any_source_without_skipping_it(source):
+    def train(callbacks):
+        keras.utils.set_random_seed(7)
+        if source == "py_dataset":
+            model, (x, y) = Net(), _data()
+            data = {"x": _Batches(x, y, 16)}
+        else:
+            model, (x, y) = zoo.DictModel(), _dict_data()
+            data = {"x": x, "y": y, "batch_size": 16, "shuffle": False}
+        model.compile(optimizer="sgd", loss="mse")
+        history = model.fit(**data, epochs=2, verbose=0, callbacks=callbacks)
+        return history.history["loss"], model
+
+    expected, _ = train([])
+    callback = kip.PluginCallback(passes=[kip.passes.Expand()])
+    actual, model = train([callback])
+    np.testing.assert_allclose(actual, expected, atol=1e-5)
+    assert callback.converted is not None
+    assert int(model.optimizer.iterations.numpy()) == 2 * (64 if source == "py_dataset" else 48) // 16
 
 
 def test_scope_matches_plain_keras():
