@@ -1,8 +1,9 @@
 """The IPU backend: the passes through Graphcore's Poplar SDK, call for call.
 
-Written against Graphcore's SDK 3.4 (the last release): `graphcore/tensorflow`
-and `graphcore/keras` branch `r2.6/sdk-release-3.4`, `graphcore/ipu_tensorflow_addons`
-branch `r2.6/sdk-release-3.4`, and the TF2 BERT scripts of `graphcore/examples`.
+Written against Graphcore's SDK 3.4 (the newest release branch in Graphcore's
+repositories): `graphcore/tensorflow` and `graphcore/keras` branch
+`r2.6/sdk-release-3.4`, `graphcore/ipu_tensorflow_addons` branch
+`r2.6/sdk-release-3.4`, and the TF2 BERT scripts of `graphcore/examples`.
 That SDK ships TensorFlow 2.6.3 with Graphcore's fork of Keras 2.6; this library
 needs TensorFlow >= 2.16 and Keras 3, so it cannot be imported there, and
 nothing in this module has ever run on an IPU. The tests check every call
