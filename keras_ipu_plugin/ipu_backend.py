@@ -50,6 +50,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.errors import IpuError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.report import Entry
 
 #: The keyword arguments of `ipu.outlined_function` besides `func`, with the
 #: types the SDK documents (functional_ops.py): no other keyword exists.
@@ -225,7 +226,8 @@ class IpuBackend:
                 f"Graphcore's RecomputationMode members ({', '.join(RECOMPUTATION_MODES)})."
             )
         if allow_recompute is not None and not isinstance(allow_recompute, bool):
-            raise IpuError(f"kip.scope: allow_recompute must be True, False or None; got {allow_recompute!r}.")
+            raise IpuError(
+                f"kip.scope: allow_recompute must be True, False or None; got {allow_recompute!r}.")
         if allow_recompute is None:
             allow_recompute = any(isinstance(p, Recompute) for p in passes)
         self.settings = IpuSettings(
@@ -319,10 +321,10 @@ class IpuBackend:
         self._compile_like(converted, owner)
         if method == "fit":
             self._set_gradient_accumulation(converted, owner)
-        converted.kip_report.add(
-            "ipu", converted.name, f"{method} by Graphcore's Keras",
-            "the converted model is trained; model.train_function is not used under IPUStrategy",
-        )
+        entry = ("ipu", converted.name, f"{method} by Graphcore's Keras",
+                 "the converted model is trained; model.train_function is not used under IPUStrategy")
+        if Entry(*entry) not in converted.kip_report.entries:
+            converted.kip_report.add(*entry)
         return getattr(converted, method)(*args, **kwargs)
 
     def _compile_like(self, converted, owner):

@@ -257,7 +257,8 @@ def _check_dense(node, config, refuse):
     if unsupported:
         refuse(f"it sets {', '.join(unsupported)}, which SerialDense does not support.")
     factor = config["serialization_factor"]
-    rows, columns = node.input_values[0].spec.shape[-2:] if len(node.input_values[0].spec.shape) > 1 else (None, None)
+    shape = tuple(node.input_values[0].spec.shape)
+    rows, columns = shape[-2:] if len(shape) > 1 else (None, shape[-1])
     dimension = {
         "input_columns": ("the input's rows", rows),
         "input_rows_kernel_columns": ("the input's columns", columns),

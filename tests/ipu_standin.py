@@ -540,8 +540,11 @@ class LayerNormalization(keras.layers.Layer):
             raise ValueError(f"Input shape {input_shape} has unknown dimensions - all "
                              "dimensions need to be fully specified.")
         shape = [input_shape[a] for a in self.axis]
-        self.gamma = self.add_weight(shape=shape, initializer=self.gamma_initializer, name="gamma") if self.scale else None
-        self.beta = self.add_weight(shape=shape, initializer=self.beta_initializer, name="beta") if self.center else None
+        self.gamma = self.beta = None
+        if self.scale:
+            self.gamma = self.add_weight(shape=shape, initializer=self.gamma_initializer, name="gamma")
+        if self.center:
+            self.beta = self.add_weight(shape=shape, initializer=self.beta_initializer, name="beta")
 
     def call(self, inputs, training=None):
         others = [d for d in range(len(inputs.shape)) if d not in self.axis]
@@ -611,14 +614,15 @@ class SerialDense(keras.layers.Layer):
 
     def call(self, inputs):
         if self.serialization_factor < 1:
-            raise ValueError(f"serialization_factor has to be at least 1, but was {self.serialization_factor}.")
+            raise ValueError("serialization_factor has to be at least 1, but was "
+                             f"{self.serialization_factor}.")
         if self.serialization_dimension not in _SERIAL_DIMENSIONS:
             raise ValueError(f"Invalid serialization_dimension={self.serialization_dimension}")
         size = {"input_columns": inputs.shape[-2], "input_rows_kernel_columns": self.kernel.shape[0],
                 "kernel_rows": self.units}[self.serialization_dimension]
         if size is not None and size % self.serialization_factor:
             raise ValueError(f"serialization_factor {self.serialization_factor} does not divide {size}.")
-        outputs = tf.matmul(inputs, self.kernel) if len(inputs.shape) == 2 else tf.tensordot(inputs, self.kernel, 1)
+        outputs = tf.tensordot(inputs, self.kernel, 1)
         if self.bias is not None:
             outputs = outputs + self.bias
         return self.activation(outputs)
