@@ -11,8 +11,9 @@ a Dense over the vocabulary). The model takes two inputs (a dict): the
 source tokens and the target tokens shifted right (teacher forcing); the
 task is to reverse the source. `Expand` inlines the encoder and decoder;
 `PipelineStages` puts the encoder's layers in stage 0 and the decoder's in
-stage 1 (`model.converted.kip_stages`); on an IPU they
-become pipeline stages, elsewhere `kip_stage_devices` can place them.
+stage 1 (`model.converted.kip_stages`); `kip_stage_devices` can place
+them on devices (the IPU backend would hand them to Graphcore's pipeline
+API; it has never run on an IPU, see the README).
 """
 
 import os

@@ -24,6 +24,7 @@ from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
+from keras_ipu_plugin.errors import IpuError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.functional import KipFunctional
 from keras_ipu_plugin.model import PluginModel
@@ -35,7 +36,7 @@ from keras_ipu_plugin.scope import scope_report
 
 __all__ = [
     "ConfigError", "ConversionError", "Converter", "InputDataError", "InputTypeError",
-    "KipFunctional", "LayerAlias", "NewVariablesError", "OpaqueLayer", "PassError",
+    "IpuError", "KipFunctional", "LayerAlias", "NewVariablesError", "OpaqueLayer", "PassError",
     "PluginCallback", "PluginModel", "Report", "apply_passes", "backend",
     "convert_to_functional", "ipu_replacements", "passes", "passes_from_config",
     "register_layer", "scope", "scope_report", "summary",

@@ -329,3 +329,15 @@ def record_call(operation, args, kwargs, output_specs):
     ]
     KerasNode(operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
     return outputs
+
+
+def keras_mask(tensor):
+    """The mask Keras attached to a (symbolic) tensor, or None."""
+    return getattr(tensor, "_keras_mask", None)
+
+
+def compile_arguments(model):
+    """The keyword arguments `model.compile` was last called with (Keras keeps
+    them only in a private attribute), or None before `compile`."""
+    config = getattr(model, "_compile_config", None)
+    return None if config is None else dict(config.config)

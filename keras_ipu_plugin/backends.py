@@ -15,10 +15,9 @@ Portable (CPU / GPU / TPU):
 - pipeline stages: a stage index per layer (`model.kip_stages`), and
   `tf.device` placement when the model is given stage devices.
 
-IPU (Graphcore SDK): `ipu.pipelining_ops.recomputation_checkpoint` on
-checkpointed outputs, `ipu.outlined_function` around outlined calls, the
-pipeline stage assignment through Graphcore's Keras API, and layer
-replacements from `ipu_tensorflow_addons.keras.layers`.
+IPU (Graphcore's Poplar SDK, `ipu_backend.IpuBackend`): written against
+SDK 3.4 but never run on an IPU -- that SDK's TensorFlow 2.6 / Keras 2.6
+cannot import this Keras 3 library (see the README, "The IPU backend").
 
 Example:
     >>> kip.backend()
@@ -31,17 +30,9 @@ import importlib
 
 import tensorflow as tf
 
-#: The documented default IPU replacement mapping: Keras layer class name ->
-#: `ipu_tensorflow_addons.keras.layers` class name. Dense -> SerialDense only
-#: when asked for (`ipu_replacements(serial_dense=True)`), since it changes
-#: the memory / cycles trade-off rather than just the implementation.
-IPU_REPLACEMENTS = {
-    "Dropout": "Dropout",
-    "LayerNormalization": "LayerNormalization",
-    "Embedding": "Embedding",
-    "LSTM": "PopnnLSTM",
-    "GRU": "PopnnGRU",
-}
+from keras_ipu_plugin.errors import IpuError
+from keras_ipu_plugin.ipu_backend import IpuBackend
+from keras_ipu_plugin.ipu_layers import IPU_REPLACEMENTS  # noqa: F401 (public name)
 
 
 class PortableBackend:
@@ -50,6 +41,7 @@ class PortableBackend:
 
     name = "portable"
     recomputes_segments = True
+    static_batch = False
 
     def checkpoint_segment(self, fn):
         return tf.recompute_grad(fn)
@@ -69,64 +61,31 @@ class PortableBackend:
         """Portable stages are the `kip_stages` mapping on the model."""
         return stages
 
-    def replacements(self, serial_dense=False):
-        return {}
+    def replacements(self, serial_dense=False, serialization_factor=None,
+                     serialization_dimension=None):
+        return []
+
+    def configure(self, passes=(), *, configure_system=True, **ipu_options):
+        """Nothing to configure; IPU-only options are refused, not ignored."""
+        given = sorted(key for key, value in ipu_options.items() if value is not None)
+        if given:
+            raise IpuError(
+                f"kip.scope: {', '.join(given)} configure the IPU, but the backend "
+                "here is portable (tensorflow.python.ipu does not import)."
+            )
 
     def default_strategy(self):
         return tf.distribute.get_strategy()
 
+    def check_train_function_route(self, entry_point):
+        """Keras's fit calls `model.train_function`: the route works here."""
 
-class IpuBackend:
-    """The passes through Graphcore's IPU APIs (needs the Poplar SDK)."""
+    def plugs_in(self, model, passes):
+        return True
 
-    name = "ipu"
-    recomputes_segments = False
-
-    def __init__(self, ipu, addons_layers=None):
-        self.ipu = ipu
-        self.addons_layers = addons_layers
-
-    def checkpoint_segment(self, fn):  # pragma: no cover - not used on IPU
-        return fn
-
-    def checkpoint_outputs(self, tensors):
-        checkpoint = self.ipu.pipelining_ops.recomputation_checkpoint
-        return [checkpoint(tensor) for tensor in tensors]
-
-    def outline(self, fn, **kwargs):
-        return self.ipu.outlined_function(fn, **kwargs)
-
-    def stage_scope(self, stage, devices):
-        return contextlib.nullcontext()
-
-    def assign_stages(self, model, stages):
-        """Assign stages through Graphcore's Keras API where the model has it."""
-        if not hasattr(model, "get_pipeline_stage_assignment"):
-            return stages
-        assignments = model.get_pipeline_stage_assignment()
-        for assignment in assignments:
-            assignment.pipeline_stage = stages[assignment.layer.name]
-        model.set_pipeline_stage_assignment(assignments)
-        return stages
-
-    def default_strategy(self):
-        """An IPUStrategy (Graphcore's), unless another strategy is active."""
-        if tf.distribute.has_strategy():
-            return tf.distribute.get_strategy()
-        return self.ipu.ipu_strategy.IPUStrategy()
-
-    def replacements(self, serial_dense=False):
-        """`{keras layer class name: addons class}` for the Replace pass."""
-        if self.addons_layers is None:
-            return {}
-        mapping = {
-            keras_name: getattr(self.addons_layers, addons_name)
-            for keras_name, addons_name in IPU_REPLACEMENTS.items()
-            if hasattr(self.addons_layers, addons_name)
-        }
-        if serial_dense and hasattr(self.addons_layers, "SerialDense"):
-            mapping["Dense"] = self.addons_layers.SerialDense
-        return mapping
+    def run_training(self, owner, method, keras_method, x, batch_size, args, kwargs):
+        """Keras's own `fit` / `evaluate` / `predict` (`args`, `kwargs`)."""
+        return keras_method(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,22 +112,23 @@ def backend():
     return get_backend().name
 
 
-def ipu_replacements(serial_dense=False):
-    """The default IPU `Replace` pass (empty off IPU).
+def ipu_replacements(serial_dense=False, *, serialization_factor=None,
+                     serialization_dimension=None):
+    """The IPU `Replace` pass (`ipu_layers.IpuReplace`; empty off IPU):
+    Dropout, LayerNormalization, Embedding, LSTM, GRU -> the
+    `ipu_tensorflow_addons` layers, weights copied and each layer checked
+    against the addons layer's limits. `serial_dense=True` also replaces
+    Dense by SerialDense, which requires `serialization_factor` and
+    `serialization_dimension` ("input_columns", "input_rows_kernel_columns"
+    or "kernel_rows").
 
     Example:
         >>> passes = [kip.passes.Expand(), *kip.ipu_replacements()]
+        >>> kip.ipu_replacements(serial_dense=True, serialization_factor=4,
+        ...                      serialization_dimension="kernel_rows")
     """
-    import keras
-
-    from keras_ipu_plugin.passes.replace import Replace
-    from keras_ipu_plugin.passes.replace import Replacement
-
-    mapping = get_backend().replacements(serial_dense=serial_dense)
-    if not mapping:
-        return []
-    # Weights copy by name where the IPU layer keeps Keras's weight layout;
-    # Dropout has none, and Popnn LSTM / GRU keep their gates differently.
-    copied = {"LayerNormalization", "Embedding", "Dense"}
-    return [Replace({getattr(keras.layers, name): Replacement(cls, copy_weights=name in copied)
-                     for name, cls in mapping.items()})]
+    return get_backend().replacements(
+        serial_dense=serial_dense,
+        serialization_factor=serialization_factor,
+        serialization_dimension=serialization_dimension,
+    )

@@ -3,6 +3,7 @@
 import keras
 
 from keras_ipu_plugin.apply import validate_passes
+from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.training import Runtime
 from keras_ipu_plugin.training import install
 
@@ -17,6 +18,9 @@ class PluginCallback(keras.callbacks.Callback):
     with the forward pass through the converted graph. The user's model
     keeps its variables, updated in place.
 
+    Not on the IPU backend: Graphcore's `fit` never reads
+    `model.train_function`, so the callback raises there (use PluginModel).
+
     Example:
         >>> callback = kip.PluginCallback(passes=[kip.passes.Expand()])
         >>> model.fit(dataset, epochs=2, callbacks=[callback])
@@ -25,6 +29,7 @@ class PluginCallback(keras.callbacks.Callback):
 
     def __init__(self, passes=(), rebuild_on_new_variables=True, verify=True):
         super().__init__()
+        get_backend().check_train_function_route("PluginCallback")
         self.passes = validate_passes(passes)
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify

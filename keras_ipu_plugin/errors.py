@@ -43,3 +43,15 @@ class ConfigError(ValueError):
 
 class PassError(ValueError):
     """A pass cannot be applied (a target matches nothing, a bad parameter)."""
+
+
+class IpuError(ValueError):
+    """The IPU backend cannot do what was asked with Graphcore's SDK; the
+    message names the model, layer or option and says what to do instead.
+
+    Example:
+        >>> try:
+        ...     kip.apply_passes(converted, [kip.passes.PipelineStages([["a"], ["b"]])])
+        ... except kip.IpuError as e:
+        ...     print(e)   # e.g. the model lacks Graphcore's pipeline API
+    """

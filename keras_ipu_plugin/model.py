@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import validate_passes
+from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.convert import as_tensors
 from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.inputs import first_batch
@@ -230,17 +231,23 @@ class PluginModel(keras.Model):
             return getattr(super(), name)(*args, **kwargs)
         return own(self, *args, **kwargs)
 
+    # On the IPU backend these hand the converted model to Graphcore's own
+    # methods (`IpuBackend.run_training`): Graphcore's fit refuses a model
+    # that overrides make_train_function, as this one does.
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._before_first_step(x, batch_size, "fit")
-        return super().fit(x, y, batch_size, *args, **kwargs)
+        return get_backend().run_training(
+            self, "fit", super().fit, x, batch_size, (x, y, batch_size, *args), kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._before_first_step(x, batch_size, "evaluate")
-        return super().evaluate(x, y, batch_size, *args, **kwargs)
+        return get_backend().run_training(
+            self, "evaluate", super().evaluate, x, batch_size, (x, y, batch_size, *args), kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         self._before_first_step(x, batch_size, "predict", compiled=False)
-        return super().predict(x, batch_size, *args, **kwargs)
+        return get_backend().run_training(
+            self, "predict", super().predict, x, batch_size, (x, batch_size, *args), kwargs)
 
     def _before_first_step(self, x, batch_size, method, compiled=True):
         if compiled and not self.compiled:

@@ -22,11 +22,28 @@ from keras_ipu_plugin.training import install as install_functions
 
 
 @contextlib.contextmanager
-def scope(strategy=None, passes=(), verify=True):
+def scope(strategy=None, passes=(), verify=True, *, num_ipus=None,
+          gradient_accumulation_steps=None, recomputation_mode=None,
+          allow_recompute=None):
     """Enter `strategy`'s scope; models compiled inside train through the plugin.
 
     `strategy=None` uses the current strategy (IPUStrategy where the IPU
     backend provides one).
+
+    IPU backend only (given on the portable backend they raise): with
+    `strategy=None` the scope first configures the IPU system -- an
+    `IPUConfig` with `auto_select_ipus=num_ipus` (default 1) and
+    `allow_recompute` (default: whether `passes` has a Recompute pass), then
+    `configure_ipu_system()` -- and enters a new IPUStrategy.
+    `gradient_accumulation_steps` goes to Graphcore's
+    `set_pipelining_options` for pipelined models and to
+    `set_gradient_accumulation_options` for the others;
+    `recomputation_mode` ("Auto", "RecomputeThenBackpropagate",
+    "RecomputeAndBackpropagateInterleaved") to `set_pipelining_options`.
+    On the IPU, Graphcore's `fit` never reads `model.train_function`, so only
+    `kip.PluginModel`s (whose `fit` hands the converted model to Graphcore's
+    `fit`) and converted models train there; other models compiled inside
+    raise when the scope exits.
 
     Example:
         >>> with kip.scope(passes=[kip.passes.Expand()]) as strategy:
@@ -36,7 +53,13 @@ def scope(strategy=None, passes=(), verify=True):
         >>> kip.scope_report(model)  # what the conversion and passes did
     """
     passes = validate_passes(passes)
-    strategy = strategy or get_backend().default_strategy()
+    backend = get_backend()
+    backend.configure(
+        passes, configure_system=strategy is None, num_ipus=num_ipus,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        recomputation_mode=recomputation_mode, allow_recompute=allow_recompute,
+    )
+    strategy = strategy or backend.default_strategy()
     if _keras_internals.reduces_across_workers(strategy):
         raise ValueError(
             "kip.scope cannot plug models into MultiWorkerMirroredStrategy "
@@ -51,7 +74,8 @@ def scope(strategy=None, passes=(), verify=True):
     with strategy.scope():
         yield strategy
     for model in _compiled_since(before):
-        install(model, passes, verify)
+        if backend.plugs_in(model, passes):
+            install(model, passes, verify)
 
 
 def install(model, passes=(), verify=True, rebuild_on_new_variables=True):

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import apply_passes
+from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.convert import Converter
 from keras_ipu_plugin.distribution import check_built_under
 from keras_ipu_plugin.dynamic import NeedsExtension
@@ -77,7 +78,10 @@ class Runtime:
     def _convert(self, report_entries=()):
         check_built_under(self.subject, _keras_internals.model_strategy(self.owner))
         with self.strategy.scope(), self.watch.watching():
-            converted = Converter(verify=self.verify).convert(self.subject, self.first_x)
+            # The IPU backend needs static shapes (static_batch=True there).
+            converted = Converter(
+                verify=self.verify, static_batch=get_backend().static_batch
+            ).convert(self.subject, self.first_x)
             self._layer_sequence = _layer_sequence(converted)
             if self.passes:
                 converted = apply_passes(converted, self.passes)

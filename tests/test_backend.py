@@ -1,7 +1,8 @@
-"""Backends: portable recompute and outline take real effect; IPU wiring."""
+"""Backends: portable recompute and outline take real effect.
 
-import sys
-import types
+The IPU backend is tested against a stand-in for Graphcore's SDK in
+test_ipu_backend.py.
+"""
 
 import keras
 import numpy as np
@@ -9,7 +10,6 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin import backends as backend_lib
 
 
 class Block(keras.layers.Layer):
@@ -262,103 +262,9 @@ def test_pipeline_stages_exposed_and_placed():
     np.testing.assert_allclose(staged(x), model(x), atol=1e-5)
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls = []
-
-
-@pytest.fixture
-def ipu_stand_in(monkeypatch):
-    """A RECORDING STAND-IN for Graphcore's `tensorflow.python.ipu` and
-    `ipu_tensorflow_addons.keras.layers`, installed in `sys.modules` for this
-    test only. There is no IPU or Poplar SDK here: this checks the wiring
-    (which IPU API each pass calls, on which tensors, with which kwargs),
-    not IPU execution."""
-    recorder = _Recorder()
-    ipu = types.ModuleType("tensorflow.python.ipu")
-    ipu.pipelining_ops = types.SimpleNamespace(
-        recomputation_checkpoint=lambda t: recorder.calls.append(("checkpoint", tuple(t.shape))) or t
-    )
-
-    def outlined_function(fn, **kwargs):
-        recorder.calls.append(("outlined_function", kwargs))
-        return fn
-
-    ipu.outlined_function = outlined_function
-    def ipu_strategy():
-        recorder.calls.append(("IPUStrategy",))
-        return tf.distribute.OneDeviceStrategy("/cpu:0")
-
-    ipu.ipu_strategy = types.SimpleNamespace(IPUStrategy=ipu_strategy)
-    addons = types.ModuleType("ipu_tensorflow_addons.keras.layers")
-
-    class Dropout(keras.layers.Dropout):
-        pass
-
-    class LayerNormalization(keras.layers.LayerNormalization):
-        pass
-
-    addons.Dropout, addons.LayerNormalization = Dropout, LayerNormalization
-    monkeypatch.setitem(sys.modules, "tensorflow.python.ipu", ipu)
-    monkeypatch.setitem(sys.modules, "ipu_tensorflow_addons", types.ModuleType("ipu_tensorflow_addons"))
-    monkeypatch.setitem(sys.modules, "ipu_tensorflow_addons.keras", types.ModuleType("ipu_tensorflow_addons.keras"))
-    monkeypatch.setitem(sys.modules, "ipu_tensorflow_addons.keras.layers", addons)
-    backend_lib.get_backend.cache_clear()
-    yield recorder, addons
-    backend_lib.get_backend.cache_clear()
-
-
-def test_ipu_wiring_with_stand_in(ipu_stand_in):
-    recorder, addons = ipu_stand_in
-    assert kip.backend() == "ipu"
-    x, _ = _data()
-    model = Tower(depth=3)
-    converted = kip.convert_to_functional(model, x)
-    passed = kip.apply_passes(converted, [
-        kip.passes.Recompute(["block_0", "block_2"]),
-        kip.passes.Outline(Block, maximum_num_reuses=4),
-    ])
-    # apply_passes traced the model once already, to report the graph size
-    outlines = [c for c in recorder.calls if c[0] == "outlined_function"]
-    assert outlines == [("outlined_function", {"maximum_num_reuses": 4})]
-    recorder.calls.clear()
-    passed(x)
-    checkpoints = [c for c in recorder.calls if c[0] == "checkpoint"]
-    assert len(checkpoints) == 2 and all(shape == (64, 32) for _, shape in checkpoints)
-    assert not [c for c in recorder.calls if c[0] == "outlined_function"]  # one shared body
-    replace = kip.ipu_replacements()
-    assert len(replace) == 1
-    mapping = replace[0].mapping
-    assert mapping[keras.layers.LayerNormalization].new_class is addons.LayerNormalization
-    assert mapping[keras.layers.Dropout].new_class is addons.Dropout
-
-
-def test_ipu_stage_assignment_uses_graphcore_keras_api(ipu_stand_in):
-    """With the recording stand-in: stages go through
-    get/set_pipeline_stage_assignment of a model that has them."""
-    assignments = [types.SimpleNamespace(layer=types.SimpleNamespace(name=n), pipeline_stage=None)
-                   for n in ("a", "b")]
-    recorded = {}
-    fake_model = types.SimpleNamespace(
-        get_pipeline_stage_assignment=lambda: assignments,
-        set_pipeline_stage_assignment=lambda a: recorded.setdefault("set", [x.pipeline_stage for x in a]),
-    )
-    backend_lib.get_backend().assign_stages(fake_model, {"a": 0, "b": 1})
-    assert recorded["set"] == [0, 1]
-
-
 def test_portable_backend_off_ipu():
     assert kip.backend() == "portable"
     assert kip.ipu_replacements() == []
-
-
-def test_scope_uses_ipu_strategy_by_default(ipu_stand_in):
-    """With the recording stand-in: kip.scope() enters an IPUStrategy."""
-    recorder, _ = ipu_stand_in
-    with kip.scope() as strategy:
-        assert tf.distribute.get_strategy() is strategy
-    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
-    assert ("IPUStrategy",) in recorder.calls
 
 
 class MaskedBlock(keras.layers.Layer):

@@ -7,6 +7,7 @@ and saving.
 """
 
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.ipu_backend import check_outline_kwargs
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
@@ -17,7 +18,10 @@ from keras_ipu_plugin.passes.base import matches
 class Outline(Pass):
     """Share one compiled body between repeated layers.
 
-    `outline_kwargs` go to the IPU's `outlined_function` where there is one.
+    `outline_kwargs` go to the IPU's `outlined_function` where there is one;
+    only its own arguments are accepted (`unique_sharding`,
+    `keep_input_layouts`, `name`), on every backend, so a config that would
+    fail on the IPU fails everywhere.
 
     Example:
         >>> kip.passes.Outline(TransformerBlock)
@@ -27,7 +31,7 @@ class Outline(Pass):
 
     def __init__(self, targets, **outline_kwargs):
         self.targets = as_targets(targets)
-        self.outline_kwargs = dict(outline_kwargs)
+        self.outline_kwargs = check_outline_kwargs(outline_kwargs)
 
     def run(self, graph, report):
         for node in matched_nodes(graph, self.targets, self.step):
