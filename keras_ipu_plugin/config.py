@@ -1,4 +1,4 @@
-"""Passes from a config: a dict, or a JSON / YAML file.
+"""Passes from a config: a dict or list, or a JSON / YAML file.
 
 ```yaml
 expand: all                     # or a list of targets
@@ -8,6 +8,10 @@ outline: [TransformerBlock]     # or {targets: [...], kwargs: {...}}
 recompute: [block_1, block_2]
 pipeline_stages: [[encoder], [decoder, head]]
 ```
+Each key is a registered pass (`kip.passes.register_pass`), which reads its
+own value (`from_user_config`); a mapping runs them in their registered
+order (the built-in ones as above), a list of one-key mappings
+(`[{expand: all}, {recompute: [block_1]}]`) in its own order.
 Classes are named by their Keras name (`"Dense"`), by a name registered with
 `kip.register_layer`, or as `"package.module:Class"` when
 `allow_imports=True`. A target string that names a class matches that class;
@@ -28,17 +32,21 @@ import importlib
 import json
 import os
 
-import keras
 import yaml
 from yaml.composer import Composer
 from yaml.constructor import SafeConstructor
 from yaml.resolver import Resolver
 
-from keras_ipu_plugin import passes as passes_lib
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.passes.base import ALL
+from keras_ipu_plugin.passes.base import Pass
+from keras_ipu_plugin.passes.base import registered_passes
+from keras_ipu_plugin.passes.layer_class_names import class_named
+from keras_ipu_plugin.passes.layer_class_names import is_layer_class
+from keras_ipu_plugin.passes.layer_class_names import register_layer
 
 try:  # libyaml's parser, several times faster than PyYAML's Python one
     from yaml.cyaml import CParser as _YamlParser
@@ -60,32 +68,22 @@ MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_VALUES = 100_000
 """The most values (mappings, lists and scalars) a config may hold."""
 
-_KEYS = ("expand", "replace", "outline", "recompute", "pipeline_stages")
-_REPLACEMENT_KEYS = ("class", "params", "copy_weights")
 _KEY_TYPES = (str, int, float, bool, type(None))
-_registry = {}
 
-
-def register_layer(cls, name=None):
-    """Make a layer class nameable in configs (also usable as a decorator).
-
-    Example:
-        >>> @kip.register_layer
-        ... class FastDense(keras.layers.Dense): ...
-        >>> kip.passes_from_config({"replace": {"Dense": {"class": "FastDense"}}})
-    """
-    if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
-        raise TypeError(f"register_layer takes a keras Layer class; got {cls!r}.")
-    _registry[name or cls.__name__] = cls
-    return cls
+__all__ = [
+    "ConfigReader", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_VALUES",
+    "passes_from_config", "register_layer",
+]
 
 
 def passes_from_config(config, *, allow_imports=False):
-    """A list of passes from a dict or a `.json` / `.yaml` / `.yml` file.
+    """A list of passes from a dict, a list, or a `.json` / `.yaml` / `.yml` file.
 
-    Passes come in the order expand, replace, outline, recompute,
-    pipeline_stages. Any error is one `kip.ConfigError` whose `path` says
-    where inside the config it is (e.g. `replace.Dense.params.unitz`).
+    In a mapping, passes come in the order expand, replace, outline,
+    recompute, pipeline_stages (then passes registered by users); a list of
+    one-key mappings gives its own order. Any error is one `kip.ConfigError`
+    whose `path` says where inside the config it is (e.g.
+    `replace.Dense.params.unitz`, `0.recompute.1`).
 
     `allow_imports=True` lets the config name classes as
     `"package.module:Class"`: the module is imported, which runs its
@@ -95,30 +93,57 @@ def passes_from_config(config, *, allow_imports=False):
     Example:
         >>> kip.passes_from_config({"expand": "all", "recompute": ["block_1"]})
         [Expand(targets=('all',)), Recompute(targets=('block_1',))]
+        >>> kip.passes_from_config([{"recompute": "block_1"}, {"expand": "all"}])
+        [Recompute(targets=('block_1',)), Expand(targets=('all',))]
     """
     if isinstance(config, (str, os.PathLike)):
         config = _load_file(config)
     config = _bounded_copy(config)
-    if not isinstance(config, dict):
-        raise ConfigError("", f"a config must be a mapping; got {type(config).__name__}")
-    for key in config:
-        if key not in _KEYS:
-            raise ConfigError(config_path("", key), f"unknown key (expected one of {', '.join(_KEYS)})")
-    resolver = _Resolver(allow_imports)
-    built = []
+    reader = ConfigReader(allow_imports)
+    return [_build(key, value, path, reader) for key, value, path in _entries(config)]
+
+
+def _entries(config):
+    """(pass key, value, path) for each pass of `config`, in run order."""
+    known = registered_passes()
+    expected = f"expected one of {', '.join(known)}"
+    if isinstance(config, dict):
+        for key in config:
+            if key not in known:
+                raise ConfigError(config_path("", key), f"unknown key ({expected})")
+        return [(key, config[key], key) for key in known if key in config]
+    if not isinstance(config, list):
+        raise ConfigError(
+            "", "a config must be a mapping {pass: value} or a list of one-pass mappings; "
+            f"got {type(config).__name__}"
+        )
+    entries = []
+    for index, item in enumerate(config):
+        path = config_path("", index)
+        if not (isinstance(item, dict) and len(item) == 1):
+            raise ConfigError(
+                path, "each item of a list config is a mapping of one pass key to its "
+                f"value, e.g. {{expand: all}}; got {short_repr(item)}"
+            )
+        ((key, value),) = item.items()
+        if key not in known:
+            raise ConfigError(config_path(path, key), f"unknown pass ({expected})")
+        entries.append((key, value, config_path(path, key)))
+    return entries
+
+
+def _build(key, value, path, reader):
+    pass_class = registered_passes()[key]
     try:
-        if "expand" in config:
-            built.append(passes_lib.Expand(_targets(config["expand"], "expand", resolver)))
-        if "replace" in config:
-            built.append(_replace(config["replace"], resolver))
-        if "outline" in config:
-            built.append(_outline(config["outline"], resolver))
-        if "recompute" in config:
-            built.append(passes_lib.Recompute(_targets(config["recompute"], "recompute", resolver)))
-        if "pipeline_stages" in config:
-            built.append(_stages(config["pipeline_stages"], resolver))
-    except PassError as error:
-        raise ConfigError("", str(error)) from error
+        built = pass_class.from_user_config(value, path, reader)
+    except ConfigError:
+        raise
+    except (PassError, TypeError, ValueError) as error:  # a pass's own checks
+        raise ConfigError(path, str(error)) from error
+    if not isinstance(built, Pass):
+        raise ConfigError(
+            path, f"{pass_class.__name__}.from_user_config returned {short_repr(built)}, not a pass"
+        )
     return built
 
 
@@ -320,36 +345,58 @@ def _bounded_copy(config):
     return copy(config, "", 0)
 
 
-class _Resolver:
-    """Turns class names in a config into classes."""
+class ConfigReader:
+    """Reads targets and layer classes the way a user's config names them;
+    a pass's `from_user_config` gets one.
+
+    A target string that names a layer class (see `layer_class_names`, or
+    `"package.module:Class"` with `allow_imports`) is that class; any other
+    string is a layer name or path; `"all"` is every layer.
+    """
 
     def __init__(self, allow_imports):
         self.allow_imports = allow_imports
 
-    def find(self, name):
-        """The class `name` names, or None when it names no class."""
-        if name in _registry:
-            return _registry[name]
-        candidate = getattr(keras.layers, name, None)
-        if isinstance(candidate, type) and issubclass(candidate, keras.layers.Layer):
-            return candidate
-        if ":" in name:
-            return self._import(name)
-        return None
+    def targets(self, value, path):
+        """One target, a non-empty list of them, or `true` for all."""
+        if value is True:
+            return (ALL,)
+        if isinstance(value, str):
+            return (self.target(value, path),)
+        if not isinstance(value, list) or not value:
+            raise ConfigError(
+                path, f"expected a target or a non-empty list of targets; got {short_repr(value)}"
+            )
+        return tuple(self.target(item, config_path(path, i)) for i, item in enumerate(value))
 
-    def require(self, name, path):
+    def target(self, value, path):
+        if not isinstance(value, str):
+            raise ConfigError(path, f"a target must be a string; got {type(value).__name__}")
+        if value == ALL:
+            return value
+        cls = self._find(value, path)
+        return cls if cls is not None else value
+
+    def layer_class(self, name, path):
+        """The class `name` names (an error if it names none)."""
         if not isinstance(name, str):
             raise ConfigError(path, f"a class name must be a string; got {type(name).__name__}")
-        try:
-            cls = self.find(name)
-        except ConfigError as error:
-            raise _at(path, error) from error
+        cls = self._find(name, path)
         if cls is None:
             raise ConfigError(
                 path,
                 f"unknown layer class {short_repr(name)} (not a keras.layers name nor "
-                "registered with kip.register_layer)",
+                "registered with kip.register_layer or keras.saving.register_keras_serializable)",
             )
+        return cls
+
+    def _find(self, name, path):
+        cls = class_named(name)
+        if cls is None and ":" in name:
+            try:
+                cls = self._import(name)
+            except ConfigError as error:
+                raise ConfigError(path, error.args[0]) from error
         return cls
 
     def _import(self, name):
@@ -371,100 +418,15 @@ class _Resolver:
             module = importlib.import_module(module_name)
         except Exception as error:  # the module's own code may raise anything
             raise ConfigError(
-                "", f"cannot import {short_repr(name)}: {type(error).__name__}: {short_repr(str(error))}"
+                "", f"cannot import {short_repr(name)}: {type(error).__name__}: "
+                f"{short_repr(str(error))}"
             ) from error
         cls = getattr(module, attribute, None)
         if cls is None:
-            raise ConfigError("", f"cannot import {short_repr(name)}: module {short_repr(module_name)} has no {short_repr(attribute)}")
-        if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+            raise ConfigError(
+                "", f"cannot import {short_repr(name)}: module {short_repr(module_name)} "
+                f"has no {short_repr(attribute)}"
+            )
+        if not is_layer_class(cls):
             raise ConfigError("", f"{short_repr(name)} is not a keras Layer class")
         return cls
-
-
-def _at(path, error):
-    """`error` (raised where the path was not known) placed at `path`."""
-    message = error.args[0] if not error.path else str(error)
-    return ConfigError(path, message)
-
-
-def _target(value, path, resolver):
-    if not isinstance(value, str):
-        raise ConfigError(path, f"a target must be a string; got {type(value).__name__}")
-    if value == "all":
-        return value
-    try:
-        cls = resolver.find(value)
-    except ConfigError as error:
-        raise _at(path, error) from error
-    return cls if cls is not None else value
-
-
-def _targets(value, path, resolver):
-    if value is True:
-        return ("all",)
-    if isinstance(value, str):
-        return (_target(value, path, resolver),)
-    if not isinstance(value, list) or not value:
-        raise ConfigError(
-            path, f"expected a target or a non-empty list of targets; got {short_repr(value)}"
-        )
-    return tuple(_target(item, config_path(path, i), resolver) for i, item in enumerate(value))
-
-
-def _replace(value, resolver):
-    if not isinstance(value, dict) or not value:
-        raise ConfigError("replace", "expected a mapping {target: {class: ..., params: ...}}")
-    mapping = {}
-    for target_name, spec in value.items():
-        path = config_path("replace", target_name)
-        target = _target(target_name, path, resolver)
-        if not isinstance(spec, dict):
-            raise ConfigError(path, f"expected a mapping with `class`; got {type(spec).__name__}")
-        for key in spec:
-            if key not in _REPLACEMENT_KEYS:
-                raise ConfigError(
-                    config_path(path, key), f"unknown key (expected {', '.join(_REPLACEMENT_KEYS)})"
-                )
-        if "class" not in spec:
-            raise ConfigError(f"{path}.class", "missing: the class to replace with")
-        new_class = resolver.require(spec["class"], f"{path}.class")
-        params = spec.get("params", {}) or {}
-        if not isinstance(params, dict):
-            raise ConfigError(f"{path}.params", f"expected a mapping; got {type(params).__name__}")
-        from keras_ipu_plugin.passes.replace import accepted_config_keys
-
-        accepted = accepted_config_keys(new_class)
-        for key in params:
-            if key not in accepted:
-                raise ConfigError(
-                    config_path(f"{path}.params", key),
-                    f"{new_class.__name__} has no parameter {short_repr(key)}",
-                )
-        copy_weights = spec.get("copy_weights", False)
-        if not isinstance(copy_weights, bool):
-            raise ConfigError(f"{path}.copy_weights", f"expected true or false; got {short_repr(copy_weights)}")
-        mapping[target] = passes_lib.Replacement(new_class, params, copy_weights)
-    return passes_lib.Replace(mapping)
-
-
-def _outline(value, resolver):
-    if isinstance(value, dict):
-        for key in value:
-            if key not in ("targets", "kwargs"):
-                raise ConfigError(config_path("outline", key), "unknown key (expected targets, kwargs)")
-        kwargs = value.get("kwargs", {}) or {}
-        if not isinstance(kwargs, dict):
-            raise ConfigError("outline.kwargs", f"expected a mapping; got {type(kwargs).__name__}")
-        for key in kwargs:
-            if not isinstance(key, str) or not key.isidentifier():
-                raise ConfigError(config_path("outline.kwargs", key), "expected a keyword argument name")
-        return passes_lib.Outline(_targets(value.get("targets"), "outline.targets", resolver), **kwargs)
-    return passes_lib.Outline(_targets(value, "outline", resolver))
-
-
-def _stages(value, resolver):
-    if not isinstance(value, list) or not value:
-        raise ConfigError("pipeline_stages", "expected a non-empty list of lists of targets")
-    return passes_lib.PipelineStages(
-        [_targets(stage, config_path("pipeline_stages", i), resolver) for i, stage in enumerate(value)]
-    )
