@@ -154,7 +154,7 @@ def _load_file(path):
         with open(name, "rb") as handle:
             # Read one byte past the limit, never the whole of a huge file.
             data = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
         raise ConfigError("", f"cannot read config file {name!r}: {error}") from error
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(
@@ -191,7 +191,11 @@ def _parse_yaml(text, name):
         return loader.get_single_data()
     except ConfigError:
         raise
-    except (yaml.YAMLError, ValueError) as error:  # ValueError: e.g. a date 2020-13-45
+    # PyYAML's constructors raise plain Python errors on some malformed
+    # scalars: ValueError for the date 2020-13-45, AttributeError for
+    # `!!timestamp 1`, KeyError for `!!bool x`.
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, LookupError,
+            ArithmeticError) as error:
         raise ConfigError("", f"{name!r} is not valid YAML: {error}") from error
     finally:
         loader.dispose()

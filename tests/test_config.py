@@ -143,6 +143,20 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
     assert outline.outline_kwargs == {"unique_sharding": True, "other": 1}
 
 
+@pytest.mark.parametrize(
+    "text", ["expand: !!timestamp 1\n", "expand: !!bool x\n", "expand: 2020-13-45\n"]
+)
+def test_malformed_yaml_scalars_are_config_errors(tmp_path, text):
+    # PyYAML's constructors raise AttributeError, KeyError, ValueError here.
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert "is not valid YAML" in str(error_of(path))
+
+
+def test_a_path_that_cannot_be_opened_is_a_config_error():
+    assert "cannot read config file" in str(error_of("bad\0name.yaml"))
+
+
 # -- bounded loading ---------------------------------------------------------------
 BILLION_LAUGHS = """\
 expand:
