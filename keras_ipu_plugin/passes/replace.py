@@ -29,10 +29,10 @@ from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
-from keras_ipu_plugin.passes.layer_class_names import class_named
-from keras_ipu_plugin.passes.layer_class_names import name_of_class
 from keras_ipu_plugin.passes.expand import expand_graph
 from keras_ipu_plugin.passes.expand import is_expandable
+from keras_ipu_plugin.passes.layer_class_names import class_named
+from keras_ipu_plugin.passes.layer_class_names import name_of_class
 
 _REPLACEMENT_KEYS = ("class", "params", "copy_weights")
 _DEFAULT_COPIED = (
