@@ -9,6 +9,7 @@ from keras_ipu_plugin.functional import KipFunctional
 from keras_ipu_plugin.inputs import InputSpec
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import Pass
+from keras_ipu_plugin.passes.base import registered_passes
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import trace_model
@@ -54,10 +55,13 @@ def _report_outlined_graph_size(graph, outlined, report):
 
 
 def validate_passes(passes):
-    """A list of Pass objects from passes or a config (dict or path)."""
+    """A list of Pass objects from passes or a config (dict, list of
+    one-pass dicts, or path)."""
     from keras_ipu_plugin.config import passes_from_config
 
     if isinstance(passes, (dict, str)) or hasattr(passes, "__fspath__"):
+        return passes_from_config(passes)
+    if isinstance(passes, list) and passes and all(isinstance(item, dict) for item in passes):
         return passes_from_config(passes)
     if isinstance(passes, Pass):
         return [passes]
@@ -68,9 +72,10 @@ def validate_passes(passes):
         )
     for index, item in enumerate(passes):
         if not isinstance(item, Pass):
+            known = ", ".join(cls.__name__ for cls in registered_passes().values())
             raise PassError(
                 f"passes[{index}] is a {type(item).__name__}, not a kip pass "
-                "(kip.passes.Expand, Replace, Outline, Recompute, PipelineStages)."
+                f"(kip.passes: {known}; or a config of them)."
             )
     return list(passes)
 

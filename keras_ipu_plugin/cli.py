@@ -94,7 +94,8 @@ def build_parser():
     )
     inspect.add_argument(
         "--allow-imports", action="store_true",
-        help="let the config name classes as 'package.module:Class'",
+        help="let the config name classes as 'package.module:Class' (imports the module, "
+        "which runs its top-level code: only for configs you trust)",
     )
     inspect.add_argument(
         "--no-verify", action="store_true",

@@ -2,8 +2,18 @@
 
 Every error subclasses `ValueError` or `TypeError`, so existing
 `except ValueError` code keeps working, and every message names the layer,
-key or value at fault.
+key or value at fault. Values are shown by `short_repr`, so a message never
+grows with the value it names.
 """
+
+import reprlib
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 2
+_SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = 3
+_SHORT.maxstring = _SHORT.maxother = 40
+_SHORT.maxlong = 40
+_PATH_KEY_LENGTH = 40
 
 
 class ConversionError(ValueError):
@@ -55,3 +65,18 @@ class IpuError(ValueError):
         ... except kip.IpuError as e:
         ...     print(e)   # e.g. the model lacks Graphcore's pipeline API
     """
+
+
+def short_repr(value):
+    """`repr(value)` cut to a few items and characters: an error message must
+    not print a huge value (a config of a million keys, a string of 1 MB)."""
+    return _SHORT.repr(value)
+
+
+def config_path(path, key):
+    """`path.key`, the place of `key` inside `path` in a config; a long key
+    is cut (it is user data, and may be huge)."""
+    text = str(key) if isinstance(key, (str, int, float, bool, type(None))) else "?"
+    if len(text) > _PATH_KEY_LENGTH:
+        text = text[: _PATH_KEY_LENGTH - 3] + "..."
+    return f"{path}.{text}" if path else text

@@ -16,7 +16,10 @@ from keras_ipu_plugin.apply import validate_passes
 from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.convert import as_tensors
 from keras_ipu_plugin.dynamic import union_of_variables
+from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.inputs import first_batch
+from keras_ipu_plugin.passes.base import deserialize_pass
+from keras_ipu_plugin.passes.base import serialize_pass
 from keras_ipu_plugin.training import Runtime
 from keras_ipu_plugin.training import StepFunction
 
@@ -42,7 +45,6 @@ class PluginModel(keras.Model):
         kwargs.setdefault("name", f"{model.name}_plugin")
         super().__init__(**kwargs)
         setattr(self, _WRAPPED, model)
-        self._kip_passes_config = passes if isinstance(passes, (dict, str)) else None
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify
         self._kip_runtime = Runtime(
@@ -261,16 +263,19 @@ class PluginModel(keras.Model):
 
     # -- saving ----------------------------------------------------------------
     def get_config(self):
-        if self._kip_runtime.passes and self._kip_passes_config is None:
-            raise ValueError(
-                f"PluginModel `{self.name}` was given passes as Python objects; "
-                "to save the whole model pass them as a config (dict or file) "
-                "so they can be stored, or save the weights only."
-            )
+        # Passes are saved as the pass objects they became (a config file's
+        # path would not travel with the saved model).
+        try:
+            passes = [serialize_pass(one_pass) for one_pass in self._kip_runtime.passes]
+        except PassError as error:
+            raise PassError(
+                f"PluginModel `{self.name}` cannot be saved with its passes: {error} "
+                "(save_weights saves the weights alone)"
+            ) from error
         return {
             "name": self.name,
             "model": keras.saving.serialize_keras_object(self.wrapped),
-            "passes": self._kip_passes_config or {},
+            "passes": passes,
             "rebuild_on_new_variables": self.rebuild_on_new_variables,
             "verify": self.verify,
         }
@@ -279,6 +284,9 @@ class PluginModel(keras.Model):
     def from_config(cls, config):
         config = dict(config)
         config["model"] = keras.saving.deserialize_keras_object(config["model"])
+        passes = config.get("passes", ())
+        if isinstance(passes, list):  # as get_config saved them (older saves: a config)
+            config["passes"] = [deserialize_pass(saved) for saved in passes]
         return cls(**config)
 
 

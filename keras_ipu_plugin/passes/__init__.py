@@ -10,11 +10,13 @@ from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.annotate import Recompute
 from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
+from keras_ipu_plugin.passes.base import register_pass
+from keras_ipu_plugin.passes.base import registered_passes
 from keras_ipu_plugin.passes.expand import Expand
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 
 __all__ = [
     "ALL", "Pass", "Expand", "Replace", "Replacement", "Outline", "Recompute",
-    "PipelineStages",
+    "PipelineStages", "register_pass", "registered_passes",
 ]

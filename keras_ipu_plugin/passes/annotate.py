@@ -6,15 +6,24 @@ stored on the rebuilt model (`kip_annotations`), so they survive `rebuild()`
 and saving.
 """
 
+from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import config_path
+from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ipu_backend import check_outline_kwargs
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
+from keras_ipu_plugin.passes.base import config_value
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import matched_nodes
 from keras_ipu_plugin.passes.base import matches
+from keras_ipu_plugin.passes.base import register_pass
+from keras_ipu_plugin.passes.base import saved_config
+from keras_ipu_plugin.passes.base import targets_config
+from keras_ipu_plugin.passes.base import targets_from_config
 
 
+@register_pass("outline", order=2)
 class Outline(Pass):
     """Share one compiled body between repeated layers.
 
@@ -33,6 +42,38 @@ class Outline(Pass):
         self.targets = as_targets(targets)
         self.outline_kwargs = check_outline_kwargs(outline_kwargs)
 
+    # -- configs and saving ------------------------------------------------------
+    def get_config(self):
+        return {
+            "targets": targets_config(self.targets, "Outline"),
+            "outline_kwargs": config_value(self.outline_kwargs, "Outline.outline_kwargs"),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = saved_config(config, "Outline", required=("targets",),
+                              optional=("outline_kwargs",))
+        return cls(targets_from_config(config["targets"], "Outline"),
+                   **_keyword_arguments(config.get("outline_kwargs", {}), "Outline"))
+
+    @classmethod
+    def from_user_config(cls, value, path, reader):
+        """`outline: [Block]`, or `outline: {targets: [Block], kwargs: {...}}`."""
+        if not isinstance(value, dict):
+            return cls(reader.targets(value, path))
+        for key in value:
+            if key not in ("targets", "kwargs"):
+                raise ConfigError(config_path(path, key), "unknown key (expected targets, kwargs)")
+        kwargs = value.get("kwargs", {}) or {}
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"{path}.kwargs", f"expected a mapping; got {type(kwargs).__name__}")
+        for key in kwargs:
+            if not isinstance(key, str) or not key.isidentifier() or key == "targets":
+                raise ConfigError(
+                    config_path(f"{path}.kwargs", key), "expected a keyword argument name"
+                )
+        return cls(reader.targets(value.get("targets"), f"{path}.targets"), **kwargs)
+
     def run(self, graph, report):
         for node in matched_nodes(graph, self.targets, self.step):
             node.annotations["outline"] = dict(self.outline_kwargs)
@@ -40,6 +81,7 @@ class Outline(Pass):
         return graph
 
 
+@register_pass("recompute", order=3)
 class Recompute(Pass):
     """Put a recomputation checkpoint after each matched layer.
 
@@ -55,6 +97,20 @@ class Recompute(Pass):
     def __init__(self, targets):
         self.targets = as_targets(targets)
 
+    # -- configs and saving ------------------------------------------------------
+    def get_config(self):
+        return {"targets": targets_config(self.targets, "Recompute")}
+
+    @classmethod
+    def from_config(cls, config):
+        config = saved_config(config, "Recompute", required=("targets",))
+        return cls(targets_from_config(config["targets"], "Recompute"))
+
+    @classmethod
+    def from_user_config(cls, value, path, reader):
+        """`recompute: [block_1, block_2]`, or one target."""
+        return cls(reader.targets(value, path))
+
     def run(self, graph, report):
         for node in matched_nodes(graph, self.targets, self.step):
             node.annotations["recompute"] = True
@@ -62,6 +118,7 @@ class Recompute(Pass):
         return graph
 
 
+@register_pass("pipeline_stages", order=4)
 class PipelineStages(Pass):
     """Assign pipeline stages: `stages[i]` lists the targets of stage i.
 
@@ -78,6 +135,27 @@ class PipelineStages(Pass):
         if not isinstance(stages, (list, tuple)) or not stages:
             raise PassError("PipelineStages takes a non-empty list of lists of targets.")
         self.stages = tuple(as_targets(stage) for stage in stages)
+
+    # -- configs and saving ------------------------------------------------------
+    def get_config(self):
+        return {"stages": [targets_config(stage, "PipelineStages") for stage in self.stages]}
+
+    @classmethod
+    def from_config(cls, config):
+        config = saved_config(config, "PipelineStages", required=("stages",))
+        stages = config["stages"]
+        if not isinstance(stages, list):
+            raise PassError(
+                f"PipelineStages.from_config: stages are a list; got {short_repr(stages)}."
+            )
+        return cls([targets_from_config(stage, "PipelineStages") for stage in stages])
+
+    @classmethod
+    def from_user_config(cls, value, path, reader):
+        """`pipeline_stages: [[encoder], [decoder, head]]`."""
+        if not isinstance(value, list) or not value:
+            raise ConfigError(path, "expected a non-empty list of lists of targets")
+        return cls([reader.targets(stage, config_path(path, i)) for i, stage in enumerate(value)])
 
     def run(self, graph, report):
         assigned = {}
@@ -104,6 +182,14 @@ class PipelineStages(Pass):
             node.annotations["stage"] = stage
             report.add(self.step, node.name, f"stage {stage}")
         return graph
+
+
+def _keyword_arguments(kwargs, owner):
+    if not (isinstance(kwargs, dict) and all(
+            isinstance(k, str) and k.isidentifier() and k != "targets" for k in kwargs)):
+        raise PassError(f"{owner}.from_config: outline_kwargs are keyword arguments; got "
+                        f"{short_repr(kwargs)}.")
+    return kwargs
 
 
 def _kwargs_text(kwargs):

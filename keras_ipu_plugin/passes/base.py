@@ -1,13 +1,19 @@
-"""What every pass shares: the `Pass` interface and target matching.
+"""What every pass shares: the `Pass` interface, target matching, and the
+registry that makes a pass known to configs and saving.
 
 A target is a layer name (the layer's own name, or its node path such as
 `"block_1.dense"`), a layer class (subclasses match too), or `"all"`.
 """
 
+import inspect
 
 import keras
 
+from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.passes.layer_class_names import class_named
+from keras_ipu_plugin.passes.layer_class_names import name_of_class
 
 ALL = "all"
 
@@ -15,10 +21,15 @@ ALL = "all"
 class Pass:
     """A graph transformation: `run(graph, report) -> graph`.
 
-    Subclasses set `step` (the name the report uses) and implement `run`.
+    Subclasses set `step` (the name the report uses) and implement `run`;
+    to be saved and named in configs they are registered (`register_pass`)
+    and define `get_config` / `from_config` (and `from_user_config` for a
+    friendlier config form than their `get_config`).
     """
 
     step = "pass"
+    config_key = None  # set by register_pass
+    config_order = None
 
     def run(self, graph, report):  # pragma: no cover - interface
         raise NotImplementedError
@@ -29,6 +40,44 @@ class Pass:
 
     def __eq__(self, other):
         return type(self) is type(other) and vars(self) == vars(other)
+
+    # -- configs and saving (see register_pass) ---------------------------------
+    def get_config(self):
+        """The pass as JSON-able data; `from_config` makes it again."""
+        raise PassError(
+            f"{type(self).__name__} cannot be saved: it defines no get_config()."
+        )
+
+    @classmethod
+    def from_config(cls, config):
+        """The pass `get_config` described (by default `cls(**config)`)."""
+        if not isinstance(config, dict):
+            raise PassError(
+                f"{cls.__name__}.from_config takes a mapping; got {short_repr(config)}."
+            )
+        try:
+            inspect.signature(cls).bind(**config)
+        except TypeError as error:
+            raise PassError(
+                f"{cls.__name__}.from_config({short_repr(config)}): {error}."
+            ) from error
+        return cls(**config)
+
+    @classmethod
+    def from_user_config(cls, value, path, reader):
+        """The pass a user's config gives under its key (`value`, at `path`).
+
+        `reader` reads targets and classes the way configs name them:
+        `reader.targets(value, path)` (one target or a list; a string naming
+        a class is that class), `reader.layer_class(name, path)`. Errors are
+        `kip.ConfigError(path, message)`. By default `value` is a mapping of
+        keyword arguments, given to `from_config`.
+        """
+        if not isinstance(value, dict):
+            raise ConfigError(
+                path, f"expected a mapping of {cls.__name__}'s arguments; got {short_repr(value)}"
+            )
+        return cls.from_config(value)
 
 
 def as_targets(targets):
@@ -88,3 +137,158 @@ def _layer_names(graph):
 
 def _is_layer_class(target):
     return isinstance(target, type) and issubclass(target, keras.layers.Layer)
+
+
+# -- the registry: passes known to configs and to saving ------------------------
+_PASSES = {}  # config key -> pass class
+
+
+def register_pass(key, *, order=None):
+    """Class decorator: make a pass known to configs under `key`, and savable.
+
+    In a config that is a mapping, passes run by `order` (lower first; the
+    built-in ones are 0-4, a pass without `order` runs after them, in the
+    order passes were registered); a config that is a list runs them in its
+    own order.
+
+    Example:
+        >>> @kip.passes.register_pass("tag")
+        ... class Tag(kip.passes.Pass):
+        ...     def __init__(self, targets): self.targets = as_targets(targets)
+        ...     def get_config(self): return {"targets": targets_config(self.targets, "Tag")}
+        ...     @classmethod
+        ...     def from_config(cls, config):
+        ...         return cls(targets_from_config(config["targets"], "Tag"))
+        ...     def run(self, graph, report): ...
+        >>> kip.passes_from_config([{"expand": "all"}, {"tag": {"targets": ["block_1"]}}])
+    """
+    if not (isinstance(key, str) and key.isidentifier()):
+        raise PassError(f"register_pass: a pass key is an identifier; got {key!r}.")
+
+    def register(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Pass)):
+            raise PassError(f"register_pass({key!r}) decorates a kip Pass class; got {cls!r}.")
+        taken = _PASSES.get(key)
+        # The same class defined again (a notebook cell run twice) replaces
+        # itself; another class would silently take over the key.
+        if taken is not None and _qualified(taken) != _qualified(cls):
+            raise PassError(
+                f"register_pass: the key {key!r} is taken by {_qualified(taken)}; "
+                f"choose another for {_qualified(cls)}."
+            )
+        cls.config_key = key
+        cls.config_order = order
+        _PASSES[key] = cls
+        return cls
+
+    return register
+
+
+def registered_passes():
+    """{config key: pass class}, in the order a mapping config runs them."""
+    keys = list(_PASSES)
+    return {
+        key: _PASSES[key]
+        for key in sorted(keys, key=lambda k: (_PASSES[k].config_order is None,
+                                              _PASSES[k].config_order or 0, keys.index(k)))
+    }
+
+
+def serialize_pass(one_pass):
+    """`{"pass": key, "config": one_pass.get_config()}`, what a saved model holds."""
+    cls = type(one_pass)
+    if _PASSES.get(cls.config_key) is not cls:
+        raise PassError(
+            f"{cls.__name__} cannot be saved: it is not registered; decorate it with "
+            "@kip.passes.register_pass('a_key')."
+        )
+    return {"pass": cls.config_key, "config": one_pass.get_config()}
+
+
+def deserialize_pass(saved):
+    """The pass `serialize_pass` described."""
+    if not (isinstance(saved, dict) and set(saved) == {"pass", "config"}):
+        raise PassError(
+            f"A saved pass is {{'pass': key, 'config': {{...}}}}; got {short_repr(saved)}."
+        )
+    cls = _PASSES.get(saved["pass"])
+    if cls is None:
+        raise PassError(
+            f"Unknown pass {short_repr(saved['pass'])} (known: {', '.join(_PASSES)}); "
+            "import the module that registers it before loading."
+        )
+    return cls.from_config(saved["config"])
+
+
+def saved_config(config, owner, required, optional=()):
+    """`config` (what `get_config` wrote), checked: a mapping with the
+    `required` keys and no others than those and `optional`."""
+    if not isinstance(config, dict):
+        raise PassError(f"{owner}.from_config takes a mapping; got {short_repr(config)}.")
+    missing = [key for key in required if key not in config]
+    unknown = [key for key in config if key not in required and key not in optional]
+    if missing or unknown:
+        raise PassError(
+            f"{owner}.from_config: " + (f"missing {missing[0]!r}" if missing
+                                        else f"unknown key {short_repr(unknown[0])}")
+            + f" (keys: {', '.join(list(required) + list(optional))})."
+        )
+    return config
+
+
+def targets_config(targets, owner):
+    """Targets as JSON-able data: a name stays a string, a class becomes
+    `{"class": name}` (an error names `owner` if the class has no name)."""
+    return [target if isinstance(target, str) else {"class": name_of_class(target, owner)}
+            for target in targets]
+
+
+def targets_from_config(value, owner):
+    """The targets `targets_config` wrote: a string is always a layer name
+    here (in a user's config a string that names a class is that class)."""
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise PassError(f"{owner}: saved targets are a list; got {short_repr(value)}.")
+    return tuple(_target_from_config(item, owner) for item in value)
+
+
+def _target_from_config(value, owner):
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and set(value) == {"class"} and isinstance(value["class"], str):
+        cls = class_named(value["class"])
+        if cls is None:
+            raise PassError(
+                f"{owner}: unknown layer class {short_repr(value['class'])}; register it with "
+                "kip.register_layer or @keras.saving.register_keras_serializable() before loading."
+            )
+        return cls
+    raise PassError(
+        f"{owner}: a saved target is a string or {{'class': name}}; got {short_repr(value)}."
+    )
+
+
+def config_value(value, where):
+    """`value` (a layer parameter, an outlining option) as JSON-able data.
+
+    Keras objects (an initializer, a regularizer) are saved the way Keras
+    saves them, as their config; layer configs take that form too. A
+    function or any other Python object cannot be saved: an error names it.
+    """
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [config_value(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return {key: config_value(item, f"{where}.{key}") for key, item in value.items()}
+    if hasattr(value, "get_config") and not isinstance(value, type):
+        return keras.saving.serialize_keras_object(value)
+    raise PassError(
+        f"{where} is {short_repr(value)} ({type(value).__name__}), which cannot be saved "
+        "(only data and Keras objects can); save the weights only (save_weights)."
+    )
+
+
+def _qualified(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"

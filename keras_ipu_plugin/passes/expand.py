@@ -25,8 +25,13 @@ from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import matched_nodes
+from keras_ipu_plugin.passes.base import register_pass
+from keras_ipu_plugin.passes.base import saved_config
+from keras_ipu_plugin.passes.base import targets_config
+from keras_ipu_plugin.passes.base import targets_from_config
 
 
+@register_pass("expand", order=0)
 class Expand(Pass):
     """Inline custom layers (and nested models) into their sub-layers.
 
@@ -40,6 +45,20 @@ class Expand(Pass):
 
     def __init__(self, targets=ALL):
         self.targets = as_targets(targets)
+
+    # -- configs and saving ------------------------------------------------------
+    def get_config(self):
+        return {"targets": targets_config(self.targets, "Expand")}
+
+    @classmethod
+    def from_config(cls, config):
+        config = saved_config(config, "Expand", required=("targets",))
+        return cls(targets_from_config(config["targets"], "Expand"))
+
+    @classmethod
+    def from_user_config(cls, value, path, reader):
+        """`expand: all` (or `true`), `expand: Block`, `expand: [block_1, Block]`."""
+        return cls(reader.targets(value, path))
 
     def run(self, graph, report):
         if self.targets == (ALL,):

@@ -15,15 +15,26 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.distribution import strategy_owning
+from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import config_path
+from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.graph import map_values
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
+from keras_ipu_plugin.passes.base import config_value
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import matches
+from keras_ipu_plugin.passes.base import register_pass
+from keras_ipu_plugin.passes.base import saved_config
+from keras_ipu_plugin.passes.base import targets_config
+from keras_ipu_plugin.passes.base import targets_from_config
 from keras_ipu_plugin.passes.expand import expand_graph
 from keras_ipu_plugin.passes.expand import is_expandable
+from keras_ipu_plugin.passes.layer_class_names import class_named
+from keras_ipu_plugin.passes.layer_class_names import name_of_class
 
+_REPLACEMENT_KEYS = ("class", "params", "copy_weights")
 _DEFAULT_COPIED = (
     keras.layers.Dense,
     keras.layers.EinsumDense,
@@ -70,6 +81,65 @@ class Replacement:
             self.new_class, self.params, self.copy_weights, self.copy_weights_fn
         ) == (other.new_class, other.params, other.copy_weights, other.copy_weights_fn)
 
+    # -- configs and saving ------------------------------------------------------
+    def get_config(self, owner="Replacement"):
+        if self.copy_weights_fn is not None:
+            function = getattr(self.copy_weights_fn, "__qualname__", repr(self.copy_weights_fn))
+            raise PassError(
+                f"{owner}: copy_weights_fn={function} is a Python function, which cannot be "
+                "saved; save the weights only (save_weights), or drop copy_weights_fn and "
+                "copy the weights with a default copier."
+            )
+        return {
+            "new_class": name_of_class(self.new_class, owner),
+            "params": config_value(self.params, f"{owner}.params"),
+            "copy_weights": self.copy_weights,
+        }
+
+    @classmethod
+    def from_config(cls, config, owner="Replacement"):
+        config = saved_config(config, owner, required=("new_class",),
+                              optional=("params", "copy_weights"))
+        name = config["new_class"]
+        new_class = class_named(name) if isinstance(name, str) else None
+        if new_class is None:
+            raise PassError(
+                f"{owner}: unknown layer class {short_repr(name)}; register it with "
+                "kip.register_layer or @keras.saving.register_keras_serializable() "
+                "before loading."
+            )
+        return cls(new_class, config.get("params"), config.get("copy_weights", False))
+
+    @classmethod
+    def from_user_config(cls, spec, path, reader):
+        """`{class: MyDense, params: {name: fast}, copy_weights: true}`."""
+        if not isinstance(spec, dict):
+            raise ConfigError(path, f"expected a mapping with `class`; got {type(spec).__name__}")
+        for key in spec:
+            if key not in _REPLACEMENT_KEYS:
+                raise ConfigError(
+                    config_path(path, key), f"unknown key (expected {', '.join(_REPLACEMENT_KEYS)})"
+                )
+        if "class" not in spec:
+            raise ConfigError(f"{path}.class", "missing: the class to replace with")
+        new_class = reader.layer_class(spec["class"], f"{path}.class")
+        params = spec.get("params", {}) or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{path}.params", f"expected a mapping; got {type(params).__name__}")
+        accepted = accepted_config_keys(new_class)
+        for key in params:
+            if key not in accepted:
+                raise ConfigError(
+                    config_path(f"{path}.params", key),
+                    f"{new_class.__name__} has no parameter {short_repr(key)}",
+                )
+        copy_weights = spec.get("copy_weights", False)
+        if not isinstance(copy_weights, bool):
+            raise ConfigError(
+                f"{path}.copy_weights", f"expected true or false; got {short_repr(copy_weights)}"
+            )
+        return cls(new_class, params, copy_weights)
+
     def make_layer(self, old, name=None):
         """A new layer from `old`'s config merged with `params` (and `name`:
         the functional model needs distinct names when one `params` name
@@ -82,6 +152,7 @@ class Replacement:
         return self.new_class.from_config(config)
 
 
+@register_pass("replace", order=1)
 class Replace(Pass):
     """Replace matched layers: `Replace({target: Replacement(...)})`.
 
@@ -103,6 +174,47 @@ class Replace(Pass):
                     f"Replacement; got {type(replacement).__name__}."
                 )
         self.mapping = dict(mapping)
+
+    # -- configs and saving ------------------------------------------------------
+    def get_config(self):
+        replacements = []
+        for target, replacement in self.mapping.items():
+            owner = f"Replace (the replacement of {describe(target)})"
+            (target_config,) = targets_config([target], owner)
+            replacements.append({"target": target_config, **replacement.get_config(owner)})
+        return {"replacements": replacements}
+
+    @classmethod
+    def from_config(cls, config):
+        config = saved_config(config, "Replace", required=("replacements",))
+        if not isinstance(config["replacements"], list):
+            raise PassError(f"Replace.from_config: replacements are a list; got "
+                            f"{short_repr(config['replacements'])}.")
+        mapping = {}
+        for saved in config["replacements"]:
+            if not isinstance(saved, dict) or "target" not in saved:
+                raise PassError(f"Replace.from_config: a replacement is a mapping with a "
+                                f"target; got {short_repr(saved)}.")
+            saved = dict(saved)
+            (target,) = targets_from_config([saved.pop("target")], "Replace")
+            if target in mapping:
+                raise PassError(f"Replace.from_config: {describe(target)} is replaced twice.")
+            mapping[target] = Replacement.from_config(saved, f"Replace ({describe(target)})")
+        return cls(mapping)
+
+    @classmethod
+    def from_user_config(cls, value, path, reader):
+        """`replace: {Dense: {class: MyDense, params: {...}, copy_weights: true}}`."""
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(path, "expected a mapping {target: {class: ..., params: ...}}")
+        mapping = {}
+        for target_name, spec in value.items():
+            target_path = config_path(path, target_name)
+            target = reader.target(target_name, target_path)
+            if target in mapping:
+                raise ConfigError(target_path, f"{describe(target)} is replaced twice")
+            mapping[target] = Replacement.from_user_config(spec, target_path, reader)
+        return cls(mapping)
 
     def run(self, graph, report):
         for target, replacement in self.mapping.items():
