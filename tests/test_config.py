@@ -76,14 +76,16 @@ def test_deeply_nested_yaml_file_is_a_config_error(tmp_path):
 
 def test_nesting_up_to_the_depth_limit_loads(tmp_path):
     # The limit is on the mapping/list levels of the whole config: the
-    # outline kwargs below sit MAX_CONFIG_DEPTH levels down.
+    # replacement params below sit MAX_CONFIG_DEPTH levels down.
     depth = config_module.MAX_CONFIG_DEPTH
-    kwargs = {"inner": nested_list(depth - 3)}
-    (outline,) = kip.passes_from_config({"outline": {"targets": "dense", "kwargs": kwargs}})
-    assert outline.outline_kwargs == kwargs
-    too_deep = {"inner": nested_list(depth - 2)}
-    error = error_of({"outline": {"targets": "dense", "kwargs": too_deep}})
-    assert error.path.startswith("outline.kwargs.inner.0")
+
+    def config(value):
+        return {"replace": {"dense": {"class": "Dense", "params": {"units": value}}}}
+
+    (replace,) = kip.passes_from_config(config(nested_list(depth - 4)))
+    assert replace.mapping["dense"].params["units"] == nested_list(depth - 4)
+    error = error_of(config(nested_list(depth - 3)))
+    assert error.path.startswith("replace.dense.params.units.0")
 
 
 def test_a_dict_that_contains_itself_is_a_config_error():
@@ -136,11 +138,11 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
         "outline:\n"
         "  targets: [Dense]\n"
         "  kwargs:\n"
-        "    <<: {unique_sharding: false, other: 1}\n"
+        "    <<: {unique_sharding: false, name: shared}\n"
         "    unique_sharding: true\n"
     )
     (outline,) = kip.passes_from_config(path)
-    assert outline.outline_kwargs == {"unique_sharding": True, "other": 1}
+    assert outline.outline_kwargs == {"unique_sharding": True, "name": "shared"}
 
 
 @pytest.mark.parametrize(
@@ -407,9 +409,11 @@ def test_copy_weights_fn_cannot_be_saved_and_the_error_names_it():
         one_pass.get_config()
 
 
-def test_an_outline_option_that_is_not_data_cannot_be_saved():
-    with pytest.raises(kip.PassError, match="Outline.outline_kwargs.hook"):
-        Outline("norm", hook=lambda: None).get_config()
+def test_a_replacement_parameter_that_is_not_data_cannot_be_saved():
+    replace = kip.passes.Replace(
+        {"dense": kip.passes.Replacement(keras.layers.Dense, params={"activation": lambda x: x})})
+    with pytest.raises(kip.PassError, match="activation"):
+        replace.get_config()
 
 
 def test_a_list_config_runs_passes_in_its_own_order(tmp_path):
