@@ -329,3 +329,11 @@ def record_call(operation, args, kwargs, output_specs):
     ]
     KerasNode(operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
     return outputs
+
+
+def forget_nodes(layers):
+    """Drop every Keras node recorded on `layers` (layers the plugin made
+    for one trace, whose symbolic calls are kept only in the graph IR)."""
+    for layer in layers:
+        del layer._inbound_nodes[:]
+        del layer._outbound_nodes[:]

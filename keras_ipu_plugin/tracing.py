@@ -23,22 +23,34 @@ becomes one opaque node (`OpaqueLayer`), so the rest of the model is still
 traced. Nodes recorded on views name the user's layers.
 """
 
+import contextlib
 import functools
 import inspect
 import io
 import re
 import textwrap
+import threading
 import tokenize
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.batch_sized import unknown_dimension_attributes
+from keras_ipu_plugin.distribution import owning_strategy
 from keras_ipu_plugin.graph import FOLLOW
 from keras_ipu_plugin.graph import Graph
 from keras_ipu_plugin.graph import Node
 from keras_ipu_plugin.graph import Value
+from keras_ipu_plugin.graph import map_leaves
+from keras_ipu_plugin.graph import map_values
+from keras_ipu_plugin.reads import HeldConstant
+from keras_ipu_plugin.reads import ReadLayers
+from keras_ipu_plugin.reads import is_read
 from keras_ipu_plugin.views import layer_view
+from keras_ipu_plugin.views import shallow_view
 from keras_ipu_plugin.views import viewed_layer
 
 
@@ -76,33 +88,49 @@ def trace_model(model, input_specs, training=None):
     return Graph(input_specs, input_values, nodes, outputs, name=model.name)
 
 
-def trace_call(layer, args, kwargs, placeholders, *, training, prefix):
+def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=None):
     """Trace `layer.call(*args, **kwargs)`; KerasTensors in `args` / `kwargs`
     must be keys (by id) of `placeholders`, mapping them to graph Values.
+
+    Variables `call` reads from the layer's attributes become `VariableRead`
+    nodes (taken from `reads`, one per variable in a graph); a sub-layer
+    called on concrete tensors made inside `call` is called on
+    `HeldConstant` nodes holding them. A tensor computed from the layer's
+    weights outside the graph (it would be frozen) raises `TraceError`.
 
     Returns `(nodes, outputs)`: new Nodes named `prefix + layer name` and the
     output structure in terms of Values.
     """
+    trace = _Trace(layer, args, kwargs, placeholders, prefix,
+                   ReadLayers() if reads is None else reads)
+    # The tape sees only eager work: a weight read outside the graph (a
+    # variable reached other than as an attribute, a sub-layer called on
+    # a tensor computed from weights) would be frozen into it.
+    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+        tape.watch(_tf_variables(layer))
+        nodes, outputs = _trace_modes(trace, training)
+    _reject_frozen_variables(nodes, trace.lifted, tape, _tf_variables(layer))
+    return nodes, outputs
+
+
+def _trace_modes(trace, training):
+    """Trace under the `training` modes needed to tell which nodes follow
+    the model's `training` (see the module docstring)."""
+    layer = trace.layer
     made = {}  # id(user layer) -> the OpaqueLayer standing for it
     if training is not None:
-        return _trace_once(layer, args, kwargs, placeholders, training, prefix, True, made)
+        return _trace_once(trace, training, True, made)
     if not _call_mentions_training(type(layer).call):
         # `call` neither reads `training` nor passes it on: every sub-layer
         # takes it from the context, so one trace under `training=True`
         # tells them all (each records True: it follows the model's).
-        nodes, outputs = _trace_once(
-            layer, args, kwargs, placeholders, True, prefix, False, made
-        )
+        nodes, outputs = _trace_once(trace, True, False, made)
         for node in nodes:
             if node.training is True:
                 node.training = FOLLOW
         return nodes, outputs
-    nodes_t, outputs_t = _trace_once(
-        layer, args, kwargs, placeholders, True, prefix, False, made
-    )
-    nodes_f, outputs_f = _trace_once(
-        layer, args, kwargs, placeholders, False, prefix, False, made
-    )
+    nodes_t, outputs_t = _trace_once(trace, True, False, made)
+    nodes_f, outputs_f = _trace_once(trace, False, False, made)
     if list(map(_identity, nodes_t)) != list(map(_identity, nodes_f)):
         only = {n.name for n in nodes_t} ^ {n.name for n in nodes_f}
         raise TraceError(
@@ -134,6 +162,10 @@ def _identity(node):
     # at each call, so only their kind can be compared.
     if node.opaque_reason is not None:
         return id(node.operation.layer)
+    if isinstance(node.operation, HeldConstant):  # made anew at each trace
+        return node.name
+    if isinstance(node.operation, BatchSizedOperation):
+        return type(node.operation.operation).__name__
     if node.is_layer:
         return id(node.operation)
     return type(node.operation).__name__
@@ -153,21 +185,136 @@ def _training_mode(node_true, node_false):
     )
 
 
-def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned, opaque_layers):
-    kwargs = dict(kwargs)
+def _trace_once(trace, training, pinned, opaque_layers):
+    layer = trace.layer
+    kwargs = dict(trace.kwargs)
     if accepts_training(layer):
         kwargs["training"] = training
     sub_layers = _keras_internals.all_layers(layer)
     view = layer_view(layer, _inline_view_class)
-    with _keras_internals.node_lists_snapshot(sub_layers, always=True):
+    with _keras_internals.node_lists_snapshot(sub_layers, always=True), trace.active():
+        if viewed_layer(view) is not None and trace.anchor is not None:
+            trace.hold_attributes(view)
         with _keras_internals.call_context(layer, training):
             try:
-                outputs = type(layer).call(view, *args, **kwargs)
+                outputs = type(layer).call(view, *trace.args, **kwargs)
             except TraceError:
                 raise
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
-        return _collect(outputs, placeholders, prefix, pinned, opaque_layers)
+        return _collect(outputs, trace.placeholders, trace.prefix, pinned,
+                        opaque_layers, trace.read_names, trace.anchor)
+
+
+class _Trace:
+    """The trace of one `call` in progress: the graph values that `call`
+    holds rather than receives (see `reads.py`).
+
+    `hold_attributes(view)` puts the symbolic read of each variable the
+    traced layer keeps as an attribute (alone, or in a list or dict) in the
+    view's attributes, so `keras.ops` on it stay in the graph; and marks its
+    direct sub-layers (made views, Keras's own layers too) to be called on
+    `HeldConstant` nodes when `call` hands them only concrete tensors. The
+    reads take a graph tensor of the call (`anchor`), which they ignore.
+    """
+
+    _active = threading.local()
+
+    def __init__(self, layer, args, kwargs, placeholders, prefix, reads):
+        self.layer = layer
+        self.args, self.kwargs = args, kwargs
+        self.placeholders = placeholders
+        self.prefix = prefix
+        self.reads = reads
+        self.anchor = _anchor_of((args, kwargs))
+        self.lift_for = set()  # ids of the views whose concrete calls are lifted
+        self.read_names = {}  # id(Keras node of a read) -> its node name
+        self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
+        self._taken = set()
+        self._new_reads = []
+
+    @classmethod
+    def current(cls):
+        stack = getattr(cls._active, "stack", None)
+        return stack[-1] if stack else None
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this the trace in progress (one per mode traced)."""
+        stack = self._active.__dict__.setdefault("stack", [])
+        self._taken, self._new_reads = set(), []
+        stack.append(self)
+        try:
+            # The read layers outlive the trace (a graph keeps them): leave
+            # none of the trace's Keras nodes on them.
+            with _keras_internals.node_lists_snapshot(self.reads.layers(), always=True):
+                yield
+        finally:
+            stack.pop()
+            _keras_internals.forget_nodes(self._new_reads)
+
+    def hold_attributes(self, view):
+        state = vars(view)
+        for name in list(state):
+            if name in _KERAS_ATTRIBUTES or name.startswith("_self_"):
+                continue  # Keras's and TensorFlow's own bookkeeping
+            state[name] = self._held(state[name], name)
+
+    def _held(self, value, name):
+        if isinstance(value, keras.Variable):
+            return self._read(value, name)
+        if isinstance(value, keras.layers.Layer):
+            return self._lifting(value)
+        if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (keras.Variable, keras.layers.Layer)) for v in value
+        ):
+            items = [self._held(v, f"{name}_{i}") for i, v in enumerate(value)]
+            return tuple(items) if isinstance(value, tuple) else items
+        if isinstance(value, dict) and value and all(
+            isinstance(v, (keras.Variable, keras.layers.Layer)) for v in value.values()
+        ):
+            return {k: self._held(v, f"{name}_{k}") for k, v in value.items()}
+        return value
+
+    def _read(self, variable, name):
+        node_name = self._unique(self.prefix + name)
+        known = {id(layer) for layer in self.reads.layers()}
+        read = self.reads.variable_read(variable, like=self.layer, name=node_name)
+        if id(read) not in known:
+            self._new_reads.append(read)
+        tensor = read(self.anchor)
+        self.read_names[id(_keras_internals.producing_node(tensor)[0])] = node_name
+        return tensor
+
+    def _lifting(self, layer):
+        if viewed_layer(layer) is None:  # a Keras layer: called as it is
+            if not layer.built or "call" in vars(layer):
+                return layer
+            layer = shallow_view(layer, _builtin_view_class(type(layer)))
+        self.lift_for.add(id(layer))
+        return layer
+
+    def lift(self, args, kwargs, consumer):
+        """`(args, kwargs)` with each concrete tensor replaced by the output
+        of a `HeldConstant` node holding it."""
+        def lift(leaf):
+            if not _is_concrete(leaf):
+                return leaf
+            name = self._unique(f"{self.prefix}{consumer.name}_input")
+            held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
+            self._new_reads.append(held)
+            self.lifted[id(held)] = leaf
+            return held(self.anchor)
+
+        return keras.tree.map_structure(lift, (args, kwargs))
+
+    def _unique(self, name):
+        base, count = name, 0
+        while name in self._taken:
+            count += 1
+            name = f"{base}_{count}"
+        self._taken.add(name)
+        return name
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,10 +324,12 @@ def _inline_view_class(cls, function):
     if cls.compute_output_spec is not keras.layers.Layer.compute_output_spec or (
         cls.compute_output_shape is not keras.layers.Layer.compute_output_shape
     ):
-        return type(cls.__name__, (cls,), {"__module__": cls.__module__})
+        return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                           "__call__": _lifting_call})
     return type(cls.__name__, (cls,), {
         "__module__": cls.__module__,
         "compute_output_spec": _inline_output_spec,
+        "__call__": _lifting_call,
     })
 
 
@@ -235,6 +384,94 @@ def _autograph_output_spec(layer, args, kwargs):
     )
 
 
+def _lifting_call(self, *args, **kwargs):
+    """`__call__` of a view: a direct sub-layer of the traced layer called
+    on concrete tensors only (`self.embedding(ops.arange(n))`) would run
+    eagerly and its output, computed from its weights, would be frozen into
+    the graph; it is called on `HeldConstant` nodes holding them instead."""
+    trace = _Trace.current()
+    if trace is not None and id(self) in trace.lift_for:
+        leaves = keras.tree.flatten((args, kwargs))
+        if not any(isinstance(leaf, keras.KerasTensor) for leaf in leaves) and any(
+            _is_concrete(leaf) for leaf in leaves
+        ):
+            args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
+    return super(type(self), self).__call__(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_view_class(cls):
+    """A subclass of a Keras layer class whose calls on concrete tensors are
+    lifted (`_lifting_call`); everything else is the class's own."""
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                       "__call__": _lifting_call})
+
+
+def _is_concrete(leaf):
+    return isinstance(leaf, np.ndarray) or (
+        tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, keras.Variable))
+        and not isinstance(leaf, tf.Variable)
+    )
+
+
+def _anchor_of(structure):
+    """The graph tensor read nodes hang from: the first KerasTensor of the
+    call's inputs, a numeric one if there is one."""
+    tensors = [leaf for leaf in keras.tree.flatten(structure)
+               if isinstance(leaf, keras.KerasTensor)]
+    numeric = [t for t in tensors if t.dtype not in ("string",)]
+    return (numeric or tensors or [None])[0]
+
+
+# What every Keras layer / model holds (its variable lists among them): not
+# the user's attributes, never replaced by reads.
+_KERAS_ATTRIBUTES = frozenset(vars(keras.layers.Layer())) | frozenset(vars(keras.Model()))
+
+
+def _reject_frozen_variables(nodes, lifted, tape, variables):
+    """Raise `TraceError` when a traced node holds a concrete tensor that was
+    computed from the traced layer's variables (it would never change)."""
+    constants = [
+        leaf for node in nodes
+        for leaf in _leaves((node.args, node.kwargs))
+        if tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, Value))
+    ]
+    constants += [lifted[id(node.operation)] for node in nodes if id(node.operation) in lifted]
+    constants = [c for c in constants if c.dtype.is_floating]
+    for constant in constants:
+        if any(g is not None for g in tape.gradient(constant, variables)):
+            raise TraceError(
+                "`call` computes a tensor from the layer's weights outside the "
+                "graph (a variable not held as an attribute of the layer, or "
+                "an operation on one before the graph starts); traced, it "
+                "would be frozen"
+            )
+
+
+def _tf_variables(layer):
+    """The TensorFlow variables under `layer`'s Keras variables, trainable
+    or not (a frozen moving mean is as stale as a frozen kernel); for a
+    distributed variable, its per-replica components (an eager read outside
+    a replica context reads one of them)."""
+    found = []
+    for variable in layer.weights:
+        strategy = owning_strategy(variable)
+        variable = getattr(variable, "value", variable)
+        if not variable.dtype.is_floating:
+            continue
+        if strategy is not None:
+            found.extend(strategy.experimental_local_results(variable))
+        else:
+            found.append(variable)
+    return found
+
+
+def _leaves(structure):
+    found = []
+    map_leaves(found.append, structure)
+    return found
+
+
 def _fresh_keras_tensor(tensor):
     if not isinstance(tensor, keras.KerasTensor):
         raise TypeError(f"`call` returned a {type(tensor).__name__}")
@@ -242,14 +479,18 @@ def _fresh_keras_tensor(tensor):
                              ragged=tensor.ragged)
 
 
-def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
+def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_names=None,
+             anchor=None):
     """Walk Keras nodes back from `outputs` into Nodes in topological order,
     naming the user's layers where views were called; `opaque_layers`
-    collects the OpaqueLayers made (see `_opaque_layer`)."""
+    collects the OpaqueLayers made (see `_opaque_layer`). An operation with
+    the batch size (None) in its shape becomes a `BatchSizedOperation` that
+    takes it from `anchor` (a KerasTensor among the placeholders)."""
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes = []
     visited = set()
+    batch_sized = []
 
     def visit_tensor(tensor):
         if id(tensor) in values:
@@ -276,8 +517,23 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
         if opaque is not None:
             operation = _opaque_layer(operation, *opaque, opaque_layers)
         _reject_variables(operation, (args, kwargs))
+        if not isinstance(operation, keras.layers.Layer):
+            _reject_unknown_dimensions(operation, (args, kwargs), prefix)
+            unknown = unknown_dimension_attributes(operation)
+            if unknown:
+                if anchor is None:
+                    raise TraceError(
+                        f"`{prefix}{operation.name}` takes a shape with an "
+                        f"unknown dimension: {STATIC_BATCH_HINT}"
+                    )
+                operation = BatchSizedOperation(operation, unknown, name=operation.name)
+                args = (anchor,) + tuple(args)
+                batch_sized.append(operation)
+        name = prefix + operation.name
+        if is_read(operation):  # named after the attribute or its consumer
+            name = (read_names or {}).get(id(keras_node), operation.name)
         node = Node(
-            name=prefix + operation.name,
+            name=name,
             operation=operation,
             args=_to_values(args, values),
             kwargs=_to_values(kwargs, values),
@@ -304,6 +560,8 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
             )
         visit_tensor(tensor)
     output_values = keras.tree.map_structure(lambda t: values[id(t)], outputs)
+    if batch_sized:
+        _check_batch_dimensions(nodes, prefix)
     return nodes, output_values
 
 
@@ -339,6 +597,113 @@ def _reject_variables(operation, structure):
                 f"`call` uses the variable `{leaf.path}` directly (in "
                 f"`{operation.name}`) rather than through a sub-layer"
             )
+
+
+STATIC_BATCH_HINT = (
+    "`ops.shape(x)[0]` is None while tracing, the batch size being unknown; "
+    "pass static_batch=True to trace with the per-replica batch"
+)
+
+
+def _reject_unknown_dimensions(operation, structure, prefix):
+    """Raise `TraceError` when a `keras.ops` operation is given a shape with
+    an unknown (None) dimension as an argument: `call` passed on a dimension
+    that is unknown while tracing (the batch size), and the graph would fail
+    when run. (A None in the operation's own shape attributes is filled in
+    when the graph runs: `batch_sized.py`.)"""
+    if type(operation).__name__ == "GetItem":  # `x[:, None]`: a new axis
+        return
+    for value in _sequences_in(structure):
+        if any(item is None for item in value):
+            raise TraceError(
+                f"`{prefix}{operation.name}` ({type(operation).__name__}) is "
+                f"given the shape {tuple(value)} with an unknown dimension: "
+                f"{STATIC_BATCH_HINT}"
+            )
+
+
+def _check_batch_dimensions(nodes, prefix):
+    """Raise `TraceError` unless every unknown dimension in `nodes` is the
+    batch size of the traced call's inputs (what a `BatchSizedOperation`
+    fills in when the graph runs).
+
+    The nodes are replayed with the inputs' batch size set to 3 and then 7:
+    each dimension of each output must then be the same in both (a fixed
+    size, matching the trace where it knew it) or 3 and 7 (the batch size).
+    A dimension that merely stood where the batch size did (the batch times
+    the sequence, after a reshape) would take a wrong value, and fails here.
+    """
+    shapes = [_replayed_shapes(nodes, prefix, batch_size) for batch_size in (3, 7)]
+    for node in nodes:
+        for value in node.outputs:
+            small, large = shapes[0][id(value)], shapes[1][id(value)]
+            recorded = tuple(value.spec.shape)
+            if len(small) != len(recorded) or any(
+                not (a == b and c in (None, a)) and not (a, b) == (3, 7)
+                for a, b, c in zip(small, large, recorded)
+            ):
+                raise TraceError(_unknown_dimension_reason(node.name, value))
+
+
+def _replayed_shapes(nodes, prefix, batch_size):
+    """`{id(Value): shape}` of `nodes`' outputs, worked out by Keras with the
+    inputs' (leading, unknown) batch dimension set to `batch_size`."""
+    replayed, shapes = {}, {}
+
+    def known(value):
+        if id(value) not in replayed:  # an input of the traced call
+            shape = tuple(value.spec.shape)
+            if any(dim is None for dim in shape[1:]):
+                raise TraceError(_unknown_dimension_reason(prefix.rstrip("."), value))
+            if shape and shape[0] is None:
+                shape = (batch_size,) + shape[1:]
+            replayed[id(value)] = keras.KerasTensor(shape, dtype=value.spec.dtype)
+        return replayed[id(value)]
+
+    for node in nodes:
+        args = map_values(known, node.args)
+        kwargs = map_values(known, node.kwargs)
+        try:
+            outputs = keras.tree.flatten(node.operation.compute_output_spec(*args, **kwargs))
+        except Exception as error:
+            raise TraceError(
+                f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the "
+                f"shapes of `{node.name}` cannot be checked to follow it: "
+                f"{type(error).__name__})"
+            ) from error
+        for value, tensor in zip(node.outputs, outputs):
+            replayed[id(value)] = tensor
+            shapes[id(value)] = tuple(tensor.shape)
+    return shapes
+
+
+def _unknown_dimension_reason(where, value):
+    return (
+        f"{STATIC_BATCH_HINT} (the graph computes with the batch size, but "
+        f"`{where or 'the input'}` has a tensor of shape {tuple(value.spec.shape)} "
+        "whose unknown dimension is not the batch size alone)"
+    )
+
+
+def _sequences_in(structure):
+    """Lists and tuples inside the arguments of `structure = (args, kwargs)`
+    (where a shape argument would be; not the argument lists themselves,
+    in which None is an omitted argument)."""
+    args, kwargs = structure
+    found = []
+
+    def visit(item):
+        if isinstance(item, (list, tuple)):
+            found.append(item)
+            for child in item:
+                visit(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                visit(child)
+
+    for argument in list(args) + list(kwargs.values()):
+        visit(argument)
+    return found
 
 
 def _describe_failure(error, default=None):
