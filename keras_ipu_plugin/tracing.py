@@ -321,9 +321,7 @@ class _Trace:
 def _inline_view_class(cls, function):
     """A subclass of `cls` whose symbolic calls run `call` inline (see the
     module docstring); classes that say their own output shape keep it."""
-    if cls.compute_output_spec is not keras.layers.Layer.compute_output_spec or (
-        cls.compute_output_shape is not keras.layers.Layer.compute_output_shape
-    ):
+    if _states_own_output_shape(cls):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                            "__call__": _lifting_call})
     return type(cls.__name__, (cls,), {
@@ -331,6 +329,25 @@ def _inline_view_class(cls, function):
         "compute_output_spec": _inline_output_spec,
         "__call__": _lifting_call,
     })
+
+
+def _states_own_output_shape(cls):
+    """Whether `cls` defines its output shape for the `call` it has: a
+    `compute_output_spec` / `compute_output_shape` of its own, not only one
+    inherited from a class whose `call` it overrides. (keras_hub's
+    `CachedMultiHeadAttention` adds `cache` to `MultiHeadAttention.call`,
+    whose `compute_output_spec` knows no `cache` argument.)"""
+    def owner(name):
+        return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+    call_owner = owner("call")
+    for name in ("compute_output_spec", "compute_output_shape"):
+        spec_owner = owner(name)
+        if spec_owner in (keras.layers.Layer, _keras_internals.Operation):
+            continue
+        if issubclass(spec_owner, call_owner):
+            return True
+    return False
 
 
 _OPAQUE = "_kip_opaque"  # in a view's dict: (reason, output specs) when opaque
@@ -709,7 +726,14 @@ def _sequences_in(structure):
 def _describe_failure(error, default=None):
     where = _failing_layer(error) or default
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
-    return f"{text} (in `{where}`)" if where else text
+    text = f"{text} (in `{where}`)" if where else text
+    if _NONE_VALUE.search(text):
+        # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
+        text = f"{text}; {STATIC_BATCH_HINT}"
+    return text
+
+
+_NONE_VALUE = re.compile(r"value \(None\)|NoneType")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

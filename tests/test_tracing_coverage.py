@@ -458,3 +458,132 @@ def test_variable_reads_follow_the_mixed_precision_policy():
                                        err_msg=variable.path)
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+# -- 2. optional and keyword tensor arguments ----------------------------------
+class CachedAttention(layers.MultiHeadAttention):
+    """keras_hub's CachedMultiHeadAttention in small: `call` gains `cache`
+    arguments that `MultiHeadAttention.compute_output_spec` does not take."""
+
+    def call(self, query, value, key=None, attention_mask=None, cache=None,
+             cache_update_index=None, training=None):
+        if cache is not None:
+            raise NotImplementedError("generation is not traced here")
+        return super().call(query, value, key=key, attention_mask=attention_mask,
+                            training=training)
+
+
+class Decoder(layers.Layer):
+    """keras_hub's TransformerDecoder signature: optional tensors that
+    default to None, passed by keyword."""
+
+    def __init__(self, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.self_attention = CachedAttention(2, dim // 2, name="self_attention")
+        self.cross_attention = CachedAttention(2, dim // 2, name="cross_attention")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, decoder_sequence, encoder_sequence=None, decoder_padding_mask=None,
+             decoder_attention_mask=None, self_attention_cache=None,
+             self_attention_cache_update_index=None, training=None):
+        mask = decoder_attention_mask
+        if decoder_padding_mask is not None:
+            padding = ops.expand_dims(decoder_padding_mask, axis=1)
+            mask = padding if mask is None else ops.logical_and(mask, padding)
+        x = decoder_sequence + self.self_attention(
+            decoder_sequence, decoder_sequence, attention_mask=mask,
+            cache=self_attention_cache, cache_update_index=self_attention_cache_update_index,
+            training=training,
+        )
+        if encoder_sequence is not None:
+            x = x + self.cross_attention(x, encoder_sequence, training=training)
+        return self.norm(x)
+
+
+class Seq2Seq(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(8, name="embed")
+        self.encoder = Decoder(8, name="encoder")
+        self.decoder = Decoder(8, name="decoder")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, inputs):
+        source = self.embed(inputs["source"])
+        target = self.embed(inputs["target"])
+        encoded = self.encoder(source)  # every optional argument None
+        decoded = self.decoder(
+            target, encoder_sequence=encoded,
+            decoder_padding_mask=inputs["target_mask"] > 0,
+            decoder_attention_mask=inputs["attention"] > 0,
+        )
+        return self.head(decoded)
+
+
+def seq2seq_batch(batch, seed=0):
+    r = np.random.RandomState(seed)
+    return {
+        "source": r.normal(size=(batch, 5, 3)).astype("float32"),
+        "target": r.normal(size=(batch, 4, 3)).astype("float32"),
+        "target_mask": (r.uniform(size=(batch, 4)) > 0.2).astype("int32"),
+        "attention": np.tril(np.ones((4, 4), "int32"))[None].repeat(batch, axis=0),
+    }
+
+
+def test_optional_and_keyword_tensor_arguments_trace_and_expand():
+    x = seq2seq_batch(4)
+    model = Seq2Seq(name="seq2seq")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    fully_traced(converted)
+    passed = expand_all(model, converted, x)
+    names = [n.name for n in passed.kip_graph.nodes]
+    assert "decoder.cross_attention" not in names  # inlined into its parts
+    assert any(name.startswith("decoder.cross_attention.") for name in names)
+    other = seq2seq_batch(6, seed=1)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class HubBlocks(keras.Model):
+    """keras_hub's own encoder and decoder blocks in a subclassed model."""
+
+    def __init__(self, causal, **kwargs):
+        super().__init__(**kwargs)
+        import keras_hub
+
+        self.causal = causal
+        self.encoder = keras_hub.layers.TransformerEncoder(16, 2, name="encoder")
+        self.decoder = keras_hub.layers.TransformerDecoder(16, 2, name="decoder")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, inputs):
+        encoded = self.encoder(inputs["source"], padding_mask=inputs["source_mask"] > 0)
+        decoded = self.decoder(
+            inputs["target"], encoded, decoder_padding_mask=inputs["target_mask"] > 0,
+            use_causal_mask=self.causal,
+        )
+        return self.head(decoded)
+
+
+def hub_batch(batch, seed=0):
+    r = np.random.RandomState(seed)
+    return {
+        "source": r.normal(size=(batch, 5, 8)).astype("float32"),
+        "source_mask": np.ones((batch, 5), "int32"),
+        "target": r.normal(size=(batch, 4, 8)).astype("float32"),
+        "target_mask": (r.uniform(size=(batch, 4)) > 0.2).astype("int32"),
+    }
+
+
+@pytest.mark.parametrize("causal, static_batch", [(False, False), (True, True)])
+def test_keras_hub_encoder_and_decoder_blocks_expand_into_keras_layers(causal, static_batch):
+    x = hub_batch(4)
+    model = HubBlocks(causal, name="hub_blocks")
+    model(x)
+    converted = kip.convert_to_functional(model, x, static_batch=static_batch)
+    fully_traced(converted)
+    passed = expand_all(model, converted, x)
+    assert not any(n.name in ("encoder", "decoder") for n in passed.kip_graph.nodes)
+    if not static_batch:
+        other = hub_batch(7, seed=1)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
