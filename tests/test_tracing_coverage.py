@@ -587,3 +587,113 @@ def test_keras_hub_encoder_and_decoder_blocks_expand_into_keras_layers(causal, s
     if not static_batch:
         other = hub_batch(7, seed=1)
         np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+# -- 3. views behave like the layers -------------------------------------------
+class ConfiguredBlock(layers.Layer):
+    """Reads its config through `__getattr__`, its sizes and weight through
+    properties over private attributes, and calls a helper method."""
+
+    def __init__(self, **config):
+        super().__init__(name=config.pop("name", None))
+        self._config = dict(config)
+        self.proj = layers.Dense(config["units"], name="proj")
+
+    def __getattr__(self, name):
+        config = self.__dict__.get("_config", {})
+        if name in config:
+            return config[name]
+        return super().__getattr__(name)
+
+    def build(self, shape):
+        self._repeats = 2
+        self._scale = self.add_weight(shape=(self.units,), initializer="ones", name="scale")
+
+    @property
+    def width(self):
+        return self.units * self._repeats
+
+    @property
+    def scale(self):
+        return self._scale * 1.5
+
+    def _tile(self, x):
+        return ops.tile(x, (1, self.width // self.units))
+
+    def call(self, x):
+        if self.use_scale:
+            x = self.proj(x) * self.scale
+        return self._tile(x)
+
+
+class Configured(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = ConfiguredBlock(units=3, use_scale=True, name="block")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def test_properties_getattr_and_methods_of_a_layer_work_when_it_is_traced():
+    x = _rand(4, 5)
+    model = Configured(name="configured")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    fully_traced(converted)
+    passed = expand_all(model, converted, x)
+    assert [n.name for n in reads_of(passed)] == ["block._scale"]
+
+
+def tiny_llama():
+    import keras_hub
+
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=50, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32,
+    )
+
+
+class BackboneHead(keras.Model):
+    """A keras_hub backbone with a head, as fine-tuning code writes it."""
+
+    def __init__(self, backbone, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = backbone
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, inputs):
+        outputs = self.backbone(inputs)
+        if isinstance(outputs, dict):  # an encoder-decoder backbone
+            outputs = outputs["decoder_sequence_output"] + ops.mean(
+                outputs["encoder_sequence_output"], axis=1, keepdims=True)
+        return self.head(outputs)
+
+
+def token_batch(batch, seed=0):
+    r = np.random.RandomState(seed)
+    return {"token_ids": r.randint(0, 50, size=(batch, 8)),
+            "padding_mask": np.ones((batch, 8), "int32")}
+
+
+def test_outline_of_a_layer_whose_get_config_fails_outlines_it_alone():
+    """keras_hub 0.32's LlamaTransformerDecoder.get_config reads an attribute
+    it never sets: the Outline key cannot compare it with another layer."""
+    import keras_hub
+    from keras_hub.src.models.llama.llama_decoder import LlamaTransformerDecoder
+
+    x = token_batch(4)
+    model = BackboneHead(tiny_llama(), name="llama")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    fully_traced(converted)
+    # One level: the decoder blocks become nodes of the graph.
+    passed = kip.apply_passes(converted, [
+        Expand(keras_hub.models.LlamaBackbone), kip.passes.Outline(LlamaTransformerDecoder)])
+    entries = [e for e in passed.kip_report.entries if e.step == "outline"]
+    assert [e.action for e in entries] == ["outlined alone"] * 2
+    assert "rope_scaling_factor" in entries[0].detail
+    assert_equivalent(model, passed, x)
+    other = token_batch(7, seed=1)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
