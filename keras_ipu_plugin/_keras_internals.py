@@ -337,3 +337,11 @@ def forget_nodes(layers):
     for layer in layers:
         del layer._inbound_nodes[:]
         del layer._outbound_nodes[:]
+
+
+def broadcast_to_operation(shape):
+    """The `keras.ops.broadcast_to` operation for a target `shape` (which may
+    hold None, filled in by `BatchSizedOperation` when the graph runs)."""
+    from keras.src.ops.numpy import BroadcastTo
+
+    return BroadcastTo(shape=tuple(shape))

@@ -21,6 +21,23 @@ falls back to Keras's own way. A block that fails that way too (Python
 control flow on a tensor's value) but runs once AutoGraph has converted it
 becomes one opaque node (`OpaqueLayer`), so the rest of the model is still
 traced. Nodes recorded on views name the user's layers.
+
+What `call` holds rather than receives is a node too (`reads.py`): the
+variables the traced layer keeps as attributes are read through
+`VariableRead` nodes (their symbolic reads stand in the view's attributes),
+and a direct sub-layer called on concrete tensors only (`self.embedding(
+ops.arange(n))`) is called on `HeldConstant` nodes holding them, rather than
+run eagerly with its weights frozen into the result. A concrete tensor that
+still ends up in the graph and was computed from the layer's weights fails
+the trace (a GradientTape shows it): never a frozen weight.
+
+The batch size is unknown (None) while tracing. An operation given it in a
+shape (`ops.broadcast_to(cls, (ops.shape(x)[0], 1, d))`) becomes a
+`BatchSizedOperation` that reads it when the graph runs; a `call` that needs
+it as a number (`ops.broadcast_to` on a concrete mask) is traced at two batch
+sizes and the two graphs are made one (`batch_sized.generalize_batch`). Both
+are checked by replaying the shapes at two other batch sizes; what fails
+stays whole, with a reason saying to pass `static_batch=True`.
 """
 
 import contextlib
@@ -38,6 +55,8 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.batch_sized import NotBatchGeneral
+from keras_ipu_plugin.batch_sized import generalize_batch
 from keras_ipu_plugin.batch_sized import unknown_dimension_attributes
 from keras_ipu_plugin.distribution import owning_strategy
 from keras_ipu_plugin.graph import FOLLOW
@@ -101,16 +120,80 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
     Returns `(nodes, outputs)`: new Nodes named `prefix + layer name` and the
     output structure in terms of Values.
     """
-    trace = _Trace(layer, args, kwargs, placeholders, prefix,
-                   ReadLayers() if reads is None else reads)
+    reads = ReadLayers() if reads is None else reads
+    variables = _tf_variables(layer)
     # The tape sees only eager work: a weight read outside the graph (a
     # variable reached other than as an attribute, a sub-layer called on
     # a tensor computed from weights) would be frozen into it.
     with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-        tape.watch(_tf_variables(layer))
-        nodes, outputs = _trace_modes(trace, training)
-    _reject_frozen_variables(nodes, trace.lifted, tape, _tf_variables(layer))
+        tape.watch(variables)
+        trace = _Trace(layer, args, kwargs, placeholders, prefix, reads)
+        try:
+            runs = [(trace, _trace_modes(trace, training))]
+        except TraceError as error:
+            runs = _trace_at_two_batch_sizes(
+                layer, args, kwargs, placeholders, prefix, reads, training, error
+            )
+    for trace, (nodes, _) in runs:
+        _reject_frozen_variables(nodes, trace.lifted, tape, variables)
+    if len(runs) == 1:
+        return runs[0][1]
+    small, large = (result for _, result in runs)
+    try:
+        nodes, outputs = generalize_batch(
+            small, large, _TRIAL_BATCH_SIZES, runs[0][0].placeholders[id(runs[0][0].anchor)],
+            _same_operation, prefix,
+        )
+        _check_batch_dimensions(nodes, prefix)
+    except NotBatchGeneral as mismatch:
+        raise TraceError(
+            f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
+        ) from None
     return nodes, outputs
+
+
+# The batch sizes a call is traced at when its symbolic trace fails on the
+# unknown batch size (see `_trace_at_two_batch_sizes`). One of them is 1, so
+# that Python code branching on the batch size (`if ops.shape(x)[0] > 1`)
+# takes different branches in the two traces and is refused, not baked in.
+_TRIAL_BATCH_SIZES = (1, 3)
+
+
+def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                              training, error):
+    """Trace `call` with its inputs' unknown batch size set to each of
+    `_TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
+    (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
+    as keras_hub's decoders build their causal masks). `generalize_batch`
+    then makes one graph of the two that works for any batch size, or says
+    why it cannot. Re-raises `error` when the inputs' batch size is known.
+
+    Returns `[(trace, (nodes, outputs))]` for each batch size.
+    """
+    symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+    anchor = _anchor_of((args, kwargs))
+    batched = [t for t in symbols if t.shape and t.shape[0] is None]
+    if anchor not in batched or any(None in tuple(t.shape)[1:] for t in symbols):
+        raise error  # no unknown batch size to set, or other unknown sizes
+    runs = []
+    for batch_size in _TRIAL_BATCH_SIZES:
+        concrete = {
+            id(t): keras.KerasTensor((batch_size,) + tuple(t.shape)[1:], dtype=t.dtype)
+            for t in batched
+        }
+        swap = lambda leaf: concrete.get(id(leaf), leaf)  # noqa: E731
+        trace = _Trace(
+            layer, keras.tree.map_structure(swap, args), keras.tree.map_structure(swap, kwargs),
+            {id(swap(t)): placeholders[id(t)] for t in symbols},
+            prefix, reads, anchor=concrete[id(anchor)],
+        )
+        trace.failure = error.reason
+        try:
+            runs.append((trace, _trace_modes(trace, training)))
+        except TraceError:
+            raise error from None
+    return runs
 
 
 def _trace_modes(trace, training):
@@ -155,6 +238,12 @@ def _call_mentions_training(function):
     except (OSError, TypeError, tokenize.TokenError, IndentationError):
         return True
     return any(t.type == tokenize.NAME and t.string == "training" for t in tokens)
+
+
+def _same_operation(node_a, node_b):
+    """Whether two traces called the same thing at these nodes (opaque ones
+    are kept out: their recorded output shapes hold a trial batch size)."""
+    return node_a.opaque_reason is None and _identity(node_a) == _identity(node_b)
 
 
 def _identity(node):
@@ -220,13 +309,14 @@ class _Trace:
 
     _active = threading.local()
 
-    def __init__(self, layer, args, kwargs, placeholders, prefix, reads):
+    def __init__(self, layer, args, kwargs, placeholders, prefix, reads, anchor=None):
         self.layer = layer
         self.args, self.kwargs = args, kwargs
         self.placeholders = placeholders
         self.prefix = prefix
         self.reads = reads
-        self.anchor = _anchor_of((args, kwargs))
+        self.anchor = _anchor_of((args, kwargs)) if anchor is None else anchor
+        self.failure = None  # why the symbolic trace failed, for a retry
         self.lift_for = set()  # ids of the views whose concrete calls are lifted
         self.read_names = {}  # id(Keras node of a read) -> its node name
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
@@ -432,12 +522,14 @@ def _is_concrete(leaf):
 
 
 def _anchor_of(structure):
-    """The graph tensor read nodes hang from: the first KerasTensor of the
-    call's inputs, a numeric one if there is one."""
+    """The graph tensor read nodes hang from, and `BatchSizedOperation`s
+    read the batch size of: the first KerasTensor of the call's inputs,
+    preferring a numeric one whose batch size is unknown."""
     tensors = [leaf for leaf in keras.tree.flatten(structure)
                if isinstance(leaf, keras.KerasTensor)]
-    numeric = [t for t in tensors if t.dtype not in ("string",)]
-    return (numeric or tensors or [None])[0]
+    numeric = [t for t in tensors if t.dtype != "string"]
+    batched = [t for t in numeric if t.shape and t.shape[0] is None]
+    return (batched or numeric or tensors or [None])[0]
 
 
 # What every Keras layer / model holds (its variable lists among them): not
@@ -538,7 +630,7 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
             _reject_unknown_dimensions(operation, (args, kwargs), prefix)
             unknown = unknown_dimension_attributes(operation)
             if unknown:
-                if anchor is None:
+                if anchor is None or not anchor.shape or anchor.shape[0] is not None:
                     raise TraceError(
                         f"`{prefix}{operation.name}` takes a shape with an "
                         f"unknown dimension: {STATIC_BATCH_HINT}"
@@ -564,8 +656,10 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         node.kwargs.pop("training", None)
         if pinned and node.training is not None:
             node.training = bool(node.training)
-        for index, tensor in enumerate(_keras_internals.node_outputs(keras_node)):
-            value = Value(node, index, tensor)
+        outputs_recorded = _keras_internals.node_outputs(keras_node)
+        specs = _precise_specs(operation, args, kwargs, outputs_recorded)
+        for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
+            value = Value(node, index, spec)
             node.outputs.append(value)
             values[id(tensor)] = value
         nodes.append(node)
@@ -580,6 +674,41 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
     if batch_sized:
         _check_batch_dimensions(nodes, prefix)
     return nodes, output_values
+
+
+def _precise_specs(operation, args, kwargs, outputs):
+    """The output specs of a layer's call: as recorded, or, where Keras
+    left a dimension other than the batch unknown although the inputs
+    know theirs (`EinsumDense(output_shape=(None, heads, dim))` leaves the
+    sequence length out), as TensorFlow's shape inference on the layer's
+    `call` works them out. Later traces of the graph start from these
+    shapes, and code such as `ops.arange(ops.shape(x)[1])` needs them."""
+    if not isinstance(operation, keras.layers.Layer) or is_read(operation) or all(
+        None not in tuple(t.shape)[1:] for t in outputs
+    ):
+        return outputs
+    inputs = [leaf for leaf in keras.tree.flatten((args, kwargs))
+              if isinstance(leaf, keras.KerasTensor)]
+    if any(None in tuple(t.shape)[1:] for t in inputs):
+        return outputs
+    try:  # `call` run on symbolic TensorFlow tensors, not the layer's formula
+        inferred = keras.tree.flatten(
+            _keras_internals.Operation.compute_output_spec(operation, *args, **kwargs)
+        )
+    except Exception:  # the recorded shapes are right, only less precise
+        return outputs
+    if len(inferred) != len(outputs):
+        return outputs
+    precise = []
+    for recorded, better in zip(outputs, inferred):
+        shape, known = tuple(recorded.shape), tuple(better.shape)
+        if len(shape) != len(known) or any(
+            a is not None and a != b for a, b in zip(shape[1:], known[1:])
+        ):
+            return outputs
+        precise.append(keras.KerasTensor(
+            shape[:1] + known[1:], dtype=recorded.dtype, sparse=recorded.sparse))
+    return precise
 
 
 def _opaque_layer(layer, reason, outputs, made):
@@ -649,6 +778,7 @@ def _check_batch_dimensions(nodes, prefix):
     size, matching the trace where it knew it) or 3 and 7 (the batch size).
     A dimension that merely stood where the batch size did (the batch times
     the sequence, after a reshape) would take a wrong value, and fails here.
+    The outputs' shapes are then set to what the replay showed.
     """
     shapes = [_replayed_shapes(nodes, prefix, batch_size) for batch_size in (3, 7)]
     for node in nodes:
@@ -660,6 +790,12 @@ def _check_batch_dimensions(nodes, prefix):
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))
+            # What the trace did not know (reshape to `(batch, -1, ...)`)
+            # the replay showed: later traces of the graph start from it.
+            value.spec = keras.KerasTensor(
+                tuple(None if a != b else a for a, b in zip(small, large)),
+                dtype=value.spec.dtype, sparse=value.spec.sparse,
+            )
 
 
 def _replayed_shapes(nodes, prefix, batch_size):
@@ -680,8 +816,15 @@ def _replayed_shapes(nodes, prefix, batch_size):
     for node in nodes:
         args = map_values(known, node.args)
         kwargs = map_values(known, node.kwargs)
+        operation = node.operation
+        compute_output_spec = operation.compute_output_spec
+        if isinstance(operation, keras.layers.Layer) and not _states_own_output_shape(
+            type(operation)
+        ):  # Keras's own way: its `call` run in a scratch graph
+            compute_output_spec = functools.partial(
+                keras.layers.Layer.compute_output_spec, operation)
         try:
-            outputs = keras.tree.flatten(node.operation.compute_output_spec(*args, **kwargs))
+            outputs = keras.tree.flatten(compute_output_spec(*args, **kwargs))
         except Exception as error:
             raise TraceError(
                 f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the "

@@ -697,3 +697,139 @@ def test_outline_of_a_layer_whose_get_config_fails_outlines_it_alone():
     assert_equivalent(model, passed, x)
     other = token_batch(7, seed=1)
     np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+# -- 4. blocks that compute with the batch size --------------------------------
+class SplitHeads(layers.Layer):
+    """The Keras examples' attention: `reshape(x, (batch_size, -1, heads,
+    depth))` with `batch_size = ops.shape(x)[0]`, None while tracing."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = layers.Dense(8, name="proj")
+
+    def call(self, x):
+        batch_size = ops.shape(x)[0]
+        heads = ops.reshape(self.proj(x), (batch_size, -1, 2, 4))
+        heads = ops.transpose(heads, (0, 2, 1, 3))
+        return ops.reshape(ops.transpose(heads, (0, 2, 1, 3)), (batch_size, -1, 8))
+
+
+class CausalMask(layers.Layer):
+    """keras_hub's decoders: a concrete causal mask broadcast to the batch
+    size, which the symbolic trace does not know."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(2, 4, name="attention")
+
+    def call(self, x):
+        length = ops.shape(x)[1]
+        mask = ops.expand_dims(ops.tril(ops.ones((length, length), "int32")), 0)
+        mask = ops.broadcast_to(mask, (ops.shape(x)[0], length, length))
+        return self.attention(x, x, attention_mask=mask)
+
+
+class BatchModel(keras.Model):
+    def __init__(self, block, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(8, name="embed")
+        self.block = block
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
+@pytest.mark.parametrize("block", [SplitHeads, CausalMask])
+def test_a_block_using_the_batch_size_expands_to_a_graph_for_any_batch_size(block):
+    x = _rand(4, 5, 3)
+    model = BatchModel(block(name="block"), name="batch_model")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    fully_traced(converted)
+    passed = expand_all(model, converted, x)
+    assert any(type(n.operation).__name__ == "BatchSizedOperation"
+               for n in passed.kip_graph.nodes)
+    for batch in (1, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class BatchIndex(layers.Layer):
+    """Embeds each example's position in the batch: the graph would need a
+    tensor as long as the batch, which no constant can be."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.index = layers.Embedding(16, 8, name="index")
+
+    def call(self, x):
+        return x + ops.expand_dims(self.index(ops.arange(ops.shape(x)[0])), 1)
+
+
+class MergedBatch(layers.Layer):
+    """Broadcasts its bias to `ops.shape(y)[0]` where `y` merged the batch
+    and the sequence: that unknown dimension is not the batch size."""
+
+    def build(self, shape):
+        self.bias = self.add_weight(shape=(shape[-1],), initializer="ones", name="bias")
+
+    def call(self, x):
+        merged = ops.reshape(x, (-1, ops.shape(x)[-1]))
+        bias = ops.broadcast_to(self.bias, (ops.shape(merged)[0], ops.shape(x)[-1]))
+        return ops.reshape(merged + bias, (-1,) + tuple(ops.shape(x)[1:]))
+
+
+@pytest.mark.parametrize("block", [BatchIndex, MergedBatch])
+def test_a_block_the_graph_cannot_follow_at_any_batch_size_stays_whole_and_says_why(block):
+    x = _rand(4, 5, 3)
+    model = BatchModel(block(name="block"), name="batch_model")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert passed.kip_graph.node("block").operation is model.block
+    assert "static_batch=True" in passed.kip_report.opaque["block"]
+    assert_equivalent(model, passed, x)
+    for batch in (2, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+def tiny_backbone(name):
+    import keras_hub
+
+    if name == "llama":
+        return tiny_llama()
+    size = dict(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
+                intermediate_dim=32, max_sequence_length=16)
+    if name == "gpt2":
+        return keras_hub.models.GPT2Backbone(**size)
+    return keras_hub.models.BartBackbone(**size)
+
+
+def backbone_batch(name, batch, seed=0):
+    if name != "bart":
+        return token_batch(batch, seed)
+    r = np.random.RandomState(seed)
+    return {
+        "encoder_token_ids": r.randint(0, 50, size=(batch, 8)),
+        "encoder_padding_mask": np.ones((batch, 8), "int32"),
+        "decoder_token_ids": r.randint(0, 50, size=(batch, 6)),
+        "decoder_padding_mask": np.ones((batch, 6), "int32"),
+    }
+
+
+@pytest.mark.parametrize("name, static_batch", [
+    ("gpt2", False), ("bart", False), ("llama", False), ("gpt2", True),
+])
+def test_keras_hub_decoders_expand_fully_and_run_at_other_batch_sizes(name, static_batch):
+    x = backbone_batch(name, 4)
+    model = BackboneHead(tiny_backbone(name), name=f"{name}_head")
+    model(x)
+    converted = kip.convert_to_functional(model, x, static_batch=static_batch)
+    fully_traced(converted)
+    passed = expand_all(model, converted, x)
+    if not static_batch:
+        other = backbone_batch(name, 7, seed=1)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)

@@ -236,5 +236,13 @@ def _name_after_path(node, parent_path, used):
         used.add(name)
         node.name = operation.name = name
         return
-    node.name = f"{parent_path}.{operation.name}"
-    used.add(node.name)
+    # A sub-layer called twice in one `call` (a rotary embedding applied to
+    # the queries and the keys) gets a numbered path at its second node:
+    # expanded, each call site's nodes need names of their own.
+    base = name = f"{parent_path}.{operation.name}"
+    count = 0
+    while name in used:
+        count += 1
+        name = f"{base}_{count}"
+    node.name = name
+    used.add(name)
