@@ -833,3 +833,47 @@ def test_keras_hub_decoders_expand_fully_and_run_at_other_batch_sizes(name, stat
     if not static_batch:
         other = backbone_batch(name, 7, seed=1)
         np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class Rotate(layers.Layer):
+    """A position rotation applied to both queries and keys (as keras_hub's
+    RotaryEmbedding is): one sub-layer called twice in one `call`."""
+
+    def call(self, x):
+        half = ops.shape(x)[-1] // 2
+        return ops.concatenate([-x[..., half:], x[..., :half]], axis=-1) + x
+
+
+class QueryKey(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.query = layers.Dense(4, name="query")
+        self.key = layers.Dense(4, name="key")
+        self.rotate = Rotate(name="rotate")
+
+    def call(self, x):
+        q, k = self.rotate(self.query(x)), self.rotate(self.key(x))
+        return ops.softmax(ops.einsum("bqd,bkd->bqk", q, k))
+
+
+def test_a_sub_layer_called_twice_in_one_call_expands_at_both_call_sites():
+    x = _rand(3, 5, 4)
+    model = BatchModel(QueryKey(name="block"), name="twice")
+    model(x)
+    passed = expand_all(model, kip.convert_to_functional(model, x), x)
+    names = [n.name for n in passed.kip_graph.nodes]
+    assert len(names) == len(set(names))
+    assert any(n.startswith("block.rotate.") for n in names)
+    assert any(n.startswith("block.rotate_1.") for n in names)
+
+
+def test_a_graph_made_for_any_batch_size_saves_and_loads(tmp_path):
+    x = _rand(4, 5, 3)
+    model = BatchModel(CausalMask(name="block"), name="causal")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+    path = str(tmp_path / "causal.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    other = _rand(6, 5, 3, seed=3)
+    np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
