@@ -174,7 +174,9 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
                if isinstance(leaf, keras.KerasTensor)]
     anchor = _anchor_of((args, kwargs))
     batched = [t for t in symbols if t.shape and t.shape[0] is None]
-    if anchor not in batched or any(None in tuple(t.shape)[1:] for t in symbols):
+    if not any(t is anchor for t in batched) or any(
+        None in tuple(t.shape)[1:] for t in symbols
+    ):
         raise error  # no unknown batch size to set, or other unknown sizes
     runs = []
     for batch_size in _TRIAL_BATCH_SIZES:
@@ -785,8 +787,9 @@ def _check_batch_dimensions(nodes, prefix):
         for value in node.outputs:
             small, large = shapes[0][id(value)], shapes[1][id(value)]
             recorded = tuple(value.spec.shape)
-            if len(small) != len(recorded) or any(
-                not (a == b and c in (None, a)) and not (a, b) == (3, 7)
+            if len(small) != len(recorded) or not all(
+                (a == b and c in (None, a))  # a fixed size
+                or ((a, b) == (3, 7) and c is None)  # the batch size
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))
