@@ -341,3 +341,19 @@ def compile_arguments(model):
     them only in a private attribute), or None before `compile`."""
     config = getattr(model, "_compile_config", None)
     return None if config is None else dict(config.config)
+
+
+def forget_nodes(layers):
+    """Drop every Keras node recorded on `layers` (layers the plugin made
+    for one trace, whose symbolic calls are kept only in the graph IR)."""
+    for layer in layers:
+        del layer._inbound_nodes[:]
+        del layer._outbound_nodes[:]
+
+
+def broadcast_to_operation(shape):
+    """The `keras.ops.broadcast_to` operation for a target `shape` (which may
+    hold None, filled in by `BatchSizedOperation` when the graph runs)."""
+    from keras.src.ops.numpy import BroadcastTo
+
+    return BroadcastTo(shape=tuple(shape))

@@ -245,14 +245,36 @@ def _stateless_body(representative, kwargs):
 
 def _outline_key(layer, node, kwargs):
     """Layers share a body when class, config (but the name), the symbolic
-    input signature and the call's keyword values are equal."""
-    config = dict(layer.get_config())
-    config.pop("name", None)
+    input signature and the call's keyword values are equal. A layer whose
+    config cannot be read shares with none (see `outline_config`)."""
+    config, _ = outline_config(layer)
+    config = ("alone", id(layer)) if config is None else repr(sorted(config.items()))
     signature = tuple(
         (tuple(t.shape), t.dtype) for t in node.arguments.keras_tensors
     )
-    return (type(layer), repr(sorted(config.items())), signature,
-            repr(sorted(kwargs.items())))
+    return (type(layer), config, signature, repr(sorted(kwargs.items())))
+
+
+def outline_config(layer):
+    """`(config, None)`: what must be equal for two layers of one class to
+    share an outlined body (the config but the name); `(None, error)` when
+    the layer's own `get_config` fails (keras_hub 0.32's
+    `LlamaTransformerDecoder` reads an attribute it never sets): nothing
+    then shows two such layers equal, so the layer is outlined alone.
+
+    Example:
+        >>> outline_config(keras.layers.Dense(3, name="a"))[0]["units"]
+        3
+    """
+    from keras_ipu_plugin.alias import LayerAlias
+
+    inner = layer.layer if isinstance(layer, LayerAlias) else layer
+    try:
+        config = dict(inner.get_config())
+    except Exception as error:  # user code: any failure means "unknown"
+        return None, error
+    config.pop("name", None)
+    return config, None
 
 
 def train_graph_ops(model):

@@ -21,24 +21,55 @@ falls back to Keras's own way. A block that fails that way too (Python
 control flow on a tensor's value) but runs once AutoGraph has converted it
 becomes one opaque node (`OpaqueLayer`), so the rest of the model is still
 traced. Nodes recorded on views name the user's layers.
+
+What `call` holds rather than receives is a node too (`reads.py`): the
+variables the traced layer keeps as attributes are read through
+`VariableRead` nodes (their symbolic reads stand in the view's attributes),
+and a direct sub-layer called on concrete tensors only (`self.embedding(
+ops.arange(n))`) is called on `HeldConstant` nodes holding them, rather than
+run eagerly with its weights frozen into the result. A concrete tensor that
+still ends up in the graph and was computed from the layer's weights fails
+the trace (a GradientTape shows it): never a frozen weight.
+
+The batch size is unknown (None) while tracing. An operation given it in a
+shape (`ops.broadcast_to(cls, (ops.shape(x)[0], 1, d))`) becomes a
+`BatchSizedOperation` that reads it when the graph runs; a `call` that needs
+it as a number (`ops.broadcast_to` on a concrete mask) is traced at two batch
+sizes and the two graphs are made one (`batch_sized.generalize_batch`). Both
+are checked by replaying the shapes at two other batch sizes; what fails
+stays whole, with a reason saying to pass `static_batch=True`.
 """
 
+import contextlib
 import functools
 import inspect
 import io
 import re
 import textwrap
+import threading
 import tokenize
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.batch_sized import NotBatchGeneral
+from keras_ipu_plugin.batch_sized import generalize_batch
+from keras_ipu_plugin.batch_sized import unknown_dimension_attributes
+from keras_ipu_plugin.distribution import owning_strategy
 from keras_ipu_plugin.graph import FOLLOW
 from keras_ipu_plugin.graph import Graph
 from keras_ipu_plugin.graph import Node
 from keras_ipu_plugin.graph import Value
+from keras_ipu_plugin.graph import map_leaves
+from keras_ipu_plugin.graph import map_values
+from keras_ipu_plugin.reads import HeldConstant
+from keras_ipu_plugin.reads import ReadLayers
+from keras_ipu_plugin.reads import is_read
 from keras_ipu_plugin.views import layer_view
+from keras_ipu_plugin.views import shallow_view
 from keras_ipu_plugin.views import viewed_layer
 
 
@@ -76,33 +107,115 @@ def trace_model(model, input_specs, training=None):
     return Graph(input_specs, input_values, nodes, outputs, name=model.name)
 
 
-def trace_call(layer, args, kwargs, placeholders, *, training, prefix):
+def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=None):
     """Trace `layer.call(*args, **kwargs)`; KerasTensors in `args` / `kwargs`
     must be keys (by id) of `placeholders`, mapping them to graph Values.
+
+    Variables `call` reads from the layer's attributes become `VariableRead`
+    nodes (taken from `reads`, one per variable in a graph); a sub-layer
+    called on concrete tensors made inside `call` is called on
+    `HeldConstant` nodes holding them. A tensor computed from the layer's
+    weights outside the graph (it would be frozen) raises `TraceError`.
 
     Returns `(nodes, outputs)`: new Nodes named `prefix + layer name` and the
     output structure in terms of Values.
     """
+    reads = ReadLayers() if reads is None else reads
+    variables = _tf_variables(layer)
+    # The tape sees only eager work: a weight read outside the graph (a
+    # variable reached other than as an attribute, a sub-layer called on
+    # a tensor computed from weights) would be frozen into it.
+    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+        tape.watch(variables)
+        trace = _Trace(layer, args, kwargs, placeholders, prefix, reads)
+        try:
+            runs = [(trace, _trace_modes(trace, training))]
+        except TraceError as error:
+            runs = _trace_at_two_batch_sizes(
+                layer, args, kwargs, placeholders, prefix, reads, training, error
+            )
+    for trace, (nodes, _) in runs:
+        _reject_frozen_variables(nodes, trace.lifted, tape, variables)
+    if len(runs) == 1:
+        return runs[0][1]
+    small, large = (result for _, result in runs)
+    try:
+        nodes, outputs = generalize_batch(
+            small, large, _TRIAL_BATCH_SIZES, runs[0][0].placeholders[id(runs[0][0].anchor)],
+            _same_operation, prefix,
+        )
+        _check_batch_dimensions(nodes, prefix)
+    except NotBatchGeneral as mismatch:
+        raise TraceError(
+            f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
+        ) from None
+    return nodes, outputs
+
+
+# The batch sizes a call is traced at when its symbolic trace fails on the
+# unknown batch size (see `_trace_at_two_batch_sizes`). One of them is 1, so
+# that Python code branching on the batch size (`if ops.shape(x)[0] > 1`)
+# takes different branches in the two traces and is refused, not baked in.
+_TRIAL_BATCH_SIZES = (1, 3)
+
+
+def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                              training, error):
+    """Trace `call` with its inputs' unknown batch size set to each of
+    `_TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
+    (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
+    as keras_hub's decoders build their causal masks). `generalize_batch`
+    then makes one graph of the two that works for any batch size, or says
+    why it cannot. Re-raises `error` when the inputs' batch size is known.
+
+    Returns `[(trace, (nodes, outputs))]` for each batch size.
+    """
+    symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+    anchor = _anchor_of((args, kwargs))
+    batched = [t for t in symbols if t.shape and t.shape[0] is None]
+    if not any(t is anchor for t in batched) or any(
+        None in tuple(t.shape)[1:] for t in symbols
+    ):
+        raise error  # no unknown batch size to set, or other unknown sizes
+    runs = []
+    for batch_size in _TRIAL_BATCH_SIZES:
+        concrete = {
+            id(t): keras.KerasTensor((batch_size,) + tuple(t.shape)[1:], dtype=t.dtype)
+            for t in batched
+        }
+        swap = lambda leaf: concrete.get(id(leaf), leaf)  # noqa: E731
+        trace = _Trace(
+            layer, keras.tree.map_structure(swap, args), keras.tree.map_structure(swap, kwargs),
+            {id(swap(t)): placeholders[id(t)] for t in symbols},
+            prefix, reads, anchor=concrete[id(anchor)],
+        )
+        trace.failure = error.reason
+        try:
+            runs.append((trace, _trace_modes(trace, training)))
+        except TraceError:
+            raise error from None
+    return runs
+
+
+def _trace_modes(trace, training):
+    """Trace under the `training` modes needed to tell which nodes follow
+    the model's `training` (see the module docstring)."""
+    layer = trace.layer
     made = {}  # id(user layer) -> the OpaqueLayer standing for it
     if training is not None:
-        return _trace_once(layer, args, kwargs, placeholders, training, prefix, True, made)
+        return _trace_once(trace, training, True, made)
     if not _call_mentions_training(type(layer).call):
         # `call` neither reads `training` nor passes it on: every sub-layer
         # takes it from the context, so one trace under `training=True`
         # tells them all (each records True: it follows the model's).
-        nodes, outputs = _trace_once(
-            layer, args, kwargs, placeholders, True, prefix, False, made
-        )
+        nodes, outputs = _trace_once(trace, True, False, made)
         for node in nodes:
             if node.training is True:
                 node.training = FOLLOW
         return nodes, outputs
-    nodes_t, outputs_t = _trace_once(
-        layer, args, kwargs, placeholders, True, prefix, False, made
-    )
-    nodes_f, outputs_f = _trace_once(
-        layer, args, kwargs, placeholders, False, prefix, False, made
-    )
+    nodes_t, outputs_t = _trace_once(trace, True, False, made)
+    nodes_f, outputs_f = _trace_once(trace, False, False, made)
     if list(map(_identity, nodes_t)) != list(map(_identity, nodes_f)):
         only = {n.name for n in nodes_t} ^ {n.name for n in nodes_f}
         raise TraceError(
@@ -129,11 +242,21 @@ def _call_mentions_training(function):
     return any(t.type == tokenize.NAME and t.string == "training" for t in tokens)
 
 
+def _same_operation(node_a, node_b):
+    """Whether two traces called the same thing at these nodes (opaque ones
+    are kept out: their recorded output shapes hold a trial batch size)."""
+    return node_a.opaque_reason is None and _identity(node_a) == _identity(node_b)
+
+
 def _identity(node):
     # Layers are the user's objects; `keras.ops` operations are created anew
     # at each call, so only their kind can be compared.
     if node.opaque_reason is not None:
         return id(node.operation.layer)
+    if isinstance(node.operation, HeldConstant):  # made anew at each trace
+        return node.name
+    if isinstance(node.operation, BatchSizedOperation):
+        return type(node.operation.operation).__name__
     if node.is_layer:
         return id(node.operation)
     return type(node.operation).__name__
@@ -153,35 +276,170 @@ def _training_mode(node_true, node_false):
     )
 
 
-def _trace_once(layer, args, kwargs, placeholders, training, prefix, pinned, opaque_layers):
-    kwargs = dict(kwargs)
+def _trace_once(trace, training, pinned, opaque_layers):
+    layer = trace.layer
+    kwargs = dict(trace.kwargs)
     if accepts_training(layer):
         kwargs["training"] = training
     sub_layers = _keras_internals.all_layers(layer)
     view = layer_view(layer, _inline_view_class)
-    with _keras_internals.node_lists_snapshot(sub_layers, always=True):
+    with _keras_internals.node_lists_snapshot(sub_layers, always=True), trace.active():
+        if viewed_layer(view) is not None and trace.anchor is not None:
+            trace.hold_attributes(view)
         with _keras_internals.call_context(layer, training):
             try:
-                outputs = type(layer).call(view, *args, **kwargs)
+                outputs = type(layer).call(view, *trace.args, **kwargs)
             except TraceError:
                 raise
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
-        return _collect(outputs, placeholders, prefix, pinned, opaque_layers)
+        return _collect(outputs, trace.placeholders, trace.prefix, pinned,
+                        opaque_layers, trace.read_names, trace.anchor)
+
+
+class _Trace:
+    """The trace of one `call` in progress: the graph values that `call`
+    holds rather than receives (see `reads.py`).
+
+    `hold_attributes(view)` puts the symbolic read of each variable the
+    traced layer keeps as an attribute (alone, or in a list or dict) in the
+    view's attributes, so `keras.ops` on it stay in the graph; and marks its
+    direct sub-layers (made views, Keras's own layers too) to be called on
+    `HeldConstant` nodes when `call` hands them only concrete tensors. The
+    reads take a graph tensor of the call (`anchor`), which they ignore.
+    """
+
+    _active = threading.local()
+
+    def __init__(self, layer, args, kwargs, placeholders, prefix, reads, anchor=None):
+        self.layer = layer
+        self.args, self.kwargs = args, kwargs
+        self.placeholders = placeholders
+        self.prefix = prefix
+        self.reads = reads
+        self.anchor = _anchor_of((args, kwargs)) if anchor is None else anchor
+        self.failure = None  # why the symbolic trace failed, for a retry
+        self.lift_for = set()  # ids of the views whose concrete calls are lifted
+        self.read_names = {}  # id(Keras node of a read) -> its node name
+        self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
+        self._taken = set()
+        self._new_reads = []
+
+    @classmethod
+    def current(cls):
+        stack = getattr(cls._active, "stack", None)
+        return stack[-1] if stack else None
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this the trace in progress (one per mode traced)."""
+        stack = self._active.__dict__.setdefault("stack", [])
+        self._taken, self._new_reads = set(), []
+        stack.append(self)
+        try:
+            # The read layers outlive the trace (a graph keeps them): leave
+            # none of the trace's Keras nodes on them.
+            with _keras_internals.node_lists_snapshot(self.reads.layers(), always=True):
+                yield
+        finally:
+            stack.pop()
+            _keras_internals.forget_nodes(self._new_reads)
+
+    def hold_attributes(self, view):
+        state = vars(view)
+        for name in list(state):
+            if name in _KERAS_ATTRIBUTES or name.startswith("_self_"):
+                continue  # Keras's and TensorFlow's own bookkeeping
+            state[name] = self._held(state[name], name)
+
+    def _held(self, value, name):
+        if isinstance(value, keras.Variable):
+            return self._read(value, name)
+        if isinstance(value, keras.layers.Layer):
+            return self._lifting(value)
+        if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (keras.Variable, keras.layers.Layer)) for v in value
+        ):
+            items = [self._held(v, f"{name}_{i}") for i, v in enumerate(value)]
+            return tuple(items) if isinstance(value, tuple) else items
+        if isinstance(value, dict) and value and all(
+            isinstance(v, (keras.Variable, keras.layers.Layer)) for v in value.values()
+        ):
+            return {k: self._held(v, f"{name}_{k}") for k, v in value.items()}
+        return value
+
+    def _read(self, variable, name):
+        node_name = self._unique(self.prefix + name)
+        known = {id(layer) for layer in self.reads.layers()}
+        read = self.reads.variable_read(variable, like=self.layer, name=node_name)
+        if id(read) not in known:
+            self._new_reads.append(read)
+        tensor = read(self.anchor)
+        self.read_names[id(_keras_internals.producing_node(tensor)[0])] = node_name
+        return tensor
+
+    def _lifting(self, layer):
+        if viewed_layer(layer) is None:  # a Keras layer: called as it is
+            if not layer.built or "call" in vars(layer):
+                return layer
+            layer = shallow_view(layer, _builtin_view_class(type(layer)))
+        self.lift_for.add(id(layer))
+        return layer
+
+    def lift(self, args, kwargs, consumer):
+        """`(args, kwargs)` with each concrete tensor replaced by the output
+        of a `HeldConstant` node holding it."""
+        def lift(leaf):
+            if not _is_concrete(leaf):
+                return leaf
+            name = self._unique(f"{self.prefix}{consumer.name}_input")
+            held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
+            self._new_reads.append(held)
+            self.lifted[id(held)] = leaf
+            return held(self.anchor)
+
+        return keras.tree.map_structure(lift, (args, kwargs))
+
+    def _unique(self, name):
+        base, count = name, 0
+        while name in self._taken:
+            count += 1
+            name = f"{base}_{count}"
+        self._taken.add(name)
+        return name
 
 
 @functools.lru_cache(maxsize=None)
 def _inline_view_class(cls, function):
     """A subclass of `cls` whose symbolic calls run `call` inline (see the
     module docstring); classes that say their own output shape keep it."""
-    if cls.compute_output_spec is not keras.layers.Layer.compute_output_spec or (
-        cls.compute_output_shape is not keras.layers.Layer.compute_output_shape
-    ):
-        return type(cls.__name__, (cls,), {"__module__": cls.__module__})
+    if _states_own_output_shape(cls):
+        return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                           "__call__": _lifting_call})
     return type(cls.__name__, (cls,), {
         "__module__": cls.__module__,
         "compute_output_spec": _inline_output_spec,
+        "__call__": _lifting_call,
     })
+
+
+def _states_own_output_shape(cls):
+    """Whether `cls` defines its output shape for the `call` it has: a
+    `compute_output_spec` / `compute_output_shape` of its own, not only one
+    inherited from a class whose `call` it overrides. (keras_hub's
+    `CachedMultiHeadAttention` adds `cache` to `MultiHeadAttention.call`,
+    whose `compute_output_spec` knows no `cache` argument.)"""
+    def owner(name):
+        return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+    call_owner = owner("call")
+    for name in ("compute_output_spec", "compute_output_shape"):
+        spec_owner = owner(name)
+        if spec_owner in (keras.layers.Layer, _keras_internals.Operation):
+            continue
+        if issubclass(spec_owner, call_owner):
+            return True
+    return False
 
 
 _OPAQUE = "_kip_opaque"  # in a view's dict: (reason, output specs) when opaque
@@ -235,6 +493,96 @@ def _autograph_output_spec(layer, args, kwargs):
     )
 
 
+def _lifting_call(self, *args, **kwargs):
+    """`__call__` of a view: a direct sub-layer of the traced layer called
+    on concrete tensors only (`self.embedding(ops.arange(n))`) would run
+    eagerly and its output, computed from its weights, would be frozen into
+    the graph; it is called on `HeldConstant` nodes holding them instead."""
+    trace = _Trace.current()
+    if trace is not None and id(self) in trace.lift_for:
+        leaves = keras.tree.flatten((args, kwargs))
+        if not any(isinstance(leaf, keras.KerasTensor) for leaf in leaves) and any(
+            _is_concrete(leaf) for leaf in leaves
+        ):
+            args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
+    return super(type(self), self).__call__(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_view_class(cls):
+    """A subclass of a Keras layer class whose calls on concrete tensors are
+    lifted (`_lifting_call`); everything else is the class's own."""
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                       "__call__": _lifting_call})
+
+
+def _is_concrete(leaf):
+    return isinstance(leaf, np.ndarray) or (
+        tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, keras.Variable))
+        and not isinstance(leaf, tf.Variable)
+    )
+
+
+def _anchor_of(structure):
+    """The graph tensor read nodes hang from, and `BatchSizedOperation`s
+    read the batch size of: the first KerasTensor of the call's inputs,
+    preferring a numeric one whose batch size is unknown."""
+    tensors = [leaf for leaf in keras.tree.flatten(structure)
+               if isinstance(leaf, keras.KerasTensor)]
+    numeric = [t for t in tensors if t.dtype != "string"]
+    batched = [t for t in numeric if t.shape and t.shape[0] is None]
+    return (batched or numeric or tensors or [None])[0]
+
+
+# What every Keras layer / model holds (its variable lists among them): not
+# the user's attributes, never replaced by reads.
+_KERAS_ATTRIBUTES = frozenset(vars(keras.layers.Layer())) | frozenset(vars(keras.Model()))
+
+
+def _reject_frozen_variables(nodes, lifted, tape, variables):
+    """Raise `TraceError` when a traced node holds a concrete tensor that was
+    computed from the traced layer's variables (it would never change)."""
+    constants = [
+        leaf for node in nodes
+        for leaf in _leaves((node.args, node.kwargs))
+        if tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, Value))
+    ]
+    constants += [lifted[id(node.operation)] for node in nodes if id(node.operation) in lifted]
+    constants = [c for c in constants if c.dtype.is_floating]
+    for constant in constants:
+        if any(g is not None for g in tape.gradient(constant, variables)):
+            raise TraceError(
+                "`call` computes a tensor from the layer's weights outside the "
+                "graph (a variable not held as an attribute of the layer, or "
+                "an operation on one before the graph starts); traced, it "
+                "would be frozen"
+            )
+
+
+def _tf_variables(layer):
+    """The TensorFlow variables under `layer`'s Keras variables, trainable
+    or not (a frozen moving mean is as stale as a frozen kernel); for a
+    distributed variable, its per-replica components (an eager read outside
+    a replica context reads one of them)."""
+    found = []
+    for variable in layer.weights:
+        strategy = owning_strategy(variable)
+        variable = getattr(variable, "value", variable)
+        if not variable.dtype.is_floating:
+            continue
+        if strategy is not None:
+            found.extend(strategy.experimental_local_results(variable))
+        else:
+            found.append(variable)
+    return found
+
+
+def _leaves(structure):
+    found = []
+    map_leaves(found.append, structure)
+    return found
+
+
 def _fresh_keras_tensor(tensor):
     if not isinstance(tensor, keras.KerasTensor):
         raise TypeError(f"`call` returned a {type(tensor).__name__}")
@@ -242,14 +590,18 @@ def _fresh_keras_tensor(tensor):
                              ragged=tensor.ragged)
 
 
-def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
+def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_names=None,
+             anchor=None):
     """Walk Keras nodes back from `outputs` into Nodes in topological order,
     naming the user's layers where views were called; `opaque_layers`
-    collects the OpaqueLayers made (see `_opaque_layer`)."""
+    collects the OpaqueLayers made (see `_opaque_layer`). An operation with
+    the batch size (None) in its shape becomes a `BatchSizedOperation` that
+    takes it from `anchor` (a KerasTensor among the placeholders)."""
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes = []
     visited = set()
+    batch_sized = []
 
     def visit_tensor(tensor):
         if id(tensor) in values:
@@ -276,8 +628,23 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
         if opaque is not None:
             operation = _opaque_layer(operation, *opaque, opaque_layers)
         _reject_variables(operation, (args, kwargs))
+        if not isinstance(operation, keras.layers.Layer):
+            _reject_unknown_dimensions(operation, (args, kwargs), prefix)
+            unknown = unknown_dimension_attributes(operation)
+            if unknown:
+                if anchor is None or not anchor.shape or anchor.shape[0] is not None:
+                    raise TraceError(
+                        f"`{prefix}{operation.name}` takes a shape with an "
+                        f"unknown dimension: {STATIC_BATCH_HINT}"
+                    )
+                operation = BatchSizedOperation(operation, unknown, name=operation.name)
+                args = (anchor,) + tuple(args)
+                batch_sized.append(operation)
+        name = prefix + operation.name
+        if is_read(operation):  # named after the attribute or its consumer
+            name = (read_names or {}).get(id(keras_node), operation.name)
         node = Node(
-            name=prefix + operation.name,
+            name=name,
             operation=operation,
             args=_to_values(args, values),
             kwargs=_to_values(kwargs, values),
@@ -291,8 +658,10 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
         node.kwargs.pop("training", None)
         if pinned and node.training is not None:
             node.training = bool(node.training)
-        for index, tensor in enumerate(_keras_internals.node_outputs(keras_node)):
-            value = Value(node, index, tensor)
+        outputs_recorded = _keras_internals.node_outputs(keras_node)
+        specs = _precise_specs(operation, args, kwargs, outputs_recorded)
+        for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
+            value = Value(node, index, spec)
             node.outputs.append(value)
             values[id(tensor)] = value
         nodes.append(node)
@@ -304,7 +673,44 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None):
             )
         visit_tensor(tensor)
     output_values = keras.tree.map_structure(lambda t: values[id(t)], outputs)
+    if batch_sized:
+        _check_batch_dimensions(nodes, prefix)
     return nodes, output_values
+
+
+def _precise_specs(operation, args, kwargs, outputs):
+    """The output specs of a layer's call: as recorded, or, where Keras
+    left a dimension other than the batch unknown although the inputs
+    know theirs (`EinsumDense(output_shape=(None, heads, dim))` leaves the
+    sequence length out), as TensorFlow's shape inference on the layer's
+    `call` works them out. Later traces of the graph start from these
+    shapes, and code such as `ops.arange(ops.shape(x)[1])` needs them."""
+    if not isinstance(operation, keras.layers.Layer) or is_read(operation) or all(
+        None not in tuple(t.shape)[1:] for t in outputs
+    ):
+        return outputs
+    inputs = [leaf for leaf in keras.tree.flatten((args, kwargs))
+              if isinstance(leaf, keras.KerasTensor)]
+    if any(None in tuple(t.shape)[1:] for t in inputs):
+        return outputs
+    try:  # `call` run on symbolic TensorFlow tensors, not the layer's formula
+        inferred = keras.tree.flatten(
+            _keras_internals.Operation.compute_output_spec(operation, *args, **kwargs)
+        )
+    except Exception:  # the recorded shapes are right, only less precise
+        return outputs
+    if len(inferred) != len(outputs):
+        return outputs
+    precise = []
+    for recorded, better in zip(outputs, inferred):
+        shape, known = tuple(recorded.shape), tuple(better.shape)
+        if len(shape) != len(known) or any(
+            a is not None and a != b for a, b in zip(shape[1:], known[1:])
+        ):
+            return outputs
+        precise.append(keras.KerasTensor(
+            shape[:1] + known[1:], dtype=recorded.dtype, sparse=recorded.sparse))
+    return precise
 
 
 def _opaque_layer(layer, reason, outputs, made):
@@ -341,10 +747,139 @@ def _reject_variables(operation, structure):
             )
 
 
+STATIC_BATCH_HINT = (
+    "`ops.shape(x)[0]` is None while tracing, the batch size being unknown; "
+    "pass static_batch=True to trace with the per-replica batch"
+)
+
+
+def _reject_unknown_dimensions(operation, structure, prefix):
+    """Raise `TraceError` when a `keras.ops` operation is given a shape with
+    an unknown (None) dimension as an argument: `call` passed on a dimension
+    that is unknown while tracing (the batch size), and the graph would fail
+    when run. (A None in the operation's own shape attributes is filled in
+    when the graph runs: `batch_sized.py`.)"""
+    if type(operation).__name__ == "GetItem":  # `x[:, None]`: a new axis
+        return
+    for value in _sequences_in(structure):
+        if any(item is None for item in value):
+            raise TraceError(
+                f"`{prefix}{operation.name}` ({type(operation).__name__}) is "
+                f"given the shape {tuple(value)} with an unknown dimension: "
+                f"{STATIC_BATCH_HINT}"
+            )
+
+
+def _check_batch_dimensions(nodes, prefix):
+    """Raise `TraceError` unless every unknown dimension in `nodes` is the
+    batch size of the traced call's inputs (what a `BatchSizedOperation`
+    fills in when the graph runs).
+
+    The nodes are replayed with the inputs' batch size set to 3 and then 7:
+    each dimension of each output must then be the same in both (a fixed
+    size, matching the trace where it knew it) or 3 and 7 (the batch size).
+    A dimension that merely stood where the batch size did (the batch times
+    the sequence, after a reshape) would take a wrong value, and fails here.
+    The outputs' shapes are then set to what the replay showed.
+    """
+    shapes = [_replayed_shapes(nodes, prefix, batch_size) for batch_size in (3, 7)]
+    for node in nodes:
+        for value in node.outputs:
+            small, large = shapes[0][id(value)], shapes[1][id(value)]
+            recorded = tuple(value.spec.shape)
+            if len(small) != len(recorded) or not all(
+                (a == b and c in (None, a))  # a fixed size
+                or ((a, b) == (3, 7) and c is None)  # the batch size
+                for a, b, c in zip(small, large, recorded)
+            ):
+                raise TraceError(_unknown_dimension_reason(node.name, value))
+            # What the trace did not know (reshape to `(batch, -1, ...)`)
+            # the replay showed: later traces of the graph start from it.
+            value.spec = keras.KerasTensor(
+                tuple(None if a != b else a for a, b in zip(small, large)),
+                dtype=value.spec.dtype, sparse=value.spec.sparse,
+            )
+
+
+def _replayed_shapes(nodes, prefix, batch_size):
+    """`{id(Value): shape}` of `nodes`' outputs, worked out by Keras with the
+    inputs' (leading, unknown) batch dimension set to `batch_size`."""
+    replayed, shapes = {}, {}
+
+    def known(value):
+        if id(value) not in replayed:  # an input of the traced call
+            shape = tuple(value.spec.shape)
+            if any(dim is None for dim in shape[1:]):
+                raise TraceError(_unknown_dimension_reason(prefix.rstrip("."), value))
+            if shape and shape[0] is None:
+                shape = (batch_size,) + shape[1:]
+            replayed[id(value)] = keras.KerasTensor(shape, dtype=value.spec.dtype)
+        return replayed[id(value)]
+
+    for node in nodes:
+        args = map_values(known, node.args)
+        kwargs = map_values(known, node.kwargs)
+        operation = node.operation
+        compute_output_spec = operation.compute_output_spec
+        if isinstance(operation, keras.layers.Layer) and not _states_own_output_shape(
+            type(operation)
+        ):  # Keras's own way: its `call` run in a scratch graph
+            compute_output_spec = functools.partial(
+                keras.layers.Layer.compute_output_spec, operation)
+        try:
+            outputs = keras.tree.flatten(compute_output_spec(*args, **kwargs))
+        except Exception as error:
+            raise TraceError(
+                f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the "
+                f"shapes of `{node.name}` cannot be checked to follow it: "
+                f"{type(error).__name__})"
+            ) from error
+        for value, tensor in zip(node.outputs, outputs):
+            replayed[id(value)] = tensor
+            shapes[id(value)] = tuple(tensor.shape)
+    return shapes
+
+
+def _unknown_dimension_reason(where, value):
+    return (
+        f"{STATIC_BATCH_HINT} (the graph computes with the batch size, but "
+        f"`{where or 'the input'}` has a tensor of shape {tuple(value.spec.shape)} "
+        "whose unknown dimension is not the batch size alone)"
+    )
+
+
+def _sequences_in(structure):
+    """Lists and tuples inside the arguments of `structure = (args, kwargs)`
+    (where a shape argument would be; not the argument lists themselves,
+    in which None is an omitted argument)."""
+    args, kwargs = structure
+    found = []
+
+    def visit(item):
+        if isinstance(item, (list, tuple)):
+            found.append(item)
+            for child in item:
+                visit(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                visit(child)
+
+    for argument in list(args) + list(kwargs.values()):
+        visit(argument)
+    return found
+
+
 def _describe_failure(error, default=None):
     where = _failing_layer(error) or default
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
-    return f"{text} (in `{where}`)" if where else text
+    text = f"{text} (in `{where}`)" if where else text
+    if _NONE_VALUE.search(text):
+        # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
+        text = f"{text}; {STATIC_BATCH_HINT}"
+    return text
+
+
+_NONE_VALUE = re.compile(r"value \(None\)|NoneType")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -55,6 +55,22 @@ def layer_view(layer, view_class, memo=None):
     return view
 
 
+def shallow_view(layer, view_class):
+    """A view of `layer` of class `view_class` (a subclass of the layer's)
+    holding the layer's own attributes, sub-layers included, as they are.
+
+    Example:
+        >>> view = shallow_view(dense, type("Dense", (keras.layers.Dense,), {}))
+        >>> view.kernel is dense.kernel and viewed_layer(view) is dense
+        True
+    """
+    view = object.__new__(view_class)
+    state = dict(vars(layer))
+    state[_VIEWED] = layer
+    object.__setattr__(view, "__dict__", state)
+    return view
+
+
 def viewed_layer(obj):
     """The user's layer `obj` is a view of, or None when it is not a view."""
     return getattr(obj, "__dict__", {}).get(_VIEWED)
@@ -71,4 +87,4 @@ def user_call(layer):
     return function
 
 
-__all__ = ["layer_view", "viewed_layer", "user_call", "LIBRARY_PACKAGES"]
+__all__ = ["layer_view", "shallow_view", "viewed_layer", "user_call", "LIBRARY_PACKAGES"]

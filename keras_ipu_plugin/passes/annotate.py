@@ -75,9 +75,18 @@ class Outline(Pass):
         return cls(reader.targets(value.get("targets"), f"{path}.targets"), **kwargs)
 
     def run(self, graph, report):
+        from keras_ipu_plugin.executor import outline_config
+
         for node in matched_nodes(graph, self.targets, self.step):
             node.annotations["outline"] = dict(self.outline_kwargs)
-            report.add(self.step, node.name, "outlined", _kwargs_text(self.outline_kwargs))
+            _, error = outline_config(node.operation)
+            if error is None:
+                report.add(self.step, node.name, "outlined", _kwargs_text(self.outline_kwargs))
+            else:
+                report.add(self.step, node.name, "outlined alone", (
+                    f"its get_config fails ({type(error).__name__}: {error}), so "
+                    "nothing shows it equal to another layer: it shares no body"
+                ))
         return graph
 
 

@@ -10,14 +10,11 @@ because the same layer objects are called.
 import re
 
 import keras
-import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import tracing
-from keras_ipu_plugin.distribution import owning_strategy
+from keras_ipu_plugin.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.graph import FOLLOW
-from keras_ipu_plugin.graph import Value
-from keras_ipu_plugin.graph import map_leaves
 from keras_ipu_plugin.graph import map_values
 from keras_ipu_plugin.graph import values_in
 from keras_ipu_plugin.opaque import OpaqueLayer
@@ -29,6 +26,8 @@ from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
+from keras_ipu_plugin.reads import ReadLayers
+from keras_ipu_plugin.reads import is_read
 
 
 @register_pass("expand", order=0)
@@ -84,6 +83,7 @@ def expand_graph(graph, should_expand, report, step, recursive):
     # come back as a new Value's (which would then be rewired silently).
     replaced = {}
     nodes, opaque = [], []
+    reads = ReadLayers.of_graph(graph)
 
     def resolve(value):
         while value in replaced:
@@ -97,7 +97,7 @@ def expand_graph(graph, should_expand, report, step, recursive):
         if not (offered and should_expand(node)):
             nodes.append(node)
             return
-        traced = trace_node(node, report)
+        traced = trace_node(node, report, reads)
         if traced is None:
             nodes.append(node)
             opaque.append(node)
@@ -118,15 +118,22 @@ def expand_graph(graph, should_expand, report, step, recursive):
 
 def is_expandable(operation):
     """Custom layers and nested functional / sequential models."""
-    if not isinstance(operation, keras.layers.Layer) or isinstance(operation, OpaqueLayer):
+    if not isinstance(operation, keras.layers.Layer) or isinstance(
+        operation, (OpaqueLayer, BatchSizedOperation)
+    ):
+        return False
+    if is_read(operation):  # a variable or a constant: nothing to inline
         return False
     if isinstance(operation, keras.Model):
         return True
     return not type(operation).__module__.startswith("keras.")
 
 
-def trace_node(node, report):
+def trace_node(node, report, reads=None):
     """Trace the layer of `node` into new nodes named `node.name + ".child"`.
+
+    `reads` (`reads.ReadLayers`) gives the variable reads already in the
+    graph, so a variable read at several places has one read layer.
 
     Returns `(new_nodes, output_map)`, `output_map` mapping each output
     Value of `node` to the Value that replaces it; or None when the
@@ -147,16 +154,10 @@ def trace_node(node, report):
     if agnostic:
         training = False  # one trace is enough: no sub-layer reads it
     try:
-        # The tape sees only eager work: a sub-layer called on a constant
-        # inside `call` runs eagerly, and its result would be frozen into the
-        # graph as a constant (stale weights, no gradient).
-        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-            tape.watch(_tf_variables(layer))
-            new_nodes, outputs = tracing.trace_call(
-                layer, args, kwargs, placeholders, training=training,
-                prefix=node.name + ".",
-            )
-        _reject_frozen_variables(layer, new_nodes, tape)
+        new_nodes, outputs = tracing.trace_call(
+            layer, args, kwargs, placeholders, training=training,
+            prefix=node.name + ".", reads=reads,
+        )
     except tracing.TraceError as error:
         return _stay_opaque(node, error.reason, report)
     flat_outputs = keras.tree.flatten(outputs)
@@ -223,51 +224,6 @@ def _stay_opaque(node, reason, report):
     return None
 
 
-def _reject_frozen_variables(layer, nodes, tape):
-    """Raise `TraceError` when a traced node reads a concrete tensor that was
-    computed from `layer`'s variables (it would never change again)."""
-    constants = [
-        leaf for node in nodes
-        for leaf in _leaves((node.args, node.kwargs))
-        if tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, Value))
-        and leaf.dtype.is_floating
-    ]
-    if not constants:
-        return
-    variables = _tf_variables(layer)
-    for constant in constants:
-        if any(g is not None for g in tape.gradient(constant, variables)):
-            raise tracing.TraceError(
-                "`call` computes a tensor from the layer's weights outside the "
-                "graph (a sub-layer called on a constant, e.g. position ids); "
-                "inlined, it would be frozen"
-            )
-
-
-def _tf_variables(layer):
-    """The TensorFlow variables under `layer`'s Keras variables, trainable
-    or not (a frozen moving mean is as stale as a frozen kernel); for a
-    distributed variable, its per-replica components (an eager read outside
-    a replica context reads one of them)."""
-    found = []
-    for variable in layer.weights:
-        strategy = owning_strategy(variable)
-        variable = getattr(variable, "value", variable)
-        if not variable.dtype.is_floating:
-            continue
-        if strategy is not None:
-            found.extend(strategy.experimental_local_results(variable))
-        else:
-            found.append(variable)
-    return found
-
-
-def _leaves(structure):
-    found = []
-    map_leaves(found.append, structure)
-    return found
-
-
 _AUTO_SUFFIX = re.compile(r"_\d+$")
 
 
@@ -281,7 +237,14 @@ def _name_after_path(node, parent_path, used):
     depends on what ran before.
     """
     operation = node.operation
-    if not isinstance(operation, keras.layers.Layer):
+    if is_read(operation):
+        # Named after its path when traced (`parent.scale`); a variable read
+        # at several places keeps one layer, named after the first.
+        used.add(node.name)
+        return
+    if not isinstance(operation, keras.layers.Layer) or isinstance(
+        operation, BatchSizedOperation
+    ):
         # A keras.ops operation the trace made: its auto-generated name
         # (`add_17`) depends on what ran before; number it within its parent.
         base = _AUTO_SUFFIX.sub("", operation.name) or "op"
@@ -292,5 +255,13 @@ def _name_after_path(node, parent_path, used):
         used.add(name)
         node.name = operation.name = name
         return
-    node.name = f"{parent_path}.{operation.name}"
-    used.add(node.name)
+    # A sub-layer called twice in one `call` (a rotary embedding applied to
+    # the queries and the keys) gets a numbered path at its second node:
+    # expanded, each call site's nodes need names of their own.
+    base = name = f"{parent_path}.{operation.name}"
+    count = 0
+    while name in used:
+        count += 1
+        name = f"{base}_{count}"
+    node.name = name
+    used.add(name)

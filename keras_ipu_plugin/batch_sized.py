@@ -1,0 +1,275 @@
+"""`BatchSizedOperation`: a `keras.ops` call whose shape holds the batch size.
+
+While tracing, the batch dimension of every tensor is unknown, so
+`ops.shape(x)[0]` gives None, and code such as
+`ops.broadcast_to(self.cls_token, (ops.shape(x)[0], 1, dim))` records an
+operation with None in its target shape, which would fail when the graph
+runs. The tracer records such a call as this layer instead: it holds the
+operation and fills each None with the batch size of a graph tensor
+(`anchor`, an input of the traced call) when the graph runs, so the graph
+works for any batch size. The tracer checks first that every unknown
+dimension in that call's trace is that batch size (`tracing.py`).
+
+Example:
+    >>> op = keras.src.ops.numpy.BroadcastTo(shape=(None, 1, 8))
+    >>> layer = BatchSizedOperation(op, ["shape"], name="broadcast_to")
+    >>> layer(x, cls_token).shape   # x: (batch, ...), cls_token: (1, 1, 8)
+    (batch, 1, 8)
+"""
+
+import copy
+
+import keras
+import numpy as np
+
+from keras_ipu_plugin import _keras_internals
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class BatchSizedOperation(keras.layers.Layer):
+    """Runs `operation` with each None in its shape `attributes` set to the
+    batch size of `anchor` (the first argument; the others are the
+    operation's own).
+
+    Example:
+        >>> BatchSizedOperation(reshape_op, ["newshape"])(x, y)
+    """
+
+    def __init__(self, operation, attributes, **kwargs):
+        # The operation's inputs keep their dtypes, as they did in `call`.
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        if isinstance(operation, dict):
+            operation = keras.saving.deserialize_keras_object(operation)
+        self.operation = operation
+        self.attributes = tuple(attributes)
+        self.built = True
+
+    def with_batch_size(self, batch_size):
+        """A copy of the operation whose unknown dimensions are `batch_size`."""
+        operation = copy.copy(self.operation)
+        for name in self.attributes:
+            shape = getattr(operation, name)
+            filled = [batch_size if dim is None else dim for dim in shape]
+            setattr(operation, name, type(shape)(filled))
+        return operation
+
+    def call(self, anchor, *args, **kwargs):
+        batch_size = keras.ops.shape(anchor)[0]
+        return self.with_batch_size(batch_size).call(*args, **kwargs)
+
+    def compute_output_spec(self, anchor, *args, **kwargs):
+        return self.with_batch_size(anchor.shape[0]).compute_output_spec(*args, **kwargs)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            operation=keras.saving.serialize_keras_object(self.operation),
+            attributes=list(self.attributes),
+        )
+        return config
+
+
+def unknown_dimension_attributes(operation):
+    """Names of `operation`'s shape attributes (lists / tuples of
+    dimensions) that hold None."""
+    return [
+        name for name, value in vars(operation).items()
+        if not name.startswith("_") and isinstance(value, (list, tuple))
+        and any(item is None for item in value)
+        and all(item is None or isinstance(item, int) for item in value)
+    ]
+
+
+
+
+class NotBatchGeneral(Exception):
+    """Two traces at different batch sizes differ other than by it."""
+
+
+def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix=""):
+    """One graph for any batch size from two traces of the same call, made
+    with its inputs' batch size set to `batch_sizes = (s, l)`.
+
+    `small` / `large`: `(nodes, outputs)` of the two traces. They must match
+    node for node (`same_operation(a, b)`), and differ only where the batch
+    size was: a dimension that is `s` in one and `l` in the other becomes
+    unknown (None) in output shapes and in operations' shape attributes
+    (the operation becomes a `BatchSizedOperation` reading it from the
+    `anchor` Value); a constant that differs only by its batch dimensions,
+    and is the same slice repeated along them (a causal mask broadcast to
+    the batch), becomes that slice broadcast to the batch in the graph.
+    Anything else raises `NotBatchGeneral`: the call computes with the batch
+    size in a way one graph cannot follow.
+
+    Returns `(nodes, outputs)` of `small`, generalized (its Nodes are
+    reused; new ones are named `prefix + ...`).
+    """
+    from keras_ipu_plugin.graph import Node
+    from keras_ipu_plugin.graph import Value
+    from keras_ipu_plugin.reads import HeldConstant
+
+    (nodes_s, outputs_s), (nodes_l, outputs_l) = small, large
+    if len(nodes_s) != len(nodes_l):
+        raise NotBatchGeneral("the two traces call different layers")
+    value_of = {}  # id(Value of the large trace) -> Value of the small one
+    result = []
+
+    def broadcast_node(constant, node_name):
+        """Nodes making `constant` (a broadcast of one slice along its batch
+        dimensions) in the graph; returns the Value of the broadcast."""
+        base = node_name[len(prefix):] if node_name.startswith(prefix) else node_name
+        held = HeldConstant(constant.slice, name=f"{prefix}{base}_slice")
+        held_node = Node(held.name, held, (anchor,), {}, output_structure=None)
+        held_node.outputs = [Value(held_node, 0, keras.KerasTensor(
+            constant.slice.shape, dtype=str(constant.slice.dtype)))]
+        broadcast = BatchSizedOperation(
+            _keras_internals.broadcast_to_operation(constant.shape), ["shape"],
+            name=f"{base}_broadcast",
+        )
+        node = Node(prefix + broadcast.name, broadcast, (anchor, held_node.outputs[0]), {},
+                    output_structure=None)
+        node.outputs = [Value(node, 0, keras.KerasTensor(
+            constant.shape, dtype=str(constant.slice.dtype)))]
+        result.extend([held_node, node])
+        return node.outputs[0]
+
+    def argument(a, b, name):
+        if isinstance(a, Value) or isinstance(b, Value):
+            expected = value_of.get(id(a), a)
+            if not (isinstance(a, Value) and isinstance(b, Value)
+                    and value_of.get(id(b), b) is expected):
+                raise NotBatchGeneral(f"`{name}` is given other tensors")
+            return expected
+        if _is_array(a) or _is_array(b):
+            constant = _general_constant(a, b, batch_sizes, name)
+            return a if constant is None else broadcast_node(constant, name)
+        if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+            return type(a)(argument(x, y, name) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+            return {k: argument(a[k], b[k], name) for k in a}
+        if type(a) is not type(b) or a != b:
+            raise NotBatchGeneral(f"`{name}` is given {a!r} and {b!r}")
+        return a
+
+    for node_s, node_l in zip(nodes_s, nodes_l):
+        if not same_operation(node_s, node_l):
+            raise NotBatchGeneral(f"`{node_s.name}` is not called in both traces")
+        if len(node_s.outputs) != len(node_l.outputs):
+            raise NotBatchGeneral(f"`{node_s.name}` has other outputs")
+        args = argument(node_s.args, node_l.args, node_s.name)
+        kwargs = argument(node_s.kwargs, node_l.kwargs, node_s.name)
+        operation = node_s.operation
+        if isinstance(operation, HeldConstant):
+            constant = _general_constant(operation.value, node_l.operation.value,
+                                         batch_sizes, node_s.name)
+            if constant is not None:  # a lifted tensor with the batch in it
+                value = broadcast_node(constant, node_s.name)
+                value_of[id(node_l.outputs[0])] = value
+                value_of[id(node_s.outputs[0])] = value
+                continue
+        elif not isinstance(operation, keras.layers.Layer):
+            shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name)
+            if shapes:
+                for name, shape in shapes.items():
+                    setattr(operation, name, shape)
+                operation = BatchSizedOperation(operation, list(shapes), name=operation.name)
+                args = (anchor,) + tuple(args)
+        node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
+        for value_s, value_l in zip(node_s.outputs, node_l.outputs):
+            value_s.spec = _general_spec(value_s.spec, value_l.spec, batch_sizes, node_s.name)
+            value_of[id(value_l)] = value_s
+        result.append(node_s)
+
+    def same_output(a, b):
+        expected = value_of.get(id(a), a)
+        if value_of.get(id(b), b) is not expected:
+            raise NotBatchGeneral("the two traces return other tensors")
+        return expected
+
+    flat_s, flat_l = keras.tree.flatten(outputs_s), keras.tree.flatten(outputs_l)
+    outputs = keras.tree.pack_sequence_as(
+        outputs_s, [same_output(a, b) for a, b in zip(flat_s, flat_l)])
+    return result, outputs
+
+
+class _BatchConstant:
+    """A constant repeated along its batch dimensions: `slice` (size 1
+    there) broadcast to `shape` (None there)."""
+
+    def __init__(self, slice_, shape):
+        self.slice, self.shape = slice_, shape
+
+
+def _is_array(value):
+    import tensorflow as tf
+
+    return isinstance(value, np.ndarray) or (
+        tf.is_tensor(value) and not isinstance(value, keras.KerasTensor)
+    )
+
+
+def _batch_dimension(a, b, batch_sizes, name):
+    """None where `(a, b)` are the two batch sizes, the size where they are
+    equal; `NotBatchGeneral` otherwise."""
+    if a == b:
+        return a
+    if (a, b) == tuple(batch_sizes):
+        return None
+    raise NotBatchGeneral(f"`{name}` has a dimension {a} at one batch size and {b} at the other")
+
+
+def _general_constant(a, b, batch_sizes, name):
+    """None when the constants are equal; a `_BatchConstant` when they are
+    one slice repeated along their batch dimensions."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.ndim != b.ndim:
+        raise NotBatchGeneral(f"`{name}` holds other constants")
+    if a.shape == b.shape:
+        if not np.array_equal(a, b):
+            raise NotBatchGeneral(f"`{name}` holds other constants")
+        return None
+    shape = tuple(_batch_dimension(x, y, batch_sizes, name) for x, y in zip(a.shape, b.shape))
+    index = tuple(slice(0, 1) if dim is None else slice(None) for dim in shape)
+    slice_ = a[index]
+    if not (np.array_equal(np.broadcast_to(slice_, a.shape), a)
+            and np.array_equal(np.broadcast_to(slice_, b.shape), b)):
+        raise NotBatchGeneral(f"`{name}` holds a constant that varies along the batch")
+    return _BatchConstant(slice_, shape)
+
+
+def _general_attributes(a, b, batch_sizes, name):
+    """`{attribute: shape with None}` for the shape attributes of operation
+    `a` that hold the batch size (`b`: the same operation in the other trace)."""
+    shapes = {}
+    public_a = {k: v for k, v in vars(a).items() if not k.startswith("_") and k != "name"}
+    public_b = {k: v for k, v in vars(b).items() if not k.startswith("_") and k != "name"}
+    if public_a.keys() != public_b.keys():
+        raise NotBatchGeneral(f"`{name}` is configured differently")
+    for key, value in public_a.items():
+        other = public_b[key]
+        if _is_array(value) or _is_array(other):
+            if _general_constant(value, other, batch_sizes, name) is not None:
+                raise NotBatchGeneral(f"`{name}` holds a constant with the batch in it")
+            continue
+        if value == other:
+            continue
+        if (isinstance(value, (list, tuple)) and type(value) is type(other)
+                and len(value) == len(other)
+                and all(isinstance(x, int) and isinstance(y, int) for x, y in zip(value, other))):
+            shapes[key] = type(value)(
+                _batch_dimension(x, y, batch_sizes, name) for x, y in zip(value, other))
+            continue
+        raise NotBatchGeneral(f"`{name}` is given {value!r} and {other!r} ({key})")
+    return shapes
+
+
+def _general_spec(a, b, batch_sizes, name):
+    if a.dtype != b.dtype or len(a.shape) != len(b.shape):
+        raise NotBatchGeneral(f"`{name}` makes other outputs")
+    shape = tuple(_batch_dimension(x, y, batch_sizes, name) for x, y in zip(a.shape, b.shape))
+    return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
+
+
+__all__ = ["BatchSizedOperation", "NotBatchGeneral", "generalize_batch",
+           "unknown_dimension_attributes"]

@@ -1,0 +1,188 @@
+"""Graph nodes for values a layer's `call` holds rather than receives.
+
+A layer may compute with its own weight (`x * self.scale`, a CLS token, a
+position table) or with a tensor it keeps (a graph's edge list). Traced
+symbolically, such a value would be read once and baked into the graph as a
+constant: the weight would never train again. Instead the trace records the
+read itself as a node, as torch.fx records `get_attr`:
+
+- `VariableRead` returns the value of one variable: the very variable object
+  (so training the converted model trains the user's model), tracked by the
+  read layer so the functional model's `trainable_variables` hold it (once:
+  one read layer per variable in a graph). It takes the reading layer's dtype
+  policy, so mixed precision casts the read exactly as the original did.
+- `HeldConstant` returns a fixed tensor (a concrete input of a sub-layer
+  computed inside `call`, e.g. `self.position_embedding(ops.arange(n))`), so
+  the sub-layer's call is a node of the graph, not its frozen result.
+
+A functional model needs every node reachable from its inputs, so both take
+one graph tensor (`anchor`) and ignore it.
+
+Example:
+    >>> read = VariableRead(model.cls_token, like=model, name="cls_token")
+    >>> read(x).shape == model.cls_token.shape
+    True
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class VariableRead(keras.layers.Layer):
+    """Reads `variable` (the same object) in the graph; `anchor` is ignored.
+
+    `like`: the layer whose `call` reads the variable; the read takes its
+    dtype policy and `autocast`, so a mixed-precision read is cast the same.
+
+    Example:
+        >>> read = VariableRead(layer.scale, like=layer, name="block.scale")
+        >>> read(x) is not None and read.variable is layer.scale
+        True
+    """
+
+    def __init__(self, variable=None, like=None, *, variable_shape=None,
+                 variable_dtype=None, variable_trainable=True, **kwargs):
+        if like is not None:
+            kwargs.setdefault("dtype", like.dtype_policy)
+            kwargs.setdefault("autocast", like.autocast)
+            kwargs.setdefault("trainable", like.trainable)
+        super().__init__(**kwargs)
+        if variable is None:  # loaded from a config: the saved weights fill it
+            variable = self.add_weight(
+                shape=tuple(variable_shape), dtype=variable_dtype,
+                trainable=variable_trainable, initializer="zeros", name="variable",
+            )
+        # Tracked (not a copy): the optimizer updates the user's variable.
+        self.variable = variable
+        self.path_named = False  # Expand names it after its path once
+        self.built = True
+
+    def call(self, anchor):
+        del anchor  # only ties the read to the graph's inputs
+        # `.value` is cast under the autocast scope of this layer's policy,
+        # as the original read was under the reading layer's.
+        return tf.identity(self.variable.value)
+
+    def compute_output_spec(self, anchor):
+        del anchor
+        # `variable.dtype` is the autocast one inside this layer's call.
+        return ReadTensor(self.variable)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            autocast=self.autocast,
+            variable_shape=list(self.variable.shape),
+            # outside a call no autocast scope is active: the stored dtype
+            variable_dtype=self.variable.dtype,
+            variable_trainable=self.variable.trainable,
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class HeldConstant(keras.layers.Layer):
+    """Returns a fixed tensor in the graph; `anchor` is ignored.
+
+    Example:
+        >>> positions = HeldConstant(np.arange(16), name="positions")
+        >>> positions(x).shape
+        (16,)
+    """
+
+    def __init__(self, value, value_dtype=None, **kwargs):
+        super().__init__(**kwargs)
+        value = np.asarray(value)
+        self.value = value.astype(value_dtype) if value_dtype else value
+        self.built = True
+
+    def call(self, anchor):
+        del anchor
+        return tf.constant(self.value)
+
+    def compute_output_spec(self, anchor):
+        del anchor
+        return keras.KerasTensor(self.value.shape, dtype=str(self.value.dtype))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(value=self.value.tolist(), value_dtype=str(self.value.dtype))
+        return config
+
+
+class ReadTensor(keras.KerasTensor):
+    """The symbolic value of a variable read, standing for the variable in a
+    traced `call`: `keras.ops` on it stay in the graph, and what only a real
+    variable can do fails the trace with a message that says so (the layer
+    then runs whole, as an opaque node) rather than reading it once."""
+
+    def __init__(self, variable):
+        super().__init__(variable.shape, dtype=variable.dtype)
+        self.variable_path = variable.path
+        self.trainable = variable.trainable
+
+    @property
+    def value(self):
+        return self
+
+    def _state_update(self, *args, **kwargs):
+        raise TypeError(
+            f"`call` assigns to the variable `{self.variable_path}` (state "
+            "updated in the forward pass)"
+        )
+
+    assign = assign_add = assign_sub = _state_update
+
+    def numpy(self):
+        raise TypeError(
+            f"`call` reads the value of the variable `{self.variable_path}` "
+            "in Python (`.numpy()`)"
+        )
+
+
+def is_read(operation):
+    """Whether `operation` is a read node's layer (never expanded)."""
+    return isinstance(operation, (VariableRead, HeldConstant))
+
+
+class ReadLayers:
+    """One `VariableRead` per variable (and dtype policy) in a graph: a
+    variable tracked by two layers would be saved twice and loaded as two
+    variables, which would then train apart.
+
+    Example:
+        >>> reads = ReadLayers.of_graph(graph)
+        >>> reads.variable_read(layer.scale, like=layer, name="block.scale")
+    """
+
+    def __init__(self):
+        self._layers = {}  # (id(variable), policy, autocast) -> (variable, VariableRead)
+
+    @classmethod
+    def of_graph(cls, graph):
+        reads = cls()
+        for node in graph.nodes:
+            if isinstance(node.operation, VariableRead):
+                reads._remember(node.operation)
+        return reads
+
+    def _remember(self, read):
+        self._layers[_key(read.variable, read)] = (read.variable, read)
+
+    def variable_read(self, variable, like, name):
+        key = _key(variable, like)
+        if key not in self._layers:
+            self._remember(VariableRead(variable, like=like, name=name))
+        return self._layers[key][1]
+
+    def layers(self):
+        return [read for _, read in self._layers.values()]
+
+
+def _key(variable, layer):
+    return (id(variable), layer.dtype_policy.name, bool(layer.autocast), bool(layer.trainable))
+
+
+__all__ = ["VariableRead", "HeldConstant", "ReadLayers", "is_read"]
