@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import apply_passes
+from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.convert import Converter
 from keras_ipu_plugin.distribution import check_built_under
 from keras_ipu_plugin.dynamic import NeedsExtension
@@ -33,6 +34,7 @@ from keras_ipu_plugin.dynamic import extend_optimizer
 from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.inputs import input_specs
 from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.state import ModelState
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import trace_model
 from keras_ipu_plugin.views import LIBRARY_PACKAGES
@@ -76,7 +78,7 @@ class Runtime:
 
     def _convert(self, report_entries=()):
         check_built_under(self.subject, _keras_internals.model_strategy(self.owner))
-        with self.strategy.scope(), self.watch.watching():
+        with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
             converted = Converter(verify=self.verify).convert(self.subject, self.first_x)
             self._layer_sequence = _layer_sequence(converted)
             if self.passes:
@@ -101,18 +103,32 @@ class Runtime:
         (a Python attribute switched a branch). Checked at epoch boundaries:
         the model is traced again only when the plain Python attributes of
         its layers (flags, counts, names) changed since the last look."""
-        if self._layer_sequence is None or _is_opaque(self.converted):
+        if self._layer_sequence is None:
             return False
         fingerprint = _attribute_fingerprint(self.subject)
         if fingerprint == self._fingerprint:
             return False
         self._fingerprint = fingerprint
+        if _is_opaque(self.converted):
+            # An opaque node runs `call` as traced into the step function,
+            # with the attribute values of that trace: the branch a flag now
+            # switches on would never run in graph mode. Rebuild and retrace.
+            return True
         specs = input_specs(self.first_x)
-        with self.strategy.scope(), self.watch.watching():
+        with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
+            # The trace runs `call`'s Python: what it changes on the model
+            # (a counter assigned in `call`) must not stay behind.
+            state = ModelState(self.subject)
             try:
-                graph = trace_model(self.subject, specs)
-            except TraceError:
+                with state.recording():
+                    graph = trace_model(self.subject, specs)
+                state.restore_after_success()
+            except TraceError as error:
+                state.undo_after(error)
                 return True
+            except BaseException as error:
+                state.undo_after(error)
+                raise
         return [id(layer) for layer in graph.layers()] != self._layer_sequence
 
     def new_variables(self):
