@@ -340,31 +340,40 @@ def test_a_restore_step_that_fails_is_noted_on_the_original_error(monkeypatch):
 
 
 # -- item 6: a failed conversion puts BatchNormalization statistics back ------------
-class MovesStatisticsThenMismatches(keras.Model):
-    """Its BatchNormalization runs in training mode at every call (the
-    statistics move in verification's run) and its traced graph differs
-    from what it runs, so verification fails after the statistics moved."""
+class MovesStatisticsThenFails(keras.Model):
+    """Runs opaque (a Python `if` on a tensor value), with a
+    BatchNormalization in training mode at every call: the conversion's
+    eager call of the model moves the statistics, and any call after that
+    one raises, so the conversion fails after the statistics moved (and
+    outside verification, which puts back what its own runs move)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.dense = keras.layers.Dense(3)
         self.bn = keras.layers.BatchNormalization(momentum=0.5)
+        self.eager_calls = [0]  # a list: shared with the views conversion calls
 
     def call(self, inputs):
+        if self.eager_calls[0]:
+            raise RuntimeError("called again after an eager call")
         y = self.bn(self.dense(inputs), training=True)
-        if isinstance(inputs, keras.KerasTensor):
-            return y * 2.0
+        if keras.ops.sum(y) > 1e9:
+            y = y * 2.0
+        if tf.executing_eagerly() and not isinstance(inputs, keras.KerasTensor):
+            self.eager_calls[0] += 1
         return y
 
 
 def test_failed_conversion_restores_batchnorm_moving_statistics_exactly():
-    model, x = MovesStatisticsThenMismatches(), _x(8) * 3.0 + 1.0
+    model, x = MovesStatisticsThenFails(), _x(8) * 3.0 + 1.0
     model(x)
+    model.eager_calls[0] = 0
     before = _values(model.non_trainable_variables)
-    with pytest.raises(kip.ConversionError, match="differs"):
+    with pytest.raises(RuntimeError, match="called again after an eager call"):
         kip.convert_to_functional(model, x)
     _assert_values(model.non_trainable_variables, before)
-    # The statistics do move at a call: the check above could have failed.
+    assert model.eager_calls == [0]
+    # The statistics do move at an eager call: the check above could fail.
     model(x)
     assert not np.array_equal(model.bn.moving_mean.numpy(), before[model.bn.moving_mean.path])
 
@@ -420,6 +429,35 @@ def test_a_step_counter_reads_the_number_of_steps_across_rebuilds(entry, run_eag
     runtime = model.train_function.runtime if entry == "callback" else trained._kip_runtime
     assert runtime.rebuilds >= 1
     # The head grown at epoch 2 was built and trained, in graph mode too.
+    assert model.extra.built
+
+
+class MirroredCountingGrowingModel(CountingGrowingModel):
+    """Its counter counts the first replica's calls (one per step)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.steps = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                     trainable=False, name="steps",
+                                     aggregation="only_first_replica")
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_a_step_meeting_new_variables_under_mirrored_runs_once(mirrored, run_eagerly):
+    """Under a multi-replica strategy an eager step that meets variables its
+    optimizer does not know must not be run a second time (its forward pass
+    has already run by then): the optimizer is extended from the replica."""
+    x = np.random.RandomState(4).normal(size=(64, 3)).astype("float32")
+    y = np.sin(x.sum(axis=1, keepdims=True))
+    with mirrored.scope():
+        model = MirroredCountingGrowingModel()
+        model(x[:1])
+        plugin = kip.PluginModel(model)
+        plugin.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    plugin.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+               callbacks=[GrowAt(model, 2)])
+    assert int(model.steps.numpy()) == 16
+    assert plugin._kip_runtime.rebuilds >= 1
     assert model.extra.built
 
 
