@@ -10,7 +10,10 @@ see that, so the lock is process-wide. Conversions are rare and spend
 nearly all their time in Python holding the GIL, so serialising them costs
 no real parallelism.
 
-Calling a converted model, or training it, takes no lock.
+Calling a converted model, or training it, takes no lock. Converting a
+model while another thread trains it is not supported: the conversion puts
+the model's non-trainable variables back to their values from before it
+(see `state.ModelState`), which would undo that thread's updates.
 """
 
 import threading

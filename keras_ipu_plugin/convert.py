@@ -129,8 +129,21 @@ class Converter:
 
 
 def _refuse_lost_updates(graph, before):
-    """Raise `TraceError` when tracing assigned a variable that no layer of
-    `graph` owns.
+    """Raise `TraceError` when tracing assigned variables no layer of
+    `graph` owns (see `assigned_outside`)."""
+    lost = assigned_outside(graph, before)
+    if lost:
+        raise TraceError(
+            "`call` assigns "
+            + ", ".join(f"`{v.path}`" for v in lost)
+            + " itself (not through a sub-layer): a graph of layers cannot hold "
+            "that update, so the model runs its own code"
+        )
+
+
+def assigned_outside(graph, before):
+    """The variables of `before` (a `VariableValues` taken before tracing)
+    that tracing changed and that no layer of `graph` owns.
 
     Tracing runs `call`'s Python on symbolic inputs, so an assignment of a
     value that does not depend on the inputs (`self.count.assign_add(1)`)
@@ -141,21 +154,14 @@ def _refuse_lost_updates(graph, before):
     """
     changed = before.changed()
     if not changed:
-        return
+        return []
     owned = {
         id(v)
         for node in graph.nodes
         if isinstance(node.operation, keras.layers.Layer)
         for v in node.operation.variables
     }
-    lost = [v for v in changed if id(v) not in owned]
-    if lost:
-        raise TraceError(
-            "`call` assigns "
-            + ", ".join(f"`{v.path}`" for v in lost)
-            + " itself (not through a sub-layer): a graph of layers cannot hold "
-            "that update, so the model runs its own code"
-        )
+    return [v for v in changed if id(v) not in owned]
 
 
 def _verify(model, converted, x):

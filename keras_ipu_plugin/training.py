@@ -24,6 +24,7 @@ from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.convert import Converter
+from keras_ipu_plugin.convert import assigned_outside
 from keras_ipu_plugin.distribution import check_built_under
 from keras_ipu_plugin.dynamic import NeedsExtension
 from keras_ipu_plugin.dynamic import NewVariablesError
@@ -35,6 +36,7 @@ from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.inputs import input_specs
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.state import ModelState
+from keras_ipu_plugin.state import VariableValues
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import trace_model
 from keras_ipu_plugin.views import LIBRARY_PACKAGES
@@ -99,10 +101,13 @@ class Runtime:
         self._convert(report_entries=entries)
 
     def structure_changed(self):
-        """Whether `call` now reaches other layers than at the last conversion
-        (a Python attribute switched a branch). Checked at epoch boundaries:
-        the model is traced again only when the plain Python attributes of
-        its layers (flags, counts, names) changed since the last look."""
+        """Whether the model must be converted again because a Python
+        attribute may have switched a branch of `call`: it now reaches other
+        layers than at the last conversion, or assigns a variable itself, or
+        runs opaque (its traced step holds the old branch). Checked at epoch
+        boundaries: the model is traced again only when the plain Python
+        attributes of its layers (flags, counts, names) changed since the
+        last look."""
         if self._layer_sequence is None:
             return False
         fingerprint = _attribute_fingerprint(self.subject)
@@ -121,7 +126,11 @@ class Runtime:
             state = ModelState(self.subject)
             try:
                 with state.recording():
+                    before = VariableValues(self.subject.non_trainable_variables)
                     graph = trace_model(self.subject, specs)
+                    # A branch now assigning a variable itself: the
+                    # conversion makes the model opaque (see convert.py).
+                    assigns = bool(assigned_outside(graph, before))
                 state.restore_after_success()
             except TraceError as error:
                 state.undo_after(error)
@@ -129,7 +138,7 @@ class Runtime:
             except BaseException as error:
                 state.undo_after(error)
                 raise
-        return [id(layer) for layer in graph.layers()] != self._layer_sequence
+        return assigns or [id(layer) for layer in graph.layers()] != self._layer_sequence
 
     def new_variables(self):
         """Model variables created since the last conversion. Walks the
@@ -198,7 +207,7 @@ class StepFunction:
         if iterator is not self._iterator:  # a new epoch: a new iterator
             self._iterator = iterator
             if runtime.rebuild_on_new_variables and runtime.structure_changed():
-                runtime.rebuild("layers reached by `call` changed")
+                runtime.rebuild("a Python attribute switched a branch of `call`")
                 self._make()
         if runtime.owner.run_eagerly:
             return self._run([_next(iterator)])

@@ -432,6 +432,48 @@ def test_a_step_counter_reads_the_number_of_steps_across_rebuilds(entry, run_eag
     assert model.extra.built
 
 
+class CountsOnceSwitchedOn(keras.Model):
+    """Traceable until a flag switches on a counter that `call` assigns."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.count_steps = False
+        self.dense = keras.layers.Dense(1)
+        self.steps = _counter(self, "steps")
+
+    def call(self, inputs, training=None):
+        if self.count_steps and training:
+            self.steps.assign_add(1)
+        return self.dense(inputs)
+
+
+class SwitchOnCounting(keras.callbacks.Callback):
+    def __init__(self, model, epoch):
+        super().__init__()
+        self.target, self.epoch = model, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.target.count_steps = True
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_a_flag_that_switches_on_a_variable_update_is_not_dropped(run_eagerly):
+    """The same layers are reached before and after the switch, but `call`
+    now assigns a variable itself: the model is converted again (and runs
+    opaque), not left on a graph without the update."""
+    x = np.random.RandomState(5).normal(size=(64, 3)).astype("float32")
+    y = x[:, :1]
+    model = CountsOnceSwitchedOn()
+    model(x[:1])
+    plugin = kip.PluginModel(model)
+    plugin.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    plugin.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+               callbacks=[SwitchOnCounting(model, 2)])
+    assert int(model.steps.numpy()) == 8  # epochs 2 and 3, 4 steps each
+    assert model.name in plugin.kip_report.opaque
+
+
 class MirroredCountingGrowingModel(CountingGrowingModel):
     """Its counter counts the first replica's calls (one per step)."""
 
