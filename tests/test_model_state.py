@@ -318,7 +318,9 @@ def test_failed_conversion_of_a_model_holding_a_functional_model_raises_the_real
     with pytest.raises(kip.ConversionError, match="differs"):
         kip.convert_to_functional(model, x)
     assert _wrapper_contents(model.encoder) == wrappers
-    # The wrappers saw nothing behind their back: the model still saves.
+    # The wrappers saw nothing behind their back: a TensorFlow checkpoint
+    # (which refuses a wrapper changed behind its back) still saves.
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "after_failure"))
     model.save_weights(str(tmp_path / "after_failure.weights.h5"))
     converted = kip.convert_to_functional(model, x, verify=False)
     assert converted(x).shape == (4, 2)
