@@ -357,3 +357,83 @@ def broadcast_to_operation(shape):
     from keras.src.ops.numpy import BroadcastTo
 
     return BroadcastTo(shape=tuple(shape))
+
+
+# -- what a conversion may change on a user's model (state.py) ----------------
+
+
+# Instance attributes Keras's own Layer / TensorFlow's Trackable code keeps on
+# every layer while building and calling it: restoring the user's plain
+# Python attributes after a conversion must leave these as Keras set them.
+LAYER_BOOKKEEPING = frozenset({"built", "_called", "_path", "_parent_path", "_lock"})
+TRACKABLE_PREFIX = "_self_"
+
+
+def backing_variable(variable):
+    """The TensorFlow variable behind a Keras variable (what a
+    `tf.variable_creator_scope` sees being created)."""
+    return getattr(variable, "_value", variable)
+
+
+def global_seed_generator_state():
+    """The state variable of Keras's global seed generator (what unseeded
+    `keras.random.*` calls draw from), or None while none exists. Never
+    creates one: creating it draws from Python's `random` module."""
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute("global_seed_generator")
+    return None if generator is None else generator.state
+
+
+def raw_container(value):
+    """The builtin list, dict or set that holds `value`'s items, or None
+    when `value` is not a mutable container.
+
+    TensorFlow's tracking wrappers (which Keras puts around the attributes
+    of a functional model once it has been called) are not the builtin
+    containers they look like: a `_DictWrapper` is a proxy for which
+    `isinstance(w, dict)` holds while `dict.clear(w)` raises TypeError, and a
+    `ListWrapper` keeps its items in `_storage`, not in its `list` base.
+    Keras's own TrackedList / TrackedDict / TrackedSet are real subclasses.
+    Writing through the raw container with the builtin methods bypasses the
+    wrappers' tracking, which would otherwise re-track every item put back.
+    """
+    from tensorflow.python.trackable import data_structures
+
+    if isinstance(value, data_structures._DictWrapper):
+        return value.__wrapped__
+    if isinstance(value, data_structures.List):
+        return value._storage
+    if isinstance(value, (list, dict, set)):
+        return value
+    return None
+
+
+_WRAPPER_BOOKKEEPING = {
+    # The copy of its items a wrapper compares with to notice changes made
+    # behind its back (after which saving the model fails), and its flags.
+    "_DictWrapper": ("_self_last_wrapped_dict_snapshot", "_self_external_modification",
+                     "_self_non_string_key"),
+    "ListWrapper": ("_last_wrapped_list_snapshot", "_external_modification_value",
+                    "_non_append_mutation_value"),
+}
+
+
+def wrapper_bookkeeping(container):
+    """Copies of what a TensorFlow tracking wrapper records about its items
+    (empty for other containers), for `restore_wrapper_bookkeeping`."""
+    names = _WRAPPER_BOOKKEEPING.get(type(container).__name__, ())
+    saved = {}
+    for name in names:
+        value = getattr(container, name, None)
+        saved[name] = type(value)(value) if isinstance(value, (list, dict)) else value
+    return saved
+
+
+def restore_wrapper_bookkeeping(container, saved):
+    for name, value in saved.items():
+        value = type(value)(value) if isinstance(value, (list, dict)) else value
+        if type(container).__name__ == "_DictWrapper":
+            setattr(container, name, value)  # a `_self_` name: kept on the proxy
+        else:
+            object.__setattr__(container, name, value)

@@ -3,6 +3,7 @@
 import keras
 
 from keras_ipu_plugin.backends import get_backend
+from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.executor import train_graph_ops
 from keras_ipu_plugin.functional import KipFunctional
@@ -11,6 +12,7 @@ from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import registered_passes
 from keras_ipu_plugin.report import Report
+from keras_ipu_plugin.state import ModelState
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import trace_model
 
@@ -28,6 +30,22 @@ def apply_passes(model, passes):
         >>> print(passed.kip_report)
     """
     passes = validate_passes(passes)
+    with one_conversion_at_a_time():
+        # Passes trace the user's layers (running their Python) and record
+        # nodes on them: a failure leaves nothing behind, a success only
+        # what building leaves (see state.ModelState).
+        state = ModelState(model)
+        try:
+            with state.recording():
+                result = _apply_passes(model, passes)
+            state.restore_after_success()
+        except BaseException as error:
+            state.undo_after(error)
+            raise
+    return result
+
+
+def _apply_passes(model, passes):
     graph = graph_of(model)
     report = (getattr(model, "kip_report", None) or Report()).copy()
     for one_pass in passes:

@@ -11,8 +11,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import inputs as inputs_lib
+from keras_ipu_plugin.concurrency import one_conversion_at_a_time
+from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
 from keras_ipu_plugin.graph import Graph
@@ -21,6 +22,9 @@ from keras_ipu_plugin.graph import Value
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.opaque import output_specs_of
 from keras_ipu_plugin.report import Report
+from keras_ipu_plugin.state import ModelState
+from keras_ipu_plugin.state import VariableValues
+from keras_ipu_plugin.state import replay_state
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import essential_message
 from keras_ipu_plugin.tracing import trace_model
@@ -70,31 +74,44 @@ class Converter:
         specs = inputs_lib.input_specs(
             x, static_batch=self.static_batch, already_per_replica=batch.per_replica
         )
-        # Calling, tracing and verifying build layers and record nodes on
-        # the user's objects; a failure part way must not leave any of that
-        # behind (a half-built Dense would reject the right data later).
+        with one_conversion_at_a_time():
+            return self._convert(model, x, specs)
+
+    def _convert(self, model, x, specs):
+        # Calling, tracing and verifying build layers, record nodes on the
+        # user's objects and run the model's own code (counters, seed
+        # generators): a failure must leave none of it behind, a success
+        # only the building (see ModelState).
         state = ModelState(model)
         try:
-            graph, report = self.trace(model, x, specs)
-            converted = graph.rebuild(name=f"{model.name}_functional")
-            if self.verify:
-                check_equivalent(model, converted, x)
-        except BaseException:
-            state.restore()
+            with state.recording():
+                graph, report = self.trace(model, x, specs, state)
+                state.settle()
+                converted = graph.rebuild(name=f"{model.name}_functional")
+                if self.verify:
+                    _verify(model, converted, x)
+            state.restore_after_success()
+        except BaseException as error:
+            state.undo_after(error)
             raise
         converted.kip_report = report
         return converted
 
-    def trace(self, model, x, specs):
+    def trace(self, model, x, specs, state):
         """The graph IR of `model` and the conversion report."""
         # A model never called is built by one eager call on the batch, which
         # also tells a batch the model rejects (a clear InputDataError) from
         # code that cannot be traced. An already built model is traced
         # straight away: the eager call is then needed only if tracing fails.
-        outputs = None if model.built else _call_original(model, x)
+        outputs = None
+        if not model.built:
+            outputs = _call_original(model, x)
+            state.mark_built()
         report = Report()
         try:
+            before = VariableValues(model.non_trainable_variables)
             graph = trace_model(model, specs, training=self.training)
+            _refuse_lost_updates(graph, before)
         except TraceError as error:
             if outputs is None:
                 outputs = _call_original(model, x)
@@ -111,93 +128,87 @@ class Converter:
         return graph, report
 
 
-class ModelState:
-    """A snapshot of what a conversion can change on `model`, to undo it.
+def _refuse_lost_updates(graph, before):
+    """Raise `TraceError` when tracing assigned variables no layer of
+    `graph` owns (see `assigned_outside`)."""
+    lost = assigned_outside(graph, before)
+    if lost:
+        raise TraceError(
+            "`call` assigns "
+            + ", ".join(f"`{v.path}`" for v in lost)
+            + " itself (not through a sub-layer): a graph of layers cannot hold "
+            "that update, so the model runs its own code"
+        )
 
-    Covers the instance attributes of the model and of every layer in it
-    (and of their variable trackers), the contents of the lists, dicts and
-    sets those attributes hold (variable lists, node lists, build shapes),
-    and the values of non-trainable variables (BatchNormalization moving
-    statistics, RNG seeds: a call can change those; nothing in a conversion
-    assigns trainable weights).
 
-    Example:
-        >>> state = ModelState(model)
-        >>> try:
-        ...     risky(model)
-        ... except Exception:
-        ...     state.restore()
-        ...     raise
+def assigned_outside(graph, before):
+    """The variables of `before` (a `VariableValues` taken before tracing)
+    that tracing changed and that no layer of `graph` owns.
+
+    Tracing runs `call`'s Python on symbolic inputs, so an assignment of a
+    value that does not depend on the inputs (`self.count.assign_add(1)`)
+    runs at once, on the real variable, and leaves nothing in the graph:
+    the converted model would never update it. A sub-layer that is a node
+    of the graph runs its own `call` (its updates included), so only
+    variables outside every node count.
     """
-
-    def __init__(self, model):
-        self._objects = []
-        for layer in _keras_internals.all_layers(model):
-            self._objects.append(_ObjectState(layer))
-            tracker = vars(layer).get("_tracker")
-            if tracker is not None:
-                self._objects.append(_ObjectState(tracker))
-        self._values = [
-            (variable, np.array(variable.numpy(), copy=True))
-            for variable in model.non_trainable_variables
-        ]
-
-    def restore(self):
-        for state in self._objects:
-            state.restore()
-        for variable, value in self._values:
-            # Only what changed: an assignment can itself fail (a mirrored
-            # variable outside its strategy's scope), hiding the real error.
-            if not np.array_equal(variable.numpy(), value):
-                variable.assign(value)
+    changed = before.changed()
+    if not changed:
+        return []
+    owned = {
+        id(v)
+        for node in graph.nodes
+        if isinstance(node.operation, keras.layers.Layer)
+        for v in node.operation.variables
+    }
+    return [v for v in changed if id(v) not in owned]
 
 
-class _ObjectState:
-    """One object's `__dict__`, and the contents of every list / dict / set
-    reachable from it through containers only."""
+def _verify(model, converted, x):
+    """`check_equivalent`, and a clearer refusal when the original model
+    itself gives different outputs on the same batch."""
+    try:
+        check_equivalent(model, converted, x)
+    except ConversionError as mismatch:
+        differing = _nondeterministic_output(model, x)
+        if differing is None:
+            raise
+        raise ConversionError(
+            f"Cannot verify `{model.name}`: two runs of the original model on the "
+            f"first batch in inference mode give different {differing}, even "
+            "with its seed generators and counters reset between them. It draws "
+            "random numbers verification cannot replay (e.g. `tf.random.normal`, "
+            "or a random op seeded by TensorFlow's global seed). Draw them with "
+            "a seed generator the layer holds — `self.seed_generator = "
+            "keras.random.SeedGenerator(1337)` in `__init__`, then "
+            "`keras.random.normal(shape, seed=self.seed_generator)` — or convert "
+            "with verify=False."
+        ) from mismatch
 
-    def __init__(self, obj):
-        self.obj = obj
-        self.attributes = dict(vars(obj))
-        self.containers = []
-        seen = set()
-        for value in self.attributes.values():
-            self._remember(value, seen)
 
-    def _remember(self, value, seen):
-        if not isinstance(value, (list, dict, set)) or id(value) in seen:
-            return
-        seen.add(id(value))
-        if isinstance(value, dict):
-            self.containers.append((value, dict(value)))
-            children = value.values()
+def _nondeterministic_output(model, x):
+    """The first output that differs, beyond verification's tolerance,
+    between two runs of `model` on `x` started from the same variable
+    state; None when they agree (or when the probe itself fails: the
+    mismatch then stands as it is)."""
+    try:
+        with replay_state(model) as replay:
+            first = model(x, training=False)
+            replay()
+            second = model(x, training=False)
+    except Exception:
+        return None
+    for (path, a), b in zip(keras.tree.flatten_with_path(first), keras.tree.flatten(second)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "fc":
+            scale = max(float(np.max(np.abs(a[np.isfinite(a)]), initial=0.0)), 1.0)
+            same = a.shape == b.shape and np.allclose(a, b, rtol=1e-4, atol=1e-5 * scale,
+                                                      equal_nan=True)
         else:
-            self.containers.append((value, list(value)))
-            children = value
-        for child in list(children):
-            self._remember(child, seen)
-
-    def restore(self):
-        current = vars(self.obj)
-        for name in [name for name in current if name not in self.attributes]:
-            del current[name]
-        for name, value in self.attributes.items():
-            if current.get(name, _MISSING) is not value:
-                current[name] = value
-        # The base-class methods: Keras's tracked containers would re-track
-        # (and so re-register) every item put back through their own.
-        for container, contents in self.containers:
-            if isinstance(container, list):
-                list.__setitem__(container, slice(None), contents)
-            elif isinstance(container, dict):
-                dict.clear(container)
-                dict.update(container, contents)
-            else:
-                set.clear(container)
-                set.update(container, contents)
-
-
-_MISSING = object()
+            same = np.array_equal(a, b)
+        if not same:
+            return "output `" + (".".join(str(p) for p in path) or "output") + "`"
+    return None
 
 
 def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):

@@ -141,11 +141,21 @@ class OptimizingFacade:
             return
         if not self._kip_rebuild:
             raise NewVariablesError(describe_new_variables(unknown, self._kip_owner))
-        # Extend in place only where variables may be created right here:
-        # eagerly, outside any replica of a multi-device strategy.
-        if tf.executing_eagerly() and tf.distribute.get_strategy().num_replicas_in_sync == 1:
-            extend_optimizer(optimizer, unknown)
-            return
+        # Extend in place where variables may be created right here: eagerly,
+        # outside any replica of a multi-device strategy, or from a replica
+        # through `merge_call` (one extension for all replicas). Raising
+        # NeedsExtension instead makes the caller run the step again, and an
+        # eager step has already run its forward pass by now: its state
+        # updates (counters, statistics, metrics, another optimizer's
+        # update) would run twice.
+        if tf.executing_eagerly():
+            if tf.distribute.get_strategy().num_replicas_in_sync == 1:
+                extend_optimizer(optimizer, unknown)
+                return
+            context = tf.distribute.get_replica_context()
+            if context is not None:
+                context.merge_call(lambda _: extend_optimizer(optimizer, unknown))
+                return
         raise NeedsExtension(optimizer, unknown)
 
 

@@ -23,7 +23,9 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.backends import get_backend
+from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.convert import Converter
+from keras_ipu_plugin.convert import assigned_outside
 from keras_ipu_plugin.distribution import check_built_under
 from keras_ipu_plugin.dynamic import NeedsExtension
 from keras_ipu_plugin.dynamic import NewVariablesError
@@ -34,6 +36,8 @@ from keras_ipu_plugin.dynamic import extend_optimizer
 from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.inputs import input_specs
 from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.state import ModelState
+from keras_ipu_plugin.state import VariableValues
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import trace_model
 from keras_ipu_plugin.views import LIBRARY_PACKAGES
@@ -77,7 +81,7 @@ class Runtime:
 
     def _convert(self, report_entries=()):
         check_built_under(self.subject, _keras_internals.model_strategy(self.owner))
-        with self.strategy.scope(), self.watch.watching():
+        with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
             # The IPU backend needs static shapes (static_batch=True there).
             converted = Converter(
                 verify=self.verify, static_batch=get_backend().static_batch
@@ -101,23 +105,44 @@ class Runtime:
         self._convert(report_entries=entries)
 
     def structure_changed(self):
-        """Whether `call` now reaches other layers than at the last conversion
-        (a Python attribute switched a branch). Checked at epoch boundaries:
-        the model is traced again only when the plain Python attributes of
-        its layers (flags, counts, names) changed since the last look."""
-        if self._layer_sequence is None or _is_opaque(self.converted):
+        """Whether the model must be converted again because a Python
+        attribute may have switched a branch of `call`: it now reaches other
+        layers than at the last conversion, or assigns a variable itself, or
+        runs opaque (its traced step holds the old branch). Checked at epoch
+        boundaries: the model is traced again only when the plain Python
+        attributes of its layers (flags, counts, names) changed since the
+        last look."""
+        if self._layer_sequence is None:
             return False
         fingerprint = _attribute_fingerprint(self.subject)
         if fingerprint == self._fingerprint:
             return False
         self._fingerprint = fingerprint
+        if _is_opaque(self.converted):
+            # An opaque node runs `call` as traced into the step function,
+            # with the attribute values of that trace: the branch a flag now
+            # switches on would never run in graph mode. Rebuild and retrace.
+            return True
         specs = input_specs(self.first_x)
-        with self.strategy.scope(), self.watch.watching():
+        with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
+            # The trace runs `call`'s Python: what it changes on the model
+            # (a counter assigned in `call`) must not stay behind.
+            state = ModelState(self.subject)
             try:
-                graph = trace_model(self.subject, specs)
-            except TraceError:
+                with state.recording():
+                    before = VariableValues(self.subject.non_trainable_variables)
+                    graph = trace_model(self.subject, specs)
+                    # A branch now assigning a variable itself: the
+                    # conversion makes the model opaque (see convert.py).
+                    assigns = bool(assigned_outside(graph, before))
+                state.restore_after_success()
+            except TraceError as error:
+                state.undo_after(error)
                 return True
-        return [id(layer) for layer in graph.layers()] != self._layer_sequence
+            except BaseException as error:
+                state.undo_after(error)
+                raise
+        return assigns or [id(layer) for layer in graph.layers()] != self._layer_sequence
 
     def new_variables(self):
         """Model variables created since the last conversion. Walks the
@@ -186,7 +211,7 @@ class StepFunction:
         if iterator is not self._iterator:  # a new epoch: a new iterator
             self._iterator = iterator
             if runtime.rebuild_on_new_variables and runtime.structure_changed():
-                runtime.rebuild("layers reached by `call` changed")
+                runtime.rebuild("a Python attribute switched a branch of `call`")
                 self._make()
         if runtime.owner.run_eagerly:
             return self._run([_next(iterator)])

@@ -1,0 +1,335 @@
+"""What converting may change on a user's model, and putting it back.
+
+Converting runs the user's own code: `call` once eagerly to build a model
+never called, symbolically to trace it, and twice more to verify it (the
+original and the converted model). That code may count its calls in a
+variable, advance a seed generator, move BatchNormalization statistics or
+set Python attributes. None of it may stay behind:
+
+- `ModelState` remembers a model before a conversion and puts it back:
+  everything on failure, everything but the building on success.
+- `VariableValues` remembers the values of some variables.
+- `replay_state` lets two runs start from the same variable values (so a
+  model drawing random numbers at inference sees the same draws twice).
+"""
+
+import contextlib
+
+import numpy as np
+import tensorflow as tf
+
+from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.views import LIBRARY_PACKAGES
+
+
+class VariableValues:
+    """The values of `variables` now, to compare with or put back later.
+
+    Example:
+        >>> values = VariableValues(model.non_trainable_variables)
+        >>> model(x)
+        >>> values.changed()      # the variables `call` assigned
+        >>> values.restore()
+    """
+
+    def __init__(self, variables):
+        seen = set()
+        self._values = []
+        for variable in variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                self._values.append((variable, _read(variable)))
+
+    def changed(self):
+        return [v for v, value in self._values if not _same(_read(v), value)]
+
+    def restore(self):
+        # Only what changed: an assignment can itself fail (a mirrored
+        # variable outside its strategy's scope).
+        for variable, value in self._values:
+            if not _same(_read(variable), value):
+                variable.assign(value)
+
+
+class NewVariables:
+    """Variables created while `recording()`, with their values at creation.
+
+    Only variables created non-trainable are read (what a call can change:
+    counters, statistics, seed-generator state); reading every new weight
+    would copy a whole model to the host.
+    """
+
+    def __init__(self):
+        self._records = []  # [tf variable, value at creation or None]
+
+    @contextlib.contextmanager
+    def recording(self):
+        with tf.variable_creator_scope(self._creator):
+            yield self
+
+    def _creator(self, next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        if not kwargs.get("trainable", True):
+            # Inside a `tf.function` trace the variable has no value yet:
+            # `settle()` reads it once the trace is done.
+            value = _read(variable) if tf.executing_eagerly() else None
+            self._records.append([variable, value])
+        return variable
+
+    def settle(self):
+        """Read the variables created inside a graph trace, whose values
+        exist only once the trace is over; call before anything runs them."""
+        for record in self._records:
+            if record[1] is None:
+                record[1] = _read(record[0])
+
+    def restore(self, variables):
+        """Put those of `variables` (Keras or TF variables) created while
+        recording back to their values at creation."""
+        wanted = {id(_keras_internals.backing_variable(v)) for v in variables}
+        for variable, value in self._records:
+            if id(variable) in wanted and value is not None and not _same(_read(variable), value):
+                variable.assign(value)
+
+
+class ModelState:
+    """A snapshot of what a conversion can change on `model`, to undo it.
+
+    On failure, `undo_after(error)` puts back everything it covers:
+      - the instance attributes of the model, of every layer in it and of
+        their variable trackers (names and the objects they are bound to:
+        a layer built by the conversion is unbuilt again, its new variables
+        dropped), and the contents of the lists, dicts and sets reachable
+        from those attributes (variable lists, node lists, build shapes),
+        TensorFlow's tracking wrappers included;
+      - the values of the non-trainable variables (counters,
+        BatchNormalization statistics, seed-generator state) and of Keras's
+        global seed generator (unseeded `keras.random` calls).
+    A step of that which fails is noted on `error`, never raised instead.
+
+    On success, `restore_after_success()` puts back the state the model's
+    own code keeps, and keeps the building (the one change a conversion
+    makes, as Keras's own first call or `fit` would):
+      - every non-trainable variable that existed before holds its value
+        from before, and Keras's global seed generator its state;
+      - every non-trainable variable the conversion created (building a
+        model never called) holds its value at creation (the conversion's
+        calls counted nothing, drew nothing);
+      - the plain Python attributes (numbers, strings, booleans, None, and
+        tuples of them) of the model and of its layers of user-written
+        classes hold their values from before the conversion — for a layer
+        the conversion built, from right after the call that built it
+        (`mark_built`); plain attributes a later call added are removed.
+        Keras's own bookkeeping (`built`, ...) is left as Keras set it.
+    Not restored on success: trainable variables (nothing in a conversion
+    assigns them; copying them would double a model's memory), and the
+    contents of containers (Keras's node lists legitimately gain the
+    converted model's nodes; a list `call` appends to keeps the entries).
+
+    Example:
+        >>> state = ModelState(model)
+        >>> try:
+        ...     with state.recording():
+        ...         risky(model)
+        ...     state.restore_after_success()
+        ... except BaseException as error:
+        ...     state.undo_after(error)
+        ...     raise
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._objects = []
+        for layer in _keras_internals.all_layers(model):
+            self._objects.append(_ObjectState(layer))
+            tracker = vars(layer).get("_tracker")
+            if tracker is not None:
+                self._objects.append(_ObjectState(tracker))
+        self._values = VariableValues(_state_variables(model))
+        self._new = NewVariables()
+        self._attributes = {}  # id(layer) -> _PlainAttributes
+        self.mark_built()
+
+    def recording(self):
+        """Record the variables created inside (their values at creation)."""
+        return self._new.recording()
+
+    def mark_built(self):
+        """Remember the plain attributes of layers built since the snapshot
+        (call right after the call that built the model)."""
+        self._new.settle()
+        for layer in _keras_internals.all_layers(self.model):
+            if id(layer) not in self._attributes and layer.built and _is_user_class(layer):
+                self._attributes[id(layer)] = _PlainAttributes(layer)
+
+    def settle(self):
+        """See `NewVariables.settle`."""
+        self._new.settle()
+
+    def restore_after_success(self):
+        self._new.settle()
+        self._values.restore()
+        self._new.restore(_state_variables(self.model))
+        for attributes in self._attributes.values():
+            attributes.restore()
+
+    def undo_after(self, error):
+        """Put everything back after `error`; note on it what could not be."""
+        steps = [state.restore for state in self._objects]
+        steps += [self._values.restore, lambda: self._new.restore(_state_variables(self.model))]
+        for step in steps:
+            try:
+                step()
+            except Exception as failure:  # the user's error stays the one raised
+                error.add_note(
+                    f"keras_ipu_plugin: while undoing the conversion of "
+                    f"`{self.model.name}` after this error, restoring its state also "
+                    f"failed ({type(failure).__name__}: {failure}); the model may be "
+                    "left partly changed."
+                )
+
+
+def _state_variables(model):
+    """What a call can change: the model's non-trainable variables (seed
+    generators' state included) and Keras's global seed generator's."""
+    variables = list(model.non_trainable_variables)
+    global_seed = _keras_internals.global_seed_generator_state()
+    if global_seed is not None:
+        variables.append(global_seed)
+    return variables
+
+
+@contextlib.contextmanager
+def replay_state(*models):
+    """Run blocks from the same variable state of `models`: `replay()` puts
+    back the values the non-trainable variables (and Keras's global seed
+    generator) had on entry; leaving the block puts them back too.
+
+    Example:
+        >>> with replay_state(original, converted) as replay:
+        ...     reference = original(x)
+        ...     replay()      # the same random draws, counters, statistics
+        ...     result = converted(x)
+    """
+    values = VariableValues([v for model in models for v in _state_variables(model)])
+    new = NewVariables()
+
+    def replay():
+        new.settle()
+        values.restore()
+        # A global seed generator the first run created starts anew too.
+        new.restore([v for model in models for v in _state_variables(model)])
+
+    with new.recording():
+        try:
+            yield replay
+        except BaseException:
+            with contextlib.suppress(Exception):  # the block's error is the one to see
+                replay()
+            raise
+    replay()
+
+
+class _PlainAttributes:
+    """A layer's plain Python attributes, and the names it had."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        current = vars(layer)
+        self.names = set(current)
+        self.values = {name: value for name, value in current.items() if _is_users(name, value)}
+
+    def restore(self):
+        current = vars(self.layer)
+        for name in [n for n in current if n not in self.names and _is_users(n, current[n])]:
+            del current[name]
+        for name, value in self.values.items():
+            if current.get(name, _MISSING) is not value:
+                current[name] = value
+
+
+def _is_users(name, value):
+    if name in _keras_internals.LAYER_BOOKKEEPING:
+        return False
+    if name.startswith(_keras_internals.TRACKABLE_PREFIX):
+        return False
+    return _is_plain(value)
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
+
+
+def _is_plain(value):
+    if isinstance(value, (tuple, frozenset)):
+        return all(_is_plain(item) for item in value)
+    return isinstance(value, _PLAIN)
+
+
+def _is_user_class(layer):
+    module = getattr(type(layer), "__module__", "") or ""
+    return module.split(".")[0] not in LIBRARY_PACKAGES
+
+
+class _ObjectState:
+    """One object's `__dict__`, and the contents of every list / dict / set
+    reachable from it through containers only."""
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.attributes = dict(vars(obj))
+        self.containers = []  # (raw container, contents, (wrapper, bookkeeping))
+        seen = set()
+        for value in self.attributes.values():
+            self._remember(value, seen)
+
+    def _remember(self, value, seen):
+        storage = _keras_internals.raw_container(value)
+        if storage is None or id(storage) in seen:
+            return
+        seen.add(id(storage))
+        contents = dict.copy(storage) if isinstance(storage, dict) else list(storage)
+        bookkeeping = _keras_internals.wrapper_bookkeeping(value)
+        self.containers.append((storage, contents, (value, bookkeeping)))
+        children = contents.values() if isinstance(contents, dict) else contents
+        for child in list(children):
+            self._remember(child, seen)
+
+    def restore(self):
+        current = vars(self.obj)
+        for name in [name for name in current if name not in self.attributes]:
+            del current[name]
+        for name, value in self.attributes.items():
+            if current.get(name, _MISSING) is not value:
+                current[name] = value
+        # The base-class methods on the raw containers: Keras's and
+        # TensorFlow's tracked containers would re-track (and so
+        # re-register) every item put back through their own.
+        for storage, contents, (wrapper, bookkeeping) in self.containers:
+            if isinstance(storage, list):
+                list.__setitem__(storage, slice(None), contents)
+            elif isinstance(storage, dict):
+                dict.clear(storage)
+                dict.update(storage, contents)
+            else:
+                set.clear(storage)
+                set.update(storage, contents)
+            _keras_internals.restore_wrapper_bookkeeping(wrapper, bookkeeping)
+
+
+_MISSING = object()
+
+
+def _read(variable):
+    return np.array(variable.numpy(), copy=True)
+
+
+def _same(a, b):
+    """Exactly equal, NaN included (a variable holding NaN is unchanged)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.kind == "O":
+        return bool(np.array_equal(a, b))
+    return a.tobytes() == b.tobytes()
+
+
+__all__ = ["ModelState", "VariableValues", "NewVariables", "replay_state"]

@@ -1,0 +1,585 @@
+"""Converting leaves the user's model as it found it, on success and on
+failure, and is safe across threads.
+
+What a conversion may change is building the model (as Keras's own first
+call would); see `keras_ipu_plugin.state.ModelState` for what exactly is
+put back.
+"""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ipu_plugin as kip
+
+import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
+
+
+def _counter(layer, name="count"):
+    return layer.add_weight(shape=(), dtype="int32", initializer="zeros",
+                            trainable=False, name=name)
+
+
+class CountingModel(keras.Model):
+    """Counts its calls in an int variable and in a Python attribute."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.count = _counter(self)
+        self.calls = 0
+
+    def call(self, inputs):
+        self.count.assign_add(1)
+        self.calls += 1
+        return self.dense(inputs)
+
+
+class PythonCountingModel(keras.Model):
+    """Traceable: counts its calls in Python only, and runs a
+    BatchNormalization pinned to training mode (its statistics move at
+    every call, inference included)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.bn = keras.layers.BatchNormalization()
+        self.calls = 0
+        self.last = "none"
+
+    def call(self, inputs):
+        self.calls += 1
+        self.last = "called"
+        return self.bn(self.dense(inputs), training=True)
+
+
+class BuildsItsCounter(keras.Model):
+    """Creates its counter when built (the usual Keras pattern)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.calls = 0
+
+    def build(self, input_shape):
+        self.count = _counter(self)
+        self.dense.build(input_shape)
+
+    def call(self, inputs):
+        self.count.assign_add(1)
+        self.calls += 1
+        return self.dense(inputs)
+
+
+class CountingBlock(keras.layers.Layer):
+    """A custom block whose `call` counts in its own variable."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.count = _counter(self)
+
+    def call(self, inputs):
+        self.count.assign_add(1)
+        return self.dense(inputs)
+
+
+class ModelWithCountingBlock(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = CountingBlock()
+        self.head = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.head(self.block(inputs))
+
+
+def _x(rows=4, features=5):
+    return np.random.RandomState(0).normal(size=(rows, features)).astype("float32")
+
+
+def _values(variables):
+    return {v.path: np.array(v.numpy(), copy=True) for v in variables}
+
+
+def _assert_values(variables, before):
+    now = _values(variables)
+    assert set(now) == set(before)
+    for path, value in before.items():
+        np.testing.assert_array_equal(now[path], value, err_msg=path)
+
+
+# -- item 1: a successful conversion leaves the model's own state alone ---------
+@pytest.mark.parametrize("verify", [True, False])
+def test_successful_conversion_leaves_an_int_counter_and_python_attributes_unchanged(verify):
+    model, x = CountingModel(), _x()
+    model(x)
+    model(x)
+    count, calls = int(model.count.numpy()), model.calls
+    kip.convert_to_functional(model, x, verify=verify)
+    assert int(model.count.numpy()) == count
+    assert model.calls == calls
+
+
+def test_successful_conversion_leaves_batchnorm_statistics_and_python_attributes_unchanged():
+    model, x = PythonCountingModel(), _x()
+    model(x)
+    before = _values(model.non_trainable_variables)
+    assert not np.array_equal(before[model.bn.moving_mean.path], np.zeros(3))
+    calls = model.calls
+    model.last = "set by the user"
+    converted = kip.convert_to_functional(model, x)
+    assert converted.kip_report.opaque == {}
+    _assert_values(model.non_trainable_variables, before)
+    assert model.calls == calls
+    assert model.last == "set by the user"
+
+
+def test_plain_attributes_a_conversion_adds_are_removed():
+    class SetsAnAttribute(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, inputs):
+            self.seen_rows = int(inputs.shape[0] or -1)
+            return self.dense(inputs)
+
+    model, x = SetsAnAttribute(), _x()
+    model.build((None, 5))  # built, never called: no `seen_rows` yet
+    kip.convert_to_functional(model, x)
+    assert "seen_rows" not in vars(model)
+    assert model.built
+
+
+def test_converting_an_unbuilt_model_is_one_building_call_and_new_counters_start_at_zero():
+    model, x = BuildsItsCounter(), _x()
+    converted = kip.convert_to_functional(model, x)
+    assert model.built and model.dense.built
+    # The counter exists (building created it) and holds its initial value:
+    # the conversion's calls counted nothing.
+    assert int(model.count.numpy()) == 0
+    # Python attributes are as the building call (Keras's first call) left them.
+    assert model.calls == 1
+    before = int(model.count.numpy())
+    converted(x)
+    assert int(model.count.numpy()) == before + 1
+
+
+def test_rebuild_after_new_variables_leaves_the_counter_at_the_steps_run():
+    model, x = CountingModel(), _x(8)
+    model(x)
+    model.count.assign(0)
+    plugin = kip.PluginModel(model)
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, np.zeros((8, 3), "float32"), batch_size=4, epochs=1, verbose=0)
+    assert int(model.count.numpy()) == 2
+    plugin._kip_runtime.rebuild("test: convert again")
+    assert int(model.count.numpy()) == 2
+
+
+# -- a call that assigns a variable itself is not dropped by the graph ------------
+def test_call_that_assigns_a_variable_itself_runs_its_own_code():
+    model, x = CountingModel(), _x()
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    reason = converted.kip_report.opaque.get(model.name, "")
+    assert "`counting_model/count`" in reason and "itself" in reason, converted.kip_report.opaque
+    before = int(model.count.numpy())
+    for _ in range(3):
+        converted(x)
+    assert int(model.count.numpy()) == before + 3
+    np.testing.assert_allclose(converted(x), model(x), atol=1e-6)
+
+
+def test_custom_block_that_counts_stays_a_traced_node_and_keeps_counting():
+    """A sub-layer that is a node of the graph runs its own `call`: its
+    update is kept, so the model need not run opaque."""
+    model, x = ModelWithCountingBlock(), _x()
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    assert converted.kip_report.opaque == {}
+    before = int(model.block.count.numpy())
+    for _ in range(3):
+        converted(x)
+    assert int(model.block.count.numpy()) == before + 3
+
+
+# -- item 2: random draws at inference ---------------------------------------------
+class Sampling(keras.layers.Layer):
+    """A VAE's reparameterisation: z = mean + exp(log_var / 2) * eps,
+    drawn at inference too."""
+
+    def __init__(self, source="seeded", **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, inputs):
+        z_mean, z_log_var = inputs
+        shape = keras.ops.shape(z_mean)
+        if self.source == "seeded":
+            epsilon = keras.random.normal(shape, seed=self.seed_generator)
+        elif self.source == "keras_global":
+            epsilon = keras.random.normal(shape)
+        else:
+            epsilon = tf.random.normal(shape)
+        return z_mean + keras.ops.exp(0.5 * z_log_var) * epsilon
+
+
+class VAE(keras.Model):
+    def __init__(self, source="seeded", **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = keras.layers.Dense(8, activation="relu")
+        self.z_mean = keras.layers.Dense(2)
+        self.z_log_var = keras.layers.Dense(2)
+        self.sampling = Sampling(source)
+        self.decoder = keras.layers.Dense(5)
+
+    def call(self, inputs):
+        hidden = self.encoder(inputs)
+        z = self.sampling([self.z_mean(hidden), self.z_log_var(hidden)])
+        return self.decoder(z)
+
+
+def test_vae_sampling_with_a_seed_generator_verifies_and_keeps_its_seed_state():
+    model, x = VAE("seeded"), _x(8)
+    model(x)
+    state = model.sampling.seed_generator.state
+    before = state.numpy().copy()
+    converted = kip.convert_to_functional(model, x, verify=True)
+    np.testing.assert_array_equal(state.numpy(), before)
+    # Same draws from the same seed state: the converted model computes the original.
+    reference = model(x).numpy()
+    state.assign(before)
+    np.testing.assert_allclose(converted(x), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_unseeded_keras_random_verifies_and_keeps_the_global_seed_generator_state():
+    model, x = VAE("keras_global"), _x(8)
+    model(x)  # creates Keras's global seed generator
+    from keras_ipu_plugin._keras_internals import global_seed_generator_state
+
+    global_state = global_seed_generator_state()
+    assert global_state is not None
+    before = global_state.numpy().copy()
+    kip.convert_to_functional(model, x, verify=True)
+    np.testing.assert_array_equal(global_state.numpy(), before)
+
+
+def test_random_numbers_verification_cannot_replay_are_refused_clearly():
+    model, x = VAE("tensorflow"), _x(8)
+    model(x)
+    before = _values(model.weights)
+    with pytest.raises(kip.ConversionError, match="random numbers verification cannot replay") as info:
+        kip.convert_to_functional(model, x, verify=True)
+    assert "keras.random.SeedGenerator" in str(info.value)
+    assert isinstance(info.value.__cause__, kip.ConversionError)  # the mismatch itself
+    _assert_values(model.weights, before)
+
+
+# -- item 3: rollback with TensorFlow's tracked containers -------------------------
+def _functional_encoder():
+    inputs = keras.Input((5,))
+    return keras.Model(inputs, keras.layers.Dense(3)(inputs))
+
+
+class HoldsAFunctionalModel(keras.Model):
+    """Holds a called functional sub-model (TensorFlow wraps its attributes
+    in `_DictWrapper` / `ListWrapper`) and computes something else when
+    traced than when run, so verification fails."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = _functional_encoder()
+        self.head = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        y = self.head(self.encoder(inputs))
+        if isinstance(inputs, keras.KerasTensor):
+            return y * 2.0
+        return y
+
+
+def _wrapper_contents(layer):
+    return {name: list(value) if isinstance(value, list) else dict(value)
+            for name, value in vars(layer).items()
+            if type(value).__name__ in ("ListWrapper", "_DictWrapper")}
+
+
+def test_failed_conversion_of_a_model_holding_a_functional_model_raises_the_real_error(tmp_path):
+    model, x = HoldsAFunctionalModel(), _x()
+    model(x)
+    wrappers = _wrapper_contents(model.encoder)
+    assert wrappers, "the sub-model should hold TensorFlow's tracked containers"
+    with pytest.raises(kip.ConversionError, match="differs"):
+        kip.convert_to_functional(model, x)
+    assert _wrapper_contents(model.encoder) == wrappers
+    # The wrappers saw nothing behind their back: a TensorFlow checkpoint
+    # (which refuses a wrapper changed behind its back) still saves.
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "after_failure"))
+    model.save_weights(str(tmp_path / "after_failure.weights.h5"))
+    converted = kip.convert_to_functional(model, x, verify=False)
+    assert converted(x).shape == (4, 2)
+
+
+def test_a_restore_step_that_fails_is_noted_on_the_original_error(monkeypatch):
+    def broken_restore(self):
+        raise RuntimeError("injected restore failure")
+
+    from keras_ipu_plugin import state as state_module
+
+    monkeypatch.setattr(state_module._ObjectState, "restore", broken_restore)
+    model, x = HoldsAFunctionalModel(), _x()
+    model(x)
+    with pytest.raises(kip.ConversionError, match="differs") as info:
+        kip.convert_to_functional(model, x)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "injected restore failure" in notes and "partly changed" in notes
+
+
+# -- item 6: a failed conversion puts BatchNormalization statistics back ------------
+class MovesStatisticsThenFails(keras.Model):
+    """Runs opaque (a Python `if` on a tensor value), with a
+    BatchNormalization in training mode at every call: the conversion's
+    eager call of the model moves the statistics, and any call after that
+    one raises, so the conversion fails after the statistics moved (and
+    outside verification, which puts back what its own runs move)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.bn = keras.layers.BatchNormalization(momentum=0.5)
+        self.eager_calls = [0]  # a list: shared with the views conversion calls
+
+    def call(self, inputs):
+        if self.eager_calls[0]:
+            raise RuntimeError("called again after an eager call")
+        y = self.bn(self.dense(inputs), training=True)
+        if keras.ops.sum(y) > 1e9:
+            y = y * 2.0
+        if tf.executing_eagerly() and not isinstance(inputs, keras.KerasTensor):
+            self.eager_calls[0] += 1
+        return y
+
+
+def test_failed_conversion_restores_batchnorm_moving_statistics_exactly():
+    model, x = MovesStatisticsThenFails(), _x(8) * 3.0 + 1.0
+    model(x)
+    model.eager_calls[0] = 0
+    before = _values(model.non_trainable_variables)
+    with pytest.raises(RuntimeError, match="called again after an eager call"):
+        kip.convert_to_functional(model, x)
+    _assert_values(model.non_trainable_variables, before)
+    assert model.eager_calls == [0]
+    # The statistics do move at an eager call: the check above could fail.
+    model(x)
+    assert not np.array_equal(model.bn.moving_mean.numpy(), before[model.bn.moving_mean.path])
+
+
+# -- item 4: N steps across rebuilds count N ------------------------------------------
+class CountingGrowingModel(keras.Model):
+    """Counts its steps in a variable; grows a head when `grow` is set."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.grow = False
+        self.base = keras.layers.Dense(4, activation="tanh")
+        self.extra = keras.layers.Dense(4, name="extra")
+        self.out = keras.layers.Dense(1)
+        self.steps = _counter(self, "steps")
+
+    def call(self, inputs, training=None):
+        if training:
+            self.steps.assign_add(1)
+        x = self.base(inputs)
+        if self.grow:
+            x = x + self.extra(x)
+        return self.out(x)
+
+
+class GrowAt(keras.callbacks.Callback):
+    def __init__(self, model, epoch):
+        super().__init__()
+        self.target, self.epoch = model, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.target.grow = True
+
+
+@pytest.mark.parametrize("entry", ["plugin_model", "callback"])
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_a_step_counter_reads_the_number_of_steps_across_rebuilds(entry, run_eagerly):
+    x = np.random.RandomState(2).normal(size=(64, 3)).astype("float32")
+    y = np.sin(x.sum(axis=1, keepdims=True))
+    model = CountingGrowingModel()
+    model(x[:1])
+    callbacks = [GrowAt(model, 2)]
+    if entry == "plugin_model":
+        trained = kip.PluginModel(model)
+        trained.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    else:
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+        callbacks.append(kip.PluginCallback())
+        trained = model
+    trained.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+    assert int(model.steps.numpy()) == 16
+    runtime = model.train_function.runtime if entry == "callback" else trained._kip_runtime
+    assert runtime.rebuilds >= 1
+    # The head grown at epoch 2 was built and trained, in graph mode too.
+    assert model.extra.built
+
+
+class CountsOnceSwitchedOn(keras.Model):
+    """Traceable until a flag switches on a counter that `call` assigns."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.count_steps = False
+        self.dense = keras.layers.Dense(1)
+        self.steps = _counter(self, "steps")
+
+    def call(self, inputs, training=None):
+        if self.count_steps and training:
+            self.steps.assign_add(1)
+        return self.dense(inputs)
+
+
+class SwitchOnCounting(keras.callbacks.Callback):
+    def __init__(self, model, epoch):
+        super().__init__()
+        self.target, self.epoch = model, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.target.count_steps = True
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_a_flag_that_switches_on_a_variable_update_is_not_dropped(run_eagerly):
+    """The same layers are reached before and after the switch, but `call`
+    now assigns a variable itself: the model is converted again (and runs
+    opaque), not left on a graph without the update."""
+    x = np.random.RandomState(5).normal(size=(64, 3)).astype("float32")
+    y = x[:, :1]
+    model = CountsOnceSwitchedOn()
+    model(x[:1])
+    plugin = kip.PluginModel(model)
+    plugin.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    plugin.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+               callbacks=[SwitchOnCounting(model, 2)])
+    assert int(model.steps.numpy()) == 8  # epochs 2 and 3, 4 steps each
+    assert model.name in plugin.kip_report.opaque
+
+
+class MirroredCountingGrowingModel(CountingGrowingModel):
+    """Its counter counts the first replica's calls (one per step)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.steps = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                     trainable=False, name="steps",
+                                     aggregation="only_first_replica")
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_a_step_meeting_new_variables_under_mirrored_runs_once(mirrored, run_eagerly):
+    """Under a multi-replica strategy an eager step that meets variables its
+    optimizer does not know must not be run a second time (its forward pass
+    has already run by then): the optimizer is extended from the replica."""
+    x = np.random.RandomState(4).normal(size=(64, 3)).astype("float32")
+    y = np.sin(x.sum(axis=1, keepdims=True))
+    with mirrored.scope():
+        model = MirroredCountingGrowingModel()
+        model(x[:1])
+        plugin = kip.PluginModel(model)
+        plugin.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    plugin.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+               callbacks=[GrowAt(model, 2)])
+    assert int(model.steps.numpy()) == 16
+    assert plugin._kip_runtime.rebuilds >= 1
+    assert model.extra.built
+
+
+def test_opaque_model_runs_the_branch_a_flag_switches_on_in_graph_mode():
+    """An opaque model's `call` is traced into the step with the flag's value
+    of that trace: flipping it between epochs must retrace, not be ignored."""
+    x = np.random.RandomState(3).normal(size=(64, 3)).astype("float32")
+    y = np.sin(x.sum(axis=1, keepdims=True))
+    model = CountingGrowingModel()
+    model(x[:1])
+    plugin = kip.PluginModel(model)
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+               callbacks=[GrowAt(model, 1)])
+    assert model.name in plugin.kip_report.opaque
+    assert model.extra.built
+    kernel = model.extra.kernel.numpy().copy()
+    plugin.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert not np.array_equal(model.extra.kernel.numpy(), kernel), "the grown head does not train"
+
+
+# -- item 5: threads -------------------------------------------------------------
+def _in_threads(work, count):
+    barrier = threading.Barrier(count)
+    results = [None] * count
+
+    def run(index):
+        barrier.wait()
+        try:
+            results[index] = work(index)
+        except Exception as error:  # reported below, with its type
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
+    assert not errors, errors
+    return results
+
+
+def test_twenty_concurrent_conversions_of_one_model_all_succeed_and_agree():
+    model, x = zoo.make_cnn()
+    model(x)
+    expected = model(x).numpy()
+    converted = _in_threads(lambda _: kip.convert_to_functional(model, x), 20)
+    for one in converted:
+        np.testing.assert_allclose(one(x), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model(x), expected, rtol=1e-6, atol=1e-6)
+
+
+class SharedEncoderHead(keras.Model):
+    def __init__(self, encoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = encoder
+        self.head = keras.layers.Dense(2)
+
+    def call(self, inputs, training=None):
+        return self.head(self.encoder(inputs, training=training))
+
+
+def test_concurrent_conversions_of_models_sharing_a_layer_all_succeed():
+    encoder, x = zoo.make_cnn()
+    models = [SharedEncoderHead(encoder) for _ in range(3)]
+    for model in models:
+        model(x)
+    expected = [model(x).numpy() for model in models]
+    converted = _in_threads(lambda i: kip.convert_to_functional(models[i % 3], x), 12)
+    for index, one in enumerate(converted):
+        np.testing.assert_allclose(one(x), expected[index % 3], rtol=1e-5, atol=1e-6)
+
+
+def test_concurrent_apply_passes_over_one_model_all_succeed_and_agree():
+    model, x = zoo.make_cnn()
+    converted = kip.convert_to_functional(model, x)
+    expected = converted(x).numpy()
+    passed = _in_threads(lambda _: kip.apply_passes(converted, [kip.passes.Expand()]), 8)
+    for one in passed:
+        np.testing.assert_allclose(one(x), expected, rtol=1e-5, atol=1e-6)
