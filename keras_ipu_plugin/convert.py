@@ -25,6 +25,7 @@ from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import essential_message
 from keras_ipu_plugin.tracing import trace_model
 from keras_ipu_plugin.verify import check_equivalent
+from keras_ipu_plugin.verify import keep_first_batch
 
 
 def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False):
@@ -37,7 +38,9 @@ def convert_to_functional(model, data, *, training=None, verify=True, static_bat
         training: None to follow the `training` the converted model is
             called with, or True / False to fix the graph in that mode.
         verify: compare outputs and gradients with the original on the
-            first batch; raise `kip.ConversionError` on a mismatch.
+            first batch (see `verify.check_equivalent`); raise
+            `kip.ConversionError` on a mismatch, and refuse a batch or a
+            model that cannot show one. The report says what was compared.
         static_batch: fix the batch dimension to the per-replica batch of
             the active `tf.distribute` strategy.
 
@@ -78,11 +81,12 @@ class Converter:
             graph, report = self.trace(model, x, specs)
             converted = graph.rebuild(name=f"{model.name}_functional")
             if self.verify:
-                check_equivalent(model, converted, x)
+                report.add_verification(model.name, check_equivalent(model, converted, x))
         except BaseException:
             state.restore()
             raise
         converted.kip_report = report
+        keep_first_batch(converted, x)  # what apply_passes verifies on
         return converted
 
     def trace(self, model, x, specs):

@@ -17,6 +17,8 @@ from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.distribution import strategy_owning
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.graph import map_values
+from keras_ipu_plugin.passes.base import EQUAL
+from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
@@ -103,6 +105,15 @@ class Replace(Pass):
                     f"Replacement; got {type(replacement).__name__}."
                 )
         self.mapping = dict(mapping)
+
+    @property
+    def claim(self):
+        """EQUAL when every replacement copies the old weights and keeps the
+        config; a new layer with fresh weights or other parameters computes
+        something else on purpose (RUNS)."""
+        if all(r.copy_weights and _config_equivalent(r) for r in self.mapping.values()):
+            return EQUAL
+        return RUNS
 
     def run(self, graph, report):
         for target, replacement in self.mapping.items():
