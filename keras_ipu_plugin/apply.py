@@ -41,7 +41,7 @@ def apply_passes(model, passes, *, verify=True):
     - Replace without copied weights, or with `params` other than `name`,
       changes what the model computes on purpose: only that the result
       runs on the batch is checked. (A pass class of your own says which it
-      is with `claim = kip.passes.base.EQUAL` or `RUNS`.)
+      is with `claim = kip.passes.EQUAL` or `kip.passes.RUNS`.)
     - A model without a kept batch (a functional model of your own, or a
       loaded one) is checked on a small synthetic batch built from its
       input specs: floats random normal, integers zeros, booleans False.

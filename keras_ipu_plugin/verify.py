@@ -123,8 +123,10 @@ def check_equivalent(
         variables = []
     verification = Verification(what, rows=0, total_rows=_row_count(x),
                                 variables=len(variables))
+    # A model with a fixed batch size cannot run on a few rows of it.
+    fixed = _fixed_batch_size(original) or _fixed_batch_size(converted)
     reference, x = _reference_run(
-        original, x, variables, rows, verification, rtol=rtol, atol=atol
+        original, x, variables, rows, verification, fixed, rtol=rtol, atol=atol
     )
     _refuse_untracked_variables(original, reference.watched)
     result = _run(converted, x, variables, role=what)
@@ -138,6 +140,12 @@ def check_equivalent(
             f"returns {len(ref_paths)}."
         )
     for (path, expected), actual in zip(ref_paths, res_leaves):
+        if expected is None or actual is None:
+            if (expected is None) != (actual is None):
+                raise ConversionError(
+                    f"Output `{_path_name(path, 'output')}` is None in the "
+                    f"{'original' if expected is None else what} model only.")
+            continue
         difference = _compare(f"output `{_path_name(path, 'output')}`",
                               expected, actual, rtol, atol, what)
         verification.outputs += 1
@@ -214,7 +222,7 @@ def keep_first_batch(model, x):
 
 
 # -- choosing the rows ------------------------------------------------------------
-def _reference_run(original, x, variables, rows, verification, *, rtol, atol):
+def _reference_run(original, x, variables, rows, verification, fixed, *, rtol, atol):
     """Run the original with gradients on the rows to verify on: the batch
     without non-finite rows, narrowed to a few rows where that is the same
     computation. Returns the run and the rows' inputs."""
@@ -225,7 +233,6 @@ def _reference_run(original, x, variables, rows, verification, *, rtol, atol):
             "rows, so no output can differ. Give a first batch with at least one "
             "row (or pass verify=False)."
         )
-    fixed = _fixed_batch_size(original)
     x, kept = _finite_input_rows(x, total, fixed, verification.what)
     count = len(kept) if kept is not None else None
     if count is not None and count < total:

@@ -9,12 +9,14 @@ from keras_ipu_plugin.passes.annotate import Outline
 from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.annotate import Recompute
 from keras_ipu_plugin.passes.base import ALL
+from keras_ipu_plugin.passes.base import EQUAL
+from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.expand import Expand
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 
 __all__ = [
-    "ALL", "Pass", "Expand", "Replace", "Replacement", "Outline", "Recompute",
+    "ALL", "EQUAL", "RUNS", "Pass", "Expand", "Replace", "Replacement", "Outline", "Recompute",
     "PipelineStages",
 ]
