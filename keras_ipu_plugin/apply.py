@@ -122,13 +122,16 @@ def _check(model, result, passes, x, synthetic):
     """`check_equivalent` where every pass claims EQUAL, else `check_runs`:
     a `Verification`, or a note on what was checked."""
     if all(p.claim == EQUAL for p in passes):
-        gone = {id(v) for v in model.trainable_variables} - {
-            id(v) for v in result.trainable_variables}
-        kept = [v for v in model.trainable_variables if id(v) not in gone]
+        # Only Replace may drop variables: any other variable the input's
+        # outputs depend on must still get its gradient in the result (a
+        # variable frozen into a constant would get none, and never train).
+        replaced = {id(v) for old, _ in result.kip_replaced for v in old.trainable_variables}
+        kept = [v for v in model.trainable_variables if id(v) not in replaced]
         verification = check_equivalent(model, result, x, what="passed", variables=kept)
-        if gone:
+        dropped = len(model.trainable_variables) - len(kept)
+        if dropped:
             verification.notes.append(
-                f"{len(gone)} variable(s) of replaced layers not compared")
+                f"{dropped} variable(s) of replaced layers not compared")
         return verification
     if synthetic:
         # The made-up batch must be one the model takes before a failure of
@@ -141,9 +144,9 @@ def _check(model, result, passes, x, synthetic):
 
 
 def _first_failing_pass(model, passes, x, synthetic):
-    """The index of the first pass whose result alone fails verification
-    (the passes run again on a fresh graph, one more each time), or None
-    when only their combination fails."""
+    """The index of the first pass after which verification fails (the
+    passes run again on a fresh graph, one more each time), or None when
+    running them again fails otherwise."""
     graph = graph_of(model)
     for index, one_pass in enumerate(passes[:-1]):
         try:

@@ -97,7 +97,7 @@ class Verification:
 
 def check_equivalent(
     original, converted, x, *, rtol=1e-4, atol=1e-5, what="converted",
-    gradients=True, variables=None, rows="auto",
+    gradients=True, variables=None, rows="auto", before_each_run=None,
 ):
     """Compare `converted` with `original` on batch `x`; return a `Verification`.
 
@@ -112,6 +112,9 @@ def check_equivalent(
             every trainable variable of `original`.
         rows: "auto" (a few rows where that is the same computation, see
             the module docstring), None for the whole batch, or a number.
+        before_each_run: called before every run of either model (e.g. to
+            put seed generators back, so that every run sees the same
+            random draws).
 
     Example:
         >>> check_equivalent(model, converted, x)   # raises when they differ
@@ -123,13 +126,18 @@ def check_equivalent(
         variables = []
     verification = Verification(what, rows=0, total_rows=_row_count(x),
                                 variables=len(variables))
+    def run(model, x, variables, role, tape=True):
+        if before_each_run is not None:
+            before_each_run()
+        return _run(model, x, variables, role=role, tape=tape)
+
     # A model with a fixed batch size cannot run on a few rows of it.
     fixed = _fixed_batch_size(original) or _fixed_batch_size(converted)
     reference, x = _reference_run(
-        original, x, variables, rows, verification, fixed, rtol=rtol, atol=atol
+        run, original, x, variables, rows, verification, fixed, rtol=rtol, atol=atol
     )
     _refuse_untracked_variables(original, reference.watched)
-    result = _run(converted, x, variables, role=what)
+    result = run(converted, x, variables, role=what)
     del x  # nothing of the batch is needed any more
 
     ref_paths = keras.tree.flatten_with_path(reference.outputs)
@@ -163,7 +171,7 @@ def check_equivalent(
             )
         difference = _compare(
             f"the gradient w.r.t. variable `{_variable_name(variable)}`",
-            expected, actual, rtol, atol, what,
+            *_comparable(expected, actual), rtol, atol, what,
         )
         verification.gradients += 1
         verification.max_gradient_difference = max(
@@ -222,7 +230,7 @@ def keep_first_batch(model, x):
 
 
 # -- choosing the rows ------------------------------------------------------------
-def _reference_run(original, x, variables, rows, verification, fixed, *, rtol, atol):
+def _reference_run(run, original, x, variables, rows, verification, fixed, *, rtol, atol):
     """Run the original with gradients on the rows to verify on: the batch
     without non-finite rows, narrowed to a few rows where that is the same
     computation. Returns the run and the rows' inputs."""
@@ -244,13 +252,13 @@ def _reference_run(original, x, variables, rows, verification, fixed, *, rtol, a
     if subset_allowed and wanted < count:
         # The whole batch forward only: to find the rows whose outputs are
         # finite, and what the sub-batch must reproduce.
-        whole = _run(original, x, [], role="original", tape=False)
+        whole = run(original, x, [], role="original", tape=False)
         finite, culprit = _finite_output_rows(whole.outputs, count)
         if finite is not None:
             _refuse_all_nonfinite(finite, culprit, verification.what)
             candidates = np.flatnonzero(finite)
             picked = _spread(candidates, wanted)
-            reference = _run(original, _take(x, picked), variables, role="original")
+            reference = run(original, _take(x, picked), variables, role="original")
             expected = keras.tree.map_structure(lambda o: o[picked], whole.outputs)
             if _outputs_close(expected, reference.outputs, rtol, atol):
                 verification.rows = len(picked)
@@ -263,7 +271,7 @@ def _reference_run(original, x, variables, rows, verification, fixed, *, rtol, a
                 x, count = _take(x, candidates), len(candidates)
                 verification.notes.append("rows whose outputs hold NaN or Inf left out")
         del whole
-    reference = _run(original, x, variables, role="original")
+    reference = run(original, x, variables, role="original")
     finite, culprit = _finite_output_rows(reference.outputs, count)
     if finite is None:
         finite, culprit = _finite_overall(reference.outputs)
@@ -278,7 +286,7 @@ def _reference_run(original, x, variables, rows, verification, fixed, *, rtol, a
             )
         x = _take(x, np.flatnonzero(finite))
         verification.notes.append("rows whose outputs hold NaN or Inf left out")
-        reference = _run(original, x, variables, role="original")
+        reference = run(original, x, variables, role="original")
         finite, culprit = _finite_output_rows(reference.outputs, int(finite.sum()))
         if not finite.all():
             raise ConversionError(
@@ -455,7 +463,8 @@ def _run(model, x, variables, *, role, tape=True):
             raise  # already says what is wrong (a nested conversion, new variables)
         raise _call_error(model, role, error) from error
     return _Run(
-        keras.tree.map_structure(_numpy, outputs), [_numpy(g) for g in gradients], watched
+        keras.tree.map_structure(_numpy, outputs), [_gradient_numpy(g) for g in gradients],
+        watched,
     )
 
 
@@ -647,11 +656,44 @@ def _as_tensor(leaf):
 
 
 def _numpy(value):
-    if value is None:
-        return None
-    if isinstance(value, tf.IndexedSlices):
-        value = tf.convert_to_tensor(value)
-    return np.asarray(value)
+    return None if value is None else np.asarray(value)
+
+
+@dataclass
+class _Rows:
+    """A sparse gradient (an embedding's) as the rows it touches, summed
+    per row: a few rows of the batch touch a few rows of the table, and a
+    dense copy of a large vocabulary's gradient would cost more memory than
+    the training step it stands in for."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: tuple
+
+    def dense(self):
+        array = np.zeros(self.dense_shape, self.values.dtype)
+        array[self.indices] = self.values
+        return array
+
+
+def _gradient_numpy(gradient):
+    if not isinstance(gradient, tf.IndexedSlices):
+        return _numpy(gradient)
+    indices, positions = np.unique(np.asarray(gradient.indices), return_inverse=True)
+    values = np.zeros((len(indices),) + tuple(gradient.values.shape[1:]),
+                      gradient.values.dtype.as_numpy_dtype)
+    np.add.at(values, positions, np.asarray(gradient.values))
+    return _Rows(indices, values, tuple(int(d) for d in gradient.dense_shape))
+
+
+def _comparable(expected, actual):
+    """Both as arrays of the same layout: the touched rows when both are
+    sparse on the same rows, else dense."""
+    if isinstance(expected, _Rows) and isinstance(actual, _Rows) and np.array_equal(
+            expected.indices, actual.indices):
+        return expected.values, actual.values
+    as_array = lambda g: g.dense() if isinstance(g, _Rows) else g  # noqa: E731
+    return as_array(expected), as_array(actual)
 
 
 def _row_count(x):

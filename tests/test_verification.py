@@ -520,3 +520,57 @@ def test_a_model_with_a_fixed_batch_size_is_verified_on_the_whole_batch():
     assert converted.inputs[0].shape[0] == 16
     (row,) = verify_rows(converted)
     assert row.detail.startswith("16 of 16 rows")
+
+
+class Lookup(keras.Model):
+    """An embedding and a head; `twisted` doubles the embedding gradient on
+    the rows it reads and keeps the outputs."""
+
+    def __init__(self, embedding, head, twisted=False, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+        self.head = head
+        self.twisted = twisted
+
+    def call(self, ids):
+        e = self.embedding(ids)
+        if self.twisted:
+            e = 2.0 * e - keras.ops.stop_gradient(e)
+        return self.head(e)
+
+
+def test_a_sparse_embedding_gradient_is_compared_on_the_rows_it_touches():
+    ids = np.random.RandomState(0).randint(0, 50, (16, 5)).astype("int32")
+    embedding, head = keras.layers.Embedding(50, 4), keras.layers.Dense(1)
+    model = Lookup(embedding, head)
+    model(ids)
+    verification = kip.verify.check_equivalent(model, model, ids)
+    assert verification.gradients == 3
+    with pytest.raises(kip.ConversionError, match=r"gradient w.r.t. variable .*embeddings"):
+        kip.verify.check_equivalent(model, Lookup(embedding, head, twisted=True), ids)
+
+
+class FreezeDense(Pass):
+    """A faulty pass of one's own: puts a same-valued copy of a Dense in
+    place of the original, as if its variables had become constants."""
+
+    step = "freeze"
+
+    def __init__(self, target):
+        self.target = target
+
+    def run(self, graph, report):
+        for node in matched_nodes(graph, [self.target], self.step):
+            old = node.operation
+            new = keras.layers.Dense(old.units, name=old.name + "_frozen", trainable=False)
+            new.build(old.kernel.shape[:1])
+            new.set_weights(old.get_weights())
+            node.operation = new
+            node.made_by_pass = True
+        return graph
+
+
+def test_a_pass_that_drops_a_variable_the_outputs_depend_on_is_rejected():
+    converted = kip.convert_to_functional(WithBlock(), _rand(8, 4))
+    with pytest.raises(kip.PassError, match=r"FreezeDense.*gradient w.r.t. variable `.*head/kernel` is missing"):
+        kip.apply_passes(converted, [FreezeDense("head")])
