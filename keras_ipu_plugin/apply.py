@@ -14,6 +14,8 @@ from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.tracing import TraceError
+from keras_ipu_plugin.tracing import _failing_layer
+from keras_ipu_plugin.tracing import essential_message
 from keras_ipu_plugin.tracing import trace_model
 from keras_ipu_plugin.verify import check_equivalent
 from keras_ipu_plugin.verify import check_runs
@@ -64,11 +66,13 @@ def apply_passes(model, passes, *, verify=True):
     report = (getattr(model, "kip_report", None) or Report()).copy()
     for one_pass in passes:
         graph = one_pass.run(graph, report)
-    result = _rebuilt(graph, model)
+    result = _rebuilt(graph, model, passes)
     result.kip_report = report
     first_batch = getattr(model, "kip_first_batch", None)
     if verify:
         _verify_passed(model, result, passes, report, first_batch, input_specs)
+    else:
+        report.add("verify", model.name, "not verified", "apply_passes(verify=False)")
     if first_batch is not None:
         keep_first_batch(result, first_batch)
     if any("outline" in node.annotations for node in graph.nodes):
@@ -76,8 +80,18 @@ def apply_passes(model, passes, *, verify=True):
     return result
 
 
-def _rebuilt(graph, model):
-    result = graph.rebuild(name=model.name)
+def _rebuilt(graph, model, passes):
+    try:
+        result = graph.rebuild(name=model.name)
+    except Exception as error:
+        if type(error).__module__.startswith("keras_ipu_plugin"):
+            raise
+        where = _failing_layer(error)
+        raise PassError(
+            f"apply_passes: the graph after {_names(passes)} cannot be rebuilt into a "
+            f"model{f' (at layer `{where}`)' if where else ''}: "
+            f"{type(error).__name__}: {essential_message(error)}"
+        ) from error
     stage_devices = getattr(model, "kip_stage_devices", None)
     if stage_devices and not result.kip_stage_devices:
         result.kip_stage_devices = list(stage_devices)
@@ -109,7 +123,7 @@ def _verify_passed(model, result, passes, report, first_batch, input_specs):
         culprit = _first_failing_pass(model, passes, x, synthetic) if len(passes) > 1 else 0
         which = ("the passes " + _names(passes) if culprit is None
                  else f"pass {_names([passes[culprit]])}")
-        raise PassError(f"apply_passes: after {which}, {error}") from error
+        raise PassError(f"apply_passes: after {which}: {error}") from error
     where = "on a synthetic batch (no first batch kept)" if synthetic else None
     if isinstance(verification, str):
         report.add("verify", model.name, "runs", "; ".join(filter(None, [verification, where])))
@@ -151,7 +165,8 @@ def _first_failing_pass(model, passes, x, synthetic):
     for index, one_pass in enumerate(passes[:-1]):
         try:
             graph = one_pass.run(graph, Report())
-            _check(model, _rebuilt(graph.copy(), model), passes[: index + 1], x, synthetic)
+            _check(model, _rebuilt(graph.copy(), model, passes[: index + 1]),
+                   passes[: index + 1], x, synthetic)
         except (ConversionError, InputDataError):
             return index
         except Exception:  # noqa: BLE001 - attribution is best effort

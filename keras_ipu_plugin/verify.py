@@ -54,6 +54,8 @@ import tensorflow as tf
 from keras_ipu_plugin.distribution import owning_strategy
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
+from keras_ipu_plugin.tracing import _failing_layer
+from keras_ipu_plugin.tracing import essential_message
 
 # The share of the batch verified, and the fewest rows: two rows at least,
 # so that a converted graph that mixes rows cannot pass.
@@ -480,9 +482,6 @@ def _outputs_and_gradients(model, x, variables, tape, watched):
 
 
 def _call_error(model, role, error):
-    from keras_ipu_plugin.tracing import _failing_layer
-    from keras_ipu_plugin.tracing import essential_message
-
     where = _failing_layer(error)
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     if role == "original":
