@@ -18,14 +18,22 @@ A check that cannot show a difference is refused, never reported equal
   hold NaN or Inf are left out (a NaN compared with a NaN shows nothing);
   NaN or Inf where the other model is finite is a mismatch.
 - Variables the original's forward pass reads but Keras does not track (a
-  raw `tf.Variable`, a `tf.Module`, a layer kept in an object Keras does
-  not look into) raise `ConversionError`: no gradient of theirs would be
-  compared, and `fit` would not train them.
-- The returned `Verification` says how many rows, outputs and gradients
-  were compared. A model with no trainable variable (a Normalization layer
-  alone) is verified on its outputs, and the report says "0 gradients":
-  that is what there is to compare, but it is never presented as a check
-  of training.
+  raw `tf.Variable`, a `tf.Module` from another framework, a layer kept in
+  an object Keras does not look into) raise `ConversionError` naming them.
+  Plain Keras would not train them either (`fit` trains
+  `model.trainable_variables`), but a model that reads them holds a weight
+  its author means to learn and that nothing will ever move, and
+  verification cannot tell whether the converted model reads them as the
+  original does (no gradient of theirs is compared): "verified" would be a
+  guess. They are found by the gradient tape, which records every
+  trainable variable the forward pass reads.
+- Zero gradients compared is reported, not refused. A model with no
+  trainable variable (a Normalization layer alone) has nothing to train:
+  its outputs are all there is to verify, and it converts. The same for a
+  model whose float outputs depend on none of its trainable variables
+  (`stop_gradient`, integer outputs). The report then says "outputs equal",
+  not "outputs and gradients equal", and "gradients of 0 of N" with the
+  reason, so it never reads as a check of training.
 
 Cost: a training step runs forward and backward over the whole batch. The
 check runs the original forward over the whole batch (no tape, so no
@@ -40,7 +48,7 @@ fixed batch size is verified on the whole batch.
 Example:
     >>> verification = check_equivalent(model, converted, x)
     >>> verification.describe()
-    'outputs and gradients equal on 2 of 16 rows: ...'
+    '2 of 16 rows; 1 output(s), max difference 0.00e+00; gradients of 4 of 4 ...'
 """
 
 import inspect
@@ -128,6 +136,7 @@ def check_equivalent(
         variables = []
     verification = Verification(what, rows=0, total_rows=_row_count(x),
                                 variables=len(variables))
+
     def run(model, x, variables, role, tape=True):
         if before_each_run is not None:
             before_each_run()
@@ -259,6 +268,8 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
         if finite is not None:
             _refuse_all_nonfinite(finite, culprit, verification.what)
             candidates = np.flatnonzero(finite)
+            if len(candidates) < count:
+                verification.notes.append(_outputs_left_out(kept, finite, culprit))
             picked = _spread(candidates, wanted)
             reference = run(original, _take(x, picked), variables, role="original")
             expected = keras.tree.map_structure(lambda o: o[picked], whole.outputs)
@@ -270,8 +281,7 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
                 "verified on the whole batch")
             del reference
             if len(candidates) < count:
-                x, count = _take(x, candidates), len(candidates)
-                verification.notes.append("rows whose outputs hold NaN or Inf left out")
+                x, kept, count = _take(x, candidates), kept[candidates], len(candidates)
         del whole
     reference = run(original, x, variables, role="original")
     finite, culprit = _finite_output_rows(reference.outputs, count)
@@ -280,18 +290,18 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
     _refuse_all_nonfinite(finite, culprit, verification.what)
     if not finite.all():
         if not subset_allowed:
-            raise ConversionError(
+            raise InputDataError(
                 f"Cannot verify the {verification.what} model: the original's output "
                 f"`{culprit}` holds NaN or Inf, and the rows cannot be left out "
                 f"({_why_whole(fixed)}). Check the data and the model, or pass "
                 "verify=False."
             )
         x = _take(x, np.flatnonzero(finite))
-        verification.notes.append("rows whose outputs hold NaN or Inf left out")
+        verification.notes.append(_outputs_left_out(kept, finite, culprit))
         reference = run(original, x, variables, role="original")
         finite, culprit = _finite_output_rows(reference.outputs, int(finite.sum()))
-        if not finite.all():
-            raise ConversionError(
+        if finite is None or not finite.all():
+            raise InputDataError(
                 f"Cannot verify the {verification.what} model: the original's output "
                 f"`{culprit}` holds NaN or Inf on rows whose outputs were finite "
                 "before the other rows were left out. Check the data and the model, "
@@ -299,6 +309,12 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
             )
     verification.rows = _row_count(x) if count is not None else 0
     return reference, x
+
+
+def _outputs_left_out(kept, finite, culprit):
+    rows = kept[~finite] if kept is not None else np.flatnonzero(~finite)
+    return (f"rows {_some(rows)} left out: the original's output `{culprit}` "
+            "holds NaN or Inf there")
 
 
 def _rows_wanted(rows, count):

@@ -595,3 +595,24 @@ def test_a_graph_that_cannot_be_rebuilt_is_a_pass_error():
     """Was Keras's own error from inside the rebuild."""
     with pytest.raises(kip.PassError, match=r"after WrongShape cannot be rebuilt.*wrong_head"):
         kip.apply_passes(_functional_with_activation(), [WrongShape()])
+
+
+class LogOfFirstFeature(keras.Model):
+    """NaN output on the rows whose first feature is negative."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.dense(inputs) * keras.ops.log(inputs[:, :1])
+
+
+@pytest.mark.parametrize("rows", [2, 32])  # the whole batch, a few of its rows
+def test_rows_whose_original_outputs_are_nan_are_left_out_and_named(rows):
+    x = np.abs(_rand(rows, 3)) + 0.5
+    x[1, 0] = -1.0
+    converted = kip.convert_to_functional(LogOfFirstFeature(), x)
+    (row,) = verify_rows(converted)
+    assert "rows 1 left out: the original's output `output` holds NaN or Inf there" in row.detail
+    assert row.action == "outputs and gradients equal"
