@@ -572,7 +572,8 @@ class FreezeDense(Pass):
 
 def test_a_pass_that_drops_a_variable_the_outputs_depend_on_is_rejected():
     converted = kip.convert_to_functional(WithBlock(), _rand(8, 4))
-    with pytest.raises(kip.PassError, match=r"FreezeDense.*gradient w.r.t. variable `.*head/kernel` is missing"):
+    with pytest.raises(kip.PassError,
+                       match=r"FreezeDense.*gradient w.r.t. variable `.*head/kernel` is missing"):
         kip.apply_passes(converted, [FreezeDense("head")])
 
 
