@@ -4,30 +4,64 @@ import keras
 
 from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
+from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.executor import train_graph_ops
 from keras_ipu_plugin.functional import KipFunctional
 from keras_ipu_plugin.inputs import InputSpec
 from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import registered_passes
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.state import ModelState
 from keras_ipu_plugin.tracing import TraceError
+from keras_ipu_plugin.tracing import _failing_layer
+from keras_ipu_plugin.tracing import essential_message
 from keras_ipu_plugin.tracing import trace_model
+from keras_ipu_plugin.verify import check_equivalent
+from keras_ipu_plugin.verify import check_runs
+from keras_ipu_plugin.verify import keep_first_batch
+from keras_ipu_plugin.verify import synthetic_batch
 
 
-def apply_passes(model, passes):
+def apply_passes(model, passes, *, verify=True):
     """Return a new functional model: `model`'s graph after `passes`.
 
     Layers that no pass replaces are the same objects as in `model` (their
     variables are shared). The result's `kip_report` holds the conversion
-    report of `model` (if any) followed by what each pass did.
+    report of `model` (if any) followed by what each pass did and what
+    verification compared.
+
+    Verification (`verify=True`) checks the result against `model` on the
+    first batch that `convert_to_functional` kept (`model.kip_first_batch`;
+    the result keeps it too), the way conversion is checked
+    (`verify.check_equivalent`), as far as the passes claim equivalence:
+
+    - Expand, Outline, Recompute, PipelineStages, and Replace with copied
+      weights and unchanged parameters claim the same model: the outputs
+      are compared, and the gradients of every variable the result keeps
+      (the replaced layers' variables are no longer in it).
+    - Replace without copied weights, or with `params` other than `name`,
+      changes what the model computes on purpose: only that the result
+      runs on the batch is checked. (A pass class of your own says which it
+      is with `claim = kip.passes.EQUAL` or `kip.passes.RUNS`.)
+    - A model without a kept batch (a functional model of your own, or a
+      loaded one) is checked on a small synthetic batch built from its
+      input specs: floats random normal, integers zeros, booleans False.
+      That is weaker evidence (zeros reach one embedding row), and where it
+      cannot be built (a string input) or the model itself rejects it, the
+      report says that the passes were not verified, and why.
+
+    A result that differs or fails when called raises `kip.PassError`
+    naming the first pass whose result fails and what differs (the output
+    or variable, or the layer that raised). `verify=False` skips all this.
 
     Example:
         >>> converted = kip.convert_to_functional(MyModel(), x)
         >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
-        >>> print(passed.kip_report)
+        >>> print(passed.kip_report)   # ends with a "verify" row
     """
     passes = validate_passes(passes)
     with one_conversion_at_a_time():
@@ -37,7 +71,7 @@ def apply_passes(model, passes):
         state = ModelState(model)
         try:
             with state.recording():
-                result = _apply_passes(model, passes)
+                result = _apply_passes(model, passes, verify)
             state.restore_after_success()
         except BaseException as error:
             state.undo_after(error)
@@ -45,21 +79,122 @@ def apply_passes(model, passes):
     return result
 
 
-def _apply_passes(model, passes):
+def _apply_passes(model, passes, verify):
     graph = graph_of(model)
+    input_specs = graph.input_specs
     report = (getattr(model, "kip_report", None) or Report()).copy()
     for one_pass in passes:
         graph = one_pass.run(graph, report)
-    result = graph.rebuild(name=model.name)
-    stage_devices = getattr(model, "kip_stage_devices", None)
-    if stage_devices and not result.kip_stage_devices:
-        result.kip_stage_devices = list(stage_devices)
+    result = _rebuilt(graph, model, passes)
     result.kip_report = report
-    if result.kip_stages:
-        get_backend().assign_stages(result, result.kip_stages)
+    first_batch = getattr(model, "kip_first_batch", None)
+    if verify:
+        _verify_passed(model, result, passes, report, first_batch, input_specs)
+    else:
+        report.add("verify", model.name, "not verified", "apply_passes(verify=False)")
+    if first_batch is not None:
+        keep_first_batch(result, first_batch)
     if any("outline" in node.annotations for node in graph.nodes):
         _report_outlined_graph_size(graph, result, report)
     return result
+
+
+def _rebuilt(graph, model, passes):
+    try:
+        result = graph.rebuild(name=model.name)
+    except Exception as error:
+        if type(error).__module__.startswith("keras_ipu_plugin"):
+            raise
+        where = _failing_layer(error)
+        raise PassError(
+            f"apply_passes: the graph after {_names(passes)} cannot be rebuilt into a "
+            f"model{f' (at layer `{where}`)' if where else ''}: "
+            f"{type(error).__name__}: {essential_message(error)}"
+        ) from error
+    stage_devices = getattr(model, "kip_stage_devices", None)
+    if stage_devices and not result.kip_stage_devices:
+        result.kip_stage_devices = list(stage_devices)
+    if result.kip_stages:
+        get_backend().assign_stages(result, result.kip_stages)
+    return result
+
+
+def _verify_passed(model, result, passes, report, first_batch, input_specs):
+    """Check `result` as far as `passes` claim; raise `PassError` on failure."""
+    x, synthetic = first_batch, first_batch is None
+    if synthetic:
+        x, reason = synthetic_batch(input_specs)
+        if x is None:
+            report.add("verify", model.name, "not verified", reason)
+            return
+    try:
+        verification = _check(model, result, passes, x, synthetic)
+    except InputDataError as error:
+        if synthetic:
+            report.add("verify", model.name, "not verified",
+                       f"on a synthetic batch: {error}")
+            return
+        raise PassError(
+            f"apply_passes cannot verify {_names(passes)} on the first batch kept "
+            f"with `{model.name}`: {error}"
+        ) from error
+    except ConversionError as error:
+        culprit = _first_failing_pass(model, passes, x, synthetic) if len(passes) > 1 else 0
+        which = ("the passes " + _names(passes) if culprit is None
+                 else f"pass {_names([passes[culprit]])}")
+        raise PassError(f"apply_passes: after {which}: {error}") from error
+    where = "on a synthetic batch (no first batch kept)" if synthetic else None
+    if isinstance(verification, str):
+        report.add("verify", model.name, "runs", "; ".join(filter(None, [verification, where])))
+    else:
+        verification.notes.extend(filter(None, [where]))
+        report.add_verification(model.name, verification)
+
+
+def _check(model, result, passes, x, synthetic):
+    """`check_equivalent` where every pass claims EQUAL, else `check_runs`:
+    a `Verification`, or a note on what was checked."""
+    if all(p.claim == EQUAL for p in passes):
+        # Only Replace may drop variables: any other variable the input's
+        # outputs depend on must still get its gradient in the result (a
+        # variable frozen into a constant would get none, and never train).
+        replaced = {id(v) for old, _ in result.kip_replaced for v in old.trainable_variables}
+        kept = [v for v in model.trainable_variables if id(v) not in replaced]
+        verification = check_equivalent(model, result, x, what="passed", variables=kept)
+        dropped = len(model.trainable_variables) - len(kept)
+        if dropped:
+            verification.notes.append(
+                f"{dropped} variable(s) of replaced layers not compared")
+        return verification
+    if synthetic:
+        # The made-up batch must be one the model takes before a failure of
+        # the result can be blamed on the passes.
+        check_runs(model, x, what="original")
+    check_runs(result, x, what="passed")
+    changing = [type(p).__name__ for p in passes if p.claim != EQUAL]
+    return (f"outputs not compared: {', '.join(changing)} changes what the model "
+            "computes (new weights or parameters)")
+
+
+def _first_failing_pass(model, passes, x, synthetic):
+    """The index of the first pass after which verification fails (the
+    passes run again on a fresh graph, one more each time), or None when
+    running them again fails otherwise."""
+    graph = graph_of(model)
+    for index, one_pass in enumerate(passes[:-1]):
+        try:
+            graph = one_pass.run(graph, Report())
+            _check(model, _rebuilt(graph.copy(), model, passes[: index + 1]),
+                   passes[: index + 1], x, synthetic)
+        except (ConversionError, InputDataError):
+            return index
+        except Exception:  # noqa: BLE001 - attribution is best effort
+            return None
+    return len(passes) - 1
+
+
+def _names(passes):
+    return ", ".join(type(p).__name__ for p in passes)
 
 
 def _report_outlined_graph_size(graph, outlined, report):

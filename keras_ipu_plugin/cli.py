@@ -148,7 +148,7 @@ def inspect(args):
     try:
         converted = kip.convert_to_functional(model, data, verify=not args.no_verify)
         if passes:
-            converted = kip.apply_passes(converted, passes)
+            converted = kip.apply_passes(converted, passes, verify=not args.no_verify)
     except (ValueError, TypeError) as error:
         raise CliError(f"{type(error).__name__}: {error}")
 

@@ -29,6 +29,7 @@ from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import essential_message
 from keras_ipu_plugin.tracing import trace_model
 from keras_ipu_plugin.verify import check_equivalent
+from keras_ipu_plugin.verify import keep_first_batch
 
 
 def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False):
@@ -41,7 +42,9 @@ def convert_to_functional(model, data, *, training=None, verify=True, static_bat
         training: None to follow the `training` the converted model is
             called with, or True / False to fix the graph in that mode.
         verify: compare outputs and gradients with the original on the
-            first batch; raise `kip.ConversionError` on a mismatch.
+            first batch (see `verify.check_equivalent`); raise
+            `kip.ConversionError` on a mismatch, and refuse a batch or a
+            model that cannot show one. The report says what was compared.
         static_batch: fix the batch dimension to the per-replica batch of
             the active `tf.distribute` strategy.
 
@@ -89,12 +92,13 @@ class Converter:
                 state.settle()
                 converted = graph.rebuild(name=f"{model.name}_functional")
                 if self.verify:
-                    _verify(model, converted, x)
+                    report.add_verification(model.name, _verify(model, converted, x))
             state.restore_after_success()
         except BaseException as error:
             state.undo_after(error)
             raise
         converted.kip_report = report
+        keep_first_batch(converted, x)  # what apply_passes verifies on
         return converted
 
     def trace(self, model, x, specs, state):
@@ -168,7 +172,7 @@ def _verify(model, converted, x):
     """`check_equivalent`, and a clearer refusal when the original model
     itself gives different outputs on the same batch."""
     try:
-        check_equivalent(model, converted, x)
+        return check_equivalent(model, converted, x)
     except ConversionError as mismatch:
         differing = _nondeterministic_output(model, x)
         if differing is None:

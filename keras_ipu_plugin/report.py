@@ -7,6 +7,7 @@ Example:
 """
 
 import io
+import shutil
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -38,6 +39,11 @@ class Report:
     def add_opaque(self, layer, reason):
         self.opaque[layer] = reason
 
+    def add_verification(self, layer, verification, step="verify"):
+        """One row saying what a verification compared (rows of the batch,
+        outputs, gradients, the largest differences): a `verify.Verification`."""
+        self.add(step, layer, verification.action, verification.describe())
+
     def touched(self, step):
         """Names of the layers that `step` touched, in order."""
         return [entry.layer for entry in self.entries if entry.step == step]
@@ -63,9 +69,7 @@ class Report:
         return table
 
     def __str__(self):
-        buffer = io.StringIO()
-        Console(file=buffer, width=140, force_terminal=False).print(self.table())
-        return buffer.getvalue()
+        return render(self.table())
 
 
 def graph_table(graph):
@@ -92,6 +96,13 @@ def summary(model, print_fn=None):
     for table in ([graph_table(graph)] if graph is not None else []) + (
         [model.kip_report.table()] if getattr(model, "kip_report", None) else []
     ):
-        buffer = io.StringIO()
-        Console(file=buffer, width=140, force_terminal=False).print(table)
-        print_fn(buffer.getvalue())
+        print_fn(render(table))
+
+
+def render(table):
+    """`table` as text as wide as the terminal (its `COLUMNS` when set;
+    120 columns where there is no terminal, e.g. output to a file)."""
+    buffer = io.StringIO()
+    width = shutil.get_terminal_size(fallback=(120, 24)).columns
+    Console(file=buffer, width=width, force_terminal=False).print(table)
+    return buffer.getvalue()

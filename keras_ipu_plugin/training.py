@@ -88,7 +88,7 @@ class Runtime:
             ).convert(self.subject, self.first_x)
             self._layer_sequence = _layer_sequence(converted)
             if self.passes:
-                converted = apply_passes(converted, self.passes)
+                converted = apply_passes(converted, self.passes, verify=self.verify)
         self.watch.take()
         for entry in report_entries:
             converted.kip_report.add(*entry)

@@ -9,6 +9,8 @@ from keras_ipu_plugin.passes.annotate import Outline
 from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.annotate import Recompute
 from keras_ipu_plugin.passes.base import ALL
+from keras_ipu_plugin.passes.base import EQUAL
+from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import registered_passes
@@ -17,6 +19,6 @@ from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 
 __all__ = [
-    "ALL", "Pass", "Expand", "Replace", "Replacement", "Outline", "Recompute",
-    "PipelineStages", "register_pass", "registered_passes",
+    "ALL", "EQUAL", "RUNS", "Pass", "Expand", "Replace", "Replacement", "Outline",
+    "Recompute", "PipelineStages", "register_pass", "registered_passes",
 ]

@@ -17,6 +17,10 @@ from keras_ipu_plugin.passes.layer_class_names import name_of_class
 
 ALL = "all"
 
+# What a pass promises about the model it returns; `apply_passes` verifies it.
+EQUAL = "equal"  # the same outputs, and gradients for every variable it keeps
+RUNS = "runs"  # may change what the model computes; only that it runs is checked
+
 
 class Pass:
     """A graph transformation: `run(graph, report) -> graph`.
@@ -30,6 +34,9 @@ class Pass:
     step = "pass"
     config_key = None  # set by register_pass
     config_order = None
+    # EQUAL unless the pass changes what the model computes on purpose (a
+    # subclass that does says RUNS, so apply_passes does not call it wrong).
+    claim = EQUAL
 
     def run(self, graph, report):  # pragma: no cover - interface
         raise NotImplementedError

@@ -20,6 +20,8 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.graph import map_values
+from keras_ipu_plugin.passes.base import EQUAL
+from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import config_value
@@ -215,6 +217,15 @@ class Replace(Pass):
                 raise ConfigError(target_path, f"{describe(target)} is replaced twice")
             mapping[target] = Replacement.from_user_config(spec, target_path, reader)
         return cls(mapping)
+
+    @property
+    def claim(self):
+        """EQUAL when every replacement copies the old weights and keeps the
+        config; a new layer with fresh weights or other parameters computes
+        something else on purpose (RUNS)."""
+        if all(r.copy_weights and _config_equivalent(r) for r in self.mapping.values()):
+            return EQUAL
+        return RUNS
 
     def run(self, graph, report):
         for target, replacement in self.mapping.items():
