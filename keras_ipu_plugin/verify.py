@@ -36,14 +36,16 @@ A check that cannot show a difference is refused, never reported equal
   reason, so it never reads as a check of training.
 
 Cost: a training step runs forward and backward over the whole batch. The
-check runs the original forward over the whole batch (no tape, so no
-activations are kept), then both models forward and backward over a few of
-its rows (1/8 of the batch, at least 2), one after the other, keeping only
-NumPy copies of the results. The sub-batch is used only where it is the
-same computation: the original's outputs on those rows must equal its
-outputs for the same rows of the whole batch (a model that mixes rows
-even in inference mode is verified on the whole batch), and a model with a
-fixed batch size is verified on the whole batch.
+check runs both models forward and backward over a few of its rows (1/8 of
+the batch, at least 2), one after the other, keeping only NumPy copies of
+the results, after one forward pass (no tape, so no activations are kept)
+of the original over twice as many rows that contain them. The sub-batch
+is used only where it is the same computation: the original's outputs on
+those rows must equal its outputs for the same rows of that larger probe
+(a model that mixes rows even in inference mode is verified on the whole
+batch, as is a probe with non-finite outputs, so that the whole batch
+tells which rows to leave out), and a model with a fixed batch size is
+verified on the whole batch.
 
 Example:
     >>> verification = check_equivalent(model, converted, x)
@@ -70,6 +72,9 @@ from keras_ipu_plugin.tracing import essential_message
 # so that a converted graph that mixes rows cannot pass.
 ROWS_FRACTION = 8
 MIN_ROWS = 2
+# How many times the verified rows the probe that shows they are computed as
+# in the whole batch holds (see `_narrowed_reference_run`).
+PROBE_FACTOR = 2
 
 
 @dataclass
@@ -268,6 +273,15 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
     wanted = _rows_wanted(rows, count)
     subset_allowed = count is not None and fixed is None
     if subset_allowed and wanted < count:
+        narrowed = _narrowed_reference_run(run, original, x, variables, count, wanted,
+                                           rtol=rtol, atol=atol)
+        if narrowed is not None:
+            reference, picked = narrowed
+            verification.rows = len(picked)
+            return reference, _take(x, picked)
+        verification.notes.append(
+            "the original's outputs for a row depend on the other rows, or some "
+            "rows' outputs are not finite: verified on the whole batch")
         # The whole batch forward only: to find the rows whose outputs are
         # finite, and what the sub-batch must reproduce.
         whole = run(original, x, [], role="original", tape=False)
@@ -277,17 +291,6 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
             candidates = np.flatnonzero(finite)
             if len(candidates) < count:
                 verification.notes.append(_outputs_left_out(kept, finite, culprit))
-            picked = _spread(candidates, wanted)
-            reference = run(original, _take(x, picked), variables, role="original")
-            expected = keras.tree.map_structure(lambda o: o[picked], whole.outputs)
-            if _outputs_close(expected, reference.outputs, rtol, atol):
-                verification.rows = len(picked)
-                return reference, _take(x, picked)
-            verification.notes.append(
-                "the original's outputs for a row depend on the other rows: "
-                "verified on the whole batch")
-            del reference
-            if len(candidates) < count:
                 x, kept, count = _take(x, candidates), kept[candidates], len(candidates)
         del whole
     reference = run(original, x, variables, role="original")
@@ -316,6 +319,32 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
             )
     verification.rows = _row_count(x) if count is not None else 0
     return reference, x
+
+
+def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol, atol):
+    """The original's run with gradients on `wanted` rows of `x`, where that
+    is the same computation as on the batch; None where it is not shown to be.
+
+    The rows are checked against a forward pass (no tape) over a probe of
+    `PROBE_FACTOR` times as many rows that contains them: outputs for a row
+    that depend on the other rows of the batch (statistics over the batch,
+    attention across it) come out differently on the two, while the probe
+    costs a fraction of a forward pass over the whole batch. A probe with a
+    non-finite output row is not narrowed: the whole batch then tells which
+    rows to leave out.
+    """
+    probe_rows = _spread(np.arange(count), min(count, PROBE_FACTOR * wanted))
+    probe = run(original, _take(x, probe_rows), [], role="original", tape=False)
+    finite, _ = _finite_output_rows(probe.outputs, len(probe_rows))
+    if finite is None or not finite.all():
+        return None
+    chosen = _spread(np.arange(len(probe_rows)), wanted)
+    picked = probe_rows[chosen]
+    reference = run(original, _take(x, picked), variables, role="original")
+    expected = keras.tree.map_structure(lambda o: o[chosen], probe.outputs)
+    if not _outputs_close(expected, reference.outputs, rtol, atol):
+        return None
+    return reference, picked
 
 
 def _outputs_left_out(kept, finite, culprit):

@@ -325,9 +325,10 @@ def test_verification_differentiates_a_few_rows_when_rows_are_independent():
     model(x)
     del sizes[:]
     converted = kip.convert_to_functional(model, x)
-    # The whole batch forward once (the original, no tape), then 1/8 of it
-    # through each model with gradients.
-    assert sizes == [32, 4, 4]
+    # A probe of twice the verified rows forward once (the original, no
+    # tape: it shows those rows compute as in a batch), then 1/8 of the
+    # batch through each model with gradients; never the whole batch.
+    assert sizes == [8, 4, 4]
     (row,) = verify_rows(converted)
     assert row.detail.startswith("4 of 32 rows")
 
@@ -612,8 +613,10 @@ class LogOfFirstFeature(keras.Model):
 @pytest.mark.parametrize("rows", [2, 32])  # the whole batch, a few of its rows
 def test_rows_whose_original_outputs_are_nan_are_left_out_and_named(rows):
     x = np.abs(_rand(rows, 3)) + 0.5
-    x[1, 0] = -1.0
+    nan_row = 1 if rows == 2 else 4  # of 32: one the probe of 8 rows holds
+    x[nan_row, 0] = -1.0
     converted = kip.convert_to_functional(LogOfFirstFeature(), x)
     (row,) = verify_rows(converted)
-    assert "rows 1 left out: the original's output `output` holds NaN or Inf there" in row.detail
+    assert (f"rows {nan_row} left out: the original's output `output` holds NaN or Inf "
+            "there") in row.detail
     assert row.action == "outputs and gradients equal"
