@@ -310,6 +310,40 @@ def stored_value(variable):
     return tf.convert_to_tensor(variable._value)
 
 
+def current_value(variable):
+    """`variable`'s value as `call` would see it before any autocast: the
+    value a surrounding `keras.StatelessScope` maps it to (a recomputed
+    segment's weights, read once), else its stored value."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    scope = get_stateless_scope()
+    if scope is not None:
+        value = scope.get_current_value(variable)
+        if value is not None:
+            return value
+    return stored_value(variable)
+
+
+def stateless_scope(state_mapping, collect_losses=False):
+    """A `keras.StatelessScope` mapping each variable to its value in the
+    variable's own dtype.
+
+    `StatelessScope` converts each value to `variable.dtype`, which inside
+    an autocast scope (any layer call under a mixed precision policy) is
+    the compute dtype: a float32 layer in a float16 model then ran on
+    weights rounded to float16. The scope is made with no autocast scope
+    active; reads inside it still autocast as the calling layer asks.
+    """
+    import keras
+
+    previous = global_state.get_global_attribute("autocast_scope")
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        return keras.StatelessScope(state_mapping=state_mapping, collect_losses=collect_losses)
+    finally:
+        global_state.set_global_attribute("autocast_scope", previous)
+
+
 def record_call(operation, args, kwargs, output_specs):
     """Record `operation(*args, **kwargs)` in a functional graph without
     calling it: its outputs are new KerasTensors shaped like `output_specs`
@@ -329,3 +363,12 @@ def record_call(operation, args, kwargs, output_specs):
     ]
     KerasNode(operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
     return outputs
+
+
+def stop_gradient_recording():
+    """A context in which no gradient tape records (TensorFlow's own
+    `tf.recompute_grad` runs its forward pass so: the tape then keeps none
+    of the segment's activations)."""
+    from tensorflow.python.eager import record
+
+    return record.stop_recording()
