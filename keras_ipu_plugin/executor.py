@@ -219,10 +219,14 @@ class Executor:
         tensor_kwargs = {k: v for k, v in kwargs.items() if tf.is_tensor(v)}
         static_kwargs = {k: v for k, v in kwargs.items() if k not in tensor_kwargs}
         # The body is traced once per key: the model's training mode is part
-        # of it unless no sub-layer can read it, since sub-layers that take
-        # it from the context (a Dropout in a block whose `call` has no
+        # of it unless nothing in the layer reads it, since sub-layers that
+        # take it from the context (a Dropout in a block whose `call` has no
         # `training`) bake it into the trace.
-        mode = None if training_agnostic(layer) else _training_key(training)
+        if training_agnostic(layer):
+            static_kwargs.pop("training", None)
+            mode = None
+        else:
+            mode = _training_key(training)
         key = _outline_key(layer, node, static_kwargs) + (tuple(sorted(tensor_kwargs)), mode)
         shared = self.outlined.get(key)
         if shared is None:
