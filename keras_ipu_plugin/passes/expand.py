@@ -15,7 +15,6 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import tracing
 from keras_ipu_plugin.distribution import owning_strategy
-from keras_ipu_plugin.graph import FOLLOW
 from keras_ipu_plugin.graph import Value
 from keras_ipu_plugin.graph import map_leaves
 from keras_ipu_plugin.graph import map_values
@@ -123,6 +122,9 @@ def trace_node(node, report):
             placeholders[id(tensor)] = value
     args = map_values(lambda v: tensors[id(v)], node.args)
     kwargs = map_values(lambda v: tensors[id(v)], node.kwargs)
+    # A block whose call pinned `training` is traced under that value only:
+    # every sub-layer then records a concrete mode (`trace_call` pins them),
+    # so one following the block's `training` gets the block's pinned value.
     training = node.training if node.training in (True, False) else None
     agnostic = training is None and training_agnostic(layer)
     if agnostic:
@@ -152,8 +154,6 @@ def trace_node(node, report):
             report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
         if agnostic:
             new.training = None
-        if new.training == FOLLOW and node.training in (True, False):
-            new.training = node.training
         _name_after_path(new, node.name, used)
     return new_nodes, dict(zip(node.outputs, flat_outputs))
 
