@@ -365,6 +365,22 @@ def record_call(operation, args, kwargs, output_specs):
     return outputs
 
 
+def adopt_call_signature(alias, layer):
+    """Make Keras's `alias.__call__` read its arguments as `layer.__call__`
+    reads them: which is the first argument, which tensors' masks fill
+    `mask` / `<name>_mask`, and so what `compute_mask` is handed.
+
+    Without it a `call(*args, **kwargs)` wrapper hands `compute_mask` the
+    tuple of all positional arguments and the tuple of their masks (an
+    `Attention` behind an alias then failed to validate its inputs, and an
+    embedding's `not_equal(inputs, 0)` mask gained a leading dimension).
+    """
+    for name in ("_call_signature", "call_signature_parameters", "_call_has_training_arg",
+                 "_call_has_mask_arg", "_call_context_args", "_call_has_context_arg",
+                 "_allow_non_tensor_positional_args"):
+        object.__setattr__(alias, name, getattr(layer, name))
+
+
 def stop_gradient_recording():
     """A context in which no gradient tape records (TensorFlow's own
     `tf.recompute_grad` runs its forward pass so: the tape then keeps none

@@ -64,6 +64,11 @@ def expand_graph(graph, should_expand, report, step, recursive):
     # come back as a new Value's (which would then be rewired silently).
     replaced = {}
     nodes, opaque = [], []
+    # Names in use across the whole graph: the operations a trace makes are
+    # named after their parent's path, and a sub-model shared between call
+    # sites is expanded once per site (`Embedding.convert_to_tensor` twice
+    # made the rebuilt functional model invalid).
+    names = {node.name for node in graph.nodes}
 
     def resolve(value):
         while value in replaced:
@@ -77,7 +82,7 @@ def expand_graph(graph, should_expand, report, step, recursive):
         if not (offered and should_expand(node)):
             nodes.append(node)
             return
-        traced = trace_node(node, report)
+        traced = trace_node(node, report, names)
         if traced is None:
             nodes.append(node)
             opaque.append(node)
@@ -105,13 +110,14 @@ def is_expandable(operation):
     return not type(operation).__module__.startswith("keras.")
 
 
-def trace_node(node, report):
+def trace_node(node, report, names=None):
     """Trace the layer of `node` into new nodes named `node.name + ".child"`.
 
     Returns `(new_nodes, output_map)`, `output_map` mapping each output
     Value of `node` to the Value that replaces it; or None when the
     layer cannot be traced (then `node.opaque_reason` says why, and the
-    report has it).
+    report has it). `names`: node names already in use in the graph; the
+    new nodes' names are added to it.
     """
     layer = node.operation
     placeholders, tensors = {}, {}
@@ -148,7 +154,7 @@ def trace_node(node, report):
             f"`call` traced to {len(flat_outputs)} outputs but the layer "
             f"produced {len(node.outputs)}"
         ), report)
-    used = set()
+    used = set() if names is None else names
     for new in new_nodes:
         if new.opaque_reason:  # a dynamic sub-layer, kept whole
             report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
