@@ -38,6 +38,11 @@ class LayerAlias(keras.layers.Layer):
         _keras_internals.adopt_call_signature(self, layer)
         self.built = True
 
+    @property
+    def aliased_layer(self):
+        """The layer this alias calls."""
+        return self.layer
+
     def call(self, *args, training=None, **kwargs):
         if self._passes_training:
             kwargs["training"] = training

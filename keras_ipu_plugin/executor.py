@@ -208,7 +208,9 @@ class Executor:
                 tensors[id(tensor)] = value
 
     def _outlined_call(self, node, outline_kwargs, args, kwargs, training):
-        layer = node.operation
+        # An expanded layer runs behind an alias whose config holds the
+        # layer's own name: grouped by the alias, no two would share.
+        layer = getattr(node.operation, "aliased_layer", node.operation)
         # Only what `call` takes (`__call__` would drop an unused `training`
         # itself; kept, it would split the layers into two groups).
         accepted = inspect.signature(layer.call).parameters

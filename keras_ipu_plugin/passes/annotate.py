@@ -4,14 +4,22 @@ These passes record what should happen to matched layers; the backend turns
 the annotations into effect when the model runs (see `backends.py`). They are
 stored on the rebuilt model (`kip_annotations`), so they survive `rebuild()`
 and saving.
+
+A target inside a custom layer is reached by expanding that layer (the
+report says so), so a class target matches its blocks wherever they sit. A
+target naming a block that Expand already inlined (its path, its name or its
+class) stands for that block's nodes: `Recompute` checkpoints after the
+block's last node, `Outline` outlines each of its layers, `PipelineStages`
+puts all of them in the stage.
 """
 
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
-from keras_ipu_plugin.passes.base import matched_nodes
+from keras_ipu_plugin.passes.base import matched_nodes_and_blocks
 from keras_ipu_plugin.passes.base import matches
+from keras_ipu_plugin.passes.expand import expand_to_reach
 
 
 class Outline(Pass):
@@ -30,9 +38,19 @@ class Outline(Pass):
         self.outline_kwargs = dict(outline_kwargs)
 
     def run(self, graph, report):
-        for node in matched_nodes(graph, self.targets, self.step):
+        nodes, blocks = _find(graph, self.targets, report, self.step)
+        detail = _kwargs_text(self.outline_kwargs)
+        for node in nodes:
             node.annotations["outline"] = dict(self.outline_kwargs)
-            report.add(self.step, node.name, "outlined", _kwargs_text(self.outline_kwargs))
+            report.add(self.step, node.name, "outlined", detail)
+        for block, block_nodes in blocks:
+            # The block is gone; its layers share bodies with the layers of
+            # equal config in the other blocks.
+            for node in block_nodes:
+                if node.is_layer and "outline" not in node.annotations:
+                    node.annotations["outline"] = dict(self.outline_kwargs)
+                    report.add(self.step, node.name, "outlined",
+                               _joined(f"layer of expanded `{block.path}`", detail))
         return graph
 
 
@@ -52,9 +70,15 @@ class Recompute(Pass):
         self.targets = as_targets(targets)
 
     def run(self, graph, report):
-        for node in matched_nodes(graph, self.targets, self.step):
+        nodes, blocks = _find(graph, self.targets, report, self.step)
+        for node in nodes:
             node.annotations["recompute"] = True
             report.add(self.step, node.name, "checkpoint after")
+        for block, block_nodes in blocks:
+            last = block_nodes[-1]
+            last.annotations["recompute"] = True
+            report.add(self.step, last.name, "checkpoint after",
+                       f"end of expanded `{block.path}`")
         return graph
 
 
@@ -77,8 +101,12 @@ class PipelineStages(Pass):
 
     def run(self, graph, report):
         assigned = {}
+        for targets in self.stages:
+            for target in targets:
+                expand_to_reach(graph, target, report, self.step)
         for index, targets in enumerate(self.stages):
-            for node in matched_nodes(graph, targets, self.step):
+            nodes, blocks = matched_nodes_and_blocks(graph, targets, self.step)
+            for node in nodes + [n for _, block_nodes in blocks for n in block_nodes]:
                 if id(node) in assigned and assigned[id(node)] != index:
                     raise PassError(
                         f"pipeline_stages: layer `{node.name}` is listed in "
@@ -100,6 +128,17 @@ class PipelineStages(Pass):
             node.annotations["stage"] = stage
             report.add(self.step, node.name, f"stage {stage}")
         return graph
+
+
+def _find(graph, targets, report, step):
+    """Reach each target (expanding the layers that hold it), then match."""
+    for target in targets:
+        expand_to_reach(graph, target, report, step)
+    return matched_nodes_and_blocks(graph, targets, step)
+
+
+def _joined(*parts):
+    return ", ".join(part for part in parts if part)
 
 
 def _kwargs_text(kwargs):

@@ -15,6 +15,8 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import tracing
 from keras_ipu_plugin.distribution import owning_strategy
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.graph import InlinedBlock
 from keras_ipu_plugin.graph import Value
 from keras_ipu_plugin.graph import map_leaves
 from keras_ipu_plugin.graph import map_values
@@ -23,7 +25,10 @@ from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
-from keras_ipu_plugin.passes.base import matched_nodes
+from keras_ipu_plugin.passes.base import describe
+from keras_ipu_plugin.passes.base import matched_blocks
+from keras_ipu_plugin.passes.base import matched_nodes_and_blocks
+from keras_ipu_plugin.passes.base import matches
 
 
 class Expand(Pass):
@@ -45,7 +50,12 @@ class Expand(Pass):
             expand_graph(graph, lambda node: is_expandable(node.operation), report,
                          self.step, recursive=True)
         else:
-            matched = {id(node) for node in matched_nodes(graph, self.targets, self.step)}
+            # A target inside a layer is reached by expanding that layer; a
+            # block already expanded needs nothing more.
+            for target in self.targets:
+                expand_to_reach(graph, target, report, self.step)
+            nodes, _ = matched_nodes_and_blocks(graph, self.targets, self.step)
+            matched = {id(node) for node in nodes}
             expand_graph(graph, lambda node: id(node) in matched, report, self.step,
                          recursive=False)
         return graph
@@ -99,6 +109,63 @@ def expand_graph(graph, should_expand, report, step, recursive):
     if replaced:
         graph.outputs = map_values(resolve, graph.outputs)
     return opaque
+
+
+def expand_to_reach(graph, target, report, step):
+    """Expand the custom layers that hold `target` (a name, a `parent.child`
+    path or a class) among their sub-layers, recursively, until the layers
+    it matches are nodes of the graph; a class target then matches a block
+    wherever it sits. Raises `PassError` naming the layer when one that
+    holds it cannot be expanded. `"all"` needs nothing."""
+    if target == ALL:
+        return
+
+    def holds_target(node):
+        return (
+            is_expandable(node.operation) and not node.opaque_reason
+            and not matches(node, target) and contains(node, target)
+        )
+
+    opaque = expand_graph(graph, holds_target, report, step, recursive=True)
+    if opaque:
+        node = opaque[0]
+        raise PassError(
+            f"{step}: target {describe(target)} is inside layer "
+            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
+        )
+    # Layers kept opaque at conversion hold what they hold out of reach:
+    # the target is an error if found nowhere else, else the report says
+    # which of its layers were not reached.
+    unreached = [
+        node for node in graph.nodes
+        if node.opaque_reason and not matches(node, target) and contains(node, target)
+    ]
+    if not unreached:
+        return
+    found = any(matches(node, target) for node in graph.nodes) or matched_blocks(graph, target)
+    if not found:
+        node = unreached[0]
+        raise PassError(
+            f"{step}: target {describe(target)} is inside layer "
+            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
+        )
+    for node in unreached:
+        report.add(step, node.name, "not reached",
+                   f"{describe(target)} inside it stays as it is: {node.opaque_reason}")
+
+
+def contains(node, target):
+    """Whether `target` (a name, a `parent.child` path or a class) is a
+    sub-layer of the layer of `node`."""
+    if isinstance(target, str) and target.startswith(node.name + "."):
+        return True
+    for sub in _keras_internals.sub_layers(node.operation):
+        if isinstance(target, str):
+            if target == sub.name:
+                return True
+        elif isinstance(sub, target):
+            return True
+    return False
 
 
 def is_expandable(operation):
@@ -155,7 +222,9 @@ def trace_node(node, report, names=None):
             f"produced {len(node.outputs)}"
         ), report)
     used = set() if names is None else names
+    block = InlinedBlock(node.name, layer)
     for new in new_nodes:
+        new.from_blocks = [*node.from_blocks, block, *new.from_blocks]
         if new.opaque_reason:  # a dynamic sub-layer, kept whole
             report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
         if agnostic:
