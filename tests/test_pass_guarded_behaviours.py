@@ -16,7 +16,10 @@ suite still passed. Each test here fails when its behaviour breaks:
 - a block called with a pinned `training` passes it to the sub-layers that
   follow it, through Expand;
 - a model whose own `call` branches on `training` converts to one opaque
-  node that behaves like the model in both modes and trains like it.
+  node that behaves like the model in both modes and trains like it;
+- losses added inside outlined layers (activity regularizers, `add_loss`)
+  keep their value and gradient, and an outlined body traced in training is
+  not reused in inference (both were lost by the `stateless_call` body).
 """
 
 import keras
@@ -451,3 +454,92 @@ def test_model_branching_on_training_trains_through_the_plugin_as_plain_keras():
         results.append(_numpy(model.trainable_variables))
     for e, a in zip(*results):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+
+
+# -- losses added inside an outlined layer ------------------------------------
+class RegularizedBlock(layers.Layer):
+    """An activity regularizer (added by `__call__`) and an `add_loss` in `call`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, activation="tanh", name="dense",
+                                  activity_regularizer=keras.regularizers.L2(0.1))
+
+    def call(self, x):
+        h = self.dense(x)
+        self.add_loss(0.01 * keras.ops.mean(h ** 2))
+        return x + h
+
+
+class RegularizedTower(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [RegularizedBlock(name=f"block_{i}") for i in range(3)]
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_losses_added_inside_outlined_layers_keep_their_value_and_gradient():
+    x = _rand(8, 8)
+    model = RegularizedTower(name="regularized")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    outlined = kip.apply_passes(converted, [Outline(RegularizedBlock)])
+
+    def loss_and_gradients(net):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                prediction = net(x, training=True)
+                regularization = tf.add_n(net.losses)
+                loss = tf.reduce_mean(prediction ** 2) + regularization
+            return regularization, tape.gradient(loss, model.trainable_variables)
+
+        return step()
+
+    expected_loss, expected = loss_and_gradients(converted)
+    actual_loss, actual = loss_and_gradients(outlined)
+    assert len(outlined._kip_executor.outlined) == 1
+    np.testing.assert_allclose(actual_loss, expected_loss, rtol=1e-6)
+    for variable, e, a in zip(model.trainable_variables, expected, actual):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=variable.path)
+
+
+# -- an outlined body follows the training mode --------------------------------
+class ContextDropoutBlock(layers.Layer):
+    """`call` takes no `training`: its Dropout reads it from the context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, name="dense")
+        self.dropout = layers.Dropout(0.5, name="dropout")
+
+    def call(self, x):
+        return x + self.dropout(self.dense(x))
+
+
+class ContextDropoutTower(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [ContextDropoutBlock(name=f"block_{i}") for i in range(2)]
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_outlined_body_traced_in_training_is_not_reused_in_inference():
+    x = _rand(16, 8)
+    model = ContextDropoutTower(name="context_dropout")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    outlined = kip.apply_passes(converted, [Outline(ContextDropoutBlock)])
+    in_training = outlined(x, training=True)  # traces the shared body first
+    assert not np.allclose(in_training, model(x, training=False), atol=1e-4)
+    np.testing.assert_allclose(outlined(x, training=False), model(x, training=False), atol=1e-6)
