@@ -310,6 +310,40 @@ def stored_value(variable):
     return tf.convert_to_tensor(variable._value)
 
 
+def current_value(variable):
+    """`variable`'s value as `call` would see it before any autocast: the
+    value a surrounding `keras.StatelessScope` maps it to (a recomputed
+    segment's weights, read once), else its stored value."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    scope = get_stateless_scope()
+    if scope is not None:
+        value = scope.get_current_value(variable)
+        if value is not None:
+            return value
+    return stored_value(variable)
+
+
+def stateless_scope(state_mapping, collect_losses=False):
+    """A `keras.StatelessScope` mapping each variable to its value in the
+    variable's own dtype.
+
+    `StatelessScope` converts each value to `variable.dtype`, which inside
+    an autocast scope (any layer call under a mixed precision policy) is
+    the compute dtype: a float32 layer in a float16 model then ran on
+    weights rounded to float16. The scope is made with no autocast scope
+    active; reads inside it still autocast as the calling layer asks.
+    """
+    import keras
+
+    previous = global_state.get_global_attribute("autocast_scope")
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        return keras.StatelessScope(state_mapping=state_mapping, collect_losses=collect_losses)
+    finally:
+        global_state.set_global_attribute("autocast_scope", previous)
+
+
 def record_call(operation, args, kwargs, output_specs):
     """Record `operation(*args, **kwargs)` in a functional graph without
     calling it: its outputs are new KerasTensors shaped like `output_specs`
@@ -437,3 +471,28 @@ def restore_wrapper_bookkeeping(container, saved):
             setattr(container, name, value)  # a `_self_` name: kept on the proxy
         else:
             object.__setattr__(container, name, value)
+
+
+def adopt_call_signature(alias, layer):
+    """Make Keras's `alias.__call__` read its arguments as `layer.__call__`
+    reads them: which is the first argument, which tensors' masks fill
+    `mask` / `<name>_mask`, and so what `compute_mask` is handed.
+
+    Without it a `call(*args, **kwargs)` wrapper hands `compute_mask` the
+    tuple of all positional arguments and the tuple of their masks (an
+    `Attention` behind an alias then failed to validate its inputs, and an
+    embedding's `not_equal(inputs, 0)` mask gained a leading dimension).
+    """
+    for name in ("_call_signature", "call_signature_parameters", "_call_has_training_arg",
+                 "_call_has_mask_arg", "_call_context_args", "_call_has_context_arg",
+                 "_allow_non_tensor_positional_args"):
+        object.__setattr__(alias, name, getattr(layer, name))
+
+
+def stop_gradient_recording():
+    """A context in which no gradient tape records (TensorFlow's own
+    `tf.recompute_grad` runs its forward pass so: the tape then keeps none
+    of the segment's activations)."""
+    from tensorflow.python.eager import record
+
+    return record.stop_recording()

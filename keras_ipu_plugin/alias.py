@@ -6,11 +6,17 @@ and those layers are the user's objects, whose names the plugin must not
 change. When an inlined layer's name is taken, the rebuilt model calls it
 through an alias named after its graph path (`block_2.conv1`): a thin layer
 that holds the same layer object, so the variables are the same.
+
+To Keras the alias has the layer's own call signature, so its `__call__`
+fills masks and hands `compute_mask` the same arguments as the layer's
+would (see `_keras_internals.adopt_call_signature`).
 """
 
 import inspect
 
 import keras
+
+from keras_ipu_plugin import _keras_internals
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -29,7 +35,13 @@ class LayerAlias(keras.layers.Layer):
         self.layer = layer
         self.supports_masking = layer.supports_masking
         self._passes_training = "training" in inspect.signature(layer.call).parameters
+        _keras_internals.adopt_call_signature(self, layer)
         self.built = True
+
+    @property
+    def aliased_layer(self):
+        """The layer this alias calls."""
+        return self.layer
 
     def call(self, *args, training=None, **kwargs):
         if self._passes_training:

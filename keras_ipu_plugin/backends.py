@@ -7,9 +7,10 @@ nothing else in the library branches on the hardware.
 
 Portable (CPU / GPU / TPU):
 - recompute: graph segments between checkpoints run under
-  `tf.recompute_grad`, so their activations are recomputed in the backward
-  pass (works in graph mode and under XLA: no keyword arguments cross the
-  custom gradient);
+  `recompute.recompute_grad` (TensorFlow's `tf.recompute_grad`, but keeping
+  `None` and sparse gradients as the optimizer would see them without it),
+  so their activations are recomputed in the backward pass (works in graph
+  mode and under XLA: no keyword arguments cross the custom gradient);
 - outline: layers of identical config and input signature share one
   `tf.function` body, their weights passed in as arguments;
 - pipeline stages: a stage index per layer (`model.kip_stages`), and
@@ -33,18 +34,19 @@ import tensorflow as tf
 from keras_ipu_plugin.errors import IpuError
 from keras_ipu_plugin.ipu_backend import IpuBackend
 from keras_ipu_plugin.ipu_layers import IPU_REPLACEMENTS  # noqa: F401 (public name)
+from keras_ipu_plugin.recompute import recompute_grad
 
 
 class PortableBackend:
-    """Recompute by `tf.recompute_grad` segments, outline by shared
-    `tf.function`s, stages by `tf.device`."""
+    """Recompute by checkpointed segments (`recompute.recompute_grad`),
+    outline by shared `tf.function`s, stages by `tf.device`."""
 
     name = "portable"
     recomputes_segments = True
     static_batch = False
 
     def checkpoint_segment(self, fn):
-        return tf.recompute_grad(fn)
+        return recompute_grad(fn)
 
     def checkpoint_outputs(self, tensors):  # pragma: no cover - not used
         return tensors

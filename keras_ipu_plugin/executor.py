@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.distribution import strategy_owning
 from keras_ipu_plugin.dynamic import union_of_variables
+from keras_ipu_plugin.passes.expand import training_agnostic
 
 
 @dataclass
@@ -161,7 +162,7 @@ class Executor:
             owners = []
             # Losses added inside (activity regularizers) become outputs of
             # the segment, so that they get gradients too.
-            with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
+            with _keras_internals.stateless_scope(state, collect_losses=True) as scope:
                 for node in segment.nodes:
                     before = len(scope.losses)
                     self._run_nodes([node], local, training, context)
@@ -171,7 +172,7 @@ class Executor:
 
         results = self.backend.checkpoint_segment(body)(
             *[tensors[i] for i in segment.inputs],
-            *[_keras_internals.stored_value(v) for v in segment.variables],
+            *[_keras_internals.current_value(v) for v in segment.variables],
         )
         outputs = len(results) - len(loss_owners)
         tensors.update(zip(segment.outputs, results[:outputs]))
@@ -194,7 +195,9 @@ class Executor:
                     kwargs[key] = value
             with self.backend.stage_scope(notes.get("stage", 0), self.model.kip_stage_devices):
                 if "outline" in notes and isinstance(operation, keras.layers.Layer):
-                    outputs = self._outlined_call(node, notes["outline"], args, kwargs)
+                    outputs = self._outlined_call(
+                        node, notes["outline"], args, kwargs, context.get("training")
+                    )
                 else:
                     outputs = operation(*args, **kwargs)
             flat = keras.tree.flatten(outputs)
@@ -204,43 +207,80 @@ class Executor:
             for tensor, value in zip(_keras_internals.node_outputs(node), flat):
                 tensors[id(tensor)] = value
 
-    def _outlined_call(self, node, outline_kwargs, args, kwargs):
-        layer = node.operation
-        # `stateless_call` goes straight to `call`: pass only what it takes
-        # (Layer.__call__ would drop an unused `training` itself).
+    def _outlined_call(self, node, outline_kwargs, args, kwargs, training):
+        # An expanded layer runs behind an alias whose config holds the
+        # layer's own name: grouped by the alias, no two would share.
+        layer = getattr(node.operation, "aliased_layer", node.operation)
+        # Only what `call` takes (`__call__` would drop an unused `training`
+        # itself; kept, it would split the layers into two groups).
         accepted = inspect.signature(layer.call).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
         # Tensors (a mask, an attention mask) are arguments of the shared
         # body; other values are part of what makes two calls share it.
         tensor_kwargs = {k: v for k, v in kwargs.items() if tf.is_tensor(v)}
         static_kwargs = {k: v for k, v in kwargs.items() if k not in tensor_kwargs}
-        key = _outline_key(layer, node, static_kwargs) + (tuple(sorted(tensor_kwargs)),)
+        # The body is traced once per key: the model's training mode is part
+        # of it unless nothing in the layer reads it, since sub-layers that
+        # take it from the context (a Dropout in a block whose `call` has no
+        # `training`) bake it into the trace.
+        if training_agnostic(layer):
+            static_kwargs.pop("training", None)
+            mode = None
+        else:
+            mode = _training_key(training)
+        key = _outline_key(layer, node, static_kwargs) + (tuple(sorted(tensor_kwargs)), mode)
         shared = self.outlined.get(key)
         if shared is None:
-            shared = self.backend.outline(_stateless_body(layer, static_kwargs), **outline_kwargs)
+            body = _shared_body(layer, static_kwargs, self.model, training)
+            shared = self.backend.outline(body, **outline_kwargs)
             self.outlined[key] = shared
-        outputs, new_state = shared(
-            [tf.convert_to_tensor(v.value) for v in layer.trainable_variables],
-            [tf.convert_to_tensor(v.value) for v in layer.non_trainable_variables],
+        outputs, new_state, losses = shared(
+            [_keras_internals.current_value(v) for v in layer.trainable_variables],
+            [_keras_internals.current_value(v) for v in layer.non_trainable_variables],
             tensor_kwargs,
             *args,
         )
         for variable, value in zip(layer.non_trainable_variables, new_state):
             variable.assign(value)
+        for loss in losses:
+            layer.add_loss(loss)
         return outputs
 
 
-def _stateless_body(representative, kwargs):
-    """One body for every layer of a group: the representative layer's code
-    run on the weights passed in (`stateless_call`), so N layers share it."""
+def _shared_body(representative, kwargs, model, training):
+    """One body for every layer of a group: the representative layer called
+    (through `__call__`, as the model calls it) on the weights passed in, so
+    N layers share it.
+
+    Not `stateless_call`: that runs `call` bare, skipping what `__call__`
+    does around it — casting the inputs to the compute dtype and reading the
+    weights in it under a mixed precision policy (an outlined Dense under
+    `mixed_float16` computed in float32 on float16-rounded weights), the
+    activity regularizer and the masks. Weights come in stored, uncast:
+    `__call__` casts them as it would the variables.
+    """
     kwargs = dict(kwargs)
 
     def body(trainable, non_trainable, tensor_kwargs, *args):
-        return representative.stateless_call(
-            trainable, non_trainable, *args, **kwargs, **tensor_kwargs
+        mapping = list(zip(representative.trainable_variables, trainable)) + list(
+            zip(representative.non_trainable_variables, non_trainable)
         )
+        with _keras_internals.stateless_scope(mapping, collect_losses=True) as scope:
+            with _keras_internals.call_context(model, training):
+                outputs = representative(*args, **kwargs, **tensor_kwargs)
+        new_state = [
+            scope.get_current_value(v) for v in representative.non_trainable_variables
+        ]
+        return outputs, new_state, list(scope.losses)
 
     return body
+
+
+def _training_key(training):
+    if training is None or isinstance(training, bool):
+        return training
+    return "tensor"
 
 
 def _outline_key(layer, node, kwargs):

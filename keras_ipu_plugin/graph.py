@@ -38,6 +38,23 @@ class Value:
         return f"Value({where}[{self.index}], shape={self.spec.shape})"
 
 
+class InlinedBlock:
+    """A layer that Expand inlined at one call site: its node `path` and the
+    `layer`. Every node the expansion made lists it in `from_blocks`, so a
+    target naming the block, or its class, still finds it (see
+    `passes.base.matched_blocks`). One object per call site: a layer
+    inlined at two sites gives two blocks with the same path."""
+
+    __slots__ = ("path", "layer")
+
+    def __init__(self, path, layer):
+        self.path = path
+        self.layer = layer
+
+    def __repr__(self):
+        return f"InlinedBlock({self.path!r}, {type(self.layer).__name__})"
+
+
 class Node:
     """One call of `operation` in the graph.
 
@@ -45,7 +62,8 @@ class Node:
     `FOLLOW` when it follows the model's `training`, or True / False when the
     original code pinned it. `annotations` hold what passes recorded
     (`"recompute"`, `"outline"`, `"stage"`); `opaque_reason` says why a layer
-    could not be traced into sub-layers, when it could not.
+    could not be traced into sub-layers, when it could not; `from_blocks`
+    the `InlinedBlock`s it was expanded from, outermost first.
     """
 
     def __init__(
@@ -61,6 +79,7 @@ class Node:
         self.annotations = {}
         self.opaque_reason = None
         self.made_by_pass = False  # a layer a pass created, not the user's
+        self.from_blocks = []
 
     @property
     def input_values(self):
@@ -137,6 +156,7 @@ class Graph:
             new.annotations = dict(node.annotations)
             new.opaque_reason = node.opaque_reason
             new.made_by_pass = node.made_by_pass
+            new.from_blocks = list(node.from_blocks)
             new.outputs = [copy_value(v, new) for v in node.outputs]
             nodes.append(new)
         outputs = map_values(lambda v: values[id(v)], self.outputs)

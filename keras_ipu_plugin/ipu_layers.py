@@ -39,7 +39,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.graph import Value
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
-from keras_ipu_plugin.passes.replace import _expand_until_visible
+from keras_ipu_plugin.passes.expand import expand_to_reach
 from keras_ipu_plugin.passes.base import matches
 
 #: Keras layer class name -> `ipu_tensorflow_addons.keras.layers` class name.
@@ -130,7 +130,7 @@ class IpuReplace(Replace):
         # Replace refuses a target that matches nothing).
         present = {}
         for target, replacement in self.mapping.items():
-            _expand_until_visible(graph, target, report)
+            expand_to_reach(graph, target, report, "replace")
             nodes = [node for node in graph.nodes if matches(node, target)]
             for node in nodes:
                 check_replaceable(node, replacement)

@@ -299,4 +299,7 @@ def test_outline_passes_tensor_keyword_arguments_through():
     converted = kip.convert_to_functional(model, ids)
     outlined = kip.apply_passes(converted, [kip.passes.Outline(MaskedBlock)])
     kip.verify.check_equivalent(model, outlined, ids)
-    assert len(outlined._kip_executor.outlined) == 1
+    # The three blocks share one body per training mode (attention dropout
+    # reads it from the context).
+    keys = list(outlined._kip_executor.outlined)
+    assert len(keys) == len({key[-1] for key in keys}) == 2

@@ -4,6 +4,13 @@ These passes record what should happen to matched layers; the backend turns
 the annotations into effect when the model runs (see `backends.py`). They are
 stored on the rebuilt model (`kip_annotations`), so they survive `rebuild()`
 and saving.
+
+A target inside a custom layer is reached by expanding that layer (the
+report says so), so a class target matches its blocks wherever they sit. A
+target naming a block that Expand already inlined (its path, its name or its
+class) stands for that block's nodes: `Recompute` checkpoints after the
+block's last node, `Outline` outlines each of its layers, `PipelineStages`
+puts all of them in the stage.
 """
 
 from keras_ipu_plugin.errors import ConfigError
@@ -15,12 +22,13 @@ from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import config_value
 from keras_ipu_plugin.passes.base import describe
-from keras_ipu_plugin.passes.base import matched_nodes
+from keras_ipu_plugin.passes.base import matched_nodes_and_blocks
 from keras_ipu_plugin.passes.base import matches
 from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
+from keras_ipu_plugin.passes.expand import expand_to_reach
 
 
 @register_pass("outline", order=2)
@@ -75,18 +83,20 @@ class Outline(Pass):
         return cls(reader.targets(value.get("targets"), f"{path}.targets"), **kwargs)
 
     def run(self, graph, report):
-        from keras_ipu_plugin.executor import outline_config
-
-        for node in matched_nodes(graph, self.targets, self.step):
+        nodes, blocks = _find(graph, self.targets, report, self.step)
+        detail = _kwargs_text(self.outline_kwargs)
+        for node in nodes:
             node.annotations["outline"] = dict(self.outline_kwargs)
-            _, error = outline_config(node.operation)
-            if error is None:
-                report.add(self.step, node.name, "outlined", _kwargs_text(self.outline_kwargs))
-            else:
-                report.add(self.step, node.name, "outlined alone", (
-                    f"its get_config fails ({type(error).__name__}: {error}), so "
-                    "nothing shows it equal to another layer: it shares no body"
-                ))
+            report.add(self.step, node.name, *_outline_entry(node, detail))
+        for block, block_nodes in blocks:
+            # The block is gone; its layers share bodies with the layers of
+            # equal config in the other blocks.
+            for node in block_nodes:
+                if node.is_layer and "outline" not in node.annotations:
+                    node.annotations["outline"] = dict(self.outline_kwargs)
+                    action, entry = _outline_entry(node, detail)
+                    report.add(self.step, node.name, action,
+                               _joined(f"layer of expanded `{block.path}`", entry))
         return graph
 
 
@@ -121,9 +131,15 @@ class Recompute(Pass):
         return cls(reader.targets(value, path))
 
     def run(self, graph, report):
-        for node in matched_nodes(graph, self.targets, self.step):
+        nodes, blocks = _find(graph, self.targets, report, self.step)
+        for node in nodes:
             node.annotations["recompute"] = True
             report.add(self.step, node.name, "checkpoint after")
+        for block, block_nodes in blocks:
+            last = block_nodes[-1]
+            last.annotations["recompute"] = True
+            report.add(self.step, last.name, "checkpoint after",
+                       f"end of expanded `{block.path}`")
         return graph
 
 
@@ -168,8 +184,12 @@ class PipelineStages(Pass):
 
     def run(self, graph, report):
         assigned = {}
+        for targets in self.stages:
+            for target in targets:
+                expand_to_reach(graph, target, report, self.step)
         for index, targets in enumerate(self.stages):
-            for node in matched_nodes(graph, targets, self.step):
+            nodes, blocks = matched_nodes_and_blocks(graph, targets, self.step)
+            for node in nodes + [n for _, block_nodes in blocks for n in block_nodes]:
                 if id(node) in assigned and assigned[id(node)] != index:
                     raise PassError(
                         f"pipeline_stages: layer `{node.name}` is listed in "
@@ -199,6 +219,30 @@ def _keyword_arguments(kwargs, owner):
         raise PassError(f"{owner}.from_config: outline_kwargs are keyword arguments; got "
                         f"{short_repr(kwargs)}.")
     return kwargs
+
+
+def _find(graph, targets, report, step):
+    """Reach each target (expanding the layers that hold it), then match."""
+    for target in targets:
+        expand_to_reach(graph, target, report, step)
+    return matched_nodes_and_blocks(graph, targets, step)
+
+
+def _joined(*parts):
+    return ", ".join(part for part in parts if part)
+
+
+def _outline_entry(node, detail):
+    """The report's (action, detail) for outlining `node`: a layer whose
+    `get_config` fails is outlined alone (nothing shows it equal to another)."""
+    from keras_ipu_plugin.executor import outline_config
+
+    _, error = outline_config(node.operation)
+    if error is None:
+        return "outlined", detail
+    return "outlined alone", (
+        f"its get_config fails ({type(error).__name__}: {error}), so nothing "
+        "shows it equal to another layer: it shares no body")
 
 
 def _kwargs_text(kwargs):

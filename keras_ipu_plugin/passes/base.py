@@ -3,6 +3,9 @@ registry that makes a pass known to configs and saving.
 
 A target is a layer name (the layer's own name, or its node path such as
 `"block_1.dense"`), a layer class (subclasses match too), or `"all"`.
+A name or class target also matches a block that Expand inlined (its path,
+its layer's name or its class): the block's nodes, which the annotation
+passes treat as one (a checkpoint after its last node, say).
 """
 
 import inspect
@@ -128,6 +131,48 @@ def matched_nodes(graph, targets, step):
             )
         found.extend(node for node in hits if node not in found)
     return [node for node in graph.nodes if node in found]
+
+
+def matches_block(block, target):
+    """Whether `target` names the inlined `block` (its path or its layer's
+    name) or is its class; `"all"` matches layers, not blocks."""
+    if target == ALL:
+        return False
+    if isinstance(target, str):
+        return target in (block.path, block.layer.name)
+    return isinstance(block.layer, target)
+
+
+def matched_blocks(graph, target):
+    """`[(block, nodes)]`: each block Expand inlined that `target` matches,
+    with its nodes in graph order; blocks in the order they start."""
+    found = {}
+    for node in graph.nodes:
+        for block in node.from_blocks:
+            if matches_block(block, target):
+                found.setdefault(id(block), (block, []))[1].append(node)
+    return list(found.values())
+
+
+def matched_nodes_and_blocks(graph, targets, step):
+    """`(nodes, blocks)`: the nodes `targets` match, in graph order, and the
+    inlined blocks they match (see `matched_blocks`). A target matching
+    neither is an error."""
+    nodes, blocks, seen = set(), [], set()
+    for target in targets:
+        hits = [node for node in graph.nodes if matches(node, target)]
+        inlined = matched_blocks(graph, target)
+        if not hits and not inlined:
+            raise PassError(
+                f"{step}: target {describe(target)} matches no layer of the "
+                f"model `{graph.name}` (layers: {_layer_names(graph)})."
+            )
+        nodes.update(id(node) for node in hits)
+        for block, block_nodes in inlined:
+            if id(block) not in seen:
+                seen.add(id(block))
+                blocks.append((block, block_nodes))
+    return [node for node in graph.nodes if id(node) in nodes], blocks
 
 
 def describe(target):

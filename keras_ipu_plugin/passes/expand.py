@@ -14,14 +14,18 @@ import keras
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import tracing
 from keras_ipu_plugin.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.graph import FOLLOW
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.graph import InlinedBlock
 from keras_ipu_plugin.graph import map_values
 from keras_ipu_plugin.graph import values_in
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
-from keras_ipu_plugin.passes.base import matched_nodes
+from keras_ipu_plugin.passes.base import describe
+from keras_ipu_plugin.passes.base import matched_blocks
+from keras_ipu_plugin.passes.base import matched_nodes_and_blocks
+from keras_ipu_plugin.passes.base import matches
 from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
@@ -64,7 +68,12 @@ class Expand(Pass):
             expand_graph(graph, lambda node: is_expandable(node.operation), report,
                          self.step, recursive=True)
         else:
-            matched = {id(node) for node in matched_nodes(graph, self.targets, self.step)}
+            # A target inside a layer is reached by expanding that layer; a
+            # block already expanded needs nothing more.
+            for target in self.targets:
+                expand_to_reach(graph, target, report, self.step)
+            nodes, _ = matched_nodes_and_blocks(graph, self.targets, self.step)
+            matched = {id(node) for node in nodes}
             expand_graph(graph, lambda node: id(node) in matched, report, self.step,
                          recursive=False)
         return graph
@@ -84,6 +93,11 @@ def expand_graph(graph, should_expand, report, step, recursive):
     replaced = {}
     nodes, opaque = [], []
     reads = ReadLayers.of_graph(graph)
+    # Names in use across the whole graph: the operations a trace makes are
+    # named after their parent's path, and a sub-model shared between call
+    # sites is expanded once per site (`Embedding.convert_to_tensor` twice
+    # made the rebuilt functional model invalid).
+    names = {node.name for node in graph.nodes}
 
     def resolve(value):
         while value in replaced:
@@ -97,7 +111,7 @@ def expand_graph(graph, should_expand, report, step, recursive):
         if not (offered and should_expand(node)):
             nodes.append(node)
             return
-        traced = trace_node(node, report, reads)
+        traced = trace_node(node, report, reads, names)
         if traced is None:
             nodes.append(node)
             opaque.append(node)
@@ -116,6 +130,63 @@ def expand_graph(graph, should_expand, report, step, recursive):
     return opaque
 
 
+def expand_to_reach(graph, target, report, step):
+    """Expand the custom layers that hold `target` (a name, a `parent.child`
+    path or a class) among their sub-layers, recursively, until the layers
+    it matches are nodes of the graph; a class target then matches a block
+    wherever it sits. Raises `PassError` naming the layer when one that
+    holds it cannot be expanded. `"all"` needs nothing."""
+    if target == ALL:
+        return
+
+    def holds_target(node):
+        return (
+            is_expandable(node.operation) and not node.opaque_reason
+            and not matches(node, target) and contains(node, target)
+        )
+
+    opaque = expand_graph(graph, holds_target, report, step, recursive=True)
+    if opaque:
+        node = opaque[0]
+        raise PassError(
+            f"{step}: target {describe(target)} is inside layer "
+            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
+        )
+    # Layers kept opaque at conversion hold what they hold out of reach:
+    # the target is an error if found nowhere else, else the report says
+    # which of its layers were not reached.
+    unreached = [
+        node for node in graph.nodes
+        if node.opaque_reason and not matches(node, target) and contains(node, target)
+    ]
+    if not unreached:
+        return
+    found = any(matches(node, target) for node in graph.nodes) or matched_blocks(graph, target)
+    if not found:
+        node = unreached[0]
+        raise PassError(
+            f"{step}: target {describe(target)} is inside layer "
+            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
+        )
+    for node in unreached:
+        report.add(step, node.name, "not reached",
+                   f"{describe(target)} inside it stays as it is: {node.opaque_reason}")
+
+
+def contains(node, target):
+    """Whether `target` (a name, a `parent.child` path or a class) is a
+    sub-layer of the layer of `node`."""
+    if isinstance(target, str) and target.startswith(node.name + "."):
+        return True
+    for sub in _keras_internals.sub_layers(node.operation):
+        if isinstance(target, str):
+            if target == sub.name:
+                return True
+        elif isinstance(sub, target):
+            return True
+    return False
+
+
 def is_expandable(operation):
     """Custom layers and nested functional / sequential models."""
     if not isinstance(operation, keras.layers.Layer) or isinstance(
@@ -129,7 +200,7 @@ def is_expandable(operation):
     return not type(operation).__module__.startswith("keras.")
 
 
-def trace_node(node, report, reads=None):
+def trace_node(node, report, reads=None, names=None):
     """Trace the layer of `node` into new nodes named `node.name + ".child"`.
 
     `reads` (`reads.ReadLayers`) gives the variable reads already in the
@@ -138,7 +209,8 @@ def trace_node(node, report, reads=None):
     Returns `(new_nodes, output_map)`, `output_map` mapping each output
     Value of `node` to the Value that replaces it; or None when the
     layer cannot be traced (then `node.opaque_reason` says why, and the
-    report has it).
+    report has it). `names`: node names already in use in the graph; the
+    new nodes' names are added to it.
     """
     layer = node.operation
     placeholders, tensors = {}, {}
@@ -149,6 +221,9 @@ def trace_node(node, report, reads=None):
             placeholders[id(tensor)] = value
     args = map_values(lambda v: tensors[id(v)], node.args)
     kwargs = map_values(lambda v: tensors[id(v)], node.kwargs)
+    # A block whose call pinned `training` is traced under that value only:
+    # every sub-layer then records a concrete mode (`trace_call` pins them),
+    # so one following the block's `training` gets the block's pinned value.
     training = node.training if node.training in (True, False) else None
     agnostic = training is None and training_agnostic(layer)
     if agnostic:
@@ -166,14 +241,14 @@ def trace_node(node, report, reads=None):
             f"`call` traced to {len(flat_outputs)} outputs but the layer "
             f"produced {len(node.outputs)}"
         ), report)
-    used = set()
+    used = set() if names is None else names
+    block = InlinedBlock(node.name, layer)
     for new in new_nodes:
+        new.from_blocks = [*node.from_blocks, block, *new.from_blocks]
         if new.opaque_reason:  # a dynamic sub-layer, kept whole
             report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
         if agnostic:
             new.training = None
-        if new.training == FOLLOW and node.training in (True, False):
-            new.training = node.training
         _name_after_path(new, node.name, used)
     return new_nodes, dict(zip(node.outputs, flat_outputs))
 

@@ -13,7 +13,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.distribution import strategy_owning
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
@@ -31,8 +30,7 @@ from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
-from keras_ipu_plugin.passes.expand import expand_graph
-from keras_ipu_plugin.passes.expand import is_expandable
+from keras_ipu_plugin.passes.expand import expand_to_reach
 from keras_ipu_plugin.passes.layer_class_names import class_named
 from keras_ipu_plugin.passes.layer_class_names import name_of_class
 
@@ -229,7 +227,7 @@ class Replace(Pass):
 
     def run(self, graph, report):
         for target, replacement in self.mapping.items():
-            _expand_until_visible(graph, target, report)
+            expand_to_reach(graph, target, report, self.step)
             nodes = [n for n in graph.nodes if matches(n, target)]
             if not nodes:
                 raise PassError(
@@ -256,38 +254,6 @@ class Replace(Pass):
                 node.operation = new_layers[id(old)]
                 node.made_by_pass = True  # ours: keeps the name it was given
         return graph
-
-
-def _expand_until_visible(graph, target, report):
-    """Expand custom layers whose sub-layers contain `target`, recursively."""
-
-    def contains_target(node):
-        return (
-            is_expandable(node.operation) and not node.opaque_reason
-            and not matches(node, target) and _contains(node, target)
-        )
-
-    opaque = expand_graph(graph, contains_target, report, "replace", recursive=True)
-    if opaque:
-        node = opaque[0]
-        raise PassError(
-            f"replace: target {describe(target)} is inside layer "
-            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
-        )
-
-
-def _contains(node, target):
-    """Whether `target` (a name, a `parent.child` path or a class) is a
-    sub-layer of the layer of `node`."""
-    if isinstance(target, str) and target.startswith(node.name + "."):
-        return True
-    for sub in _keras_internals.sub_layers(node.operation):
-        if isinstance(target, str):
-            if target == sub.name:
-                return True
-        elif isinstance(sub, target):
-            return True
-    return False
 
 
 def _unique(name, taken):
