@@ -329,3 +329,10 @@ def record_call(operation, args, kwargs, output_specs):
     ]
     KerasNode(operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
     return outputs
+
+
+def keras_mask(tensor):
+    """The Keras mask a tensor carries (`_keras_mask`), or None."""
+    from keras.src import backend
+
+    return backend.get_keras_mask(tensor) if tensor is not None else None

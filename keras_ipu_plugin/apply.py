@@ -32,6 +32,8 @@ def apply_passes(model, passes):
     for one_pass in passes:
         graph = one_pass.run(graph, report)
     result = graph.rebuild(name=model.name)
+    if isinstance(model, KipFunctional):
+        result.kip_original_mask = model.kip_original_mask
     stage_devices = getattr(model, "kip_stage_devices", None)
     if stage_devices and not result.kip_stage_devices:
         result.kip_stage_devices = list(stage_devices)

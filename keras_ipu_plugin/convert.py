@@ -15,6 +15,7 @@ from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin import inputs as inputs_lib
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
+from keras_ipu_plugin.functional import mask_semantics
 from keras_ipu_plugin.graph import Graph
 from keras_ipu_plugin.graph import Node
 from keras_ipu_plugin.graph import Value
@@ -77,6 +78,7 @@ class Converter:
         try:
             graph, report = self.trace(model, x, specs)
             converted = graph.rebuild(name=f"{model.name}_functional")
+            converted.kip_original_mask = mask_semantics(model)
             if self.verify:
                 check_equivalent(model, converted, x)
         except BaseException:
