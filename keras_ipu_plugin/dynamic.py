@@ -40,9 +40,18 @@ class VariableWatch:
     def __init__(self, enabled=True):
         self.enabled = enabled  # off only to measure what watching costs
         self._created = []
+        self._refused = []
 
     def _creator(self, next_creator, **kwargs):
-        variable = next_creator(**kwargs)
+        try:
+            variable = next_creator(**kwargs)
+        except Exception:
+            # A `tf.function` refuses variables created on a later trace
+            # than its first: noted here, so that the step function knows
+            # the error came from a variable being created, not from the
+            # user's code.
+            self._refused.append(kwargs.get("name"))
+            raise
         self._created.append(variable)
         return variable
 
@@ -58,8 +67,13 @@ class VariableWatch:
     def changed(self):
         return bool(self._created)
 
+    @property
+    def refused(self):
+        """Whether a variable creation failed while watching (since `take`)."""
+        return bool(self._refused)
+
     def take(self):
-        created, self._created = self._created, []
+        created, self._created, self._refused = self._created, [], []
         return created
 
 

@@ -31,6 +31,7 @@ from keras_ipu_plugin.dynamic import VariableWatch
 from keras_ipu_plugin.dynamic import describe_new_variables
 from keras_ipu_plugin.dynamic import extend_optimizer
 from keras_ipu_plugin.dynamic import union_of_variables
+from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.inputs import input_specs
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.tracing import TraceError
@@ -94,7 +95,15 @@ class Runtime:
         entries = [("rebuild", self.subject.name, reason,
                     ", ".join(v.path for v in new) or "no new variables")]
         self.rebuilds += 1
-        self._convert(report_entries=entries)
+        try:
+            self._convert(report_entries=entries)
+        except InputDataError as error:
+            # The first batch was accepted when the model was converted; if
+            # `call` fails on it now, the fault is the user's code, mid-
+            # training: raise its own error, not one blaming the data.
+            if error.__cause__ is None:
+                raise
+            raise error.__cause__
 
     def structure_changed(self):
         """Whether `call` now reaches other layers than at the last conversion
@@ -106,14 +115,16 @@ class Runtime:
         fingerprint = _attribute_fingerprint(self.subject)
         if fingerprint == self._fingerprint:
             return False
-        self._fingerprint = fingerprint
         specs = input_specs(self.first_x)
         with self.strategy.scope(), self.watch.watching():
             try:
                 graph = trace_model(self.subject, specs)
             except TraceError:
                 return True
-        return [id(layer) for layer in graph.layers()] != self._layer_sequence
+        if [id(layer) for layer in graph.layers()] != self._layer_sequence:
+            return True  # the fingerprint is taken again by the rebuild
+        self._fingerprint = fingerprint
+        return False
 
     def new_variables(self):
         """Model variables created since the last conversion. Walks the
@@ -181,7 +192,11 @@ class StepFunction:
             return self._run([data])
         if iterator is not self._iterator:  # a new epoch: a new iterator
             self._iterator = iterator
-            if runtime.rebuild_on_new_variables and runtime.structure_changed():
+            if runtime.structure_changed():
+                if not runtime.rebuild_on_new_variables:
+                    # Training on would run the old graph: the switched
+                    # branch would silently never run.
+                    raise NewVariablesError(describe_structure_change(runtime))
                 runtime.rebuild("layers reached by `call` changed")
                 self._make()
         if runtime.owner.run_eagerly:
@@ -196,7 +211,11 @@ class StepFunction:
 
         def run_step(batch):
             runtime.traces += 1
-            logs = step(proxy, batch)
+            # Runs in Python only while the step is traced (or eagerly): the
+            # watch sees every variable the step tries to create, at no cost
+            # to compiled steps.
+            with runtime.watch.watching():
+                logs = step(proxy, batch)
             if across_workers:
                 # Keras (to at least 3.15) reduces step outputs across workers
                 # with `strategy.reduce("MEAN", v, axis=0)`, which fails on
@@ -212,6 +231,7 @@ class StepFunction:
         eager = runtime.owner.run_eagerly
         for _ in range(_MAX_REBUILDS_PER_STEP):
             traces = runtime.traces
+            runtime.watch.take()
             try:
                 # In graph mode variables can only appear while the step is
                 # traced, which `runtime.traces` counts: the compiled steps
@@ -227,10 +247,11 @@ class StepFunction:
                     ", ".join(v.path for v in added))
                 self._make()
                 continue
-            except ValueError as error:
-                if "singleton" not in str(error) and "first call" not in str(error):
-                    raise
-                # Variables created on a non-first trace of the tf.function.
+            except Exception as error:
+                if not runtime.watch.refused:
+                    raise  # the user's own error, as it was raised
+                # A variable creation failed: variables created on a later
+                # trace of the tf.function than its first.
                 if not runtime.rebuild_on_new_variables:
                     raise NewVariablesError(describe_new_variables(
                         runtime.new_variables(), runtime.subject)) from error
@@ -249,6 +270,17 @@ class StepFunction:
             f"keras_ipu_plugin: model `{runtime.subject.name}` kept creating "
             "variables; gave up after repeated rebuilds in one step."
         )
+
+
+def describe_structure_change(runtime):
+    new = runtime.new_variables()
+    what = describe_new_variables(new, runtime.subject) if new else (
+        "The layers that `call` of model "
+        f"`{runtime.subject.name}` reaches changed since it was converted (a "
+        "Python attribute switched a branch). Pass rebuild_on_new_variables=True "
+        "(the default) to kip.PluginModel / kip.PluginCallback to rebuild the graph."
+    )
+    return what
 
 
 _VARIABLE_VIEWS = frozenset({
