@@ -7,6 +7,8 @@ skips, and the wrapped model's own attributes are exposed as the wrapper's
 paths as the wrapped model: weights saved from either load into the other.
 """
 
+import inspect
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -18,6 +20,7 @@ from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.inputs import first_batch
 from keras_ipu_plugin.training import Runtime
 from keras_ipu_plugin.training import StepFunction
+from keras_ipu_plugin.views import LIBRARY_PACKAGES
 
 _WRAPPED = "__kip_wrapped__"
 
@@ -126,6 +129,31 @@ class PluginModel(keras.Model):
         if wrapped is None:
             raise AttributeError(name)
         return getattr(wrapped, name)
+
+    def __setattr__(self, name, value):
+        wrapped = self.__dict__.get(_WRAPPED)
+        if wrapped is not None and self._is_wrapped_attribute(name, wrapped):
+            # `plugin.grow = True` means the wrapped model's `grow`: its
+            # `call` reads it, and the wrapper's own copy would switch
+            # nothing.
+            setattr(wrapped, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def _is_wrapped_attribute(self, name, wrapped):
+        """Whether setting `name` on the wrapper means the wrapped model's.
+
+        Yes for an attribute the wrapped model has and the wrapper does not
+        (neither its own nor a `keras.Model` one), set by the user's code.
+        Keras sets some attributes on a model only at `compile` / `fit`
+        (`optimizer`, `history`): on the wrapper those are the wrapper's,
+        even where the wrapped model was compiled itself.
+        """
+        if name in self.__dict__ or hasattr(type(self), name) or name.startswith("__"):
+            return False
+        if name not in vars(wrapped) and not hasattr(type(wrapped), name):
+            return False
+        return not _set_by_library_code()
 
     def __dir__(self):
         # Keras's saving walks `dir()`: list the wrapped model's own
@@ -273,6 +301,19 @@ class PluginModel(keras.Model):
         config = dict(config)
         config["model"] = keras.saving.deserialize_keras_object(config["model"])
         return cls(**config)
+
+
+def _set_by_library_code():
+    """Whether the attribute being set on the wrapper is set by Keras or
+    TensorFlow (not by the user's code, nor the plugin acting for it: a
+    train step's `self.x = ...` reaches the wrapper through the plugin)."""
+    frame = inspect.currentframe().f_back.f_back  # the caller of `__setattr__`
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] != "keras_ipu_plugin":
+            return module.split(".")[0] in LIBRARY_PACKAGES
+        frame = frame.f_back
+    return False
 
 
 def _is_concrete(inputs):
