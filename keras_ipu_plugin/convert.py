@@ -64,13 +64,17 @@ class Converter:
         self.verify = verify
         self.static_batch = static_batch
 
-    def convert(self, model, data):
+    def convert(self, model, data, specs=None):
+        """`specs` (a nest like `x` of `inputs.InputSpec`) overrides the input
+        shapes taken from the batch: a dimension the caller knows to vary
+        (None) stays unknown in the graph."""
         _check_model(model)
         batch = inputs_lib.first_batch(data)
         x = as_tensors(batch.x)
-        specs = inputs_lib.input_specs(
-            x, static_batch=self.static_batch, already_per_replica=batch.per_replica
-        )
+        if specs is None:
+            specs = inputs_lib.input_specs(
+                x, static_batch=self.static_batch, already_per_replica=batch.per_replica
+            )
         # Calling, tracing and verifying build layers and record nodes on
         # the user's objects; a failure part way must not leave any of that
         # behind (a half-built Dense would reject the right data later).

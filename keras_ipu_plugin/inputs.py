@@ -174,7 +174,7 @@ def input_specs(x, *, static_batch=False, strategy=None, already_per_replica=Fal
     replicas = 1 if already_per_replica else strategy.num_replicas_in_sync
 
     def spec(path, leaf):
-        name = _input_name(path)
+        name = input_name(path)
         batch = None
         if static_batch:
             batch = _per_replica_batch(name, int(leaf.shape[0]), replicas)
@@ -204,8 +204,9 @@ def _per_replica_batch(name, global_batch, replicas):
     return global_batch // replicas
 
 
-def _input_name(path):
-    """Dict keys name inputs; positions in a list or tuple give `input_<i>`."""
+def input_name(path):
+    """The name of the input at `path` in `x`: dict keys name inputs;
+    positions in a list or tuple give `input_<i>`."""
     if not path:
         return "input"
     name = "_".join(str(p) for p in path)
