@@ -336,3 +336,18 @@ def keras_mask(tensor):
     from keras.src import backend
 
     return backend.get_keras_mask(tensor) if tensor is not None else None
+
+
+def global_seed_variables():
+    """The state of Keras's global seed generator (what `keras.random`
+    draws from without a `seed`), if one was made: [] otherwise."""
+    generator = global_state.get_global_attribute("global_seed_generator")
+    state = getattr(generator, "state", None)
+    return [] if state is None else [state]
+
+
+def compile_arguments(model):
+    """The arguments `keras.Model.compile` was last called with on `model`
+    (by the model's own `compile` override, say), as given."""
+    config = getattr(model, "_compile_config", None)
+    return dict(config.config) if config is not None else {}

@@ -119,12 +119,15 @@ class OptimizingFacade:
 
     With `rebuild=False` it raises `NewVariablesError` naming the variables
     and their layers instead (Keras's behaviour, with a clearer message).
+    While `skip()` is true it applies nothing (a step run only to see what
+    it calls, see `training.StepFunction`).
     """
 
-    def __init__(self, optimizer, rebuild=True, owner=None):
+    def __init__(self, optimizer, rebuild=True, owner=None, skip=None):
         object.__setattr__(self, "_kip_optimizer", optimizer)
         object.__setattr__(self, "_kip_rebuild", rebuild)
         object.__setattr__(self, "_kip_owner", owner)
+        object.__setattr__(self, "_kip_skip", skip or (lambda: False))
 
     def __getattr__(self, name):
         return getattr(self._kip_optimizer, name)
@@ -133,14 +136,24 @@ class OptimizingFacade:
         setattr(self._kip_optimizer, name, value)
 
     def apply(self, grads, trainable_variables=None):
+        if self._kip_skip():
+            return self._build_only(trainable_variables)
         if trainable_variables is not None:
             self._learn(trainable_variables)
         return self._kip_optimizer.apply(grads, trainable_variables)
 
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
+        if self._kip_skip():
+            return self._build_only([v for _, v in grads_and_vars])
         self._learn([v for _, v in grads_and_vars])
         return self._kip_optimizer.apply_gradients(grads_and_vars)
+
+    def _build_only(self, variables):
+        # What the first apply would build, built, and nothing applied.
+        if variables is not None and not self._kip_optimizer.built:
+            self._kip_optimizer.build(list(variables))
+        return None
 
     def _learn(self, variables):
         optimizer = self._kip_optimizer
