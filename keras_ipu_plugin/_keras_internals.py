@@ -351,3 +351,12 @@ def compile_arguments(model):
     (by the model's own `compile` override, say), as given."""
     config = getattr(model, "_compile_config", None)
     return dict(config.config) if config is not None else {}
+
+
+def in_shape_inference():
+    """Whether Keras is only working out output shapes (its
+    `compute_output_spec`, a model's symbolic build): nothing computed here
+    is ever run."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()

@@ -22,6 +22,7 @@ Example:
     True
 """
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -33,7 +34,6 @@ from keras_ipu_plugin import inputs as inputs_lib
 from keras_ipu_plugin.convert import Converter
 from keras_ipu_plugin.convert import ModelState
 from keras_ipu_plugin.convert import as_tensors
-from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.functional import mask_semantics
 from keras_ipu_plugin.graph import Graph
 from keras_ipu_plugin.graph import Value
@@ -81,7 +81,7 @@ class CallArguments:
     def of(cls, callee, args, kwargs):
         """Bind `args` / `kwargs` to `callee.call`'s parameters, as Keras
         would (a call `call` does not accept raises the same TypeError)."""
-        signature = inspect.signature(type(callee).call)
+        signature = _call_signature(type(callee))
         kwargs = dict(kwargs)
         training = kwargs.pop("training", None)
         if "training" in signature.parameters and training is not None:
@@ -146,6 +146,11 @@ class CallArguments:
 
     def _leaves(self):
         return keras.tree.flatten((self.inputs, self.others))
+
+
+@functools.lru_cache(maxsize=None)
+def _call_signature(cls):
+    return inspect.signature(cls.call)
 
 
 class CallSignature:

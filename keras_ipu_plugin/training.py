@@ -48,7 +48,6 @@ from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.calls import CallArguments
 from keras_ipu_plugin.calls import CallConversion
 from keras_ipu_plugin.calls import convert_call
-from keras_ipu_plugin.calls import is_tensor
 from keras_ipu_plugin.distribution import check_built_under
 from keras_ipu_plugin.distribution import strategy_owning
 from keras_ipu_plugin.dynamic import NeedsExtension
@@ -244,9 +243,9 @@ class Runtime:
         conversion = self.find(callee, call)
         if conversion is not None:
             return conversion(call)
-        if call.is_symbolic():
-            # Keras's symbolic build (KerasTensors): the original computes
-            # the same shapes.
+        if call.is_symbolic() or _keras_internals.in_shape_inference():
+            # Keras working out shapes (a symbolic build, on KerasTensors or
+            # in its scratch graph): the original gives the same ones.
             return callee(*args, **kwargs)
         if tf.executing_eagerly() and call.is_concrete():
             if _in_a_replica_of_many():

@@ -25,9 +25,18 @@ def _conversions(trained):
 
 
 def _assert_histories_equal(actual, expected, atol=1e-5):
+    """Equal, and not vacuously: a custom step's `{"loss": ...}` is shown by
+    Keras as its own (never updated) loss tracker, 0.0 for both."""
     assert set(actual) == set(expected)
     for key in expected:
         np.testing.assert_allclose(actual[key], expected[key], atol=atol, err_msg=key)
+        assert np.all(np.asarray(expected[key]) != 0.0), key
+
+
+def _assert_same_weights(model, reference, atol=1e-5):
+    assert len(model.weights) == len(reference.weights)
+    for mine, theirs in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=atol, err_msg=mine.path)
 
 
 # -- knowledge distillation: its own compile and compute_loss (13.5) -----------
@@ -102,6 +111,46 @@ def test_distiller_compiles_as_it_wrote_it_and_trains_like_plain_keras(run_eager
     assert {c.callee.name for c in _conversions(plugin)} == {distiller.name, "teacher"}
 
 
+@pytest.mark.parametrize("entry", ["plugin_model", "callback"])
+def test_distiller_trains_like_plain_keras_under_a_mirrored_strategy(entry, mirrored):
+    """The step's calls are seen in a dry run inside the strategy's replicas."""
+    x, y = _classification()
+
+    def train(how, strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            distiller = Distiller(_mlp(3, "student"), _mlp(3, "teacher"))
+            model = kip.PluginModel(distiller) if how == "plugin_model" else distiller
+            model.compile(
+                optimizer=keras.optimizers.Adam(), metrics=[],
+                student_loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                distillation_loss_fn=keras.losses.KLDivergence(), alpha=0.1, temperature=10)
+        callbacks = [kip.PluginCallback()] if how == "callback" else []
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        return history.history, distiller
+
+    expected, reference = train(None, tf.distribute.get_strategy())
+    actual, distiller = train(entry, mirrored)
+    _assert_histories_equal(actual, expected)
+    _assert_same_weights(distiller, reference)
+
+
+def test_scope_trains_a_step_calling_the_model_on_what_it_builds():
+    keras.utils.set_random_seed(4)
+    plain = SpeechTransformer()
+    plain.compile(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    expected = plain.fit(_speech_batches(), epochs=2, verbose=0).history
+    keras.utils.set_random_seed(4)
+    with kip.scope():
+        model = SpeechTransformer()
+        model.compile(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    actual = model.fit(_speech_batches(), epochs=2, verbose=0).history
+    _assert_histories_equal(actual, expected)
+    _assert_same_weights(model, plain)
+    assert kip.scope_report(model) is not None
+
+
 class CompiledWithItsOwnLoss(keras.Model):
     """A `compile` of its own that hands Keras the loss, and a train step
     that asks Keras's `compute_loss` for it."""
@@ -126,7 +175,7 @@ class CompiledWithItsOwnLoss(keras.Model):
             loss += self.l2 * ops.sum(self.out.kernel ** 2)
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {"loss": loss}
+        return {"step_loss": loss}
 
 
 def test_train_step_calling_compute_loss_gets_the_loss_its_compile_gave():
@@ -138,9 +187,12 @@ def test_train_step_calling_compute_loss_gets_the_loss_its_compile_gave():
         model = CompiledWithItsOwnLoss()
         trained = kip.PluginModel(model) if plugin else model
         trained.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", l2=0.01)
-        return trained.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        return trained.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history, model
 
-    _assert_histories_equal(train(True), train(False))
+    expected, reference = train(False)
+    actual, model = train(True)
+    _assert_histories_equal(actual, expected)
+    _assert_same_weights(model, reference)
 
 
 class OwnHelperNamedLikeKeras(keras.Model):
@@ -162,7 +214,7 @@ class OwnHelperNamedLikeKeras(keras.Model):
             loss = self._compute_loss(y, self(x, training=True))
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {"loss": loss}
+        return {"step_loss": loss}
 
 
 @pytest.mark.parametrize("entry", ["plugin_model", "callback"])
@@ -177,9 +229,12 @@ def test_the_models_own_helper_is_not_shadowed_by_keras(entry):
         trained.compile(optimizer=keras.optimizers.SGD(0.05))
         callbacks = [kip.PluginCallback()] if plugin == "callback" else []
         return trained.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                           callbacks=callbacks).history
+                           callbacks=callbacks).history, model
 
-    _assert_histories_equal(train(entry), train(None))
+    expected, reference = train(None)
+    actual, model = train(entry)
+    _assert_histories_equal(actual, expected)
+    _assert_same_weights(model, reference)
 
 
 # -- several inputs, and what the step really calls (13.5) ----------------------
@@ -438,6 +493,8 @@ def test_gan_trains_through_the_plugin_like_plain_keras(kind, entry):
     assert set(called) == {"generator", "discriminator"}  # each sub-model the step calls
     assert all(isinstance(c.model, kip.KipFunctional) for c in called.values())
     assert int(gan.g_optimizer.iterations.numpy()) == 6
+    report = trained.kip_report if entry == "plugin_model" else callbacks[0].kip_report
+    assert report is not None and report.touched("convert")
 
 
 # -- shapes follow the data: FixRes fine-tuning at a larger size (13.9) ---------
@@ -529,7 +586,7 @@ class MaskedPooling(keras.Model):
             loss = ops.mean((self(x, mask=mask, training=True) - y) ** 2)
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {"loss": loss}
+        return {"step_loss": loss}
 
 
 def _masked_data(n=48, steps=5):
@@ -563,6 +620,9 @@ def test_step_passing_a_mask_trains_like_plain_keras(run_eagerly):
         model = MaskedPooling()
         trained = kip.PluginModel(model) if plugin else model
         trained.compile(optimizer="adam", run_eagerly=run_eagerly)
-        return trained.fit(dataset, epochs=2, verbose=0).history
+        return trained.fit(dataset, epochs=2, verbose=0).history, model
 
-    _assert_histories_equal(train(True), train(False))
+    expected, reference = train(False)
+    actual, model = train(True)
+    _assert_histories_equal(actual, expected)
+    _assert_same_weights(model, reference)
