@@ -626,3 +626,59 @@ def test_step_passing_a_mask_trains_like_plain_keras(run_eagerly):
     actual, model = train(True)
     _assert_histories_equal(actual, expected)
     _assert_same_weights(model, reference)
+
+
+class CountsItsSteps(keras.Model):
+    """A step of its own with state besides the weights: a step counter, a
+    running mean and random noise drawn from the model's seed generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.steps = keras.Variable(0, dtype="int32", trainable=False, name="steps")
+        self.seed_generator = keras.random.SeedGenerator(11)
+        self.error = keras.metrics.Mean(name="error")
+
+    @property
+    def metrics(self):
+        return [self.error]
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        x = x + 0.1 * keras.random.normal(ops.shape(x), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            loss = ops.mean((self(x) - y) ** 2)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.steps.assign_add(1)
+        self.error.update_state(loss)
+        return {"error": self.error.result()}
+
+
+@pytest.mark.parametrize("entry", ["plugin_model", "callback"])
+def test_the_dry_run_leaves_no_trace(entry):
+    """The step run once to see its calls changes nothing: the counter reads
+    the number of steps, the running mean and the random draws are those of
+    plain Keras, and the optimizer stepped once per batch."""
+    x, _ = _classification()
+    y = x[:, :1]
+
+    def train(how):
+        keras.utils.set_random_seed(4)
+        model = CountsItsSteps()
+        trained = kip.PluginModel(model) if how == "plugin_model" else model
+        trained.compile(optimizer=keras.optimizers.SGD(0.05))
+        callbacks = [kip.PluginCallback()] if how == "callback" else []
+        history = trained.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                              callbacks=callbacks)
+        return history.history, model, trained
+
+    expected, reference, _ = train(None)
+    actual, model, trained = train(entry)
+    _assert_histories_equal(actual, expected)
+    _assert_same_weights(model, reference)
+    assert int(model.steps.numpy()) == 8
+    assert int(trained.optimizer.iterations.numpy()) == 8
