@@ -17,8 +17,8 @@ traced (a padded batch of varying length) is kept unknown in the graph.
 
 Example:
     >>> call = CallArguments.of(model, (x,), {"training": True})
-    >>> conversion = convert_call(model, call, verify=True)
-    >>> conversion.accepts(CallArguments.of(model, (x,), {}))
+    >>> converted = convert_call(model, call, verify=True)   # a KipFunctional
+    >>> call.signature().accepts(CallArguments.of(model, (x,), {}).signature())
     True
 """
 
@@ -190,9 +190,10 @@ class CallSignature:
             return repr(leaf)
 
         inputs, others = self.structure
-        parts = [str(keras.tree.map_structure(one, inputs))]
-        parts += [f"{name}={keras.tree.map_structure(one, value)}" for name, value in others.items()]
-        return ", ".join(parts)
+        parts = [", ".join(one(leaf) for leaf in keras.tree.flatten(inputs))]
+        parts += [f"{name}=" + ", ".join(one(leaf) for leaf in keras.tree.flatten(value))
+                  for name, value in others.items()]
+        return "; ".join(parts)
 
     def specs(self, example):
         """`InputSpec`s for the graph: named as `example.tensors()`, shaped
@@ -246,17 +247,10 @@ class CallConversion:
         self.graph_model = graph_model  # the converted model before the passes
         self.simple = example.simple
 
-    def accepts(self, call):
-        return self.signature.accepts(call.signature())
-
     def __call__(self, call):
         if self.simple:
             return self.model(call.inputs, training=call.training)
         return self.model(call.tensors(), training=call.training)
-
-    @property
-    def name(self):
-        return self.callee.name
 
 
 def convert_call(callee, call, *, verify=True, signature=None):
@@ -298,7 +292,7 @@ def _convert_bound_call(callee, call, converter, signature):
                 callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="")
             graph = Graph(specs, values, nodes, outputs, name=callee.name)
             converted = graph.rebuild(name=f"{callee.name}_functional")
-            converted.kip_original_mask = mask_semantics(converted)
+            converted.kip_original_mask = mask_semantics(reference)
             for node in graph.nodes:
                 report.add("convert", node.name, "traced", type(node.operation).__name__)
         except TraceError as error:

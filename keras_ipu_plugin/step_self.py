@@ -23,6 +23,7 @@ Example:
 """
 
 import functools
+import inspect
 
 import keras
 
@@ -30,6 +31,7 @@ from keras_ipu_plugin.dynamic import OptimizingFacade
 from keras_ipu_plugin.dynamic import union_of_variables
 
 _RUNTIME = "_kip_runtime"
+_SHADOWED = "_kip_shadowed"
 
 
 def step_self(runtime):
@@ -37,7 +39,23 @@ def step_self(runtime):
     cls = _step_self_class(type(runtime.subject))
     proxy = object.__new__(cls)
     object.__setattr__(proxy, _RUNTIME, runtime)
+    # On the model, an instance attribute hides a method of its class of the
+    # same name (`self.compute_loss = fn` in `__init__`); the stand-in has no
+    # instance attributes of its own, so it looks those names up first.
+    object.__setattr__(proxy, _SHADOWED, frozenset(
+        name for name in vars(runtime.subject) if _hides_a_class_attribute(cls, name)))
     return proxy
+
+
+def _hides_a_class_attribute(cls, name):
+    if name.startswith("__"):
+        return False
+    try:
+        attribute = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return False
+    is_data_descriptor = hasattr(type(attribute), "__set__") or hasattr(type(attribute), "__delete__")
+    return not is_data_descriptor  # a property would win over the instance anyway
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,6 +88,11 @@ class StepSelf:
     def __call__(self, *args, **kwargs):
         runtime = vars(self)[_RUNTIME]
         return runtime.call(runtime.subject, args, kwargs)
+
+    def __getattribute__(self, name):
+        if name in object.__getattribute__(self, "__dict__")[_SHADOWED]:
+            return StepSelf.__getattr__(self, name)
+        return object.__getattribute__(self, name)
 
     def __getattr__(self, name):
         if name.startswith("__"):

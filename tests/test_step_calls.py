@@ -682,3 +682,44 @@ def test_the_dry_run_leaves_no_trace(entry):
     _assert_same_weights(model, reference)
     assert int(model.steps.numpy()) == 8
     assert int(trained.optimizer.iterations.numpy()) == 8
+
+
+class PenaltySetPerInstance(keras.Model):
+    """An instance attribute hiding a method of the class, as Python allows:
+    `self.penalty` is the one given to `__init__`."""
+
+    def __init__(self, penalty):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.penalty = penalty
+
+    def penalty(self, kernel):  # noqa: F811 - hidden on every instance
+        return 0.0
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean((self(x) - y) ** 2) + self.penalty(self.dense.kernel)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"step_loss": loss}
+
+
+def test_step_sees_instance_attributes_that_hide_methods_of_the_class():
+    x, _ = _classification()
+    y = x[:, :1]
+
+    def train(plugin):
+        keras.utils.set_random_seed(4)
+        model = PenaltySetPerInstance(lambda kernel: 5.0 * ops.sum(kernel ** 2))
+        trained = kip.PluginModel(model) if plugin else model
+        trained.compile(optimizer=keras.optimizers.SGD(0.05))
+        return trained.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history, model
+
+    expected, reference = train(False)
+    actual, model = train(True)
+    _assert_histories_equal(actual, expected)
+    _assert_same_weights(model, reference)
