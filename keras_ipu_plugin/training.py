@@ -299,7 +299,11 @@ class Runtime:
                     structures.append(recorded)
             return [t for _, call in recorded for t in call.tensors().values()]
 
-        function = tf.function(lambda batch: strategy.run(replica, args=(batch,)))
+        # As Keras runs steps: traced without AutoGraph (Keras marks its
+        # step functions `do_not_convert`), so Python in the step means what
+        # it means in `fit`.
+        function = tf.function(
+            lambda batch: strategy.run(replica, args=(batch,)), autograph=False)
         snapshot = _VariableValues(self._state_variables())
         try:
             with strategy.scope():
