@@ -209,8 +209,16 @@ class PluginModel(keras.Model):
 
         A model with its own `compile` (a distiller's `student_loss_fn`,
         `alpha`; a GAN's `d_optimizer`, `g_optimizer`) is compiled by it, so
-        that what it sets is there for its steps; the wrapper then takes the
-        same optimizer, loss and metrics for `fit` to run.
+        that what it sets is there for its steps (on the wrapped model: it
+        is the user's `compile`, asked for); the wrapper then takes the same
+        optimizer, loss and metrics for `fit` to run.
+
+        Example:
+            >>> plugin = kip.PluginModel(Distiller(student=student, teacher=teacher))
+            >>> plugin.compile(optimizer=keras.optimizers.Adam(), metrics=[],
+            ...                student_loss_fn=loss, distillation_loss_fn=kl, alpha=0.1)
+            >>> plugin.wrapped.alpha, plugin.optimizer is plugin.wrapped.optimizer
+            (0.1, True)
         """
         wrapped = self.wrapped
         before = dict(vars(self))
