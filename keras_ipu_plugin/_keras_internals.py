@@ -365,11 +365,6 @@ def record_call(operation, args, kwargs, output_specs):
     return outputs
 
 
-def keras_mask(tensor):
-    """The mask Keras attached to a (symbolic) tensor, or None."""
-    return getattr(tensor, "_keras_mask", None)
-
-
 def compile_arguments(model):
     """The keyword arguments `model.compile` was last called with (Keras keeps
     them only in a private attribute), or None before `compile`."""
@@ -496,3 +491,26 @@ def stop_gradient_recording():
     from tensorflow.python.eager import record
 
     return record.stop_recording()
+
+
+def keras_mask(tensor):
+    """The Keras mask a tensor carries (`_keras_mask`), or None."""
+    from keras.src import backend
+
+    return backend.get_keras_mask(tensor) if tensor is not None else None
+
+
+def global_seed_variables():
+    """The state of Keras's global seed generator (what `keras.random`
+    draws from without a `seed`), if one was made: [] otherwise."""
+    state = global_seed_generator_state()
+    return [] if state is None else [state]
+
+
+def in_shape_inference():
+    """Whether Keras is only working out output shapes (its
+    `compute_output_spec`, a model's symbolic build): nothing computed here
+    is ever run."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()

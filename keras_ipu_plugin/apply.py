@@ -86,6 +86,8 @@ def _apply_passes(model, passes, verify):
     for one_pass in passes:
         graph = one_pass.run(graph, report)
     result = _rebuilt(graph, model, passes)
+    if isinstance(model, KipFunctional):
+        result.kip_original_mask = model.kip_original_mask
     result.kip_report = report
     first_batch = getattr(model, "kip_first_batch", None)
     if verify:

@@ -41,8 +41,7 @@ class PluginCallback(keras.callbacks.Callback):
 
     @property
     def kip_report(self):
-        converted = self.converted
-        return None if converted is None else converted.kip_report
+        return None if self.runtime is None else self.runtime.report
 
     def on_train_begin(self, logs=None):
         if getattr(self.model, "optimizer", None) is None:

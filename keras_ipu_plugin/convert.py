@@ -16,6 +16,7 @@ from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
+from keras_ipu_plugin.functional import mask_semantics
 from keras_ipu_plugin.graph import Graph
 from keras_ipu_plugin.graph import Node
 from keras_ipu_plugin.graph import Value
@@ -70,13 +71,17 @@ class Converter:
         self.verify = verify
         self.static_batch = static_batch
 
-    def convert(self, model, data):
+    def convert(self, model, data, specs=None):
+        """`specs` (a nest like `x` of `inputs.InputSpec`) overrides the input
+        shapes taken from the batch: a dimension the caller knows to vary
+        (None) stays unknown in the graph."""
         _check_model(model)
         batch = inputs_lib.first_batch(data)
         x = as_tensors(batch.x)
-        specs = inputs_lib.input_specs(
-            x, static_batch=self.static_batch, already_per_replica=batch.per_replica
-        )
+        if specs is None:
+            specs = inputs_lib.input_specs(
+                x, static_batch=self.static_batch, already_per_replica=batch.per_replica
+            )
         with one_conversion_at_a_time():
             return self._convert(model, x, specs)
 
@@ -91,6 +96,7 @@ class Converter:
                 graph, report = self.trace(model, x, specs, state)
                 state.settle()
                 converted = graph.rebuild(name=f"{model.name}_functional")
+                converted.kip_original_mask = mask_semantics(model)
                 if self.verify:
                     report.add_verification(model.name, _verify(model, converted, x))
             state.restore_after_success()

@@ -40,9 +40,18 @@ class VariableWatch:
     def __init__(self, enabled=True):
         self.enabled = enabled  # off only to measure what watching costs
         self._created = []
+        self._refused = []
 
     def _creator(self, next_creator, **kwargs):
-        variable = next_creator(**kwargs)
+        try:
+            variable = next_creator(**kwargs)
+        except Exception:
+            # A `tf.function` refuses variables created on a later trace
+            # than its first: noted here, so that the step function knows
+            # the error came from a variable being created, not from the
+            # user's code.
+            self._refused.append(kwargs.get("name"))
+            raise
         self._created.append(variable)
         return variable
 
@@ -58,8 +67,13 @@ class VariableWatch:
     def changed(self):
         return bool(self._created)
 
+    @property
+    def refused(self):
+        """Whether a variable creation failed while watching (since `take`)."""
+        return bool(self._refused)
+
     def take(self):
-        created, self._created = self._created, []
+        created, self._created, self._refused = self._created, [], []
         return created
 
 
@@ -105,12 +119,15 @@ class OptimizingFacade:
 
     With `rebuild=False` it raises `NewVariablesError` naming the variables
     and their layers instead (Keras's behaviour, with a clearer message).
+    While `skip()` is true it applies nothing (a step run only to see what
+    it calls, see `training.StepFunction`).
     """
 
-    def __init__(self, optimizer, rebuild=True, owner=None):
+    def __init__(self, optimizer, rebuild=True, owner=None, skip=None):
         object.__setattr__(self, "_kip_optimizer", optimizer)
         object.__setattr__(self, "_kip_rebuild", rebuild)
         object.__setattr__(self, "_kip_owner", owner)
+        object.__setattr__(self, "_kip_skip", skip or (lambda: False))
 
     def __getattr__(self, name):
         return getattr(self._kip_optimizer, name)
@@ -119,14 +136,24 @@ class OptimizingFacade:
         setattr(self._kip_optimizer, name, value)
 
     def apply(self, grads, trainable_variables=None):
+        if self._kip_skip():
+            return self._build_only(trainable_variables)
         if trainable_variables is not None:
             self._learn(trainable_variables)
         return self._kip_optimizer.apply(grads, trainable_variables)
 
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
+        if self._kip_skip():
+            return self._build_only([v for _, v in grads_and_vars])
         self._learn([v for _, v in grads_and_vars])
         return self._kip_optimizer.apply_gradients(grads_and_vars)
+
+    def _build_only(self, variables):
+        # What the first apply would build, built, and nothing applied.
+        if variables is not None and not self._kip_optimizer.built:
+            self._kip_optimizer.build(list(variables))
+        return None
 
     def _learn(self, variables):
         optimizer = self._kip_optimizer

@@ -8,12 +8,47 @@ its config so they survive `save` / `load_model`:
   model overwrites those with the outer `training`; this one keeps them.
 - `kip_annotations`: what the Outline / Recompute / PipelineStages passes
   recorded per layer, for the backend to act on.
+- `kip_original_mask`: what an explicit `mask=` meant to the original model
+  (see `mask_semantics`); a mask this graph cannot apply the way the
+  original would is refused, never applied differently.
+
+Every call checks that each input has the dtype kind (int, float, bool,
+string) the model was converted with: Keras's functional model would cast
+a float batch to an int input silently.
 - `kip_report` (not saved): the report of the conversion and passes.
 """
+
+import inspect
 
 import keras
 
 from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.inputs import check_dtype_kinds
+
+#: `mask=` is a Keras mask put on the graph's inputs (a functional original).
+MASK_ON_INPUTS = "inputs"
+#: The original `call` takes no `mask`: only masks its inputs carry reach it.
+MASK_ABSENT = "absent"
+#: The original `call` takes `mask` as an argument; this graph was traced without one.
+MASK_ARGUMENT = "argument"
+
+
+def mask_semantics(model):
+    """What `model(x, mask=m)` does with `m`, as a `kip_original_mask` value.
+
+    A functional model puts the mask on its inputs; a subclassed model hands
+    it to its own `call`, which may do anything with it (or rejects it when
+    `call` has no `mask` parameter).
+
+    Example:
+        >>> mask_semantics(keras.Sequential([keras.layers.Dense(2)]))
+        'inputs'
+    """
+    if isinstance(model, _keras_internals.Functional):
+        return MASK_ON_INPUTS
+    if "mask" in inspect.signature(model.call).parameters:
+        return MASK_ARGUMENT
+    return MASK_ABSENT
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -33,9 +68,13 @@ class KipFunctional(_keras_internals.Functional):
         kip_pinned_training=None,
         kip_annotations=None,
         kip_stage_devices=None,
+        kip_original_mask=MASK_ON_INPUTS,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if kip_original_mask not in (MASK_ON_INPUTS, MASK_ABSENT, MASK_ARGUMENT):
+            raise ValueError(f"Unknown kip_original_mask {kip_original_mask!r}.")
+        self.kip_original_mask = kip_original_mask
         self.kip_pinned_training = dict(kip_pinned_training or {})
         self.kip_annotations = {
             name: dict(values) for name, values in (kip_annotations or {}).items()
@@ -64,6 +103,8 @@ class KipFunctional(_keras_internals.Functional):
         )
 
     def call(self, inputs, training=None, mask=None, **kwargs):
+        check_dtype_kinds(self.name, self.inputs, self._leaves_in_input_order(inputs))
+        mask = self._mask_to_apply(inputs, mask)
         context = dict(kwargs, training=training)
         if self._uses_executor():
             if self._kip_executor is None:
@@ -100,8 +141,46 @@ class KipFunctional(_keras_internals.Functional):
             self, inputs, mask, operation_fn
         )
 
+    def _leaves_in_input_order(self, inputs):
+        """The leaves of `inputs` in the order of `self.inputs`, matched the
+        way Keras matches them (a dict by name where the model's inputs are
+        not a dict); [] when they do not match (Keras then says why)."""
+        if isinstance(inputs, dict) and not isinstance(self.input, dict):
+            if all(tensor.name in inputs for tensor in self.inputs):
+                return [inputs[tensor.name] for tensor in self.inputs]
+            return []
+        leaves = keras.tree.flatten(inputs)
+        return leaves if len(leaves) == len(self.inputs) else []
+
+    def _mask_to_apply(self, inputs, mask):
+        """`mask`, when this graph applies it as the original model would;
+        otherwise a `TypeError` that says why (never a silently other result)."""
+        given = [m for m in keras.tree.flatten(mask) if m is not None] if mask is not None else []
+        if not given or self.kip_original_mask == MASK_ON_INPUTS:
+            return mask
+        if self.kip_original_mask == MASK_ABSENT:
+            carried = {id(_keras_internals.keras_mask(leaf)) for leaf in keras.tree.flatten(inputs)}
+            if all(id(m) in carried for m in given):
+                # Keras passes on the masks the inputs already carry: the
+                # original's sub-layers would read them from the inputs too.
+                return mask
+            raise TypeError(
+                f"`mask` was passed to `{self.name}`, but the `call` of the model it "
+                "was converted from takes no `mask` argument (the original model "
+                "rejects it too). Attach the mask to the inputs with a masking "
+                "layer, or pass it as an input of the model."
+            )
+        raise TypeError(
+            f"`mask` was passed to `{self.name}`, whose graph was traced from the "
+            "original model's `call` without a mask: `call` receives `mask` as an "
+            "argument and may use it in any way, which this graph cannot "
+            "reproduce. Call the original model with the mask, or train through "
+            "kip.PluginModel, which converts the call with its mask."
+        )
+
     def get_config(self):
         config = super().get_config()
+        config["kip_original_mask"] = self.kip_original_mask
         config["kip_pinned_training"] = dict(self.kip_pinned_training)
         config["kip_annotations"] = {
             name: dict(values) for name, values in self.kip_annotations.items()

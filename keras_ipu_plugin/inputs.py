@@ -174,7 +174,7 @@ def input_specs(x, *, static_batch=False, strategy=None, already_per_replica=Fal
     replicas = 1 if already_per_replica else strategy.num_replicas_in_sync
 
     def spec(path, leaf):
-        name = _input_name(path)
+        name = input_name(path)
         batch = None
         if static_batch:
             batch = _per_replica_batch(name, int(leaf.shape[0]), replicas)
@@ -204,8 +204,9 @@ def _per_replica_batch(name, global_batch, replicas):
     return global_batch // replicas
 
 
-def _input_name(path):
-    """Dict keys name inputs; positions in a list or tuple give `input_<i>`."""
+def input_name(path):
+    """The name of the input at `path` in `x`: dict keys name inputs;
+    positions in a list or tuple give `input_<i>`."""
     if not path:
         return "input"
     name = "_".join(str(p) for p in path)
@@ -219,3 +220,49 @@ def _keras_dtype(dtype):
     if name == "float64":
         return keras.config.floatx()
     return name
+
+
+def dtype_kind(dtype):
+    """`"float"`, `"int"`, `"bool"`, `"string"` or `"complex"`: what a cast
+    between two dtypes of different kinds would change (it truncates floats
+    to ints, turns numbers into True / False, fails on strings).
+
+    Example:
+        >>> dtype_kind("uint8"), dtype_kind(tf.float16), dtype_kind(np.dtype("<U3"))
+        ('int', 'float', 'string')
+    """
+    if isinstance(dtype, np.dtype) and dtype.kind in "USO":
+        return "string"
+    name = keras.backend.standardize_dtype(dtype)
+    for kind in ("bool", "string", "complex", "int", "float"):
+        if kind in name:
+            return kind
+    return name
+
+
+def check_dtype_kinds(model_name, expected, given):
+    """Raise `InputDataError` when a leaf of `given` has another dtype kind
+    than the model input it feeds (`expected`, KerasTensors in the same
+    order). Keras would cast it silently: a float batch fed to an input
+    converted as int32 would be truncated. Same kind, other width (float64
+    data for a float32 input) is Keras's usual cast, and is kept.
+
+    Example:
+        >>> check_dtype_kinds("net", converted.inputs, [np.zeros((2, 3), "int32")])
+    """
+    for tensor, leaf in zip(expected, given):
+        if leaf is None:
+            continue
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            dtype = np.asarray(leaf).dtype
+        if dtype_kind(dtype) != dtype_kind(tensor.dtype):
+            got = dtype if isinstance(dtype, np.dtype) and dtype.kind in "USO" else (
+                keras.backend.standardize_dtype(dtype))
+            raise InputDataError(
+                f"Input `{tensor.name}` of `{model_name}` was converted as "
+                f"{tensor.dtype} (from the first batch), but this batch gives it "
+                f"{got}. Keras would cast {got} to {tensor.dtype} without a "
+                "word and change the values; cast the data yourself if that is "
+                "meant, or convert the model on data of this dtype."
+            )

@@ -7,6 +7,8 @@ skips, and the wrapped model's own attributes are exposed as the wrapper's
 paths as the wrapped model: weights saved from either load into the other.
 """
 
+import inspect
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -21,7 +23,9 @@ from keras_ipu_plugin.inputs import first_batch
 from keras_ipu_plugin.passes.base import deserialize_pass
 from keras_ipu_plugin.passes.base import serialize_pass
 from keras_ipu_plugin.training import Runtime
+from keras_ipu_plugin.training import PredictFunction
 from keras_ipu_plugin.training import StepFunction
+from keras_ipu_plugin.views import LIBRARY_PACKAGES
 
 _WRAPPED = "__kip_wrapped__"
 
@@ -64,6 +68,17 @@ class PluginModel(keras.Model):
         return None if runtime is None else runtime.converted
 
     @property
+    def built(self):
+        """Built once the wrapped model is: the wrapper has no variables of
+        its own (saving and loading check this)."""
+        wrapped = self.__dict__.get(_WRAPPED)
+        return self.__dict__.get("_kip_built", False) or bool(wrapped is not None and wrapped.built)
+
+    @built.setter
+    def built(self, value):
+        self.__dict__["_kip_built"] = value
+
+    @property
     def layers(self):
         """The wrapped model's layers (what `save_weights` walks, too)."""
         return self.wrapped.layers
@@ -78,14 +93,14 @@ class PluginModel(keras.Model):
 
     def _in_use(self, name):
         """The wrapped model's `name` (variables or weights) and the converted
-        model's: the layers a Replace pass created live only there, and the
+        models': the layers a Replace pass created live only there, and the
         layers they replaced are no longer used, so not trained."""
         mine = getattr(super(), name)
-        converted = self.converted
-        if converted is None:
-            return mine
-        unused = {id(v) for old, _ in converted.kip_replaced for v in getattr(old, name)}
-        return union_of_variables([v for v in mine if id(v) not in unused], getattr(converted, name))
+        runtime = self.__dict__.get("_kip_runtime")
+        models = [] if runtime is None else [c.model for c in runtime.conversions]
+        unused = {id(v) for old, _ in self._replaced_pairs() for v in getattr(old, name)}
+        theirs = [v for model in models for v in getattr(model, name)]
+        return union_of_variables([v for v in mine if id(v) not in unused], theirs)
 
     # -- saving: the wrapped model's layout --------------------------------------
     def save_weights(self, filepath, *args, **kwargs):
@@ -114,13 +129,19 @@ class PluginModel(keras.Model):
             _copy_by_name(old, new, "load")
 
     def _replaced_pairs(self):
-        converted = self.converted
-        return () if converted is None else converted.kip_replaced
+        runtime = self.__dict__.get("_kip_runtime")
+        pairs, seen = [], set()
+        for conversion in [] if runtime is None else runtime.conversions:
+            for old, new in conversion.model.kip_replaced:
+                if (id(old), id(new)) not in seen:
+                    seen.add((id(old), id(new)))
+                    pairs.append((old, new))
+        return pairs
 
     @property
     def kip_report(self):
-        converted = self.converted
-        return None if converted is None else converted.kip_report
+        runtime = self.__dict__.get("_kip_runtime")
+        return None if runtime is None else runtime.report
 
     def __getattr__(self, name):
         if name.startswith("__") or name in ("_tracker", "_kip_runtime"):
@@ -129,6 +150,31 @@ class PluginModel(keras.Model):
         if wrapped is None:
             raise AttributeError(name)
         return getattr(wrapped, name)
+
+    def __setattr__(self, name, value):
+        wrapped = self.__dict__.get(_WRAPPED)
+        if wrapped is not None and self._is_wrapped_attribute(name, wrapped):
+            # `plugin.grow = True` means the wrapped model's `grow`: its
+            # `call` reads it, and the wrapper's own copy would switch
+            # nothing.
+            setattr(wrapped, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def _is_wrapped_attribute(self, name, wrapped):
+        """Whether setting `name` on the wrapper means the wrapped model's.
+
+        Yes for an attribute the wrapped model has and the wrapper does not
+        (neither its own nor a `keras.Model` one), set by the user's code.
+        Keras sets some attributes on a model only at `compile` / `fit`
+        (`optimizer`, `history`): on the wrapper those are the wrapper's,
+        even where the wrapped model was compiled itself.
+        """
+        if name in self.__dict__ or hasattr(type(self), name) or name.startswith("__"):
+            return False
+        if name not in vars(wrapped) and not hasattr(type(wrapped), name):
+            return False
+        return not _set_by_library_code()
 
     def __dir__(self):
         # Keras's saving walks `dir()`: list the wrapped model's own
@@ -142,25 +188,56 @@ class PluginModel(keras.Model):
 
     # -- conversion -------------------------------------------------------------
     def convert(self, data):
-        """Convert now from `data` (a batch or a dataset); done once.
+        """Convert now for `wrapped(x)`, `x` from `data` (a batch, an
+        `(x, y)` tuple or a dataset), unless a conversion serves it already.
 
         The converted model is not tracked as a sub-layer: its layers are the
         wrapped model's (and `variables` / `weights` add any a pass created).
         """
-        if self.converted is None:
-            self._kip_runtime.convert(as_tensors(first_batch(data).x))
-            self.built = True  # the wrapped model's variables exist now
+        self._convert_x(first_batch(data).x)
         return self.converted
 
+    def _convert_x(self, x):
+        self._kip_runtime.convert(as_tensors(x))
+        self.built = True  # the wrapped model's variables exist now
+
     def call(self, inputs, training=None, **kwargs):
-        converted = self.converted
-        if converted is None:
-            if not _is_concrete(inputs):
-                # Keras's symbolic build before the first batch: the wrapped
-                # model computes the same thing on symbols.
-                return self.wrapped(inputs, training=training, **kwargs)
-            converted = self.convert(inputs)
-        return converted(inputs, training=training, **kwargs)
+        # The wrapped model's call, with its own arguments (`mask=` too),
+        # through the graph converted for calls like it (converted now when
+        # it is the first such call, on concrete inputs).
+        return self._kip_runtime.call(self.wrapped, (inputs,), dict(kwargs, training=training))
+
+    def compile(self, *args, **kwargs):
+        """Compile as the wrapped model's class compiles.
+
+        A model with its own `compile` (a distiller's `student_loss_fn`,
+        `alpha`; a GAN's `d_optimizer`, `g_optimizer`) is compiled by it, so
+        that what it sets is there for its steps (on the wrapped model: it
+        is the user's `compile`, asked for); the wrapper then takes the same
+        optimizer, loss and metrics for `fit` to run.
+
+        Example:
+            >>> plugin = kip.PluginModel(Distiller(student=student, teacher=teacher))
+            >>> plugin.compile(optimizer=keras.optimizers.Adam(), metrics=[],
+            ...                student_loss_fn=loss, distillation_loss_fn=kl, alpha=0.1)
+            >>> plugin.wrapped.alpha, plugin.optimizer is plugin.wrapped.optimizer
+            (0.1, True)
+        """
+        wrapped = self.wrapped
+        before = dict(vars(self))
+        if type(wrapped).compile is keras.Model.compile:
+            super().compile(*args, **kwargs)
+        else:
+            wrapped.compile(*args, **kwargs)
+            arguments = _keras_internals.compile_arguments(wrapped)
+            arguments["optimizer"] = wrapped.optimizer
+            super().compile(**arguments)
+        # What Keras's compile set here is what the steps read from the
+        # wrapper (the compiled loss and metrics `fit` resets and reports).
+        self._kip_runtime.owner_names = frozenset(
+            name for name, value in vars(self).items()
+            if name not in before or before[name] is not value
+        ) | {"optimizer"}
 
     def build(self, input_shape):
         # Nothing to build here: the first real batch converts (and builds)
@@ -202,6 +279,14 @@ class PluginModel(keras.Model):
             self.test_function = StepFunction(self._kip_runtime, self._step_method("test_step"))
         return self.test_function
 
+    def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+            super().make_predict_function(force=True)
+            function = self.predict_function
+            self.predict_function = PredictFunction(
+                self._kip_runtime, self._step_method("predict_step"), function)
+        return self.predict_function
+
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras's version fails under MultiWorkerMirroredStrategy (see
         # `_keras_internals.symbolic_build_from_one_replica`); this class is
@@ -212,26 +297,37 @@ class PluginModel(keras.Model):
         """The wrapped model's override of step `name`, else Keras's own."""
         return getattr(type(self.wrapped), name)
 
+    def compile_from_config(self, config):
+        # Keras skips `compile` on load for a class that overrides it, as
+        # this one does; the wrapper's own saved compile config is Keras's
+        # `compile` arguments, good for it unless the wrapped model has its
+        # own `compile` (whose arguments were not saved: Keras then skips
+        # compiling too, with its warning).
+        if type(self.wrapped).compile is not keras.Model.compile:
+            return super().compile_from_config(config)
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    # The wrapped model's methods (its overrides, else Keras's) with the
+    # step's `self` (see `step_self`): `self(x)` in them runs the graph.
     def train_step(self, data):
-        return self._step("train_step", data)
+        return self._kip_runtime.step_self().train_step(data)
 
     def test_step(self, data):
-        return self._step("test_step", data)
+        return self._kip_runtime.step_self().test_step(data)
 
     def predict_step(self, data):
-        return self._step("predict_step", data)
+        # Traced inside Keras's predict function: a call with no conversion
+        # stops the trace, for `PredictFunction` to convert it.
+        with self._kip_runtime.tracing_step():
+            return self._kip_runtime.step_self().predict_step(data)
 
     def compute_loss(self, *args, **kwargs):
-        return self._step("compute_loss", *args, **kwargs)
+        return self._kip_runtime.step_self().compute_loss(*args, **kwargs)
 
     def compute_metrics(self, *args, **kwargs):
-        return self._step("compute_metrics", *args, **kwargs)
-
-    def _step(self, name, *args, **kwargs):
-        own = getattr(type(self.wrapped), name)
-        if own is getattr(keras.Model, name):
-            return getattr(super(), name)(*args, **kwargs)
-        return own(self, *args, **kwargs)
+        return self._kip_runtime.step_self().compute_metrics(*args, **kwargs)
 
     # On the IPU backend these hand the converted model to Graphcore's own
     # methods (`IpuBackend.run_training`): Graphcore's fit refuses a model
@@ -258,8 +354,14 @@ class PluginModel(keras.Model):
                 f"before `{method}` (the wrapped model `{self.wrapped.name}` is "
                 "trained through it)."
             )
-        if self.converted is None and x is not None:
-            self.convert(_first_slice(x, batch_size))
+        # Keras's own steps call the model on `x`: converted here, before
+        # `fit`'s callbacks start (BackupAndRestore wants a built model). A
+        # step of the wrapped model's own is converted from what it calls, at
+        # its first batch (see `training.StepFunction`).
+        step = {"fit": "train_step", "evaluate": "test_step", "predict": "predict_step"}[method]
+        first_use = self.converted is None
+        if first_use and getattr(type(self.wrapped), step) is getattr(keras.Model, step) and x is not None:
+            self._convert_x(_first_x(x, batch_size))
 
     # -- saving ----------------------------------------------------------------
     def get_config(self):
@@ -290,12 +392,17 @@ class PluginModel(keras.Model):
         return cls(**config)
 
 
-def _is_concrete(inputs):
-    return all(
-        isinstance(leaf, (np.ndarray, tf.Tensor)) and not isinstance(leaf, keras.KerasTensor)
-        and (not tf.is_tensor(leaf) or hasattr(leaf, "numpy"))
-        for leaf in keras.tree.flatten(inputs)
-    )
+def _set_by_library_code():
+    """Whether the attribute being set on the wrapper is set by Keras or
+    TensorFlow (not by the user's code, nor the plugin acting for it: a
+    train step's `self.x = ...` reaches the wrapper through the plugin)."""
+    frame = inspect.currentframe().f_back.f_back  # the caller of `__setattr__`
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] != "keras_ipu_plugin":
+            return module.split(".")[0] in LIBRARY_PACKAGES
+        frame = frame.f_back
+    return False
 
 
 def _zeros(shape):
@@ -306,13 +413,12 @@ def _zeros(shape):
     return np.zeros([1 if d is None else d for d in shape], keras.config.floatx())
 
 
-def _first_slice(x, batch_size):
-    """The first batch of `x`: a dataset's first element, or the first
-    `batch_size` (default 32, as in `fit`) rows of arrays."""
-    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
-        return x
-    if isinstance(x, tf.distribute.DistributedDataset):
-        return x
+def _first_x(x, batch_size):
+    """`x` of the first batch: of a dataset's first element, or the first
+    `batch_size` (default 32, as in `fit`) rows of arrays (`x` itself: a
+    tuple of arrays is several inputs, not `(x, y)`)."""
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, tf.distribute.DistributedDataset)):
+        return first_batch(x).x
     size = batch_size or 32
     return keras.tree.map_structure(lambda a: a[:size], x)
 

@@ -89,8 +89,7 @@ def install(model, passes=(), verify=True, rebuild_on_new_variables=True):
 def scope_report(model):
     """The report of a model plugged in by `kip.scope`, once it has trained."""
     runtime = _runtimes.get(model)
-    converted = None if runtime is None else runtime.converted
-    return None if converted is None else converted.kip_report
+    return None if runtime is None else runtime.report
 
 
 _runtimes = weakref.WeakKeyDictionary()

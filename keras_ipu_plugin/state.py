@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin.distribution import strategy_owning
 from keras_ipu_plugin.views import LIBRARY_PACKAGES
 
 
@@ -33,22 +34,24 @@ class VariableValues:
     """
 
     def __init__(self, variables):
-        seen = set()
+        self.ids = set()
         self._values = []
         for variable in variables:
-            if id(variable) not in seen:
-                seen.add(id(variable))
+            if id(variable) not in self.ids:
+                self.ids.add(id(variable))
                 self._values.append((variable, _read(variable)))
 
     def changed(self):
         return [v for v, value in self._values if not _same(_read(v), value)]
 
     def restore(self):
-        # Only what changed: an assignment can itself fail (a mirrored
-        # variable outside its strategy's scope).
+        # Only what changed, under the strategy that made the variable: an
+        # assignment can itself fail (a mirrored variable outside its
+        # strategy's scope).
         for variable, value in self._values:
             if not _same(_read(variable), value):
-                variable.assign(value)
+                with strategy_owning([variable]).scope():
+                    variable.assign(value)
 
 
 class NewVariables:

@@ -1,21 +1,43 @@
-"""Route a compiled model's `fit` / `evaluate` through its converted graph.
+"""Route a compiled model's `fit` / `evaluate` through converted graphs.
 
-One `Runtime` per model holds what every entry point shares (the converter,
-the converted model, the `VariableWatch`); `StepFunction` is the
-`train_function` / `test_function` that `fit` / `evaluate` call (Keras
-honours one set before the first step). At its first call it reads the
-first batch from the iterator `fit` passes, converts, runs that batch, and
-from then on runs the model's own `train_step` with the forward pass going
-through the converted graph.
+One `Runtime` per model holds what every entry point shares: the
+conversions made so far (one per kind of call a step makes, see
+`calls.py`), the `VariableWatch`, the step's `self` (`step_self.py`).
+`StepFunction` is the `train_function` / `test_function` that `fit` /
+`evaluate` call (Keras honours one set before the first step).
+
+What is converted is what the step calls, with the arguments it passes:
+`self(x)` for Keras's own steps, but also `self([source, target[:, :-1]])`
+built from a dict batch, a GAN's `self.generator(z)`, `self(x, mask=m)`.
+A call is converted at its first occurrence, from concrete arguments:
+
+- eagerly (`run_eagerly=True`, or `plugin(x)`), right where it is made;
+- in a compiled step, calls are seen while the step is traced, on
+  symbolic tensors. So before the first compiled step of a step of the
+  model's own, the step runs once as a *dry run* on the first batch: a
+  `tf.function` running the original models that returns the arguments of
+  every call made (optimizers apply nothing, though they and the metrics
+  are built there; every variable it changed is put back, every metric it
+  built reset). Each call is converted from those concrete arguments.
+- a call met later in a trace with no conversion (a new image size, a
+  padded batch of another length) stops the trace at once, before anything
+  runs (`NeedsConversion`); the step function takes the batch the step
+  would have read, converts that call from it (a dry run shows its
+  arguments) with the shapes the trace saw (a dimension unknown there stays
+  unknown), and trains on that same batch.
+
+No batch is skipped or read twice. Keras's own `train_step` / `test_step`
+(with Keras's `compute_loss` / `compute_metrics`) call `self(x)` with fit's
+`x`: those are converted from the batch directly, without a dry run.
 
 New variables: a step that creates variables, an optimizer that meets
 variables it does not know, or a model whose layer sequence changed at an
-epoch boundary leads to a rebuild of the converted graph and of the step
+epoch boundary leads to a rebuild of the converted graphs and of the step
 function; the optimizer gains state for the new variables only.
 """
 
 import contextlib
-import types
+import threading
 
 import keras
 import tensorflow as tf
@@ -23,34 +45,46 @@ import tensorflow as tf
 from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import apply_passes
 from keras_ipu_plugin.backends import get_backend
+from keras_ipu_plugin.calls import CallArguments
+from keras_ipu_plugin.calls import CallConversion
+from keras_ipu_plugin.calls import convert_call
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
-from keras_ipu_plugin.convert import Converter
 from keras_ipu_plugin.convert import assigned_outside
 from keras_ipu_plugin.distribution import check_built_under
 from keras_ipu_plugin.dynamic import NeedsExtension
 from keras_ipu_plugin.dynamic import NewVariablesError
-from keras_ipu_plugin.dynamic import OptimizingFacade
 from keras_ipu_plugin.dynamic import VariableWatch
 from keras_ipu_plugin.dynamic import describe_new_variables
 from keras_ipu_plugin.dynamic import extend_optimizer
 from keras_ipu_plugin.dynamic import union_of_variables
-from keras_ipu_plugin.inputs import input_specs
+from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.state import ModelState
 from keras_ipu_plugin.state import VariableValues
+from keras_ipu_plugin.step_self import CalleeStandIn
+from keras_ipu_plugin.step_self import step_self
 from keras_ipu_plugin.tracing import TraceError
 from keras_ipu_plugin.tracing import trace_model
-from keras_ipu_plugin.views import LIBRARY_PACKAGES
 
 _MAX_REBUILDS_PER_STEP = 8
+
+
+class NeedsConversion(Exception):
+    """Raised at the end of a step's trace: these calls have no conversion."""
+
+    def __init__(self, misses):
+        self.misses = misses
+        super().__init__(", ".join(f"{callee.name}({sig.describe()})" for callee, sig in misses))
 
 
 class Runtime:
     """Conversion state shared by the train and test functions of a model.
 
     `subject` is the model converted (the user's model); `owner` is the
-    model whose attributes a train step sees as `self` (the user's model,
-    or the PluginModel wrapping it).
+    model whose `fit` runs (the user's model, or the PluginModel wrapping
+    it). `owner_names` are the attributes a step reads from the owner
+    rather than the subject (what Keras's `compile` set on a wrapper).
     """
 
     def __init__(self, subject, owner, passes, verify=True, rebuild_on_new_variables=True):
@@ -60,49 +94,116 @@ class Runtime:
         self.verify = verify
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.watch = VariableWatch()
-        self.converted = None
-        self.first_x = None
+        self.conversions = []  # CallConversion, oldest first
+        self.owner_names = frozenset()
         self.rebuilds = 0
         self.traces = 0  # Python runs of a step: traces, in graph mode
         self._known = set()
-        self._layer_sequence = None
         self._fingerprint = None
+        self._local = threading.local()  # per replica thread: misses, recording
+        self._stand_ins = {}
 
     @property
     def strategy(self):
         return self.owner.distribute_strategy
 
+    @property
+    def converted(self):
+        """The subject's latest conversion (its functional model), or None."""
+        for conversion in reversed(self.conversions):
+            if conversion.callee is self.subject:
+                return conversion.model
+        return None
+
+    @property
+    def report(self):
+        """The subject's latest conversion report; for a model whose steps
+        call only sub-models (a GAN), theirs, one after the other."""
+        converted = self.converted
+        if converted is not None or not self.conversions:
+            return None if converted is None else converted.kip_report
+        report = self.conversions[0].model.kip_report.copy()
+        for conversion in self.conversions[1:]:
+            report.extend(conversion.model.kip_report)
+        return report
+
+    # -- the step's view of the model -----------------------------------------
+    def step_self(self):
+        return step_self(self)
+
+    def model_attribute(self, name):
+        """An attribute as the step's `self` sees it (see `step_self`)."""
+        if name in self.owner_names:
+            return getattr(self.owner, name)
+        try:
+            return getattr(self.subject, name)
+        except AttributeError:
+            if self.owner is self.subject:
+                raise
+            return getattr(self.owner, name)
+
+    def callee_stand_in(self, model):
+        if id(model) not in self._stand_ins:
+            self._stand_ins[id(model)] = CalleeStandIn(self, model)
+        return self._stand_ins[id(model)]
+
+    # -- conversions --------------------------------------------------------
     def convert(self, x):
-        """Convert once, from the first batch `x`."""
-        if self.converted is None:
-            self.first_x = x
-            self._convert()
+        """The subject's conversion for `subject(x)` (made now if none serves)."""
+        call = CallArguments(x)
+        if self.find(self.subject, call) is None:
+            self.add_conversion(self.subject, call)
         return self.converted
 
-    def _convert(self, report_entries=()):
+    def find(self, callee, call):
+        signature = call.signature()
+        for conversion in reversed(self.conversions):
+            if conversion.callee is callee and conversion.signature.accepts(signature):
+                return conversion
+        return None
+
+    def add_conversion(self, callee, call, signature=None, report_entries=()):
+        """Convert `callee` for calls like `call` (concrete), under the
+        strategy that owns the model, and apply the passes."""
         check_built_under(self.subject, _keras_internals.model_strategy(self.owner))
+        signature = signature or call.signature()
         with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
             # The IPU backend needs static shapes (static_batch=True there).
-            converted = Converter(
-                verify=self.verify, static_batch=get_backend().static_batch
-            ).convert(self.subject, self.first_x)
-            self._layer_sequence = _layer_sequence(converted)
-            if self.passes:
-                converted = apply_passes(converted, self.passes, verify=self.verify)
+            graph_model = convert_call(callee, call, verify=self.verify, signature=signature,
+                                       static_batch=get_backend().static_batch)
+            model = (apply_passes(graph_model, self.passes, verify=self.verify)
+                     if self.passes else graph_model)
         self.watch.take()
         for entry in report_entries:
-            converted.kip_report.add(*entry)
-        self.converted = converted
+            model.kip_report.add(*entry)
+        conversion = CallConversion(callee, signature, model, call, graph_model)
+        conversion.layer_sequence = _layer_sequence(graph_model)
+        self.conversions.append(conversion)
         self._known = {id(v) for v in self.subject.variables}
         self._fingerprint = _attribute_fingerprint(self.subject)
+        return conversion
 
     def rebuild(self, reason):
-        """Convert again (the model's variables or layers changed)."""
+        """Convert every call again (the model's variables or layers changed)."""
         new = [v for v in self.subject.variables if id(v) not in self._known]
         entries = [("rebuild", self.subject.name, reason,
                     ", ".join(v.path for v in new) or "no new variables")]
         self.rebuilds += 1
-        self._convert(report_entries=entries)
+        previous, self.conversions = self.conversions, []
+        try:
+            for conversion in previous:
+                self.add_conversion(conversion.callee, conversion.example,
+                                    conversion.signature, report_entries=entries)
+        except InputDataError as error:
+            # These arguments were accepted when first converted; if `call`
+            # fails on them now, the fault is the user's code, mid-training:
+            # raise its own error, not one blaming the data.
+            if error.__cause__ is None:
+                raise
+            raise error.__cause__
+        except BaseException:
+            self.conversions = previous
+            raise
 
     def structure_changed(self):
         """Whether the model must be converted again because a Python
@@ -112,37 +213,52 @@ class Runtime:
         boundaries: the model is traced again only when the plain Python
         attributes of its layers (flags, counts, names) changed since the
         last look."""
-        if self._layer_sequence is None:
+        if not self.conversions:
             return False
         fingerprint = _attribute_fingerprint(self.subject)
         if fingerprint == self._fingerprint:
             return False
+        for conversion in self.conversions:
+            if _is_opaque(conversion.graph_model):
+                # An opaque node runs `call` as traced into the step
+                # function, with the attribute values of that trace: the
+                # branch a flag now switches on would never run in graph
+                # mode. Rebuild and retrace.
+                return True
+            if not conversion.simple:
+                continue
+            specs = keras.tree.map_structure(
+                _spec_of_input, conversion.graph_model.input)
+            traced = self._trace_again(conversion.callee, specs)
+            if traced is None:
+                return True
+            graph, assigns = traced
+            if assigns or [id(layer) for layer in graph.layers()] != conversion.layer_sequence:
+                return True  # the fingerprint is taken again by the rebuild
         self._fingerprint = fingerprint
-        if _is_opaque(self.converted):
-            # An opaque node runs `call` as traced into the step function,
-            # with the attribute values of that trace: the branch a flag now
-            # switches on would never run in graph mode. Rebuild and retrace.
-            return True
-        specs = input_specs(self.first_x)
+        return False
+
+    def _trace_again(self, callee, specs):
+        """`(graph, assigns)` of a new trace of `callee` (assigns: a branch
+        now assigns a variable itself, which makes the conversion opaque, see
+        convert.py), or None when it no longer traces. The trace runs
+        `call`'s Python: what it changes on the model (a counter assigned in
+        `call`) does not stay behind."""
         with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
-            # The trace runs `call`'s Python: what it changes on the model
-            # (a counter assigned in `call`) must not stay behind.
             state = ModelState(self.subject)
             try:
                 with state.recording():
                     before = VariableValues(self.subject.non_trainable_variables)
-                    graph = trace_model(self.subject, specs)
-                    # A branch now assigning a variable itself: the
-                    # conversion makes the model opaque (see convert.py).
+                    graph = trace_model(callee, specs)
                     assigns = bool(assigned_outside(graph, before))
                 state.restore_after_success()
             except TraceError as error:
                 state.undo_after(error)
-                return True
+                return None
             except BaseException as error:
                 state.undo_after(error)
                 raise
-        return assigns or [id(layer) for layer in graph.layers()] != self._layer_sequence
+        return graph, assigns
 
     def new_variables(self):
         """Model variables created since the last conversion. Walks the
@@ -151,44 +267,130 @@ class Runtime:
         self.watch.take()
         return [v for v in self.subject.trainable_variables if id(v) not in self._known]
 
+    # -- calls made by a step -------------------------------------------------
+    def call(self, callee, args, kwargs):
+        """`callee(*args, **kwargs)` as a step (or the wrapper) makes it: the
+        converted graph for that call, converting it first where it can."""
+        call = CallArguments.of(callee, args, kwargs)
+        recorded = getattr(self._local, "recorded", None)
+        if recorded is not None:  # a dry run: note the call, run the original
+            recorded.append((callee, call))
+            return callee(*args, **kwargs)
+        conversion = self.find(callee, call)
+        if conversion is not None:
+            return conversion(call)
+        if call.is_symbolic() or _keras_internals.in_shape_inference():
+            # Keras working out shapes (a symbolic build, on KerasTensors or
+            # in its scratch graph): the original gives the same ones.
+            return callee(*args, **kwargs)
+        if tf.executing_eagerly() and call.is_concrete():
+            if _in_a_replica_of_many():
+                # Replicas run in threads here: convert outside them.
+                raise NeedsConversion([(callee, call.signature())])
+            return self.add_conversion(callee, call)(call)
+        if getattr(self._local, "in_step", False):
+            # Stop the trace right here: anything created further on (an
+            # optimizer's slots) would be left half-made by the aborted trace.
+            raise NeedsConversion([(callee, call.signature())])
+        raise ConversionError(
+            f"`{callee.name}` is called on {call.signature().describe()} inside a "
+            "tf.function that the plugin does not run, and has no conversion for "
+            "arguments like these. Call it once eagerly on such a batch first "
+            "(e.g. `plugin(x)`), or train / evaluate through fit / evaluate."
+        )
 
-class ForwardProxy:
-    """Stands in for the model as `self` of its `train_step` / `test_step`:
-    calling it runs the converted graph; optimizers are wrapped so that new
-    variables are learnt; every other attribute is the model's own.
+    @contextlib.contextmanager
+    def tracing_step(self):
+        self._local.in_step = True
+        try:
+            yield
+        finally:
+            self._local.in_step = False
 
-    Example:
-        >>> proxy = ForwardProxy(runtime)
-        >>> type(model).train_step(proxy, data)   # forward through the graph
-    """
+    def dry_running(self):
+        return getattr(self._local, "recorded", None) is not None
 
-    def __init__(self, runtime):
-        object.__setattr__(self, "_kip_runtime", runtime)
+    def record_calls(self, step, data):
+        """Run `step` once on `data` as a dry run; return the concrete
+        `(callee, CallArguments)` of every call it made (one replica's).
 
-    def __call__(self, *args, **kwargs):
-        return self._kip_runtime.converted(*args, **kwargs)
+        Optimizers apply nothing (they are built, if they were not); every
+        variable the run may change (metric totals, RNG seeds, counters) is
+        put back afterwards, and metrics built in it are reset.
+        """
+        strategy = self.strategy
+        proxy = self.step_self()
+        structures = []
+        lock = threading.Lock()
 
-    def __getattr__(self, name):
-        runtime = self._kip_runtime
-        if name in _VARIABLE_VIEWS:
-            # Layers a Replace pass created live only in the converted model.
-            return union_of_variables(getattr(runtime.owner, name), getattr(runtime.converted, name))
-        value = getattr(runtime.owner, name)
-        if isinstance(value, keras.optimizers.Optimizer):
-            return OptimizingFacade(value, runtime.rebuild_on_new_variables, runtime.subject)
-        if _is_user_method(value, runtime):
-            # A helper of the model's own class called from its train step
-            # (`self.losses_of(x)`) must see the proxy as `self` too, so its
-            # `self(x)` also runs the converted graph.
-            return types.MethodType(value.__func__, self)
-        return value
+        def replica(batch):
+            self._local.recorded = []
+            try:
+                step(proxy, batch)
+                recorded = self._local.recorded
+            finally:
+                self._local.recorded = None
+            with lock:
+                if not structures:
+                    structures.append(recorded)
+            return [t for _, call in recorded for t in call.tensors().values()]
 
-    def __setattr__(self, name, value):
-        setattr(self._kip_runtime.owner, name, value)
+        # As Keras runs steps: traced without AutoGraph (Keras marks its
+        # step functions `do_not_convert`), so Python in the step means what
+        # it means in `fit`.
+        function = tf.function(
+            lambda batch: strategy.run(replica, args=(batch,)), autograph=False)
+        snapshot = VariableValues(self._state_variables())
+        try:
+            with strategy.scope():
+                flat = function(data)
+        finally:
+            snapshot.restore()
+            # Metrics not seen before the run (built in it: Keras's compiled
+            # metrics before their first step) still hold its update.
+            for metric in self._metrics():
+                if any(id(v) not in snapshot.ids for v in metric.variables):
+                    metric.reset_state()
+        local = [
+            strategy.experimental_local_results(t)[0]
+            if isinstance(t, tf.distribute.DistributedValues) else t
+            for t in flat
+        ]
+        supply = iter(local)
+        found = []
+        for callee, call in structures[0] if structures else []:
+            tensors = {name: next(supply) for name in call.tensors()}
+            found.append((callee, _with_tensors(call, tensors)))
+        return found
+
+    def _metrics(self):
+        metrics = []
+        for model in (self.owner, self.subject):
+            metrics += [m for m in model.metrics if all(m is not n for n in metrics)]
+        return metrics
+
+    def _state_variables(self):
+        variables = list(self.subject.variables) + list(self.owner.variables)
+        for model in {id(self.subject): self.subject, id(self.owner): self.owner}.values():
+            variables += list(model.metrics_variables)
+        variables += _keras_internals.global_seed_variables()
+        return union_of_variables(variables, [])
+
+
+def _with_tensors(call, tensors):
+    """`call` with its tensors replaced by `tensors` (a dict by name)."""
+    from keras_ipu_plugin.calls import BoundCall
+
+    return BoundCall.fill(call, tensors)
+
+
+def _in_a_replica_of_many():
+    strategy = tf.distribute.get_strategy()
+    return strategy.num_replicas_in_sync > 1 and not tf.distribute.in_cross_replica_context()
 
 
 class StepFunction:
-    """A `train_function` / `test_function` running `step(proxy, data)`.
+    """A `train_function` / `test_function` running `step(self_, data)`.
 
     `step` is the unbound step method to run (the user's override, or
     Keras's own), e.g. `type(model).train_step`.
@@ -200,17 +402,28 @@ class StepFunction:
         self.function = None
         self._iterator = None
 
+    @property
+    def calls_self_on_x(self):
+        return calls_self_on_x(self.runtime, self.step)
+
     def __call__(self, iterator):
         runtime = self.runtime
-        if runtime.converted is None or self.function is None:
+        if self.function is None:
             data = _next(iterator)
             self._iterator = iterator
-            runtime.convert(_first_x(runtime.owner, data))
+            if self.calls_self_on_x:
+                runtime.convert(_first_x(runtime.owner, data))
+            elif not runtime.owner.run_eagerly:
+                convert_calls(runtime, self.step, data)  # eager steps convert as they call
             self._make()
             return self._run([data])
         if iterator is not self._iterator:  # a new epoch: a new iterator
             self._iterator = iterator
-            if runtime.rebuild_on_new_variables and runtime.structure_changed():
+            if runtime.structure_changed():
+                if not runtime.rebuild_on_new_variables:
+                    # Training on would run the old graph: the switched
+                    # branch would silently never run.
+                    raise NewVariablesError(describe_structure_change(runtime))
                 runtime.rebuild("a Python attribute switched a branch of `call`")
                 self._make()
         if runtime.owner.run_eagerly:
@@ -219,13 +432,17 @@ class StepFunction:
 
     def _make(self):
         runtime, step = self.runtime, self.step
-        proxy = ForwardProxy(runtime)
+        proxy = runtime.step_self()
 
         across_workers = _keras_internals.reduces_across_workers(runtime.strategy)
 
         def run_step(batch):
             runtime.traces += 1
-            logs = step(proxy, batch)
+            # Runs in Python only while the step is traced (or eagerly): the
+            # watch sees every variable the step tries to create, at no cost
+            # to compiled steps.
+            with runtime.watch.watching(), runtime.tracing_step():
+                logs = step(proxy, batch)
             if across_workers:
                 # Keras (to at least 3.15) reduces step outputs across workers
                 # with `strategy.reduce("MEAN", v, axis=0)`, which fails on
@@ -241,6 +458,7 @@ class StepFunction:
         eager = runtime.owner.run_eagerly
         for _ in range(_MAX_REBUILDS_PER_STEP):
             traces = runtime.traces
+            runtime.watch.take()
             try:
                 # In graph mode variables can only appear while the step is
                 # traced, which `runtime.traces` counts: the compiled steps
@@ -251,15 +469,27 @@ class StepFunction:
                 # Met while tracing (or in a replica): nothing ran; extend the
                 # optimizer outside, under its strategy, and trace anew.
                 added = extend_optimizer(need.optimizer, need.variables)
-                runtime.converted.kip_report.add(
-                    "rebuild", need.optimizer.name, "optimizer extended",
-                    ", ".join(v.path for v in added))
+                for conversion in runtime.conversions:
+                    conversion.model.kip_report.add(
+                        "rebuild", need.optimizer.name, "optimizer extended",
+                        ", ".join(v.path for v in added))
                 self._make()
                 continue
-            except ValueError as error:
-                if "singleton" not in str(error) and "first call" not in str(error):
-                    raise
-                # Variables created on a non-first trace of the tf.function.
+            except NeedsConversion as need:
+                # Met while tracing: nothing ran. One batch (the one the step
+                # would have read) shows the concrete arguments; it is then
+                # trained on as usual.
+                data = source[0] if isinstance(source, list) else _next(source)
+                for callee, signature in need.misses:
+                    convert_calls(runtime, self.step, data, callee, signature)
+                self._make()
+                source = [data]
+                continue
+            except Exception as error:
+                if not runtime.watch.refused:
+                    raise  # the user's own error, as it was raised
+                # A variable creation failed: variables created on a later
+                # trace of the tf.function than its first.
                 if not runtime.rebuild_on_new_variables:
                     raise NewVariablesError(describe_new_variables(
                         runtime.new_variables(), runtime.subject)) from error
@@ -276,14 +506,69 @@ class StepFunction:
             return outputs
         raise RuntimeError(
             f"keras_ipu_plugin: model `{runtime.subject.name}` kept creating "
-            "variables; gave up after repeated rebuilds in one step."
+            "variables or calls to convert; gave up after repeated rebuilds in one step."
         )
 
 
-_VARIABLE_VIEWS = frozenset({
-    "variables", "trainable_variables", "non_trainable_variables",
-    "weights", "trainable_weights", "non_trainable_weights",
-})
+
+class PredictFunction:
+    """Keras's `predict_function`, converting first a call its trace meets
+    without a conversion (predicting at a new image size: Keras traces the
+    function again with the size left open)."""
+
+    def __init__(self, runtime, step, function):
+        self.runtime = runtime
+        self.step = step
+        self.function = function
+
+    def __call__(self, data):
+        for _ in range(_MAX_REBUILDS_PER_STEP):
+            try:
+                return self.function(data)
+            except NeedsConversion as need:
+                # Keras hands over the batches of one execution, concrete.
+                for callee, signature in need.misses:
+                    convert_calls(self.runtime, self.step, data[0], callee, signature)
+        raise RuntimeError(
+            f"keras_ipu_plugin: predicting with `{self.runtime.subject.name}` kept "
+            "meeting calls to convert; gave up."
+        )
+
+
+def calls_self_on_x(runtime, step):
+    """Keras's own steps call `self(x)` with the batch's `x`, and nothing
+    else unless the model's own `compute_loss` / `compute_metrics` do."""
+    cls = type(runtime.subject)
+    own = (keras.Model.train_step, keras.Model.test_step, keras.Model.predict_step)
+    return step in own and (
+        cls.compute_loss is keras.Model.compute_loss
+        and cls.compute_metrics is keras.Model.compute_metrics
+    )
+
+
+def convert_calls(runtime, step, data, callee=None, signature=None):
+    """Convert the calls `step` makes on `data`: all of them, or the one to
+    `callee` that `signature` (from a trace) describes."""
+    if callee is runtime.subject and calls_self_on_x(runtime, step):
+        x = _first_x(runtime.owner, data)
+        runtime.add_conversion(callee, CallArguments(x), signature)
+        return
+    examples = runtime.record_calls(step, data)
+    if callee is None:
+        for made_by, call in examples:
+            if runtime.find(made_by, call) is None:
+                runtime.add_conversion(made_by, call)
+        return
+    example = next((call for made_by, call in examples
+                    if made_by is callee and signature.accepts(call.signature())), None)
+    if example is None:
+        raise ConversionError(
+            f"The step calls `{callee.name}` on {signature.describe()} when "
+            "traced, but made no such call when run on a batch, so there is "
+            "nothing to convert it from. Does the step branch on something "
+            "that differs between tracing and running?"
+        )
+    runtime.add_conversion(callee, example, signature)
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -302,13 +587,22 @@ def _attribute_fingerprint(model):
     return hash(tuple(parts))
 
 
-def _is_user_method(value, runtime):
-    if not isinstance(value, types.MethodType):
-        return False
-    if value.__self__ is not runtime.subject and value.__self__ is not runtime.owner:
-        return False
-    module = getattr(value.__func__, "__module__", "") or ""
-    return module.split(".")[0] not in LIBRARY_PACKAGES
+def describe_structure_change(runtime):
+    new = runtime.new_variables()
+    if new:
+        return describe_new_variables(new, runtime.subject)
+    return (
+        f"The layers that `call` of model `{runtime.subject.name}` reaches "
+        "changed since it was converted (a Python attribute switched a "
+        "branch). Pass rebuild_on_new_variables=True (the default) to "
+        "kip.PluginModel / kip.PluginCallback to rebuild the graph."
+    )
+
+
+def _spec_of_input(tensor):
+    from keras_ipu_plugin.inputs import InputSpec
+
+    return InputSpec(name=tensor.name, shape=tuple(tensor.shape[1:]), dtype=tensor.dtype)
 
 
 def _with_leading_axis(value):
@@ -352,3 +646,6 @@ def install(model, runtime):
         current = getattr(model, attribute, None)
         if not (isinstance(current, StepFunction) and current.runtime is runtime):
             setattr(model, attribute, StepFunction(runtime, getattr(type(model), step)))
+
+
+__all__ = ["Runtime", "StepFunction", "PredictFunction", "NeedsConversion", "install"]
