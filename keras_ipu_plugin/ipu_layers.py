@@ -40,7 +40,7 @@ from keras_ipu_plugin.graph import Value
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 from keras_ipu_plugin.passes.expand import expand_to_reach
-from keras_ipu_plugin.passes.base import matches
+from keras_ipu_plugin.passes.base import nodes_matching
 
 #: Keras layer class name -> `ipu_tensorflow_addons.keras.layers` class name.
 #: Dense -> SerialDense only when asked for (`serial_dense=True`): it changes
@@ -131,7 +131,7 @@ class IpuReplace(Replace):
         present = {}
         for target, replacement in self.mapping.items():
             expand_to_reach(graph, target, report, "replace")
-            nodes = [node for node in graph.nodes if matches(node, target)]
+            nodes = nodes_matching(graph, target)
             for node in nodes:
                 check_replaceable(node, replacement)
             if nodes:

@@ -380,8 +380,9 @@ def test_expand_one_target_expands_one_level_only():
 
 def test_shared_custom_layer_stays_shared():
     model, passed, x = expanded(make_shared)
-    dense_nodes = [n for n in passed.kip_graph.nodes if n.name == "shared.dense"]
-    out_nodes = [n for n in passed.kip_graph.nodes if n.name == "shared.out"]
+    # Node paths are unique: the second call site is numbered.
+    dense_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared.dense_1")]
+    out_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.out", "shared.out_1")]
     assert len(dense_nodes) == 2 and len(out_nodes) == 2
     assert dense_nodes[0].operation is dense_nodes[1].operation is model.shared.dense
     assert out_nodes[0].operation is out_nodes[1].operation is model.shared.out
@@ -688,7 +689,9 @@ def test_replace_keeps_shared_layers_shared():
     passed = kip.apply_passes(
         conv, [Expand(), Replace({"shared.dense": Replacement(MyDense, copy_weights=True)})]
     )
-    nodes = [n for n in passed.kip_graph.nodes if n.name == "shared.dense"]
+    # A name reaches every call site of the layer it names (the second one's
+    # path is numbered): replacing one site only would un-share the layer.
+    nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared.dense_1")]
     assert len(nodes) == 2
     assert isinstance(nodes[0].operation, MyDense)
     assert nodes[0].operation is nodes[1].operation

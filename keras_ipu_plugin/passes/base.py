@@ -119,11 +119,25 @@ def _names_of(operation):
     return (name,) if name is not None else ()
 
 
+def nodes_matching(graph, target):
+    """The nodes `target` matches, in graph order. A name matches the node
+    of that path and every other call site of the same layer object: a
+    layer shared between call sites is one layer (node paths are unique, so
+    the second site of `shared.dense` is `shared.dense_1`), and a pass that
+    reached only one site would silently un-share it."""
+    hits = [node for node in graph.nodes if matches(node, target)]
+    if not isinstance(target, str) or target == ALL:
+        return hits
+    layers = {id(node.operation) for node in hits if node.is_layer}
+    return [node for node in graph.nodes
+            if node in hits or (node.is_layer and id(node.operation) in layers)]
+
+
 def matched_nodes(graph, targets, step):
     """Nodes matched by any of `targets`; a target matching none is an error."""
     found = []
     for target in targets:
-        hits = [node for node in graph.nodes if matches(node, target)]
+        hits = nodes_matching(graph, target)
         if not hits:
             raise PassError(
                 f"{step}: target {describe(target)} matches no layer of the "
@@ -160,7 +174,7 @@ def matched_nodes_and_blocks(graph, targets, step):
     neither is an error."""
     nodes, blocks, seen = set(), [], set()
     for target in targets:
-        hits = [node for node in graph.nodes if matches(node, target)]
+        hits = nodes_matching(graph, target)
         inlined = matched_blocks(graph, target)
         if not hits and not inlined:
             raise PassError(

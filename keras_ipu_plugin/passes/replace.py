@@ -25,7 +25,7 @@ from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import config_value
 from keras_ipu_plugin.passes.base import describe
-from keras_ipu_plugin.passes.base import matches
+from keras_ipu_plugin.passes.base import nodes_matching
 from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
@@ -228,7 +228,7 @@ class Replace(Pass):
     def run(self, graph, report):
         for target, replacement in self.mapping.items():
             expand_to_reach(graph, target, report, self.step)
-            nodes = [n for n in graph.nodes if matches(n, target)]
+            nodes = nodes_matching(graph, target)
             if not nodes:
                 raise PassError(
                     f"replace: target {describe(target)} matches no layer of the "
