@@ -7,6 +7,8 @@ equal on that batch. A model whose `call` cannot be traced becomes one
 opaque node that runs the original code.
 """
 
+import dataclasses
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -78,9 +80,17 @@ class Converter:
         _check_model(model)
         batch = inputs_lib.first_batch(data)
         x = as_tensors(batch.x)
+        from_batch = inputs_lib.input_specs(
+            x, static_batch=self.static_batch, already_per_replica=batch.per_replica
+        )
         if specs is None:
-            specs = inputs_lib.input_specs(
-                x, static_batch=self.static_batch, already_per_replica=batch.per_replica
+            specs = from_batch
+        elif self.static_batch:
+            # Given shapes keep their unknown dimensions, but a static batch
+            # is the batch's own (the IPU backend needs it fixed).
+            specs = keras.tree.map_structure(
+                lambda spec, own: dataclasses.replace(spec, batch_size=own.batch_size),
+                specs, from_batch,
             )
         with one_conversion_at_a_time():
             return self._convert(model, x, specs)

@@ -286,13 +286,15 @@ class IpuBackend:
         `model` and metrics are the converted model's.
         """
         del keras_method  # the wrapper's own method is what the IPU refuses
+        # First: a model with steps of its own is not converted at `fit`'s
+        # start (its steps say what they call), and is refused here anyway.
+        _refuse_own_steps(owner, method)
         converted = owner.converted
         if converted is None:
             raise IpuError(
                 f"PluginModel `{owner.name}`: {method} on the IPU needs data to "
                 "convert the model from first (call it with `x`)."
             )
-        _refuse_own_steps(owner, method)
         strategy = owner.distribute_strategy
         if not isinstance(strategy, self.ipu.ipu_strategy.IPUStrategyV1):
             raise IpuError(
