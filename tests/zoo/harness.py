@@ -141,7 +141,17 @@ def _run_check(name, check, function):
 
 
 def describe_error(error):
-    """`Type: first line of the message` (the lead greps these)."""
+    """`Type: first line of the message`, and the same of the exception it
+    was raised while handling, if any (a failing clean-up can hide the
+    real error)."""
+    text = _first_line(error)
+    context = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if context is not None and not isinstance(error, CheckFailed):
+        text += f" [raised while handling {_first_line(context)}]"
+    return text
+
+
+def _first_line(error):
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     first = lines[0].strip() if lines else ""
     return f"{type(error).__name__}: {first}"
@@ -597,13 +607,15 @@ def compare_fits(reference, run, initial):
     variables; else the first difference (every key that differs at the
     first step that differs).
 
-    Final variables are compared relative to how far training moved them
-    (`initial` -> `reference`): optimizers like Adam turn rounding-level
-    gradient differences (another order of the same float operations)
-    into visible but tiny weight differences, while a wrong step (another
-    optimizer, a missing gradient, another loss) differs by about as much
-    as the weights moved. RNG states and other integer variables must be
-    identical.
+    Final variables (non-trainable ones too: BatchNormalization statistics
+    are in no loss) are compared relative to how far training moved them
+    (`initial` -> `reference`), within 10% of that plus `ATOL`: plain Keras
+    itself, run eagerly instead of in a graph (the same float operations in
+    another order), ends 2% of the movement away on MobileNetV3Small, since
+    Adam and BatchNormalization on small batches amplify rounding; a wrong
+    step (another optimizer, a missing gradient or update, another loss)
+    is about 100% of the movement away. RNG states and other integer
+    variables must be identical.
     """
     if not run.converted:
         return "the plugin never converted the model (plain Keras ran instead)"
@@ -636,7 +648,7 @@ def _trained_difference(initial, expected, actual):
         return ""
     moved = float(np.max(np.abs(expected - initial)))
     difference = float(np.max(np.abs(actual - expected)))
-    allowed = 0.01 * moved + 1e-6 * max(float(np.max(np.abs(expected))), 1.0)
+    allowed = 0.1 * moved + ATOL * max(float(np.max(np.abs(expected))), 1.0)
     if difference <= allowed:
         return ""
     return f"differs by {difference:.3g} (training moved it by {moved:.3g})"
@@ -649,8 +661,8 @@ def check_fit(name, how):
     def run():
         try:
             reference = plain_fit(subject)
-        except Exception as error:  # noqa: BLE001
-            raise RuntimeError(f"plain Keras itself fails: {describe_error(error)}") from error
+        except Exception as error:  # noqa: BLE001 - reported, not raised
+            return ERROR, f"plain Keras itself fails: {describe_error(error)}"
         difference = compare_fits(reference, plugin_fit(subject, how), _initial[name])
         if difference:
             raise CheckFailed(difference)

@@ -14,6 +14,10 @@ from ._applications import image_data as data  # noqa: F401 - the corpus interfa
 from ._applications import make
 
 SLOW = True
+# Batches of 8, not 2: at 32x32 its last feature maps are 1x1, and
+# BatchNormalization over 2 values makes training chaotic (plain Keras run
+# eagerly and in a graph differ by 6% in loss after 3 steps).
+BATCH = 8
 NO_NORM_LAYERS = True  # BatchNormalization only: not of the LayerNormalization family
 
 
