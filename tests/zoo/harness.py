@@ -28,13 +28,15 @@ The checks (public kip API only):
 Comparisons restore every non-trainable variable of the model (RNG seed
 states, BatchNormalization statistics) before each run, so a model that
 draws random numbers at inference compares equal when it computes the same
-thing. Tolerances are those of `kip`'s own verification: `rtol=1e-4` and
-`atol=1e-5` times the largest expected magnitude (at least 1).
+thing. Outputs, gradients and logged losses are compared with the
+tolerances of `kip`'s own verification (`rtol=1e-4`, `atol=1e-5` times the
+largest expected magnitude, at least 1); trained weights as `compare_fits`
+explains.
 
 Example:
     >>> from zoo import harness
-    >>> print(harness.check_traced("vit"))
-    vit traced: pass (54 nodes) [3.1 s]
+    >>> print(harness.check_traced("recommender"))
+    recommender traced: pass (13 nodes) [0.4 s]
 """
 
 import importlib
@@ -151,9 +153,23 @@ def describe_error(error):
     return text
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# First lines that only say where an error happened; the message that says
+# what happened is on a later line.
+_WRAPPERS = ("Exception encountered when calling", "in user code:")
+
+
 def _first_line(error):
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    first = lines[0].strip() if lines else ""
+    message = str(error)
+    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], str):
+        message = error.args[0]  # str() of a KeyError is the repr of its message
+    lines = [_ANSI.sub("", line).strip() for line in message.strip().splitlines()]
+    lines = [line for line in lines if line]
+    first = lines[0] if lines else ""
+    if first.startswith(_WRAPPERS):
+        cause = next((line for line in lines[1:] if not line.startswith(("File ", "Arguments", "•", "return ", "raise "))), "")
+        if cause:
+            first = f"{first} {cause}"
     return f"{type(error).__name__}: {first}"
 
 

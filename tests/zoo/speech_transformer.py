@@ -153,7 +153,7 @@ class Transformer(keras.Model):
         dec_target = target[:, 1:]
         with tf.GradientTape() as tape:
             preds = self([source, dec_input])
-            one_hot = ops.one_hot(dec_target, depth=self.num_classes)
+            one_hot = ops.one_hot(dec_target, self.num_classes)
             mask = ops.logical_not(ops.equal(dec_target, 0))
             loss = self.compute_loss(None, one_hot, preds, sample_weight=mask)
         trainable_vars = self.trainable_variables
