@@ -87,6 +87,10 @@ def totals(rows):
         if results:
             passed = sum(r.ok for r in results)
             lines.append(f"{title.replace(chr(10), ' ')}: {passed}/{len(results)}")
+    builtin_only = [r for _, rs in rows for r in rs if r.check == "custom_left"]
+    if builtin_only:  # the goal: >= 90% expand to built-in layers only
+        lines.append(f"expand to built-in layers only: "
+                     f"{sum(r.detail == 'none' for r in builtin_only)}/{len(builtin_only)}")
     return "; ".join(lines)
 
 
@@ -103,7 +107,9 @@ def main(argv=None):
     if args.list:
         for name in MODELS:
             subject = harness.Subject(name)
-            console.print(f"{name}{' (slow)' if subject.slow else ''}: {subject.doc.splitlines()[0]}")
+            summary = " ".join(subject.doc.split())
+            console.print(f"{name}{' (slow)' if subject.slow else ''}: {summary[:150]}...",
+                          markup=False, highlight=False)
         return 0
     unknown = [name for name in args.models if name not in MODELS]
     if unknown:
