@@ -11,7 +11,6 @@ patches, width 8.
 import keras
 import numpy as np
 from keras import layers
-from keras import ops
 
 IMAGE, PATCH, CLASSES, EMBEDDING, BLOCKS = 8, 2, 4, 8, 2
 NUM_PATCHES = (IMAGE // PATCH) ** 2

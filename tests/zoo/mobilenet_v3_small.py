@@ -8,7 +8,6 @@ pooling="avg"`).
 
 import keras
 
-from ._applications import BATCH  # noqa: F401 - the corpus interface
 from ._applications import compile_kwargs  # noqa: F401 - the corpus interface
 from ._applications import image_data as data  # noqa: F401 - the corpus interface
 from ._applications import make
