@@ -1,0 +1,152 @@
+"""The public-architecture corpus of issue 13 through the plugin: one test
+per corpus model (tests/zoo/) per check.
+
+- converts fully traced (no opaque node unless the model file says why);
+- `Expand("all")` keeps outputs and gradients equal;
+- `Expand("all")` leaves no custom layer that the report gives no reason for;
+- `Replace` reaches every layer of the LayerNormalization family (custom
+  norms too, by a subclass of their own class with the weights copied)
+  with outputs equal;
+- `PluginModel` and `PluginCallback` train 3 steps with the logs and final
+  variables of plain Keras on an identical twin.
+
+The checks live in `tests/zoo/harness.py` (they return results, so that
+`benchmarks/zoo.py` can print the same checks as a scoreboard); these tests
+assert on them. Models whose checks take more than ~10 s on 2 cores are
+marked `slow` (keras_hub backbones, keras.applications).
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+
+from zoo import MODELS
+from zoo import harness
+
+REQUIRED = (
+    "vae", "dcgan", "perceiver", "vit", "mlp_mixer", "swin", "translation_transformer",
+    "siamese", "recommender", "pointnet", "cct", "distillation", "gat", "speech_transformer",
+    "bert", "gpt2", "llama", "gemma", "resnet50", "efficientnet_b0", "convnext_tiny",
+    "mobilenet_v3_small",
+)
+
+
+def _corpus():
+    return [
+        pytest.param(name, id=name, marks=[pytest.mark.slow] if harness.Subject(name).slow else [])
+        for name in MODELS
+    ]
+
+
+CORPUS = _corpus()
+
+
+def _assert_ok(result):
+    assert result.ok, f"{result.model} / {result.check}: {result.status}: {result.detail}"
+
+
+@functools.cache
+def _expansion(name):
+    """One `Expand("all")` run gives the results of two tests."""
+    return harness.check_expand(name)
+
+
+# -- the corpus itself -------------------------------------------------------------
+def test_corpus_has_the_required_architectures():
+    assert len(MODELS) >= 22
+    assert set(REQUIRED) <= set(MODELS)
+    assert {"t5", "bart"} & set(MODELS)
+    assert {"gmlp", "fnet"} & set(MODELS)
+    assert {"dcgan", "wgan_gp"} & set(MODELS)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_corpus_model_cites_its_source_and_has_the_interface(name):
+    subject = harness.Subject(name)
+    assert subject.doc.startswith("Follows "), f"{name}: the docstring must cite its source"
+    for function in ("build", "data", "compile_kwargs"):
+        assert callable(getattr(subject.module, function, None)), f"{name} has no {function}()"
+    x, _ = subject.data(2)
+    assert len(keras.tree.flatten(x)[0]) == 2
+
+
+# -- the checks of issue 13 ----------------------------------------------------------
+@pytest.mark.parametrize("name", CORPUS)
+def test_converts_fully_traced(name):
+    _assert_ok(harness.check_traced(name))
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_expand_all_keeps_outputs_and_gradients_equal(name):
+    _assert_ok(_expansion(name)[0])
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_expand_all_leaves_no_custom_layer_without_a_reason(name):
+    _assert_ok(_expansion(name)[1])
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_replace_reaches_every_norm_layer_with_outputs_equal(name):
+    _assert_ok(harness.check_replace(name))
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_plugin_model_fit_equals_plain_keras(name):
+    _assert_ok(harness.check_fit(name, "plugin_model"))
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_plugin_callback_fit_equals_plain_keras(name):
+    _assert_ok(harness.check_fit(name, "plugin_callback"))
+
+
+# -- the harness sees what it must see -------------------------------------------------
+def _dense_model(seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras.layers.Dense(2)(inputs))
+
+
+def test_harness_compare_models_finds_a_different_output_and_gradient():
+    x = np.ones((2, 3), "float32")
+    model = _dense_model(0)
+    assert harness.compare_models(model, model, x, gradients=True) == ""
+    assert "output 0 differs" in harness.compare_models(model, _dense_model(1), x, gradients=False)
+
+    class Stopped(keras.Model):  # equal outputs, no gradient to the kernel
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def call(self, inputs):
+            return keras.ops.stop_gradient(self.inner(inputs))
+
+    assert "gradient" in harness.compare_models(model, Stopped(model), x, gradients=True)
+
+
+def test_harness_compare_fits_finds_a_different_loss_and_a_weight_that_did_not_train():
+    initial = [np.zeros(3, "float32")]
+    reference = harness.FitRun([{"loss": 1.0}, {"loss": 0.5}], [("w", np.ones(3, "float32"))])
+    same = harness.FitRun([{"loss": 1.0}, {"loss": 0.5}], [("w", np.ones(3, "float32"))])
+    assert harness.compare_fits(reference, same, initial) == ""
+    other_loss = harness.FitRun([{"loss": 1.0}, {"loss": 0.6}], [("w", np.ones(3, "float32"))])
+    assert "step 2" in harness.compare_fits(reference, other_loss, initial)
+    untrained = harness.FitRun([{"loss": 1.0}, {"loss": 0.5}], [("w", np.zeros(3, "float32"))])
+    assert "variable `w`" in harness.compare_fits(reference, untrained, initial)
+    never_converted = harness.FitRun(reference.logs, reference.variables, converted=False)
+    assert "never converted" in harness.compare_fits(reference, never_converted, initial)
+
+
+def test_harness_counts_layers_not_exported_by_keras_layers_as_custom():
+    class MyDense(keras.layers.Dense):
+        pass
+
+    assert not harness.is_custom(keras.layers.Dense(2))
+    assert not harness.is_custom(keras.layers.LayerNormalization())
+    assert harness.is_custom(MyDense(2))
+    assert harness.is_custom(keras.Sequential([keras.layers.Dense(2)]))
+    assert harness.is_norm(keras.layers.RMSNormalization())
+    assert not harness.is_norm(keras.layers.BatchNormalization())

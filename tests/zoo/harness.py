@@ -1,0 +1,704 @@
+"""The checks of issue 13 over the corpus; each returns a `CheckResult`.
+
+A check never asserts: it returns `pass`, `fail` (it ran and found a
+difference, an opaque node, a layer not reached, ...), `error` (something
+raised; the detail is the exception's first line) or `n/a` (the model
+states, and the check confirms, that the check does not apply). The tests
+in `tests/test_zoo.py` assert on these results; `benchmarks/zoo.py` prints
+them as a scoreboard.
+
+The checks (public kip API only):
+
+- `check_traced`: `kip.convert_to_functional` (with its verification)
+  gives a graph without an opaque node, unless the model file states why.
+- `check_expand`: `kip.apply_passes(converted, [Expand("all")])` computes
+  the original's outputs and gradients on the batch, and leaves no custom
+  layer (a layer class not exported by `keras.layers`) that the report
+  gives no reason for. Returns two results (`expand`, `custom_left`).
+- `check_replace`: `Replace` of every class of the LayerNormalization
+  family found in the model (keras's LayerNormalization and
+  RMSNormalization, and custom norms such as keras_hub's `LlamaLayerNorm`
+  or `T5LayerNorm`), each by a subclass of itself with its weights
+  copied, reaches every norm layer, and the outputs stay equal.
+- `check_fit`: `PluginModel` (`how="plugin_model"`) or `PluginCallback`
+  (`how="plugin_callback"`) trains 3 steps with the same per-step logs
+  (losses, metrics) and the same final variables as plain Keras on an
+  identical twin (same weights and RNG states, same data, same seed).
+
+Comparisons restore every non-trainable variable of the model (RNG seed
+states, BatchNormalization statistics) before each run, so a model that
+draws random numbers at inference compares equal when it computes the same
+thing. Outputs, gradients and logged losses are compared with the
+tolerances of `kip`'s own verification (`rtol=1e-4`, `atol=1e-5` times the
+largest expected magnitude, at least 1); trained weights as `compare_fits`
+explains.
+
+Example:
+    >>> from zoo import harness
+    >>> print(harness.check_traced("recommender"))
+    recommender traced: pass (13 nodes) [0.4 s]
+"""
+
+import importlib
+import re
+import time
+import traceback
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_ipu_plugin as kip
+
+SEED = 1234
+STEPS = 3
+RTOL, ATOL = 1e-4, 1e-5
+
+PASS, FAIL, ERROR, NA = "pass", "fail", "error", "n/a"
+CHECKS = (
+    "traced", "expand", "custom_left", "replace", "plugin_model", "plugin_callback",
+)
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one check on one corpus model."""
+
+    model: str
+    check: str
+    status: str  # PASS, FAIL, ERROR or NA
+    detail: str = ""
+    seconds: float = 0.0
+    trace: str = ""  # the traceback of an ERROR (benchmarks/zoo.py --traceback)
+
+    @property
+    def ok(self):
+        return self.status in (PASS, NA)
+
+    def __str__(self):
+        return f"{self.model} {self.check}: {self.status} ({self.detail}) [{self.seconds:.1f} s]"
+
+
+class CheckFailed(Exception):
+    """A check ran and found what it must not (reported as FAIL, not ERROR)."""
+
+
+# -- the corpus models behind one interface ------------------------------------
+class Subject:
+    """One corpus module with the interface's defaults filled in.
+
+    Example:
+        >>> subject = Subject("vit")
+        >>> model = subject.fresh()
+        >>> x, y = subject.data()
+    """
+
+    def __init__(self, name):
+        self.name = name
+        self.module = importlib.import_module(f"{__package__}.{name}")
+        self.batch = getattr(self.module, "BATCH", 4)
+        self.expect_opaque = getattr(self.module, "EXPECT_OPAQUE", None)
+        self.no_norm_layers = getattr(self.module, "NO_NORM_LAYERS", False)
+        self.slow = getattr(self.module, "SLOW", False)
+        self.doc = self.module.__doc__ or ""
+
+    def fresh(self):
+        """A new model, built from the same seed every time."""
+        keras.utils.set_random_seed(SEED)
+        return self.module.build()
+
+    def data(self, batch=None):
+        keras.utils.set_random_seed(SEED)
+        return self.module.data(batch or self.batch)
+
+    def compile_kwargs(self):
+        return self.module.compile_kwargs()
+
+    def parts(self, model, x, y):
+        """`[(label, model, inputs)]`: what the structural checks convert."""
+        if hasattr(self.module, "parts"):
+            return [(label, part, _tensors(inputs))
+                    for label, part, inputs in self.module.parts(model, x, y)]
+        inputs = self.module.model_input(x, y) if hasattr(self.module, "model_input") else x
+        return [(model.name, model, _tensors(inputs))]
+
+
+def _tensors(structure):
+    return keras.tree.map_structure(tf.convert_to_tensor, structure)
+
+
+def _run_check(name, check, function):
+    """Run `function() -> detail` as check `check`: a CheckResult whatever happens."""
+    start, trace = time.perf_counter(), ""
+    try:
+        status, detail = function()
+    except CheckFailed as failure:
+        status, detail = FAIL, str(failure)
+    except Exception as error:  # noqa: BLE001 - the board must go on
+        status, detail, trace = ERROR, describe_error(error), traceback.format_exc()
+    finally:
+        keras.backend.clear_session(free_memory=False)
+    return CheckResult(name, check, status, detail, time.perf_counter() - start, trace)
+
+
+def describe_error(error):
+    """`Type: first line of the message`, and the same of the exception it
+    was raised while handling, if any (a failing clean-up can hide the
+    real error)."""
+    text = _first_line(error)
+    context = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if context is not None and not isinstance(error, CheckFailed):
+        text += f" [raised while handling {_first_line(context)}]"
+    return text
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# First lines that only say where an error happened; the message that says
+# what happened is on a later line.
+_WRAPPERS = ("Exception encountered when calling", "in user code:")
+
+
+def _first_line(error):
+    message = str(error)
+    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], str):
+        message = error.args[0]  # str() of a KeyError is the repr of its message
+    lines = [_ANSI.sub("", line).strip() for line in message.strip().splitlines()]
+    lines = [line for line in lines if line]
+    first = lines[0] if lines else ""
+    if first.startswith(_WRAPPERS):
+        cause = next((line for line in lines[1:] if not line.startswith(("File ", "Arguments", "•", "return ", "raise "))), "")
+        if cause:
+            first = f"{first} {cause}"
+    return f"{type(error).__name__}: {first}"
+
+
+def _labelled(label, text, parts):
+    return text if len(parts) == 1 else f"{label}: {text}"
+
+
+# -- check 1: conversion is fully traced ------------------------------------------
+def check_traced(name):
+    """Convert (verified) each part; pass when no node is opaque, or when
+    the model file states why it cannot be traced."""
+    subject = Subject(name)
+
+    def run():
+        model = subject.fresh()
+        x, y = subject.data()
+        parts = subject.parts(model, x, y)
+        found, sizes = [], []
+        for label, part, inputs in parts:
+            converted = kip.convert_to_functional(part, (inputs,))
+            sizes.append(len(converted.kip_graph.nodes))
+            found += [(label, node, reason) for node, reason in opaque_nodes(converted)]
+        if not found:
+            return PASS, f"{sum(sizes)} nodes"
+        listing = "; ".join(
+            _labelled(label, f"`{node}` opaque: {reason}", parts) for label, node, reason in found
+        )
+        if subject.expect_opaque:
+            return PASS, f"opaque as the model states ({subject.expect_opaque}): {listing}"
+        raise CheckFailed(listing)
+
+    return _run_check(name, "traced", run)
+
+
+def opaque_nodes(model):
+    """`[(node name, reason)]` of the opaque nodes of a converted model,
+    from its graph and its report."""
+    found = {}
+    for node in model.kip_graph.nodes:
+        if isinstance(node.operation, kip.OpaqueLayer):
+            found[node.name] = node.opaque_reason or node.operation.reason
+    report = model.kip_report
+    for layer, reason in (report.opaque.items() if report is not None else ()):
+        if layer not in found and not any(n.startswith(layer) for n in found):
+            found[layer] = reason
+    return list(found.items())
+
+
+# -- check 2: Expand("all") ---------------------------------------------------------
+def check_expand(name):
+    """`(expand, custom_left)` results of one `Expand("all")` per part."""
+    subject = Subject(name)
+    outcome = {"equal": None, "left": None}
+
+    def run():
+        model = subject.fresh()
+        x, y = subject.data()
+        parts = subject.parts(model, x, y)
+        differences, left, errors = [], [], []
+        for label, part, inputs in parts:
+            converted = kip.convert_to_functional(part, (inputs,), verify=False)
+            passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
+            left += [(label, *entry) for entry in custom_layers_left(passed)]
+            try:
+                difference = compare_models(part, passed, inputs, gradients=True)
+            except Exception as error:  # noqa: BLE001 - the passed model crashes
+                errors.append(_labelled(label, "the expanded model fails when called: "
+                                        + describe_error(error), parts))
+                continue
+            if difference:
+                before = compare_models(part, converted, inputs, gradients=True)
+                if before:
+                    difference += f" (the converted model already differs before Expand: {before})"
+                differences.append(_labelled(label, difference, parts))
+        outcome["left"] = (left, parts)
+        if errors:
+            return ERROR, "; ".join(errors + differences)
+        if differences:
+            raise CheckFailed("; ".join(differences))
+        return PASS, "outputs and gradients equal"
+
+    expand = _run_check(name, "expand", run)
+    if outcome["left"] is None:  # conversion or Expand itself raised
+        custom = CheckResult(name, "custom_left", ERROR, expand.detail, 0.0)
+    else:
+        custom = _custom_left_result(name, *outcome["left"])
+    return expand, custom
+
+
+def _custom_left_result(name, left, parts):
+    if not left:
+        return CheckResult(name, "custom_left", PASS, "none")
+    unexplained = [entry for entry in left if not entry[3]]
+    listing = "; ".join(
+        _labelled(label, f"`{node}` ({cls})" + (f": {reason}" if reason else ""), parts)
+        for label, node, cls, reason in (unexplained or left)
+    )
+    if unexplained:
+        return CheckResult(name, "custom_left", FAIL,
+                           f"{len(left)} left, {len(unexplained)} without a reason: {listing}")
+    return CheckResult(name, "custom_left", PASS, f"{len(left)} left, each with a reason: {listing}")
+
+
+_KERAS_LAYER_CLASSES = frozenset(
+    value for value in vars(keras.layers).values()
+    if isinstance(value, type) and issubclass(value, keras.layers.Layer)
+)
+
+
+def is_custom(operation):
+    """Whether a graph node's operation is a custom layer: a Layer whose
+    class is not one that `keras.layers` exports (a keras_hub layer, a
+    user's layer, ConvNeXt's LayerScale, a nested keras.Model, an opaque
+    node). `keras.ops` operations and the plugin's own graph layers are
+    not custom."""
+    if isinstance(operation, kip.OpaqueLayer):
+        return True
+    if isinstance(operation, kip.LayerAlias):
+        operation = operation.layer
+    if not isinstance(operation, keras.layers.Layer):
+        return not type(operation).__module__.startswith("keras.")
+    if type(operation).__module__.startswith("keras_ipu_plugin."):
+        return False
+    return type(operation) not in _KERAS_LAYER_CLASSES
+
+
+def custom_layers_left(model):
+    """`[(node name, class name, reason or "")]` for the custom layers left
+    in a passed model's graph; the reason is the node's or the report's."""
+    report = model.kip_report
+    opaque = report.opaque if report is not None else {}
+    left = []
+    for node in model.kip_graph.nodes:
+        operation = node.operation
+        if not is_custom(operation):
+            continue
+        layer = operation.layer if isinstance(operation, (kip.OpaqueLayer, kip.LayerAlias)) else operation
+        reason = (
+            node.opaque_reason or opaque.get(node.name) or opaque.get(getattr(layer, "name", ""))
+            or getattr(operation, "reason", "") or ""
+        )
+        left.append((node.name, type(layer).__name__, reason))
+    return left
+
+
+# -- check 3: Replace reaches every norm layer ----------------------------------------
+_NORM_NAME = re.compile(r"(layer|rms)_?norm", re.IGNORECASE)
+
+
+def is_norm(layer):
+    """LayerNormalization family: keras's LayerNormalization and
+    RMSNormalization (and subclasses), and custom norm classes named so
+    (`LlamaLayerNorm`, `T5LayerNorm`, keras_hub's `RMSNormalization`)."""
+    family = (keras.layers.LayerNormalization, keras.layers.RMSNormalization)
+    return isinstance(layer, family) or bool(_NORM_NAME.search(type(layer).__name__))
+
+
+def sub_layers(root):
+    """Every layer reachable from `root`'s attributes (lists, dicts,
+    tuples too), without `root`; each once."""
+    found, seen = [], {id(root)}
+
+    def visit(value):
+        if isinstance(value, keras.layers.Layer):
+            if id(value) in seen:
+                return
+            seen.add(id(value))
+            found.append(value)
+            for item in vars(value).values():
+                visit(item)
+        elif isinstance(value, (list, tuple, set)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    for item in vars(root).values():
+        visit(item)
+    return found
+
+
+_replacement_classes = {}
+
+
+def replacement_class(cls):
+    """A subclass of `cls` adding nothing, one per class (a user's own
+    replacement that must compute what the original computes)."""
+    if cls not in _replacement_classes:
+        _replacement_classes[cls] = type(f"Replaced{cls.__name__}", (cls,), {})
+    return _replacement_classes[cls]
+
+
+def copy_by_position(old, new):
+    """Copy `old`'s weights into `new`'s, in order (the same class)."""
+    if len(old.weights) != len(new.weights):
+        raise ValueError(
+            f"`{new.name}` has {len(new.weights)} weights, `{old.name}` {len(old.weights)}"
+        )
+    for source, target in zip(old.weights, new.weights):
+        target.assign(source)
+
+
+def check_replace(name):
+    """Replace every norm class by a subclass of itself (weights copied);
+    pass when each norm layer of the model is replaced and outputs are equal."""
+    subject = Subject(name)
+
+    def run():
+        model = subject.fresh()
+        x, y = subject.data()
+        parts = subject.parts(model, x, y)
+        notes, problems, total = [], [], 0
+        for label, part, inputs in parts:
+            converted = kip.convert_to_functional(part, (inputs,), verify=False)
+            norms = [layer for layer in sub_layers(part) if is_norm(layer)]
+            total += len(norms)
+            if not norms:
+                continue
+            classes = _most_derived_first({type(layer) for layer in norms})
+            passes = [
+                kip.passes.Replace({cls: kip.passes.Replacement(
+                    replacement_class(cls), copy_weights_fn=copy_by_position)})
+                for cls in classes
+            ]
+            passed = kip.apply_passes(converted, passes)
+            new_layers = {
+                id(node.operation) for node in passed.kip_graph.nodes
+                if type(node.operation) in _replacement_classes.values()
+            }
+            still = _still_in_graph(passed, norms)
+            reach = f"{len(new_layers)}/{len(norms)} reached ({', '.join(c.__name__ for c in classes)})"
+            if still or len(new_layers) != len(norms):
+                problems.append(_labelled(label, reach + (
+                    "; still in the graph: " + ", ".join(f"`{n}`" for n in still) if still else ""
+                ), parts))
+                continue
+            difference = compare_models(part, passed, inputs, gradients=False)
+            if difference:
+                problems.append(_labelled(label, f"{reach}, but {difference}", parts))
+            else:
+                notes.append(_labelled(label, reach, parts))
+        if total == 0:
+            if subject.no_norm_layers:
+                return NA, "no norm layer (as the model states)"
+            raise CheckFailed("found no layer of the LayerNormalization family; "
+                              "a model without one says NO_NORM_LAYERS = True")
+        if subject.no_norm_layers:
+            raise CheckFailed(f"the model states NO_NORM_LAYERS but has {total}")
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        return PASS, "; ".join(notes) + ", outputs equal"
+
+    return _run_check(name, "replace", run)
+
+
+def _most_derived_first(classes):
+    return sorted(classes, key=lambda cls: -len(cls.__mro__))
+
+
+def _still_in_graph(model, norms):
+    """Names of the norm layers still used by the graph: as nodes, or
+    inside a node's layer (an opaque or unexpanded layer)."""
+    wanted = {id(layer): layer for layer in norms}
+    still = []
+    for node in model.kip_graph.nodes:
+        operation = node.operation
+        if not isinstance(operation, keras.layers.Layer):
+            continue
+        for layer in [operation] + sub_layers(operation):
+            if id(layer) in wanted and layer.name not in still:
+                still.append(layer.name)
+    return still
+
+
+# -- comparing two models on one batch --------------------------------------------------
+def compare_models(original, other, inputs, *, gradients):
+    """'' when `other` computes `original`'s outputs (and gradients of a
+    fixed projection of them w.r.t. `original`'s trainable variables) on
+    `inputs` in inference mode; else what differs first."""
+    variables = list(original.trainable_variables) if gradients else []
+    state = _non_trainable_state(original)
+    expected, expected_grads = _outputs_and_gradients(original, inputs, variables, state)
+    actual, actual_grads = _outputs_and_gradients(other, inputs, variables, state)
+    expected_leaves = keras.tree.flatten(expected)
+    actual_leaves = keras.tree.flatten(actual)
+    if len(expected_leaves) != len(actual_leaves):
+        return f"{len(actual_leaves)} outputs instead of {len(expected_leaves)}"
+    for index, (e, a) in enumerate(zip(expected_leaves, actual_leaves)):
+        difference = difference_of(e, a)
+        if difference:
+            return f"output {index} {difference}"
+    for variable, e, a in zip(variables, expected_grads, actual_grads):
+        if e is None and a is None:
+            continue
+        if e is None or a is None:
+            return (f"the gradient of `{variable.path}` is "
+                    f"{'missing' if a is None else 'present'} (original: "
+                    f"{'present' if a is None else 'missing'})")
+        difference = difference_of(e, a)
+        if difference:
+            return f"the gradient of `{variable.path}` {difference}"
+    return ""
+
+
+def difference_of(expected, actual):
+    """'' when close, else 'differs (...)'; shapes must match."""
+    expected = np.asarray(expected)
+    actual = np.asarray(actual)
+    if expected.shape != actual.shape:
+        return f"has shape {actual.shape} instead of {expected.shape}"
+    if expected.dtype.kind not in "fc":
+        return "" if np.array_equal(expected, actual) else "differs (integer values)"
+    scale = max(float(np.max(np.abs(expected))) if expected.size else 0.0, 1.0)
+    if np.allclose(actual, expected, rtol=RTOL, atol=ATOL * scale, equal_nan=True):
+        return ""
+    return f"differs (max abs difference {float(np.max(np.abs(actual - expected))):.3g}, scale {scale:.3g})"
+
+
+def _non_trainable_state(model):
+    return [(v, np.array(v.numpy())) for v in model.variables if not v.trainable]
+
+
+def _restore(state):
+    for variable, value in state:
+        variable.assign(value)
+
+
+def _outputs_and_gradients(model, inputs, variables, state):
+    _restore(state)
+    try:
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=False)
+            scalar = _projection(outputs)
+        grads = tape.gradient(scalar, [v.value for v in variables]) if variables else []
+    finally:
+        _restore(state)
+    outputs = keras.tree.map_structure(lambda t: np.asarray(t), outputs)
+    return outputs, [None if g is None else np.asarray(tf.convert_to_tensor(g)) for g in grads]
+
+
+def _projection(outputs):
+    """A scalar of all float outputs, with fixed random weights (a plain sum
+    would hide errors that cancel, e.g. across a softmax)."""
+    total = tf.constant(0.0)
+    for index, tensor in enumerate(keras.tree.flatten(outputs)):
+        tensor = tf.convert_to_tensor(tensor)
+        if not tensor.dtype.is_floating:
+            continue
+        weights = np.random.RandomState(index).uniform(0.5, 1.5, size=tensor.shape)
+        total += tf.reduce_sum(tf.cast(tensor, "float32") * weights.astype("float32"))
+    return total
+
+
+# -- check 4: training through the plugin equals plain Keras ------------------------------
+@dataclass
+class FitRun:
+    """What a 3-step fit produced: per-step logs and final variables."""
+
+    logs: list  # one {name: float} per step
+    variables: list  # (path, value) after training
+    converted: bool = True
+
+
+_initial = {}  # name -> variable values every twin starts from
+_reference = {}  # name -> FitRun of plain Keras
+
+
+def twin(subject):
+    """A fresh model with the same variables (weights and RNG states) as
+    every other twin of `subject`: built by one call on the first batch,
+    then assigned the first twin's values."""
+    model = subject.fresh()
+    x, y = subject.data()
+    for _, part, inputs in subject.parts(model, x, y):
+        if not part.built:
+            part(inputs)
+    variables = model.variables
+    if subject.name not in _initial:
+        _initial[subject.name] = [np.array(v.numpy()) for v in variables]
+    values = _initial[subject.name]
+    if len(values) != len(variables):
+        raise RuntimeError(f"twins of {subject.name} differ: {len(variables)} variables, not {len(values)}")
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+    return model
+
+
+def training_data(subject):
+    """`STEPS` batches as a dataset, as the Keras examples feed `fit`."""
+    x, y = subject.data(subject.batch * STEPS)
+    elements = x if y is None else (x, y)
+    return tf.data.Dataset.from_tensor_slices(elements).batch(subject.batch)
+
+
+class _StepLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append({
+            key: float(np.asarray(value)) for key, value in (logs or {}).items()
+            if np.asarray(value).size == 1
+        })
+
+
+def _fit(trainee, subject, callbacks=()):
+    recorder = _StepLogs()
+    keras.utils.set_random_seed(SEED)
+    trainee.fit(training_data(subject), epochs=1, verbose=0, shuffle=False,
+                callbacks=[recorder, *callbacks])
+    return recorder.logs
+
+
+def plain_fit(subject):
+    """The reference: plain Keras on a twin (cached per model)."""
+    if subject.name not in _reference:
+        model = twin(subject)
+        model.compile(**subject.compile_kwargs())
+        logs = _fit(model, subject)
+        _reference[subject.name] = FitRun(logs, _variables_of(model))
+    return _reference[subject.name]
+
+
+def plugin_fit(subject, how):
+    """The same training through `kip.PluginModel` or `kip.PluginCallback`."""
+    model = twin(subject)
+    if how == "plugin_model":
+        wrapper = kip.PluginModel(model)
+        wrapper.compile(**subject.compile_kwargs())
+        logs = _fit(wrapper, subject)
+        converted = wrapper.converted is not None
+    elif how == "plugin_callback":
+        callback = kip.PluginCallback()
+        model.compile(**subject.compile_kwargs())
+        logs = _fit(model, subject, [callback])
+        converted = callback.converted is not None
+    else:
+        raise ValueError(f"how must be 'plugin_model' or 'plugin_callback'; got {how!r}")
+    return FitRun(logs, _variables_of(model), converted)
+
+
+def _variables_of(model):
+    return [(v.path, np.array(v.numpy())) for v in model.variables]
+
+
+def compare_fits(reference, run, initial):
+    """'' when `run` logged what `reference` logged at every step (every
+    key of the reference's logs, within tolerance) and ended with the same
+    variables; else the first difference (every key that differs at the
+    first step that differs).
+
+    Final variables (non-trainable ones too: BatchNormalization statistics
+    are in no loss) are compared relative to how far training moved them
+    (`initial` -> `reference`), within 10% of that plus `ATOL`: plain Keras
+    itself, run eagerly instead of in a graph (the same float operations in
+    another order), ends 2% of the movement away on MobileNetV3Small, since
+    Adam and BatchNormalization on small batches amplify rounding; a wrong
+    step (another optimizer, a missing gradient or update, another loss)
+    is about 100% of the movement away. RNG states and other integer
+    variables must be identical.
+    """
+    if not run.converted:
+        return "the plugin never converted the model (plain Keras ran instead)"
+    if len(run.logs) != len(reference.logs):
+        return f"{len(run.logs)} steps logged instead of {len(reference.logs)}"
+    for step, (expected, actual) in enumerate(zip(reference.logs, run.logs), start=1):
+        differences = []
+        for key, value in expected.items():
+            if key not in actual:
+                differences.append(f"no `{key}` in the logs (has {sorted(actual)})")
+            elif difference_of(np.float64(value), np.float64(actual[key])):
+                differences.append(f"`{key}` {actual[key]:.6g}, plain Keras {value:.6g}")
+        if differences:
+            return f"step {step}: " + "; ".join(differences)
+    if len(run.variables) != len(reference.variables):
+        return f"{len(run.variables)} variables after training instead of {len(reference.variables)}"
+    for start, (path, expected), (_, actual) in zip(initial, reference.variables, run.variables):
+        difference = _trained_difference(start, expected, actual)
+        if difference:
+            return f"variable `{path}` after {STEPS} steps {difference}"
+    return ""
+
+
+def _trained_difference(initial, expected, actual):
+    if expected.shape != actual.shape:
+        return f"has shape {actual.shape} instead of {expected.shape}"
+    if expected.dtype.kind not in "fc":
+        return "" if np.array_equal(expected, actual) else "differs (integer values: RNG state?)"
+    if not expected.size:
+        return ""
+    moved = float(np.max(np.abs(expected - initial)))
+    difference = float(np.max(np.abs(actual - expected)))
+    allowed = 0.1 * moved + ATOL * max(float(np.max(np.abs(expected))), 1.0)
+    if difference <= allowed:
+        return ""
+    return f"differs by {difference:.3g} (training moved it by {moved:.3g})"
+
+
+def check_fit(name, how):
+    """`how`: "plugin_model" or "plugin_callback"."""
+    subject = Subject(name)
+
+    def run():
+        try:
+            reference = plain_fit(subject)
+        except Exception as error:  # noqa: BLE001 - reported, not raised
+            return ERROR, f"plain Keras itself fails: {describe_error(error)}"
+        difference = compare_fits(reference, plugin_fit(subject, how), _initial[name])
+        if difference:
+            raise CheckFailed(difference)
+        losses = ", ".join(f"{logs.get('loss', float('nan')):.4g}" for logs in reference.logs)
+        return PASS, f"{STEPS} steps equal (loss {losses})"
+
+    return _run_check(name, how, run)
+
+
+# -- everything for one model ----------------------------------------------------------------
+def check_model(name, checks=CHECKS):
+    """The results of `checks` for model `name`, in CHECKS order."""
+    results = {}
+    if "traced" in checks:
+        results["traced"] = check_traced(name)
+    if "expand" in checks or "custom_left" in checks:
+        results["expand"], results["custom_left"] = check_expand(name)
+    if "replace" in checks:
+        results["replace"] = check_replace(name)
+    for how in ("plugin_model", "plugin_callback"):
+        if how in checks:
+            results[how] = check_fit(name, how)
+    return [results[check] for check in CHECKS if check in results]
