@@ -602,12 +602,14 @@ def plugin_fit(subject, how):
         wrapper = kip.PluginModel(model)
         wrapper.compile(**subject.compile_kwargs())
         logs = _fit(wrapper, subject)
-        converted = wrapper.converted is not None
+        # A step that calls only sub-models (a GAN) converts those: the
+        # report lists what was converted, whatever it was.
+        converted = wrapper.kip_report is not None
     elif how == "plugin_callback":
         callback = kip.PluginCallback()
         model.compile(**subject.compile_kwargs())
         logs = _fit(model, subject, [callback])
-        converted = callback.converted is not None
+        converted = callback.kip_report is not None
     else:
         raise ValueError(f"how must be 'plugin_model' or 'plugin_callback'; got {how!r}")
     return FitRun(logs, _variables_of(model), converted)
