@@ -10,29 +10,29 @@ Example:
 __version__ = "0.1.0"
 
 from keras_ipu_plugin import passes
-from keras_ipu_plugin.alias import LayerAlias
-from keras_ipu_plugin.apply import apply_passes
-from keras_ipu_plugin.backends import backend
-from keras_ipu_plugin.backends import ipu_replacements
-from keras_ipu_plugin.callback import PluginCallback
-from keras_ipu_plugin.config import passes_from_config
-from keras_ipu_plugin.config import register_layer
-from keras_ipu_plugin.convert import Converter
-from keras_ipu_plugin.convert import convert_to_functional
-from keras_ipu_plugin.dynamic import NewVariablesError
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
 from keras_ipu_plugin.errors import IpuError
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.functional import KipFunctional
-from keras_ipu_plugin.model import PluginModel
-from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.frontend.convert import Converter
+from keras_ipu_plugin.frontend.convert import convert_to_functional
+from keras_ipu_plugin.passes.config import passes_from_config
+from keras_ipu_plugin.passes.config import register_layer
+from keras_ipu_plugin.passes.manager import apply_passes
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.report import summary
-from keras_ipu_plugin.scope import scope
-from keras_ipu_plugin.scope import scope_report
+from keras_ipu_plugin.runtime.alias import LayerAlias
+from keras_ipu_plugin.runtime.backends import backend
+from keras_ipu_plugin.passes.ipu_presets import ipu_replacements
+from keras_ipu_plugin.runtime.functional import KipFunctional
+from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+from keras_ipu_plugin.training.callback import PluginCallback
+from keras_ipu_plugin.training.dynamic import NewVariablesError
+from keras_ipu_plugin.training.model import PluginModel
+from keras_ipu_plugin.training.scope import scope
+from keras_ipu_plugin.training.scope import scope_report
 
 __all__ = [
     "ConfigError", "ConversionError", "Converter", "InputDataError", "InputTypeError",

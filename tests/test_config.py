@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin import config as config_module
+from keras_ipu_plugin.passes import config as config_module
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Outline
 from keras_ipu_plugin.passes import PipelineStages

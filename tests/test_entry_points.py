@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.dynamic import NewVariablesError
-from keras_ipu_plugin.dynamic import VariableWatch
-from keras_ipu_plugin.inputs import dtype_kind
+from keras_ipu_plugin.training.dynamic import NewVariablesError
+from keras_ipu_plugin.training.dynamic import VariableWatch
+from keras_ipu_plugin.ir.specs import dtype_kind
 
 
 class Regressor(keras.Model):

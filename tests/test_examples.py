@@ -82,10 +82,10 @@ def test_outputs_and_gradients_equal_after_conversion_and_passes(name):
     assert passed.kip_report is not None
     # Both halves: the dynamic model's second half takes the other branch.
     for half in (first, tf.nest.map_structure(lambda t: t[8:], x)):
-        kip.verify.check_equivalent(model, converted, half)
+        kip.frontend.verify.check_equivalent(model, converted, half)
         # Replace gives the replaced layers new variables: the original's
         # gradients are compared with the new layers' below instead.
-        kip.verify.check_equivalent(
+        kip.frontend.verify.check_equivalent(
             model, passed, half, what="passed", gradients=not has_replace(passes)
         )
     if has_replace(passes):

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 import ipu_standin
 import keras_ipu_plugin as kip
-from keras_ipu_plugin import backends as backend_lib
+from keras_ipu_plugin.runtime import backends as backend_lib
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 failure, and is safe across threads.
 
 What a conversion may change is building the model (as Keras's own first
-call would); see `keras_ipu_plugin.state.ModelState` for what exactly is
+call would); see `keras_ipu_plugin.frontend.state.ModelState` for what exactly is
 put back.
 """
 
@@ -261,7 +261,7 @@ def test_vae_sampling_with_a_seed_generator_verifies_and_keeps_its_seed_state():
 def test_unseeded_keras_random_verifies_and_keeps_the_global_seed_generator_state():
     model, x = VAE("keras_global"), _x(8)
     model(x)  # creates Keras's global seed generator
-    from keras_ipu_plugin._keras_internals import global_seed_generator_state
+    from keras_ipu_plugin._compat import global_seed_generator_state
 
     global_state = global_seed_generator_state()
     assert global_state is not None
@@ -330,7 +330,7 @@ def test_a_restore_step_that_fails_is_noted_on_the_original_error(monkeypatch):
     def broken_restore(self):
         raise RuntimeError("injected restore failure")
 
-    from keras_ipu_plugin import state as state_module
+    from keras_ipu_plugin.frontend import state as state_module
 
     monkeypatch.setattr(state_module._ObjectState, "restore", broken_restore)
     model, x = HoldsAFunctionalModel(), _x()

@@ -28,7 +28,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin import backends
+from keras_ipu_plugin.runtime import backends
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Outline
 from keras_ipu_plugin.passes import PipelineStages
@@ -264,7 +264,7 @@ def test_outline_shares_bodies_only_between_layers_of_equal_config():
     bodies = outlined._kip_executor.outlined
     # relu | tanh + tanh_2 | no_bias | head (another width)
     assert len(bodies) == 4
-    kip.verify.check_equivalent(model, outlined, x)
+    kip.frontend.verify.check_equivalent(model, outlined, x)
 
 
 # -- Recompute lowers what a training step keeps for the backward pass --------

@@ -74,7 +74,7 @@ def test_a_dict_batch_without_a_finite_row_names_the_inputs():
     a, b = keras.Input((3,), name="a"), keras.Input((3,), name="b")
     model = keras.Model({"a": a, "b": b}, keras.layers.Add()([a, b]))
     with pytest.raises(kip.InputDataError, match=r"`a` has NaN or Inf in rows 0, 1.*`b`.*2, 3"):
-        kip.verify.check_equivalent(model, model, x)
+        kip.frontend.verify.check_equivalent(model, model, x)
 
 
 def test_a_first_batch_with_zero_rows_is_refused_not_verified():
@@ -120,7 +120,7 @@ def test_nan_where_the_original_is_finite_is_a_mismatch():
     poisoned = keras.Model(inputs, keras.layers.Lambda(
         lambda y: y * np.array([1.0, np.nan], "float32"))(dense(inputs)))
     with pytest.raises(kip.ConversionError, match=r"NaN in one and not in the other"):
-        kip.verify.check_equivalent(original, poisoned, _rand(4, 3), gradients=False)
+        kip.frontend.verify.check_equivalent(original, poisoned, _rand(4, 3), gradients=False)
 
 
 # -- variables Keras cannot see ---------------------------------------------------
@@ -236,7 +236,7 @@ def test_an_output_half_a_percent_off_is_rejected():
     0.5%)."""
     original, twin = _mlp_and_twin(1.005)
     with pytest.raises(kip.ConversionError, match=r"output `output` differs"):
-        kip.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+        kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
 
 
 class GradientSkew(keras.Model):
@@ -258,7 +258,7 @@ def test_a_gradient_half_a_percent_off_is_rejected():
     plain, skewed = GradientSkew(dense, 1.0), GradientSkew(dense, 1.005)
     plain(x)
     with pytest.raises(kip.ConversionError, match=r"gradient w.r.t. variable .*kernel"):
-        kip.verify.check_equivalent(plain, skewed, x)
+        kip.frontend.verify.check_equivalent(plain, skewed, x)
 
 
 def _three_outputs(last):
@@ -285,9 +285,9 @@ def test_a_difference_in_the_last_of_several_outputs_is_rejected(kind):
     original = keras.Model(inputs, outputs)
     other = keras.Model(inputs, outputs[:2] + [different(y)])
     x = _rand(16, 4)
-    kip.verify.check_equivalent(original, keras.Model(inputs, outputs), x)
+    kip.frontend.verify.check_equivalent(original, keras.Model(inputs, outputs), x)
     with pytest.raises(kip.ConversionError, match=r"output `2` differs"):
-        kip.verify.check_equivalent(original, other, x)
+        kip.frontend.verify.check_equivalent(original, other, x)
 
 
 # -- cost: a few rows where that is the same computation ----------------------------------
@@ -545,10 +545,10 @@ def test_a_sparse_embedding_gradient_is_compared_on_the_rows_it_touches():
     embedding, head = keras.layers.Embedding(50, 4), keras.layers.Dense(1)
     model = Lookup(embedding, head)
     model(ids)
-    verification = kip.verify.check_equivalent(model, model, ids)
+    verification = kip.frontend.verify.check_equivalent(model, model, ids)
     assert verification.gradients == 3
     with pytest.raises(kip.ConversionError, match=r"gradient w.r.t. variable .*embeddings"):
-        kip.verify.check_equivalent(model, Lookup(embedding, head, twisted=True), ids)
+        kip.frontend.verify.check_equivalent(model, Lookup(embedding, head, twisted=True), ids)
 
 
 class FreezeDense(Pass):

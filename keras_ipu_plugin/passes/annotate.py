@@ -17,7 +17,7 @@ from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.ipu_backend import check_outline_kwargs
+from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import config_value
@@ -235,7 +235,7 @@ def _joined(*parts):
 def _outline_entry(node, detail):
     """The report's (action, detail) for outlining `node`: a layer whose
     `get_config` fails is outlined alone (nothing shows it equal to another)."""
-    from keras_ipu_plugin.executor import outline_config
+    from keras_ipu_plugin.runtime.executor import outline_config
 
     _, error = outline_config(node.operation)
     if error is None:

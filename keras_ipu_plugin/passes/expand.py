@@ -11,14 +11,13 @@ import re
 
 import keras
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin import tracing
-from keras_ipu_plugin.batch_sized import BatchSizedOperation
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend import tracing
+from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.graph import InlinedBlock
-from keras_ipu_plugin.graph import map_values
-from keras_ipu_plugin.graph import values_in
-from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.ir.graph import InlinedBlock
+from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
@@ -30,8 +29,10 @@ from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
-from keras_ipu_plugin.reads import ReadLayers
-from keras_ipu_plugin.reads import is_read
+from keras_ipu_plugin.runtime.layer_kinds import is_expandable
+from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
+from keras_ipu_plugin.runtime.reads import ReadLayers
+from keras_ipu_plugin.runtime.reads import is_read
 
 
 @register_pass("expand", order=0)
@@ -178,26 +179,13 @@ def contains(node, target):
     sub-layer of the layer of `node`."""
     if isinstance(target, str) and target.startswith(node.name + "."):
         return True
-    for sub in _keras_internals.sub_layers(node.operation):
+    for sub in _compat.sub_layers(node.operation):
         if isinstance(target, str):
             if target == sub.name:
                 return True
         elif isinstance(sub, target):
             return True
     return False
-
-
-def is_expandable(operation):
-    """Custom layers and nested functional / sequential models."""
-    if not isinstance(operation, keras.layers.Layer) or isinstance(
-        operation, (OpaqueLayer, BatchSizedOperation)
-    ):
-        return False
-    if is_read(operation):  # a variable or a constant: nothing to inline
-        return False
-    if isinstance(operation, keras.Model):
-        return True
-    return not type(operation).__module__.startswith("keras.")
 
 
 def trace_node(node, report, reads=None, names=None):
@@ -251,46 +239,6 @@ def trace_node(node, report, reads=None, names=None):
             new.training = None
         _name_after_path(new, node.name, used)
     return new_nodes, dict(zip(node.outputs, flat_outputs))
-
-
-# Built-in layers whose output never depends on `training` (exact classes:
-# a subclass may read it). `Dense` / `EinsumDense` take a `training`
-# argument, used only when quantized; `training_agnostic` checks that.
-_TRAINING_AGNOSTIC = frozenset(
-    getattr(keras.layers, name) for name in (
-        "Dense", "EinsumDense", "Embedding", "LayerNormalization",
-        "GroupNormalization", "UnitNormalization", "RMSNormalization",
-        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
-        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D",
-        "SeparableConv1D", "SeparableConv2D",
-        "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
-        "Concatenate", "Dot", "Activation", "ReLU", "LeakyReLU", "PReLU",
-        "ELU", "Softmax", "Identity", "Reshape", "Flatten", "Permute",
-        "RepeatVector", "MaxPooling1D", "MaxPooling2D", "MaxPooling3D",
-        "AveragePooling1D", "AveragePooling2D", "AveragePooling3D",
-        "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D",
-        "GlobalAveragePooling1D", "GlobalAveragePooling2D",
-        "GlobalAveragePooling3D", "ZeroPadding1D", "ZeroPadding2D",
-        "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
-        "UpSampling1D", "UpSampling2D", "UpSampling3D",
-    )
-    if hasattr(keras.layers, name)
-)
-
-
-def training_agnostic(layer):
-    """Whether `layer.call` computes the same in training and inference:
-    a custom layer whose `call` takes no `training` and whose sub-layers are
-    all such layers or listed built-in ones. Tracing it once is then enough
-    (`training` is otherwise traced both ways to find what follows it)."""
-    if type(layer) in _TRAINING_AGNOSTIC:
-        return getattr(layer, "quantization_mode", None) is None
-    if not is_expandable(layer) or tracing.accepts_training(layer):
-        return False
-    return all(
-        training_agnostic(sub)
-        for sub in _keras_internals.sub_layers(layer, recursive=False)
-    )
 
 
 def _stay_opaque(node, reason, report):

@@ -13,12 +13,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin.distribution import strategy_owning
+from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.graph import map_values
+from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass

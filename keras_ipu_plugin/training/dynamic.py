@@ -23,8 +23,8 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.distribution import strategy_owning
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime.distribution import strategy_owning
 
 
 class VariableWatch:
@@ -99,7 +99,7 @@ def extend_optimizer(optimizer, new_variables):
     Example:
         >>> extend_optimizer(model.optimizer, [new_layer.kernel, new_layer.bias])
     """
-    known = _keras_internals.optimizer_trainable_variables(optimizer)
+    known = _compat.optimizer_trainable_variables(optimizer)
     known_ids = {id(v) for v in known}
     new_variables = [v for v in new_variables if id(v) not in known_ids]
     if not new_variables:
@@ -110,7 +110,7 @@ def extend_optimizer(optimizer, new_variables):
     with strategy.scope():
         scratch = optimizer.__class__.from_config(optimizer.get_config())
         scratch.build(known + new_variables)
-        _keras_internals.transplant_optimizer_state(optimizer, scratch, len(known))
+        _compat.transplant_optimizer_state(optimizer, scratch, len(known))
     return new_variables
 
 
@@ -159,7 +159,7 @@ class OptimizingFacade:
         optimizer = self._kip_optimizer
         if not optimizer.built:
             return
-        known = _keras_internals.optimizer_trainable_variables(optimizer)
+        known = _compat.optimizer_trainable_variables(optimizer)
         if len(variables) == len(known):  # the usual step: nothing new
             return
         known_ids = {id(v) for v in known}
@@ -198,17 +198,7 @@ def describe_new_variables(variables, owner=None):
     )
 
 
-def union_of_variables(first, second):
-    """The variables of `first` then those of `second` not already in it."""
-    seen, merged = set(), []
-    for variable in list(first) + list(second):
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            merged.append(variable)
-    return merged
-
-
 __all__ = [
     "VariableWatch", "NeedsExtension", "NewVariablesError", "extend_optimizer",
-    "OptimizingFacade", "describe_new_variables", "union_of_variables",
+    "OptimizingFacade", "describe_new_variables",
 ]

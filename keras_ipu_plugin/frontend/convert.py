@@ -13,26 +13,27 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import inputs as inputs_lib
+from keras_ipu_plugin.frontend import inputs as inputs_lib
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
-from keras_ipu_plugin.functional import mask_semantics
-from keras_ipu_plugin.graph import Graph
-from keras_ipu_plugin.graph import Node
-from keras_ipu_plugin.graph import Value
-from keras_ipu_plugin.opaque import OpaqueLayer
-from keras_ipu_plugin.opaque import output_specs_of
+from keras_ipu_plugin.runtime.functional import mask_semantics
+from keras_ipu_plugin.ir.graph import Graph
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+from keras_ipu_plugin.runtime.opaque import output_specs_of
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.state import ModelState
-from keras_ipu_plugin.state import VariableValues
-from keras_ipu_plugin.state import replay_state
-from keras_ipu_plugin.tracing import TraceError
-from keras_ipu_plugin.tracing import essential_message
-from keras_ipu_plugin.tracing import trace_model
-from keras_ipu_plugin.verify import check_equivalent
-from keras_ipu_plugin.verify import keep_first_batch
+from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import VariableValues
+from keras_ipu_plugin.frontend.state import replay_state
+from keras_ipu_plugin.frontend.tracing import TraceError
+from keras_ipu_plugin.frontend.tracing import essential_message
+from keras_ipu_plugin.frontend.tracing import trace_model
+from keras_ipu_plugin.frontend.verify import check_equivalent
+from keras_ipu_plugin.frontend.verify import keep_first_batch
+from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
 def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False):
@@ -105,7 +106,7 @@ class Converter:
             with state.recording():
                 graph, report = self.trace(model, x, specs, state)
                 state.settle()
-                converted = graph.rebuild(name=f"{model.name}_functional")
+                converted = rebuild(graph, name=f"{model.name}_functional")
                 converted.kip_original_mask = mask_semantics(model)
                 if self.verify:
                     report.add_verification(model.name, _verify(model, converted, x))

@@ -42,30 +42,30 @@ import threading
 import keras
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.apply import apply_passes
-from keras_ipu_plugin.backends import get_backend
-from keras_ipu_plugin.calls import CallArguments
-from keras_ipu_plugin.calls import CallConversion
-from keras_ipu_plugin.calls import convert_call
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.passes.manager import apply_passes
+from keras_ipu_plugin.runtime.backends import get_backend
+from keras_ipu_plugin.training.calls import CallArguments
+from keras_ipu_plugin.training.calls import CallConversion
+from keras_ipu_plugin.training.calls import convert_call
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
-from keras_ipu_plugin.convert import assigned_outside
-from keras_ipu_plugin.distribution import check_built_under
-from keras_ipu_plugin.dynamic import NeedsExtension
-from keras_ipu_plugin.dynamic import NewVariablesError
-from keras_ipu_plugin.dynamic import VariableWatch
-from keras_ipu_plugin.dynamic import describe_new_variables
-from keras_ipu_plugin.dynamic import extend_optimizer
-from keras_ipu_plugin.dynamic import union_of_variables
+from keras_ipu_plugin.frontend.convert import assigned_outside
+from keras_ipu_plugin.runtime.distribution import check_built_under
+from keras_ipu_plugin.training.dynamic import NeedsExtension
+from keras_ipu_plugin.training.dynamic import NewVariablesError
+from keras_ipu_plugin.training.dynamic import VariableWatch
+from keras_ipu_plugin.training.dynamic import describe_new_variables
+from keras_ipu_plugin.training.dynamic import extend_optimizer
+from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
-from keras_ipu_plugin.opaque import OpaqueLayer
-from keras_ipu_plugin.state import ModelState
-from keras_ipu_plugin.state import VariableValues
-from keras_ipu_plugin.step_self import CalleeStandIn
-from keras_ipu_plugin.step_self import step_self
-from keras_ipu_plugin.tracing import TraceError
-from keras_ipu_plugin.tracing import trace_model
+from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import VariableValues
+from keras_ipu_plugin.training.step_self import CalleeStandIn
+from keras_ipu_plugin.training.step_self import step_self
+from keras_ipu_plugin.frontend.tracing import TraceError
+from keras_ipu_plugin.frontend.tracing import trace_model
 
 _MAX_REBUILDS_PER_STEP = 8
 
@@ -165,7 +165,7 @@ class Runtime:
     def add_conversion(self, callee, call, signature=None, report_entries=()):
         """Convert `callee` for calls like `call` (concrete), under the
         strategy that owns the model, and apply the passes."""
-        check_built_under(self.subject, _keras_internals.model_strategy(self.owner))
+        check_built_under(self.subject, _compat.model_strategy(self.owner))
         signature = signature or call.signature()
         with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
             # The IPU backend needs static shapes (static_batch=True there).
@@ -279,7 +279,7 @@ class Runtime:
         conversion = self.find(callee, call)
         if conversion is not None:
             return conversion(call)
-        if call.is_symbolic() or _keras_internals.in_shape_inference():
+        if call.is_symbolic() or _compat.in_shape_inference():
             # Keras working out shapes (a symbolic build, on KerasTensors or
             # in its scratch graph): the original gives the same ones.
             return callee(*args, **kwargs)
@@ -373,13 +373,13 @@ class Runtime:
         variables = list(self.subject.variables) + list(self.owner.variables)
         for model in {id(self.subject): self.subject, id(self.owner): self.owner}.values():
             variables += list(model.metrics_variables)
-        variables += _keras_internals.global_seed_variables()
+        variables += _compat.global_seed_variables()
         return union_of_variables(variables, [])
 
 
 def _with_tensors(call, tensors):
     """`call` with its tensors replaced by `tensors` (a dict by name)."""
-    from keras_ipu_plugin.calls import BoundCall
+    from keras_ipu_plugin.training.calls import BoundCall
 
     return BoundCall.fill(call, tensors)
 
@@ -434,7 +434,7 @@ class StepFunction:
         runtime, step = self.runtime, self.step
         proxy = runtime.step_self()
 
-        across_workers = _keras_internals.reduces_across_workers(runtime.strategy)
+        across_workers = _compat.reduces_across_workers(runtime.strategy)
 
         def run_step(batch):
             runtime.traces += 1
@@ -451,7 +451,7 @@ class StepFunction:
                 logs = tf.nest.map_structure(_with_leading_axis, logs)
             return logs
 
-        self.function = _keras_internals.make_step_function(runtime.owner, run_step)
+        self.function = _compat.make_step_function(runtime.owner, run_step)
 
     def _run(self, source):
         runtime = self.runtime
@@ -578,7 +578,7 @@ def _attribute_fingerprint(model):
     """The plain Python attributes of every layer of `model` (and the
     lengths of its containers): what a Python branch in `call` can read."""
     parts = []
-    for layer in _keras_internals.all_layers(model):
+    for layer in _compat.all_layers(model):
         for name, value in vars(layer).items():
             if isinstance(value, _PLAIN):
                 parts.append((id(layer), name, value))
@@ -600,7 +600,7 @@ def describe_structure_change(runtime):
 
 
 def _spec_of_input(tensor):
-    from keras_ipu_plugin.inputs import InputSpec
+    from keras_ipu_plugin.ir.specs import InputSpec
 
     return InputSpec(name=tensor.name, shape=tuple(tensor.shape[1:]), dtype=tensor.dtype)
 

@@ -27,8 +27,8 @@ import inspect
 
 import keras
 
-from keras_ipu_plugin.dynamic import OptimizingFacade
-from keras_ipu_plugin.dynamic import union_of_variables
+from keras_ipu_plugin.training.dynamic import OptimizingFacade
+from keras_ipu_plugin.runtime.variables import union_of_variables
 
 _RUNTIME = "_kip_runtime"
 _SHADOWED = "_kip_shadowed"

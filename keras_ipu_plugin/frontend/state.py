@@ -18,9 +18,9 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.distribution import strategy_owning
-from keras_ipu_plugin.views import LIBRARY_PACKAGES
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
 
 
 class VariableValues:
@@ -89,7 +89,7 @@ class NewVariables:
     def restore(self, variables):
         """Put those of `variables` (Keras or TF variables) created while
         recording back to their values at creation."""
-        wanted = {id(_keras_internals.backing_variable(v)) for v in variables}
+        wanted = {id(_compat.backing_variable(v)) for v in variables}
         for variable, value in self._records:
             if id(variable) in wanted and value is not None and not _same(_read(variable), value):
                 variable.assign(value)
@@ -143,7 +143,7 @@ class ModelState:
     def __init__(self, model):
         self.model = model
         self._objects = []
-        for layer in _keras_internals.all_layers(model):
+        for layer in _compat.all_layers(model):
             self._objects.append(_ObjectState(layer))
             tracker = vars(layer).get("_tracker")
             if tracker is not None:
@@ -161,7 +161,7 @@ class ModelState:
         """Remember the plain attributes of layers built since the snapshot
         (call right after the call that built the model)."""
         self._new.settle()
-        for layer in _keras_internals.all_layers(self.model):
+        for layer in _compat.all_layers(self.model):
             if id(layer) not in self._attributes and layer.built and _is_user_class(layer):
                 self._attributes[id(layer)] = _PlainAttributes(layer)
 
@@ -196,7 +196,7 @@ def _state_variables(model):
     """What a call can change: the model's non-trainable variables (seed
     generators' state included) and Keras's global seed generator's."""
     variables = list(model.non_trainable_variables)
-    global_seed = _keras_internals.global_seed_generator_state()
+    global_seed = _compat.global_seed_generator_state()
     if global_seed is not None:
         variables.append(global_seed)
     return variables
@@ -252,9 +252,9 @@ class _PlainAttributes:
 
 
 def _is_users(name, value):
-    if name in _keras_internals.LAYER_BOOKKEEPING:
+    if name in _compat.LAYER_BOOKKEEPING:
         return False
-    if name.startswith(_keras_internals.TRACKABLE_PREFIX):
+    if name.startswith(_compat.TRACKABLE_PREFIX):
         return False
     return _is_plain(value)
 
@@ -286,12 +286,12 @@ class _ObjectState:
             self._remember(value, seen)
 
     def _remember(self, value, seen):
-        storage = _keras_internals.raw_container(value)
+        storage = _compat.raw_container(value)
         if storage is None or id(storage) in seen:
             return
         seen.add(id(storage))
         contents = dict.copy(storage) if isinstance(storage, dict) else list(storage)
-        bookkeeping = _keras_internals.wrapper_bookkeeping(value)
+        bookkeeping = _compat.wrapper_bookkeeping(value)
         self.containers.append((storage, contents, (value, bookkeeping)))
         children = contents.values() if isinstance(contents, dict) else contents
         for child in list(children):
@@ -316,7 +316,7 @@ class _ObjectState:
             else:
                 set.clear(storage)
                 set.update(storage, contents)
-            _keras_internals.restore_wrapper_bookkeeping(wrapper, bookkeeping)
+            _compat.restore_wrapper_bookkeeping(wrapper, bookkeeping)
 
 
 _MISSING = object()

@@ -61,12 +61,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin.distribution import owning_strategy
+from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.errors import ConversionError
-from keras_ipu_plugin.state import replay_state
+from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.errors import InputDataError
-from keras_ipu_plugin.tracing import _failing_layer
-from keras_ipu_plugin.tracing import essential_message
+from keras_ipu_plugin.frontend.tracing import _failing_layer
+from keras_ipu_plugin.frontend.tracing import essential_message
 
 # The share of the batch verified, and the fewest rows: two rows at least,
 # so that a converted graph that mixes rows cannot pass.

@@ -22,10 +22,10 @@ from dataclasses import field
 import keras
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.distribution import strategy_owning
-from keras_ipu_plugin.dynamic import union_of_variables
-from keras_ipu_plugin.passes.expand import training_agnostic
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import union_of_variables
+from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Segment:
 
 
 def make_plan(model, backend):
-    nodes = _keras_internals.functional_nodes(model)
+    nodes = _compat.functional_nodes(model)
     checkpoints = {
         name for name, notes in model.kip_annotations.items() if notes.get("recompute")
     }
@@ -88,7 +88,7 @@ def _activation_size(nodes):
     """Elements per example in the outputs of `nodes` (unknown dims as 1)."""
     total = 0
     for node in nodes:
-        for tensor in _keras_internals.node_outputs(node):
+        for tensor in _compat.node_outputs(node):
             size = 1
             for dim in tensor.shape[1:]:
                 size *= dim or 1
@@ -108,16 +108,16 @@ def _wire(segments, model):
     later_needs = set(output_ids)
     for segment in reversed(segments):
         produced = {
-            id(t) for node in segment.nodes for t in _keras_internals.node_outputs(node)
+            id(t) for node in segment.nodes for t in _compat.node_outputs(node)
         }
         needed = []
         for node in segment.nodes:
-            for tensor_id in _keras_internals.node_input_ids(node):
+            for tensor_id in _compat.node_input_ids(node):
                 if tensor_id not in produced and tensor_id not in needed:
                     needed.append(tensor_id)
         segment.outputs = [
             id(t) for node in segment.nodes
-            for t in _keras_internals.node_outputs(node) if id(t) in later_needs
+            for t in _compat.node_outputs(node) if id(t) in later_needs
         ]
         segment.inputs = needed
         segment.variables = _variables_of(segment.nodes) if segment.recompute else []
@@ -150,7 +150,7 @@ class Executor:
             else:
                 self._run_nodes(segment.nodes, tensors, training, context)
         outputs = [tensors[id(t)] for t in self.model.outputs]
-        return keras.tree.pack_sequence_as(self.model._outputs_struct, outputs)
+        return keras.tree.pack_sequence_as(_compat.output_structure(self.model), outputs)
 
     def _run_recomputed(self, segment, tensors, training, context):
         count = len(segment.inputs)
@@ -162,7 +162,7 @@ class Executor:
             owners = []
             # Losses added inside (activity regularizers) become outputs of
             # the segment, so that they get gradients too.
-            with _keras_internals.stateless_scope(state, collect_losses=True) as scope:
+            with _compat.stateless_scope(state, collect_losses=True) as scope:
                 for node in segment.nodes:
                     before = len(scope.losses)
                     self._run_nodes([node], local, training, context)
@@ -172,7 +172,7 @@ class Executor:
 
         results = self.backend.checkpoint_segment(body)(
             *[tensors[i] for i in segment.inputs],
-            *[_keras_internals.current_value(v) for v in segment.variables],
+            *[_compat.current_value(v) for v in segment.variables],
         )
         outputs = len(results) - len(loss_owners)
         tensors.update(zip(segment.outputs, results[:outputs]))
@@ -182,11 +182,11 @@ class Executor:
     def _run_nodes(self, nodes, tensors, training, context):
         for node in nodes:
             operation = node.operation
-            args, kwargs = _keras_internals.node_fill_in(node, tensors)
+            args, kwargs = _compat.node_fill_in(node, tensors)
             name = getattr(operation, "name", None)
             notes = self.model.kip_annotations.get(name, {})
             if isinstance(operation, keras.layers.Layer):
-                accepted = _keras_internals.call_context_args(operation)
+                accepted = _compat.call_context_args(operation)
                 for key, value in context.items():
                     if value is None or key not in accepted:
                         continue
@@ -204,7 +204,7 @@ class Executor:
             if not self.backend.recomputes_segments and notes.get("recompute"):
                 flat = self.backend.checkpoint_outputs(flat)
                 outputs = keras.tree.pack_sequence_as(outputs, flat)
-            for tensor, value in zip(_keras_internals.node_outputs(node), flat):
+            for tensor, value in zip(_compat.node_outputs(node), flat):
                 tensors[id(tensor)] = value
 
     def _outlined_call(self, node, outline_kwargs, args, kwargs, training):
@@ -236,8 +236,8 @@ class Executor:
             shared = self.backend.outline(body, **outline_kwargs)
             self.outlined[key] = shared
         outputs, new_state, losses = shared(
-            [_keras_internals.current_value(v) for v in layer.trainable_variables],
-            [_keras_internals.current_value(v) for v in layer.non_trainable_variables],
+            [_compat.current_value(v) for v in layer.trainable_variables],
+            [_compat.current_value(v) for v in layer.non_trainable_variables],
             tensor_kwargs,
             *args,
         )
@@ -266,8 +266,8 @@ def _shared_body(representative, kwargs, model, training):
         mapping = list(zip(representative.trainable_variables, trainable)) + list(
             zip(representative.non_trainable_variables, non_trainable)
         )
-        with _keras_internals.stateless_scope(mapping, collect_losses=True) as scope:
-            with _keras_internals.call_context(model, training):
+        with _compat.stateless_scope(mapping, collect_losses=True) as scope:
+            with _compat.call_context(model, training):
                 outputs = representative(*args, **kwargs, **tensor_kwargs)
         new_state = [
             scope.get_current_value(v) for v in representative.non_trainable_variables
@@ -306,7 +306,7 @@ def outline_config(layer):
         >>> outline_config(keras.layers.Dense(3, name="a"))[0]["units"]
         3
     """
-    from keras_ipu_plugin.alias import LayerAlias
+    from keras_ipu_plugin.runtime.alias import LayerAlias
 
     inner = layer.layer if isinstance(layer, LayerAlias) else layer
     try:

@@ -13,19 +13,19 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.apply import validate_passes
-from keras_ipu_plugin.backends import get_backend
-from keras_ipu_plugin.convert import as_tensors
-from keras_ipu_plugin.dynamic import union_of_variables
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.passes.manager import validate_passes
+from keras_ipu_plugin.frontend.convert import as_tensors
+from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.inputs import first_batch
+from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.passes.base import deserialize_pass
 from keras_ipu_plugin.passes.base import serialize_pass
-from keras_ipu_plugin.training import Runtime
-from keras_ipu_plugin.training import PredictFunction
-from keras_ipu_plugin.training import StepFunction
-from keras_ipu_plugin.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.training.steps import Runtime
+from keras_ipu_plugin.training.steps import PredictFunction
+from keras_ipu_plugin.training.steps import StepFunction
+from keras_ipu_plugin.training.routes import training_route
+from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
 
 _WRAPPED = "__kip_wrapped__"
 
@@ -229,7 +229,7 @@ class PluginModel(keras.Model):
             super().compile(*args, **kwargs)
         else:
             wrapped.compile(*args, **kwargs)
-            arguments = _keras_internals.compile_arguments(wrapped)
+            arguments = _compat.compile_arguments(wrapped)
             arguments["optimizer"] = wrapped.optimizer
             super().compile(**arguments)
         # What Keras's compile set here is what the steps read from the
@@ -289,9 +289,9 @@ class PluginModel(keras.Model):
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras's version fails under MultiWorkerMirroredStrategy (see
-        # `_keras_internals.symbolic_build_from_one_replica`); this class is
+        # `_compat.symbolic_build_from_one_replica`); this class is
         # ours, so its build can take one replica's batch instead.
-        _keras_internals.symbolic_build_from_one_replica(self, iterator, data_batch)
+        _compat.symbolic_build_from_one_replica(self, iterator, data_batch)
 
     def _step_method(self, name):
         """The wrapped model's override of step `name`, else Keras's own."""
@@ -330,21 +330,21 @@ class PluginModel(keras.Model):
         return self._kip_runtime.step_self().compute_metrics(*args, **kwargs)
 
     # On the IPU backend these hand the converted model to Graphcore's own
-    # methods (`IpuBackend.run_training`): Graphcore's fit refuses a model
+    # methods (`routes.IpuRoute.run_training`): Graphcore's fit refuses a model
     # that overrides make_train_function, as this one does.
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._before_first_step(x, batch_size, "fit")
-        return get_backend().run_training(
+        return training_route().run_training(
             self, "fit", super().fit, x, batch_size, (x, y, batch_size, *args), kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._before_first_step(x, batch_size, "evaluate")
-        return get_backend().run_training(
+        return training_route().run_training(
             self, "evaluate", super().evaluate, x, batch_size, (x, y, batch_size, *args), kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         self._before_first_step(x, batch_size, "predict", compiled=False)
-        return get_backend().run_training(
+        return training_route().run_training(
             self, "predict", super().predict, x, batch_size, (x, batch_size, *args), kwargs)
 
     def _before_first_step(self, x, batch_size, method, compiled=True):

@@ -12,27 +12,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """Shape (without batch), dtype and name of one model input."""
-
-    name: str
-    shape: tuple
-    dtype: str
-    batch_size: object = None  # None, or the static per-replica batch
-
-    def keras_input(self):
-        return keras.Input(
-            shape=self.shape,
-            batch_size=self.batch_size,
-            dtype=self.dtype,
-            name=self.name,
-        )
+from keras_ipu_plugin.ir.specs import InputSpec
 
 
 @dataclass
@@ -107,7 +90,7 @@ def _as_tuple_if_list_of_xy(element):
 
 
 def _first_dataset_element(dataset):
-    batched = _keras_internals.dataset_is_batched(dataset)
+    batched = _compat.dataset_is_batched(dataset)
     if batched is False:
         raise InputDataError(
             "The dataset is not batched: call `.batch(batch_size)` on it "
@@ -123,7 +106,7 @@ def _first_dataset_element(dataset):
 def _first_distributed_element(dataset):
     # The dataset's own strategy: the caller may be outside its scope, where
     # the current (default) strategy cannot unwrap its per-replica values.
-    strategy = getattr(dataset, "_strategy", None) or tf.distribute.get_strategy()
+    strategy = _compat.dataset_strategy(dataset) or tf.distribute.get_strategy()
     for element in dataset:
         local = tf.nest.map_structure(
             lambda v: strategy.experimental_local_results(v)[0], element
@@ -220,49 +203,3 @@ def _keras_dtype(dtype):
     if name == "float64":
         return keras.config.floatx()
     return name
-
-
-def dtype_kind(dtype):
-    """`"float"`, `"int"`, `"bool"`, `"string"` or `"complex"`: what a cast
-    between two dtypes of different kinds would change (it truncates floats
-    to ints, turns numbers into True / False, fails on strings).
-
-    Example:
-        >>> dtype_kind("uint8"), dtype_kind(tf.float16), dtype_kind(np.dtype("<U3"))
-        ('int', 'float', 'string')
-    """
-    if isinstance(dtype, np.dtype) and dtype.kind in "USO":
-        return "string"
-    name = keras.backend.standardize_dtype(dtype)
-    for kind in ("bool", "string", "complex", "int", "float"):
-        if kind in name:
-            return kind
-    return name
-
-
-def check_dtype_kinds(model_name, expected, given):
-    """Raise `InputDataError` when a leaf of `given` has another dtype kind
-    than the model input it feeds (`expected`, KerasTensors in the same
-    order). Keras would cast it silently: a float batch fed to an input
-    converted as int32 would be truncated. Same kind, other width (float64
-    data for a float32 input) is Keras's usual cast, and is kept.
-
-    Example:
-        >>> check_dtype_kinds("net", converted.inputs, [np.zeros((2, 3), "int32")])
-    """
-    for tensor, leaf in zip(expected, given):
-        if leaf is None:
-            continue
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is None:
-            dtype = np.asarray(leaf).dtype
-        if dtype_kind(dtype) != dtype_kind(tensor.dtype):
-            got = dtype if isinstance(dtype, np.dtype) and dtype.kind in "USO" else (
-                keras.backend.standardize_dtype(dtype))
-            raise InputDataError(
-                f"Input `{tensor.name}` of `{model_name}` was converted as "
-                f"{tensor.dtype} (from the first batch), but this batch gives it "
-                f"{got}. Keras would cast {got} to {tensor.dtype} without a "
-                "word and change the values; cast the data yourself if that is "
-                "meant, or convert the model on data of this dtype."
-            )

@@ -22,7 +22,7 @@ import copy
 import keras
 import numpy as np
 
-from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin import _compat
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -105,9 +105,9 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     Returns `(nodes, outputs)` of `small`, generalized (its Nodes are
     reused; new ones are named `prefix + ...`).
     """
-    from keras_ipu_plugin.graph import Node
-    from keras_ipu_plugin.graph import Value
-    from keras_ipu_plugin.reads import HeldConstant
+    from keras_ipu_plugin.ir.graph import Node
+    from keras_ipu_plugin.ir.graph import Value
+    from keras_ipu_plugin.runtime.reads import HeldConstant
 
     (nodes_s, outputs_s), (nodes_l, outputs_l) = small, large
     if len(nodes_s) != len(nodes_l):
@@ -124,7 +124,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         held_node.outputs = [Value(held_node, 0, keras.KerasTensor(
             constant.slice.shape, dtype=str(constant.slice.dtype)))]
         broadcast = BatchSizedOperation(
-            _keras_internals.broadcast_to_operation(constant.shape), ["shape"],
+            _compat.broadcast_to_operation(constant.shape), ["shape"],
             name=f"{base}_broadcast",
         )
         node = Node(prefix + broadcast.name, broadcast, (anchor, held_node.outputs[0]), {},

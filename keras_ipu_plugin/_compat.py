@@ -1,10 +1,22 @@
 """The one module that touches private Keras / TensorFlow APIs.
 
-Keras 3 exposes no public way to (a) run a layer's `call` under a chosen
-training context, (b) walk the nodes recorded by a symbolic call, or
-(c) subclass the functional model class. Everything that needs those lives
-here, so a Keras upgrade is a change in this file (and in `tracing.py` /
-`graph.py`, which only use the helpers below).
+Keras 3 exposes no public way to do what the plugin is for, so this module
+gives each private access a name that says what it is for:
+
+- tracing: run a layer's `call` under a chosen training context, walk and
+  undo the nodes a symbolic call records (`call_context`, `producing_node`,
+  `node_lists_snapshot`, `record_call`, ...);
+- the functional model: subclass it, run its graph with our own operation
+  hook, read its nodes and output structure (`Functional`,
+  `run_functional_graph`, `functional_nodes`, `output_structure`, ...);
+- optimizers: extend a built optimizer's state for new variables and move
+  state between variables (`optimizer_slot_lists`, `transplant_optimizer_state`);
+- distribution, data and state: a variable's strategy, whether a dataset is
+  batched, TensorFlow's tracked containers, the global seed generator.
+
+No other module imports `keras.src` or `tensorflow.python`, or reads a
+private attribute of an object it did not make (`tests/test_layering.py`
+checks both), so a Keras upgrade is a change in this file.
 """
 
 import contextlib
@@ -14,22 +26,9 @@ import tensorflow as tf
 
 from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
-from keras.src.models.functional import Functional
-from keras.src.models.functional import functional_from_config
+from keras.src.models.functional import Functional  # noqa: F401 (the base class of KipFunctional)
 from keras.src.ops.node import Node as KerasNode
-from keras.src.ops.operation import Operation
-
-__all__ = [
-    "Functional",
-    "KerasNode",
-    "Operation",
-    "call_context",
-    "functional_from_config",
-    "keras_history",
-    "node_arguments",
-    "node_lists_snapshot",
-    "dataset_is_batched",
-]
+from keras.src.ops.operation import Operation  # noqa: F401 (the base class of keras.ops operations)
 
 _CALL_CTX = "current_call_ctx"
 
@@ -514,3 +513,28 @@ def in_shape_inference():
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
+
+
+# -- small reads of Keras's private attributes, each named for what it is -------------
+
+
+def output_structure(model):
+    """The nest a functional model's outputs are packed into."""
+    return model._outputs_struct
+
+
+def compile_config(model):
+    """The object Keras keeps for `model`'s last `compile` call (a new one at
+    each call), or None before `compile`."""
+    return getattr(model, "_compile_config", None)
+
+
+def dataset_strategy(dataset):
+    """The strategy a distributed dataset was made by, or None."""
+    return getattr(dataset, "_strategy", None)
+
+
+def is_graph_model(model):
+    """Whether `model` is a graph of layers (a functional or sequential model
+    built on inputs), not a subclassed one."""
+    return hasattr(model, "_nodes_by_depth")

@@ -9,14 +9,14 @@ that holds the same layer object, so the variables are the same.
 
 To Keras the alias has the layer's own call signature, so its `__call__`
 fills masks and hands `compute_mask` the same arguments as the layer's
-would (see `_keras_internals.adopt_call_signature`).
+would (see `_compat.adopt_call_signature`).
 """
 
 import inspect
 
 import keras
 
-from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin import _compat
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -35,7 +35,7 @@ class LayerAlias(keras.layers.Layer):
         self.layer = layer
         self.supports_masking = layer.supports_masking
         self._passes_training = "training" in inspect.signature(layer.call).parameters
-        _keras_internals.adopt_call_signature(self, layer)
+        _compat.adopt_call_signature(self, layer)
         self.built = True
 
     @property

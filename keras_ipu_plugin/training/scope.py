@@ -14,11 +14,14 @@ import weakref
 
 import keras
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.apply import validate_passes
-from keras_ipu_plugin.backends import get_backend
-from keras_ipu_plugin.training import Runtime
-from keras_ipu_plugin.training import install as install_functions
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.passes.manager import validate_passes
+from keras_ipu_plugin.passes.annotate import Recompute
+from keras_ipu_plugin.runtime.backends import get_backend
+from keras_ipu_plugin.training.model import PluginModel
+from keras_ipu_plugin.training.routes import training_route
+from keras_ipu_plugin.training.steps import Runtime
+from keras_ipu_plugin.training.steps import install as install_functions
 
 
 @contextlib.contextmanager
@@ -55,12 +58,13 @@ def scope(strategy=None, passes=(), verify=True, *, num_ipus=None,
     passes = validate_passes(passes)
     backend = get_backend()
     backend.configure(
-        passes, configure_system=strategy is None, num_ipus=num_ipus,
+        recomputes=any(isinstance(p, Recompute) for p in passes),
+        configure_system=strategy is None, num_ipus=num_ipus,
         gradient_accumulation_steps=gradient_accumulation_steps,
         recomputation_mode=recomputation_mode, allow_recompute=allow_recompute,
     )
     strategy = strategy or backend.default_strategy()
-    if _keras_internals.reduces_across_workers(strategy):
+    if _compat.reduces_across_workers(strategy):
         raise ValueError(
             "kip.scope cannot plug models into MultiWorkerMirroredStrategy "
             "training: a model created inside the strategy's scope makes "
@@ -74,7 +78,7 @@ def scope(strategy=None, passes=(), verify=True, *, num_ipus=None,
     with strategy.scope():
         yield strategy
     for model in _compiled_since(before):
-        if backend.plugs_in(model, passes):
+        if training_route().plugs_in(model, passes, PluginModel):
             install(model, passes, verify)
 
 
@@ -97,7 +101,7 @@ _runtimes = weakref.WeakKeyDictionary()
 
 def _compile_states():
     return {
-        id(obj): getattr(obj, "_compile_config", None)
+        id(obj): _compat.compile_config(obj)
         for obj in gc.get_objects()
         if isinstance(obj, keras.Model)
     }
@@ -108,7 +112,7 @@ def _compiled_since(before):
     for obj in gc.get_objects():
         if not isinstance(obj, keras.Model) or not getattr(obj, "compiled", False):
             continue
-        config = getattr(obj, "_compile_config", None)
+        config = _compat.compile_config(obj)
         if id(obj) not in before or before[id(obj)] is not config:
             found.append(obj)
     return found

@@ -2,14 +2,14 @@
 
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin import _compat
 
 from keras_ipu_plugin.errors import ConversionError
 
 
 def owning_strategy(variable):
     """The strategy that created `variable` (None for the default one)."""
-    return _keras_internals.variable_strategy(variable)
+    return _compat.variable_strategy(variable)
 
 
 def strategy_owning(variables):

@@ -21,7 +21,7 @@ included.
 
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin import _compat
 
 
 def recompute_grad(fn):
@@ -37,7 +37,7 @@ def recompute_grad(fn):
 
     @tf.custom_gradient
     def checkpointed(*args):
-        with _keras_internals.stop_gradient_recording():
+        with _compat.stop_gradient_recording():
             results = list(fn(*args))
 
         def gradient(*output_gradients, variables=None):

@@ -3,21 +3,19 @@
 A `Graph` holds its inputs, its `nodes` in topological order and its
 outputs. Each `Node` is one call of one Keras operation (a layer, or a
 `keras.ops` operation): its `args` / `kwargs` hold `Value`s where tensors
-flowed, and `outputs` the values it produces. `Graph.rebuild()` turns the IR
-back into a functional Keras model that calls the very same layer objects, so
-every variable not replaced by a pass is shared.
+flowed, and `outputs` the values it produces. `runtime.rebuild.rebuild(graph)` turns
+the IR back into a functional Keras model that calls the very same layer
+objects, so every variable not replaced by a pass is shared.
 
 Example:
-    >>> graph = kip.graph.Graph.from_model(converted)
+    >>> graph = converted.kip_graph
     >>> [node.name for node in graph.nodes]
     ['embedding', 'block_1', 'head']
-    >>> rebuilt = graph.rebuild()
+    >>> rebuilt = rebuild(graph)     # keras_ipu_plugin.runtime.rebuild
 """
 
 import keras
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.functional import KipFunctional
 
 #: `Node.training` when the call follows the model's `training` argument.
 FOLLOW = "follow"
@@ -96,8 +94,9 @@ class Node:
 class Graph:
     """Inputs, nodes in topological order, outputs.
 
-    Build one with `Graph.from_model(functional_model)` or from a trace
-    (`tracing.trace_graph`); turn it back into a model with `rebuild()`.
+    Tracing makes one (`frontend.tracing.trace_model`), as does reading a
+    functional model (`passes.manager.graph_of`); `runtime.rebuild.rebuild`
+    turns it back into a model.
     """
 
     def __init__(self, input_specs, input_values, nodes, outputs, name="model"):
@@ -164,61 +163,6 @@ class Graph:
         graph.replaced = list(self.replaced)
         return graph
 
-    # -- back to Keras -------------------------------------------------------
-    def rebuild(self, name=None):
-        """A `KipFunctional` model running this graph, with the same layers."""
-        inputs = keras.tree.map_structure(
-            lambda spec: spec.keras_input(), self.input_specs
-        )
-        tensors = {
-            id(value): tensor
-            for value, tensor in zip(
-                keras.tree.flatten(self.input_values), keras.tree.flatten(inputs)
-            )
-        }
-
-        def resolve(leaf):
-            if isinstance(leaf, Value):
-                return tensors[id(leaf)]
-            return leaf
-
-        pinned, annotations = {}, {}
-        named = _UniqueNames()
-        for node in self.nodes:
-            operation = named.operation_for(node)
-            args = map_leaves(resolve, node.args)
-            kwargs = map_leaves(resolve, node.kwargs)
-            kwargs.pop("training", None)
-            if node.training in (True, False):
-                kwargs["training"] = node.training
-                pinned[operation.name] = node.training
-            if node.made_by_pass:
-                # A new layer may compute other shapes than the one it
-                # replaced: let Keras work them out.
-                with _keras_internals.call_context(operation, None):
-                    outputs = keras.tree.flatten(operation(*args, **kwargs))
-                for value, tensor in zip(node.outputs, outputs):
-                    value.spec = tensor
-            else:
-                outputs = _keras_internals.record_call(
-                    operation, args, kwargs, [value.spec for value in node.outputs]
-                )
-            for value, tensor in zip(node.outputs, outputs):
-                tensors[id(value)] = tensor
-            if node.annotations:
-                annotations.setdefault(operation.name, {}).update(node.annotations)
-        outputs = map_leaves(resolve, self.outputs)
-        model = KipFunctional(
-            inputs,
-            outputs,
-            name=name or self.name,
-            kip_pinned_training=pinned,
-            kip_annotations=annotations,
-        )
-        model.kip_graph = self
-        object.__setattr__(model, "kip_replaced", tuple(self.replaced))
-        return model
-
     def summary_rows(self):
         """`(node, layer class, training, annotations, opaque reason)` rows."""
         return [
@@ -240,45 +184,6 @@ class Graph:
             )
             lines.append(f"  {node.name} = {type(node.operation).__name__}({inputs})")
         return "\n".join(lines)
-
-
-class _UniqueNames:
-    """Names the rebuilt model's layers after their nodes.
-
-    A layer inlined by Expand has the node name `parent.child`; the user's
-    layer object keeps its own name (the plugin does not rename user
-    objects), so the rebuilt model calls it through a `LayerAlias` with the
-    node's name. That also gives every layer the distinct name a functional
-    model needs when blocks share sub-layer names (`conv1` in every block).
-    A layer called at several nodes gets one alias, named after the first.
-    Layers a pass created (Replace) are ours and keep the name they were
-    given.
-    """
-
-    def __init__(self):
-        self.taken = set()
-        self.chosen = {}  # id(layer) -> the layer or its alias
-
-    def operation_for(self, node):
-        operation = node.operation
-        if not isinstance(operation, keras.layers.Layer):
-            return operation  # keras.ops operations: ours, already named
-        if id(operation) in self.chosen:
-            return self.chosen[id(operation)]
-        own_name = node.name == operation.name or node.made_by_pass
-        if own_name and operation.name not in self.taken:
-            chosen = operation
-        else:
-            from keras_ipu_plugin.alias import LayerAlias
-
-            name, count = node.name, 0
-            while name in self.taken:
-                count += 1
-                name = f"{node.name}_{count}"
-            chosen = LayerAlias(operation, name=name)
-        self.taken.add(chosen.name)
-        self.chosen[id(operation)] = chosen
-        return chosen
 
 
 def map_leaves(fn, structure):

@@ -22,8 +22,8 @@ import inspect
 
 import keras
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.inputs import check_dtype_kinds
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.ir.specs import check_dtype_kinds
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
 MASK_ON_INPUTS = "inputs"
@@ -44,7 +44,7 @@ def mask_semantics(model):
         >>> mask_semantics(keras.Sequential([keras.layers.Dense(2)]))
         'inputs'
     """
-    if isinstance(model, _keras_internals.Functional):
+    if isinstance(model, _compat.Functional):
         return MASK_ON_INPUTS
     if "mask" in inspect.signature(model.call).parameters:
         return MASK_ARGUMENT
@@ -52,7 +52,7 @@ def mask_semantics(model):
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
-class KipFunctional(_keras_internals.Functional):
+class KipFunctional(_compat.Functional):
     """A functional model that honours `training` values pinned by the code.
 
     Example:
@@ -108,15 +108,15 @@ class KipFunctional(_keras_internals.Functional):
         context = dict(kwargs, training=training)
         if self._uses_executor():
             if self._kip_executor is None:
-                from keras_ipu_plugin.backends import get_backend
-                from keras_ipu_plugin.executor import Executor
+                from keras_ipu_plugin.runtime.backends import get_backend
+                from keras_ipu_plugin.runtime.executor import Executor
 
                 self._kip_executor = Executor(self, get_backend())
-            inputs = _keras_internals.standardize_inputs(self, inputs)
+            inputs = _compat.standardize_inputs(self, inputs)
             if mask is not None:
                 for x, one_mask in zip(inputs, keras.tree.flatten(mask)):
                     if one_mask is not None:
-                        _keras_internals.set_keras_mask(x, one_mask)
+                        _compat.set_keras_mask(x, one_mask)
             outputs = self._kip_executor(inputs, training, context)
             if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
                 return outputs[0]
@@ -124,7 +124,7 @@ class KipFunctional(_keras_internals.Functional):
         pinned = self.kip_pinned_training
 
         def operation_fn(operation):
-            accepted = _keras_internals.call_context_args(operation)
+            accepted = _compat.call_context_args(operation)
 
             def call(*args, **op_kwargs):
                 for name, value in context.items():
@@ -137,7 +137,7 @@ class KipFunctional(_keras_internals.Functional):
 
             return call
 
-        return _keras_internals.run_functional_graph(
+        return _compat.run_functional_graph(
             self, inputs, mask, operation_fn
         )
 
@@ -159,7 +159,7 @@ class KipFunctional(_keras_internals.Functional):
         if not given or self.kip_original_mask == MASK_ON_INPUTS:
             return mask
         if self.kip_original_mask == MASK_ABSENT:
-            carried = {id(_keras_internals.keras_mask(leaf)) for leaf in keras.tree.flatten(inputs)}
+            carried = {id(_compat.keras_mask(leaf)) for leaf in keras.tree.flatten(inputs)}
             if all(id(m) in carried for m in given):
                 # Keras passes on the masks the inputs already carry: the
                 # original's sub-layers would read them from the inputs too.

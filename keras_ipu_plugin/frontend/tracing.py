@@ -3,7 +3,7 @@
 Calling `layer.call(...)` (not `layer(...)`) on KerasTensors records one Keras
 node per sub-layer or `keras.ops` call made inside it. We walk those nodes
 back from the outputs into `graph.Node`s, then undo the node bookkeeping on
-the user's layers: the IR is the only record kept, and `Graph.rebuild()`
+the user's layers: the IR is the only record kept, and `runtime.rebuild.rebuild`
 makes the final functional model.
 
 `training` is traced twice, under an outer `training=True` and `False`:
@@ -53,24 +53,25 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import _keras_internals
-from keras_ipu_plugin.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.batch_sized import NotBatchGeneral
-from keras_ipu_plugin.batch_sized import generalize_batch
-from keras_ipu_plugin.batch_sized import unknown_dimension_attributes
-from keras_ipu_plugin.distribution import owning_strategy
-from keras_ipu_plugin.graph import FOLLOW
-from keras_ipu_plugin.graph import Graph
-from keras_ipu_plugin.graph import Node
-from keras_ipu_plugin.graph import Value
-from keras_ipu_plugin.graph import map_leaves
-from keras_ipu_plugin.graph import map_values
-from keras_ipu_plugin.reads import HeldConstant
-from keras_ipu_plugin.reads import ReadLayers
-from keras_ipu_plugin.reads import is_read
-from keras_ipu_plugin.views import layer_view
-from keras_ipu_plugin.views import shallow_view
-from keras_ipu_plugin.views import viewed_layer
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime.layer_kinds import accepts_training
+from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
+from keras_ipu_plugin.runtime.batch_sized import generalize_batch
+from keras_ipu_plugin.runtime.batch_sized import unknown_dimension_attributes
+from keras_ipu_plugin.runtime.distribution import owning_strategy
+from keras_ipu_plugin.ir.graph import FOLLOW
+from keras_ipu_plugin.ir.graph import Graph
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.ir.graph import map_leaves
+from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.runtime.reads import HeldConstant
+from keras_ipu_plugin.runtime.reads import ReadLayers
+from keras_ipu_plugin.runtime.reads import is_read
+from keras_ipu_plugin.runtime.views import layer_view
+from keras_ipu_plugin.runtime.views import shallow_view
+from keras_ipu_plugin.runtime.views import viewed_layer
 
 
 class TraceError(Exception):
@@ -79,11 +80,6 @@ class TraceError(Exception):
     def __init__(self, reason):
         self.reason = reason
         super().__init__(reason)
-
-
-def accepts_training(layer):
-    """Whether `layer.call` has a `training` parameter."""
-    return "training" in inspect.signature(layer.call).parameters
 
 
 def trace_model(model, input_specs, training=None):
@@ -281,12 +277,12 @@ def _trace_once(trace, training, pinned, opaque_layers):
     kwargs = dict(trace.kwargs)
     if accepts_training(layer):
         kwargs["training"] = training
-    sub_layers = _keras_internals.all_layers(layer)
+    sub_layers = _compat.all_layers(layer)
     view = layer_view(layer, _inline_view_class)
-    with _keras_internals.node_lists_snapshot(sub_layers, always=True), trace.active():
+    with _compat.node_lists_snapshot(sub_layers, always=True), trace.active():
         if viewed_layer(view) is not None and trace.anchor is not None:
             trace.hold_attributes(view)
-        with _keras_internals.call_context(layer, training):
+        with _compat.call_context(layer, training):
             try:
                 outputs = type(layer).call(view, *trace.args, **kwargs)
             except TraceError:
@@ -339,11 +335,11 @@ class _Trace:
         try:
             # The read layers outlive the trace (a graph keeps them): leave
             # none of the trace's Keras nodes on them.
-            with _keras_internals.node_lists_snapshot(self.reads.layers(), always=True):
+            with _compat.node_lists_snapshot(self.reads.layers(), always=True):
                 yield
         finally:
             stack.pop()
-            _keras_internals.forget_nodes(self._new_reads)
+            _compat.forget_nodes(self._new_reads)
 
     def hold_attributes(self, view):
         state = vars(view)
@@ -375,7 +371,7 @@ class _Trace:
         if id(read) not in known:
             self._new_reads.append(read)
         tensor = read(self.anchor)
-        self.read_names[id(_keras_internals.producing_node(tensor)[0])] = node_name
+        self.read_names[id(_compat.producing_node(tensor)[0])] = node_name
         return tensor
 
     def _lifting(self, layer):
@@ -435,7 +431,7 @@ def _states_own_output_shape(cls):
     call_owner = owner("call")
     for name in ("compute_output_spec", "compute_output_shape"):
         spec_owner = owner(name)
-        if spec_owner in (keras.layers.Layer, _keras_internals.Operation):
+        if spec_owner in (keras.layers.Layer, _compat.Operation):
             continue
         if issubclass(spec_owner, call_owner):
             return True
@@ -449,9 +445,9 @@ def _inline_output_spec(self, *args, **kwargs):
     """Output KerasTensors of `self.call(*args, **kwargs)`, run on the
     KerasTensors themselves; Keras's scratch-graph way if that fails, and
     AutoGraph's (the view then stands for an opaque node) if that fails."""
-    layers = _keras_internals.all_layers(self)
+    layers = _compat.all_layers(self)
     try:
-        with _keras_internals.node_lists_snapshot(layers, always=True):
+        with _compat.node_lists_snapshot(layers, always=True):
             outputs = self.call(*args, **kwargs)
             return keras.tree.map_structure(_fresh_keras_tensor, outputs)
     except Exception:
@@ -471,7 +467,7 @@ def _inline_output_spec(self, *args, **kwargs):
 def _autograph_output_spec(layer, args, kwargs):
     """Output KerasTensors of `layer`'s call run as an `OpaqueLayer` runs it
     in graph mode (AutoGraph-converted), traced in a scratch graph."""
-    from keras_ipu_plugin.opaque import autograph_call
+    from keras_ipu_plugin.runtime.opaque import autograph_call
 
     symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
                if isinstance(leaf, keras.KerasTensor)]
@@ -606,8 +602,8 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
     def visit_tensor(tensor):
         if id(tensor) in values:
             return
-        keras_node, _ = _keras_internals.producing_node(tensor)
-        if keras_node is None or _keras_internals.is_input_node(keras_node):
+        keras_node, _ = _compat.producing_node(tensor)
+        if keras_node is None or _compat.is_input_node(keras_node):
             raise TraceError(
                 "`call` uses a tensor that does not come from its inputs "
                 f"({tensor!r})"
@@ -618,7 +614,7 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         if id(keras_node) in visited:
             return
         visited.add(id(keras_node))
-        args, kwargs = _keras_internals.node_arguments(keras_node)
+        args, kwargs = _compat.node_arguments(keras_node)
         for tensor in keras_node.arguments.keras_tensors:
             visit_tensor(tensor)
         operation = viewed_layer(keras_node.operation)
@@ -653,12 +649,12 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         if opaque is not None:
             node.opaque_reason = operation.reason
         recorded = kwargs.get("training")
-        if "training" in _keras_internals.call_context_args(operation):
+        if "training" in _compat.call_context_args(operation):
             node.training = recorded
         node.kwargs.pop("training", None)
         if pinned and node.training is not None:
             node.training = bool(node.training)
-        outputs_recorded = _keras_internals.node_outputs(keras_node)
+        outputs_recorded = _compat.node_outputs(keras_node)
         specs = _precise_specs(operation, args, kwargs, outputs_recorded)
         for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
             value = Value(node, index, spec)
@@ -695,7 +691,7 @@ def _precise_specs(operation, args, kwargs, outputs):
         return outputs
     try:  # `call` run on symbolic TensorFlow tensors, not the layer's formula
         inferred = keras.tree.flatten(
-            _keras_internals.Operation.compute_output_spec(operation, *args, **kwargs)
+            _compat.Operation.compute_output_spec(operation, *args, **kwargs)
         )
     except Exception:  # the recorded shapes are right, only less precise
         return outputs
@@ -717,8 +713,8 @@ def _opaque_layer(layer, reason, outputs, made):
     """The `OpaqueLayer` standing for `layer`, made once per `trace_call`
     (`made`: id(layer) -> it), as its traces under `training=True` and
     `False` must agree on the node's operation."""
-    from keras_ipu_plugin.opaque import OpaqueLayer
-    from keras_ipu_plugin.opaque import output_specs_of
+    from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+    from keras_ipu_plugin.runtime.opaque import output_specs_of
 
     if id(layer) not in made:
         # Named as the layer: it stands for it in the graph, and the layer

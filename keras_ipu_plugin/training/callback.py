@@ -2,10 +2,10 @@
 
 import keras
 
-from keras_ipu_plugin.apply import validate_passes
-from keras_ipu_plugin.backends import get_backend
-from keras_ipu_plugin.training import Runtime
-from keras_ipu_plugin.training import install
+from keras_ipu_plugin.passes.manager import validate_passes
+from keras_ipu_plugin.training.routes import training_route
+from keras_ipu_plugin.training.steps import Runtime
+from keras_ipu_plugin.training.steps import install
 
 
 class PluginCallback(keras.callbacks.Callback):
@@ -29,7 +29,7 @@ class PluginCallback(keras.callbacks.Callback):
 
     def __init__(self, passes=(), rebuild_on_new_variables=True, verify=True):
         super().__init__()
-        get_backend().check_train_function_route("PluginCallback")
+        training_route().check_train_function_route("PluginCallback")
         self.passes = validate_passes(passes)
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify

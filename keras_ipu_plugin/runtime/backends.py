@@ -32,9 +32,8 @@ import importlib
 import tensorflow as tf
 
 from keras_ipu_plugin.errors import IpuError
-from keras_ipu_plugin.ipu_backend import IpuBackend
-from keras_ipu_plugin.ipu_layers import IPU_REPLACEMENTS  # noqa: F401 (public name)
-from keras_ipu_plugin.recompute import recompute_grad
+from keras_ipu_plugin.runtime.ipu_backend import IpuBackend
+from keras_ipu_plugin.runtime.recompute_grad import recompute_grad
 
 
 class PortableBackend:
@@ -63,11 +62,11 @@ class PortableBackend:
         """Portable stages are the `kip_stages` mapping on the model."""
         return stages
 
-    def replacements(self, serial_dense=False, serialization_factor=None,
-                     serialization_dimension=None):
-        return []
+    def ipu_layers(self):
+        """No IPU layers here: the IPU Replace preset is empty."""
+        return None
 
-    def configure(self, passes=(), *, configure_system=True, **ipu_options):
+    def configure(self, *, recomputes=False, configure_system=True, **ipu_options):
         """Nothing to configure; IPU-only options are refused, not ignored."""
         given = sorted(key for key, value in ipu_options.items() if value is not None)
         if given:
@@ -78,16 +77,6 @@ class PortableBackend:
 
     def default_strategy(self):
         return tf.distribute.get_strategy()
-
-    def check_train_function_route(self, entry_point):
-        """Keras's fit calls `model.train_function`: the route works here."""
-
-    def plugs_in(self, model, passes):
-        return True
-
-    def run_training(self, owner, method, keras_method, x, batch_size, args, kwargs):
-        """Keras's own `fit` / `evaluate` / `predict` (`args`, `kwargs`)."""
-        return keras_method(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,25 +101,3 @@ def backend():
         'portable'
     """
     return get_backend().name
-
-
-def ipu_replacements(serial_dense=False, *, serialization_factor=None,
-                     serialization_dimension=None):
-    """The IPU `Replace` pass (`ipu_layers.IpuReplace`; empty off IPU):
-    Dropout, LayerNormalization, Embedding, LSTM, GRU -> the
-    `ipu_tensorflow_addons` layers, weights copied and each layer checked
-    against the addons layer's limits. `serial_dense=True` also replaces
-    Dense by SerialDense, which requires `serialization_factor` and
-    `serialization_dimension` ("input_columns", "input_rows_kernel_columns"
-    or "kernel_rows").
-
-    Example:
-        >>> passes = [kip.passes.Expand(), *kip.ipu_replacements()]
-        >>> kip.ipu_replacements(serial_dense=True, serialization_factor=4,
-        ...                      serialization_dimension="kernel_rows")
-    """
-    return get_backend().replacements(
-        serial_dense=serial_dense,
-        serialization_factor=serialization_factor,
-        serialization_dimension=serialization_dimension,
-    )

@@ -34,13 +34,14 @@ Example:
 
 import keras
 
-from keras_ipu_plugin import _keras_internals
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.graph import Value
+from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 from keras_ipu_plugin.passes.expand import expand_to_reach
 from keras_ipu_plugin.passes.base import nodes_matching
+from keras_ipu_plugin.runtime.backends import get_backend
 
 #: Keras layer class name -> `ipu_tensorflow_addons.keras.layers` class name.
 #: Dense -> SerialDense only when asked for (`serial_dense=True`): it changes
@@ -183,7 +184,7 @@ def _check_static_inputs(node, refuse):
 def _has_mask(node):
     if isinstance(node.kwargs.get("mask"), Value):
         return True
-    return any(_keras_internals.keras_mask(v.spec) is not None for v in node.input_values)
+    return any(_compat.keras_mask(v.spec) is not None for v in node.input_values)
 
 
 def _set(config, *keys):
@@ -291,3 +292,23 @@ def copy_rnn_weights(old, new):
         raise PassError(f"replace: `{new.name}` has weights {sorted(extra)} with no Keras source.")
     for source_name, target_name in _POPNN_WEIGHTS.items():
         targets[target_name].assign(sources[source_name])
+
+
+def ipu_replacements(serial_dense=False, *, serialization_factor=None,
+                     serialization_dimension=None):
+    """The IPU `Replace` pass (`IpuReplace`; empty off IPU): Dropout,
+    LayerNormalization, Embedding, LSTM, GRU -> the `ipu_tensorflow_addons`
+    layers, weights copied and each layer checked against the addons
+    layer's limits. `serial_dense=True` also replaces Dense by SerialDense,
+    which requires `serialization_factor` and `serialization_dimension`
+    ("input_columns", "input_rows_kernel_columns" or "kernel_rows").
+
+    Example:
+        >>> passes = [kip.passes.Expand(), *kip.ipu_replacements()]
+        >>> kip.ipu_replacements(serial_dense=True, serialization_factor=4,
+        ...                      serialization_dimension="kernel_rows")
+    """
+    layers = get_backend().ipu_layers()
+    if layers is None:
+        return []
+    return [ipu_replace(layers, serial_dense, serialization_factor, serialization_dimension)]

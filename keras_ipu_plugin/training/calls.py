@@ -30,18 +30,19 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin import inputs as inputs_lib
+from keras_ipu_plugin.frontend import inputs as inputs_lib
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
-from keras_ipu_plugin.convert import Converter
-from keras_ipu_plugin.convert import ModelState
-from keras_ipu_plugin.convert import as_tensors
-from keras_ipu_plugin.functional import mask_semantics
-from keras_ipu_plugin.graph import Graph
-from keras_ipu_plugin.graph import Value
+from keras_ipu_plugin.frontend.convert import Converter
+from keras_ipu_plugin.frontend.convert import ModelState
+from keras_ipu_plugin.frontend.convert import as_tensors
+from keras_ipu_plugin.runtime.functional import mask_semantics
+from keras_ipu_plugin.ir.graph import Graph
+from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.tracing import TraceError
-from keras_ipu_plugin.tracing import trace_call
-from keras_ipu_plugin.verify import check_equivalent
+from keras_ipu_plugin.frontend.tracing import TraceError
+from keras_ipu_plugin.frontend.tracing import trace_call
+from keras_ipu_plugin.frontend.verify import check_equivalent
+from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def _traced_bound_call(callee, call, tensors, specs, reference):
         nodes, outputs = trace_call(
             callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="")
         graph = Graph(specs, values, nodes, outputs, name=callee.name)
-        converted = graph.rebuild(name=f"{callee.name}_functional")
+        converted = rebuild(graph, name=f"{callee.name}_functional")
         converted.kip_original_mask = mask_semantics(reference)
         for node in graph.nodes:
             report.add("convert", node.name, "traced", type(node.operation).__name__)

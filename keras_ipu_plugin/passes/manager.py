@@ -2,28 +2,30 @@
 
 import keras
 
-from keras_ipu_plugin.backends import get_backend
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.executor import train_graph_ops
-from keras_ipu_plugin.functional import KipFunctional
-from keras_ipu_plugin.inputs import InputSpec
-from keras_ipu_plugin.opaque import OpaqueLayer
+from keras_ipu_plugin.runtime.executor import train_graph_ops
+from keras_ipu_plugin.runtime.functional import KipFunctional
+from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import registered_passes
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.state import ModelState
-from keras_ipu_plugin.tracing import TraceError
-from keras_ipu_plugin.tracing import _failing_layer
-from keras_ipu_plugin.tracing import essential_message
-from keras_ipu_plugin.tracing import trace_model
-from keras_ipu_plugin.verify import check_equivalent
-from keras_ipu_plugin.verify import check_runs
-from keras_ipu_plugin.verify import keep_first_batch
-from keras_ipu_plugin.verify import synthetic_batch
+from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.tracing import TraceError
+from keras_ipu_plugin.frontend.tracing import _failing_layer
+from keras_ipu_plugin.frontend.tracing import essential_message
+from keras_ipu_plugin.frontend.tracing import trace_model
+from keras_ipu_plugin.frontend.verify import check_equivalent
+from keras_ipu_plugin.frontend.verify import check_runs
+from keras_ipu_plugin.frontend.verify import keep_first_batch
+from keras_ipu_plugin.frontend.verify import synthetic_batch
+from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
 def apply_passes(model, passes, *, verify=True):
@@ -103,7 +105,7 @@ def _apply_passes(model, passes, verify):
 
 def _rebuilt(graph, model, passes):
     try:
-        result = graph.rebuild(name=model.name)
+        result = rebuild(graph, name=model.name)
     except Exception as error:
         if type(error).__module__.startswith("keras_ipu_plugin"):
             raise
@@ -205,14 +207,14 @@ def _report_outlined_graph_size(graph, outlined, report):
     plain = graph.copy()
     for node in plain.nodes:
         node.annotations.pop("outline", None)
-    report.metrics["train graph ops without outlining"] = train_graph_ops(plain.rebuild())
+    report.metrics["train graph ops without outlining"] = train_graph_ops(rebuild(plain))
     report.metrics["train graph ops with outlining"] = train_graph_ops(outlined)
 
 
 def validate_passes(passes):
     """A list of Pass objects from passes or a config (dict, list of
     one-pass dicts, or path)."""
-    from keras_ipu_plugin.config import passes_from_config
+    from keras_ipu_plugin.passes.config import passes_from_config
 
     if isinstance(passes, (dict, str)) or hasattr(passes, "__fspath__"):
         return passes_from_config(passes)
@@ -237,7 +239,7 @@ def validate_passes(passes):
 
 def graph_of(model):
     """The graph IR of a functional model, with its recorded annotations."""
-    functional = isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth")
+    functional = isinstance(model, keras.Model) and _compat.is_graph_model(model)
     sequential = isinstance(model, keras.Sequential)
     if not (functional or sequential):
         raise PassError(

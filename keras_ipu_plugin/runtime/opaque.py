@@ -22,7 +22,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from keras_ipu_plugin.views import layer_view
+from keras_ipu_plugin.runtime.views import layer_view
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")

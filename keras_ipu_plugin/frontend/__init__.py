@@ -1,0 +1,2 @@
+"""From a model and its first batch to the IR: inputs, tracing, state,
+verification, conversion."""

@@ -1,0 +1,1 @@
+"""The graph IR: nodes, values, names. Depends on nothing above it."""

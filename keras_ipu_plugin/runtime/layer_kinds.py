@@ -1,0 +1,74 @@
+"""What kind of layer a graph node calls: one Expand may inline (user code,
+a nested model), one whose output never depends on `training`.
+
+Example:
+    >>> is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
+    (False, True)
+"""
+
+import inspect
+
+import keras
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+from keras_ipu_plugin.runtime.reads import is_read
+
+
+def accepts_training(layer):
+    """Whether `layer.call` has a `training` parameter."""
+    return "training" in inspect.signature(layer.call).parameters
+
+
+def is_expandable(operation):
+    """Custom layers and nested functional / sequential models."""
+    if not isinstance(operation, keras.layers.Layer) or isinstance(
+        operation, (OpaqueLayer, BatchSizedOperation)
+    ):
+        return False
+    if is_read(operation):  # a variable or a constant: nothing to inline
+        return False
+    if isinstance(operation, keras.Model):
+        return True
+    return not type(operation).__module__.startswith("keras.")
+
+
+# Built-in layers whose output never depends on `training` (exact classes:
+# a subclass may read it). `Dense` / `EinsumDense` take a `training`
+# argument, used only when quantized; `training_agnostic` checks that.
+_TRAINING_AGNOSTIC = frozenset(
+    getattr(keras.layers, name) for name in (
+        "Dense", "EinsumDense", "Embedding", "LayerNormalization",
+        "GroupNormalization", "UnitNormalization", "RMSNormalization",
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D",
+        "SeparableConv1D", "SeparableConv2D",
+        "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
+        "Concatenate", "Dot", "Activation", "ReLU", "LeakyReLU", "PReLU",
+        "ELU", "Softmax", "Identity", "Reshape", "Flatten", "Permute",
+        "RepeatVector", "MaxPooling1D", "MaxPooling2D", "MaxPooling3D",
+        "AveragePooling1D", "AveragePooling2D", "AveragePooling3D",
+        "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D",
+        "GlobalAveragePooling1D", "GlobalAveragePooling2D",
+        "GlobalAveragePooling3D", "ZeroPadding1D", "ZeroPadding2D",
+        "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
+        "UpSampling1D", "UpSampling2D", "UpSampling3D",
+    )
+    if hasattr(keras.layers, name)
+)
+
+
+def training_agnostic(layer):
+    """Whether `layer.call` computes the same in training and inference:
+    a custom layer whose `call` takes no `training` and whose sub-layers are
+    all such layers or listed built-in ones. Tracing it once is then enough
+    (`training` is otherwise traced both ways to find what follows it)."""
+    if type(layer) in _TRAINING_AGNOSTIC:
+        return getattr(layer, "quantization_mode", None) is None
+    if not is_expandable(layer) or accepts_training(layer):
+        return False
+    return all(
+        training_agnostic(sub)
+        for sub in _compat.sub_layers(layer, recursive=False)
+    )

@@ -1,0 +1,2 @@
+"""Training through the converted graph: step functions, dynamic variables,
+PluginModel, PluginCallback, kip.scope."""
