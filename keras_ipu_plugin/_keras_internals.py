@@ -212,7 +212,10 @@ def optimizer_slot_lists(optimizer):
 
     lists = {}
     for name, value in vars(optimizer).items():
-        if name == "_trainable_variables" or not isinstance(value, list):
+        # `_variables` is the optimizer's own list of everything it holds:
+        # an SGD without momentum over two variables holds two (iterations,
+        # learning rate), which looked like a per-variable list.
+        if name in ("_trainable_variables", "_variables") or not isinstance(value, list):
             continue
         if count and len(value) == count and all(
             item is None or isinstance(item, Variable) for item in value
@@ -244,6 +247,29 @@ def transplant_optimizer_state(target, scratch, old_count):
     target._variables = variables
     target._trainable_variables = scratch._trainable_variables[:]
     target._trainable_variables_indices = dict(scratch._trainable_variables_indices)
+
+
+def optimizer_knows(optimizer, variable):
+    """Whether a built `optimizer` holds state for `variable` (looked up as
+    Keras looks it up: a distributed variable by its container)."""
+    return optimizer._var_key(variable) in optimizer._trainable_variables_indices
+
+
+def hand_over_optimizer_slot(optimizer, old, new):
+    """Make `optimizer` apply to `new` what it applied to `old`: `new` takes
+    `old`'s index, so its state (moments, EMA, accumulated gradients, every
+    per-variable list) becomes `new`'s, and `old` leaves the optimizer.
+
+    A LossScaleOptimizer keeps the per-variable state in its inner optimizer
+    and an index of its own: both are handed over.
+    """
+    for one in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if one is None or not one.built:
+            continue
+        indices = one._trainable_variables_indices
+        index = indices.pop(one._var_key(old))
+        indices[one._var_key(new)] = index
+        one._trainable_variables[index] = new
 
 
 def model_strategy(model):

@@ -17,7 +17,6 @@ from keras_ipu_plugin import _keras_internals
 from keras_ipu_plugin.apply import validate_passes
 from keras_ipu_plugin.backends import get_backend
 from keras_ipu_plugin.convert import as_tensors
-from keras_ipu_plugin.dynamic import union_of_variables
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.inputs import first_batch
 from keras_ipu_plugin.passes.base import deserialize_pass
@@ -94,13 +93,15 @@ class PluginModel(keras.Model):
     def _in_use(self, name):
         """The wrapped model's `name` (variables or weights) and the converted
         models': the layers a Replace pass created live only there, and the
-        layers they replaced are no longer used, so not trained."""
+        layers they replaced are no longer used, so not trained. A
+        replacement's variable stands where the one it replaces stood (see
+        `Runtime.in_use`): the optimizer, built over these, saves its state
+        in the order that the wrapped model's variables have when the saved
+        model is loaded again; appended last, a replaced layer in the middle
+        had its saved moments loaded into its neighbour's."""
         mine = getattr(super(), name)
         runtime = self.__dict__.get("_kip_runtime")
-        models = [] if runtime is None else [c.model for c in runtime.conversions]
-        unused = {id(v) for old, _ in self._replaced_pairs() for v in getattr(old, name)}
-        theirs = [v for model in models for v in getattr(model, name)]
-        return union_of_variables([v for v in mine if id(v) not in unused], theirs)
+        return list(mine) if runtime is None else runtime.in_use(mine, name)
 
     # -- saving: the wrapped model's layout --------------------------------------
     def save_weights(self, filepath, *args, **kwargs):
@@ -130,13 +131,7 @@ class PluginModel(keras.Model):
 
     def _replaced_pairs(self):
         runtime = self.__dict__.get("_kip_runtime")
-        pairs, seen = [], set()
-        for conversion in [] if runtime is None else runtime.conversions:
-            for old, new in conversion.model.kip_replaced:
-                if (id(old), id(new)) not in seen:
-                    seen.add((id(old), id(new)))
-                    pairs.append((old, new))
-        return pairs
+        return [] if runtime is None else runtime.replaced_layers()
 
     @property
     def kip_report(self):
@@ -234,7 +229,11 @@ class PluginModel(keras.Model):
             super().compile(**arguments)
         # What Keras's compile set here is what the steps read from the
         # wrapper (the compiled loss and metrics `fit` resets and reports).
-        self._kip_runtime.owner_names = frozenset(
+        # A second compile sets some to what they were (`compiled`, `loss`,
+        # `_jit_compile`): they stay the wrapper's, or the step would read
+        # the wrapped model's own, never compiled, values (`fit` then failed
+        # in TensorFlow's iterator code).
+        self._kip_runtime.owner_names = self._kip_runtime.owner_names | frozenset(
             name for name, value in vars(self).items()
             if name not in before or before[name] is not value
         ) | {"optimizer"}
