@@ -110,7 +110,14 @@ class PluginModel(keras.Model):
 
     def save(self, filepath, *args, **kwargs):
         self._copy_replacements_back()
-        return super().save(filepath, *args, **kwargs)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return super().save(filepath, *args, **kwargs)
+        # Loaded, the optimizer is built over the wrapped model's variables
+        # in its order and given the saved state by position: saved in that
+        # order too (an optimizer extended for new variables holds them last).
+        with _keras_internals.optimizer_state_in_order(optimizer, self.trainable_variables):
+            return super().save(filepath, *args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
         result = super().load_weights(filepath, *args, **kwargs)

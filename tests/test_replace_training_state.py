@@ -1,7 +1,8 @@
-"""Layers a Replace pass made keep training as if nothing had happened:
-across save / load (with the optimizer's state), across a rebuild for new
-variables, across a conversion for a new input shape, and when `fit` built
-the optimizer before a callback converted.
+"""Training goes on as if nothing had happened: for layers a Replace pass
+made, across save / load (with the optimizer's state), across a rebuild for
+new variables, across a conversion for a new input shape, and when `fit`
+built the optimizer before a callback converted; for a model that grew a
+layer, across save / load.
 
 Each test trains a twin the same way without the interruption (or without
 Replace: `Replacement(..., copy_weights=True)` of a Dense computes the same)
@@ -109,6 +110,55 @@ def test_saved_and_loaded_plugin_with_replace_trains_on_as_if_never_saved(tmp_pa
     assert all(id(v) in known for v in new.trainable_variables)
     assert not any(id(v) in known for v in old.trainable_variables)
     assert "optimizer state handed over" in str(loaded.kip_report)
+
+
+@keras.saving.register_keras_serializable("kip_test_replace_state")
+class GrowsInTheMiddle(keras.Model):
+    """Grows a layer between two of its own shapes when `grow` is set."""
+
+    def __init__(self, grow=False, **kwargs):
+        super().__init__(**kwargs)
+        self.grow = grow
+        self.base = keras.layers.Dense(4, activation="tanh", name="base")
+        self.extra = keras.layers.Dense(4, name="extra")
+        self.top = keras.layers.Dense(4, name="top")
+
+    def call(self, x):
+        x = self.base(x)
+        if self.grow:
+            x = x + self.extra(x)
+        return self.top(x)
+
+    def get_config(self):
+        return {"grow": self.grow, **super().get_config()}
+
+
+def test_grown_model_saved_and_loaded_trains_on_as_if_never_saved(tmp_path):
+    """The optimizer extended for a layer grown mid-training holds it last;
+    loaded, it is built over the model's variables in the model's order
+    (the grown layer in the middle) and given the saved state by position:
+    saved in that order, each layer gets its own moments back (the grown
+    layer's went to its neighbour of the same shapes)."""
+    x, y = _data()
+
+    def grown():
+        keras.utils.set_random_seed(2)
+        plugin = kip.PluginModel(GrowsInTheMiddle())
+        plugin.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        plugin.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        plugin.wrapped.grow = True
+        plugin.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return plugin
+
+    saved = grown()
+    state = [id(v) for v in saved.optimizer.variables]
+    saved.save(tmp_path / "grown.keras")
+    assert [id(v) for v in saved.optimizer.variables] == state  # reordered for saving only
+    loaded = keras.models.load_model(tmp_path / "grown.keras")
+    loaded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    twin = grown()
+    twin.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _assert_same_weights(loaded.wrapped.weights, twin.wrapped.weights)
 
 
 def test_optimizer_state_is_saved_in_the_wrapped_models_order(tmp_path):
