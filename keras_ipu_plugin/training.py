@@ -180,7 +180,7 @@ class Runtime:
             graph_model = convert_call(callee, call, verify=self.verify, signature=signature,
                                        static_batch=get_backend().static_batch)
             if self.passes:
-                with _replaced_layers_in_step(reuse):
+                with _replaced_layers_in_sync(reuse):
                     model = apply_passes(graph_model, self.passes, verify=self.verify,
                                          reuse_replacements=reuse)
             else:
@@ -450,7 +450,7 @@ class Runtime:
 
 
 @contextlib.contextmanager
-def _replaced_layers_in_step(replaced_layers):
+def _replaced_layers_in_sync(replaced_layers):
     """Within: each replaced layer holds the weights of the layer that
     replaces it (by weight name, as PluginModel copies them before saving);
     after: its own again.
