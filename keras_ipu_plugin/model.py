@@ -7,6 +7,7 @@ skips, and the wrapped model's own attributes are exposed as the wrapper's
 paths as the wrapped model: weights saved from either load into the other.
 """
 
+import contextlib
 import inspect
 
 import keras
@@ -106,23 +107,31 @@ class PluginModel(keras.Model):
     # -- saving: the wrapped model's layout --------------------------------------
     def save_weights(self, filepath, *args, **kwargs):
         self._copy_replacements_back()
-        return super().save_weights(filepath, *args, **kwargs)
+        with self._optimizer_in_saved_order():
+            return super().save_weights(filepath, *args, **kwargs)
 
     def save(self, filepath, *args, **kwargs):
         self._copy_replacements_back()
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is None or not optimizer.built:
-            return super().save(filepath, *args, **kwargs)
-        # Loaded, the optimizer is built over the wrapped model's variables
-        # in its order and given the saved state by position: saved in that
-        # order too (an optimizer extended for new variables holds them last).
-        with _keras_internals.optimizer_state_in_order(optimizer, self.trainable_variables):
+        with self._optimizer_in_saved_order():
             return super().save(filepath, *args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
-        result = super().load_weights(filepath, *args, **kwargs)
+        with self._optimizer_in_saved_order():
+            result = super().load_weights(filepath, *args, **kwargs)
         self._copy_into_replacements()
         return result
+
+    def _optimizer_in_saved_order(self):
+        """Keras saves an optimizer's state (with the model, and in weights
+        files) by position, and loads it by position into an optimizer built
+        over the loaded model's variables, in the wrapped model's order:
+        while saving or loading, the optimizer lists its state in that order
+        (one extended for new variables holds them last; a grown layer's
+        moments loaded into its neighbour's)."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return contextlib.nullcontext()
+        return _keras_internals.optimizer_state_in_order(optimizer, self.trainable_variables)
 
     def _copy_replacements_back(self):
         """Saved weights keep the wrapped model's layout, so that a fresh
