@@ -106,6 +106,11 @@ class Graph:
         self.outputs = outputs  # nest of Values
         self.name = name
         self.replaced = []  # (old layer, new layer) pairs made by Replace
+        # {id(old layer): new layer} made by an earlier run of the same
+        # passes (an earlier conversion of the same model), for Replace to
+        # use again: a new one would start from the old layer's untrained
+        # weights, and from no optimizer state.
+        self.reusable = {}
 
     # -- queries ---------------------------------------------------------
     def consumers(self, node):
@@ -161,6 +166,7 @@ class Graph:
         outputs = map_values(lambda v: values[id(v)], self.outputs)
         graph = Graph(self.input_specs, input_values, nodes, outputs, self.name)
         graph.replaced = list(self.replaced)
+        graph.reusable = dict(self.reusable)
         return graph
 
     def summary_rows(self):

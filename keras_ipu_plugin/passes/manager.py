@@ -28,7 +28,7 @@ from keras_ipu_plugin.frontend.verify import synthetic_batch
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
-def apply_passes(model, passes, *, verify=True):
+def apply_passes(model, passes, *, verify=True, reuse_replacements=()):
     """Return a new functional model: `model`'s graph after `passes`.
 
     Layers that no pass replaces are the same objects as in `model` (their
@@ -60,6 +60,13 @@ def apply_passes(model, passes, *, verify=True):
     naming the first pass whose result fails and what differs (the output
     or variable, or the layer that raised). `verify=False` skips all this.
 
+    `reuse_replacements`: `(old layer, new layer)` pairs an earlier run of
+    the same passes made (its result's `kip_replaced`); Replace puts those
+    new layers in again instead of making others (a model converted again,
+    for a new input shape or new variables, keeps training the same
+    replacement layers). Verification compares them with the old layers
+    as they are: the caller copies trained weights back first.
+
     Example:
         >>> converted = kip.convert_to_functional(MyModel(), x)
         >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
@@ -73,7 +80,7 @@ def apply_passes(model, passes, *, verify=True):
         state = ModelState(model)
         try:
             with state.recording():
-                result = _apply_passes(model, passes, verify)
+                result = _apply_passes(model, passes, verify, reuse_replacements)
             state.restore_after_success()
         except BaseException as error:
             state.undo_after(error)
@@ -81,8 +88,9 @@ def apply_passes(model, passes, *, verify=True):
     return result
 
 
-def _apply_passes(model, passes, verify):
+def _apply_passes(model, passes, verify, reuse_replacements):
     graph = graph_of(model)
+    graph.reusable = {id(old): new for old, new in reuse_replacements}
     input_specs = graph.input_specs
     report = (getattr(model, "kip_report", None) or Report()).copy()
     for one_pass in passes:
@@ -93,7 +101,8 @@ def _apply_passes(model, passes, verify):
     result.kip_report = report
     first_batch = getattr(model, "kip_first_batch", None)
     if verify:
-        _verify_passed(model, result, passes, report, first_batch, input_specs)
+        _verify_passed(model, result, passes, report, first_batch, input_specs,
+                       graph.reusable)
     else:
         report.add("verify", model.name, "not verified", "apply_passes(verify=False)")
     if first_batch is not None:
@@ -123,7 +132,7 @@ def _rebuilt(graph, model, passes):
     return result
 
 
-def _verify_passed(model, result, passes, report, first_batch, input_specs):
+def _verify_passed(model, result, passes, report, first_batch, input_specs, reusable):
     """Check `result` as far as `passes` claim; raise `PassError` on failure."""
     x, synthetic = first_batch, first_batch is None
     if synthetic:
@@ -143,7 +152,8 @@ def _verify_passed(model, result, passes, report, first_batch, input_specs):
             f"with `{model.name}`: {error}"
         ) from error
     except ConversionError as error:
-        culprit = _first_failing_pass(model, passes, x, synthetic) if len(passes) > 1 else 0
+        culprit = (_first_failing_pass(model, passes, x, synthetic, reusable)
+                   if len(passes) > 1 else 0)
         which = ("the passes " + _names(passes) if culprit is None
                  else f"pass {_names([passes[culprit]])}")
         raise PassError(f"apply_passes: after {which}: {error}") from error
@@ -180,11 +190,12 @@ def _check(model, result, passes, x, synthetic):
             "computes (new weights or parameters)")
 
 
-def _first_failing_pass(model, passes, x, synthetic):
+def _first_failing_pass(model, passes, x, synthetic, reusable):
     """The index of the first pass after which verification fails (the
     passes run again on a fresh graph, one more each time), or None when
     running them again fails otherwise."""
     graph = graph_of(model)
+    graph.reusable = dict(reusable)
     for index, one_pass in enumerate(passes[:-1]):
         try:
             graph = one_pass.run(graph, Report())

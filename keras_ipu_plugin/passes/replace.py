@@ -243,13 +243,24 @@ class Replace(Pass):
             for node in nodes:
                 old = node.operation
                 if id(old) not in new_layers:
-                    # A new layer is ours to name: after its node's path
-                    # (`block_1.conv1`) unless `params` names it.
-                    name = _unique(replacement.params.get("name", node.name), taken)
-                    taken.add(name)
-                    new_layers[id(old)] = _new_layer(
-                        node, replacement, report, self.step, name
-                    )
+                    reused = graph.reusable.get(id(old))
+                    if isinstance(reused, replacement.new_class):
+                        # Made by an earlier conversion of this model and
+                        # trained since: its weights (and the optimizer's
+                        # state for them) are the ones to go on with.
+                        taken.add(reused.name)
+                        new_layers[id(old)] = reused
+                        report.add(self.step, node.name, "replaced",
+                                   f"{type(old).__name__} -> {type(reused).__name__}, "
+                                   f"the layer `{reused.name}` of an earlier conversion")
+                    else:
+                        # A new layer is ours to name: after its node's path
+                        # (`block_1.conv1`) unless `params` names it.
+                        name = _unique(replacement.params.get("name", node.name), taken)
+                        taken.add(name)
+                        new_layers[id(old)] = _new_layer(
+                            node, replacement, report, self.step, name
+                        )
                     graph.replaced.append((old, new_layers[id(old)]))
                 node.operation = new_layers[id(old)]
                 node.made_by_pass = True  # ours: keeps the name it was given

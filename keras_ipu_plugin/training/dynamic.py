@@ -12,6 +12,10 @@ the variables it was originally built with").
   creations; nothing walks the model's variables unless one was created.
 - `extend_optimizer` gives a built optimizer state for new variables only:
   the old variables' moments, EMA and the iteration count are kept exactly.
+- `hand_over_optimizer_state` gives the variables of layers a Replace pass
+  made the state the optimizer holds for the layers they replace (a model
+  loaded with its optimizer state builds the optimizer over the wrapped
+  model's own layers, before any conversion made their replacements).
 - `OptimizingFacade` stands in for an optimizer inside a train step, and
   extends it when it is asked to apply gradients to variables it does not
   know (so the new variables get their update in the step that created
@@ -114,6 +118,56 @@ def extend_optimizer(optimizer, new_variables):
     return new_variables
 
 
+def replaced_variable_pairs(replaced_layers):
+    """`(old variable, new variable)` for each `(old layer, new layer)` of
+    `replaced_layers`: each trainable variable of the new layer with the old
+    layer's variable of the same weight name, shape and dtype (the pairing
+    PluginModel copies weights back by before saving). A new variable with
+    no such counterpart has none (a replacement with other parameters).
+
+    Example:
+        >>> replaced_variable_pairs(converted.kip_replaced)
+        [(<Variable path=head/kernel>, <Variable path=head/kernel>), ...]
+    """
+    pairs = []
+    for old_layer, new_layer in replaced_layers:
+        by_name = {v.name: v for v in old_layer.trainable_variables}
+        for new in new_layer.trainable_variables:
+            old = by_name.get(new.name)
+            if (old is not None and old is not new and tuple(old.shape) == tuple(new.shape)
+                    and old.dtype == new.dtype):
+                pairs.append((old, new))
+    return pairs
+
+
+def hand_over_optimizer_state(optimizer, replaced_layers):
+    """Give the variables of each new layer of `replaced_layers` (`(old,
+    new)` layer pairs made by Replace) the state a built `optimizer` holds
+    for the old layer's variables of the same name: the new variable takes
+    the old one's place, moments and all, and the old one leaves the
+    optimizer. Training then goes on as if the layer had never been
+    replaced, as the weights copied by `Replacement(copy_weights=True)` do.
+    Returns the `(old, new)` variable pairs handed over.
+
+    Without it, a model whose optimizer was built over the replaced layers
+    (loaded with its optimizer state, or built by `fit` before a callback
+    converted) fails at the next step with Keras's "Unknown variable", or,
+    extended instead, restarts the replaced layers' moments from zero.
+
+    Example:
+        >>> hand_over_optimizer_state(plugin.optimizer, converted.kip_replaced)
+    """
+    if not optimizer.built:
+        return []  # built later by Keras, over the variables in use
+    handed = []
+    for old, new in replaced_variable_pairs(replaced_layers):
+        if (_compat.optimizer_knows(optimizer, old)
+                and not _compat.optimizer_knows(optimizer, new)):
+            _compat.hand_over_optimizer_slot(optimizer, old, new)
+            handed.append((old, new))
+    return handed
+
+
 class OptimizingFacade:
     """An optimizer that learns unknown variables before applying to them.
 
@@ -159,10 +213,10 @@ class OptimizingFacade:
         optimizer = self._kip_optimizer
         if not optimizer.built:
             return
-        known = _compat.optimizer_trainable_variables(optimizer)
-        if len(variables) == len(known):  # the usual step: nothing new
-            return
-        known_ids = {id(v) for v in known}
+        # By identity, never by count: a Replace pass swaps variables for
+        # others and keeps their number. Runs once per trace in graph mode;
+        # an eager step pays one pass over its variables.
+        known_ids = {id(v) for v in _compat.optimizer_trainable_variables(optimizer)}
         unknown = [v for v in variables if id(v) not in known_ids]
         if not unknown:
             return
@@ -200,5 +254,6 @@ def describe_new_variables(variables, owner=None):
 
 __all__ = [
     "VariableWatch", "NeedsExtension", "NewVariablesError", "extend_optimizer",
+    "hand_over_optimizer_state", "replaced_variable_pairs",
     "OptimizingFacade", "describe_new_variables",
 ]

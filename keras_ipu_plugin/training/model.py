@@ -7,6 +7,7 @@ skips, and the wrapped model's own attributes are exposed as the wrapper's
 paths as the wrapped model: weights saved from either load into the other.
 """
 
+import contextlib
 import inspect
 
 import keras
@@ -17,6 +18,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.passes.manager import validate_passes
 from keras_ipu_plugin.frontend.convert import as_tensors
 from keras_ipu_plugin.runtime.variables import union_of_variables
+from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.passes.base import deserialize_pass
@@ -94,27 +96,44 @@ class PluginModel(keras.Model):
     def _in_use(self, name):
         """The wrapped model's `name` (variables or weights) and the converted
         models': the layers a Replace pass created live only there, and the
-        layers they replaced are no longer used, so not trained."""
+        layers they replaced are no longer used, so not trained. A
+        replacement's variable stands where the one it replaces stood (see
+        `Runtime.in_use`): the optimizer, built over these, saves its state
+        in the order that the wrapped model's variables have when the saved
+        model is loaded again; appended last, a replaced layer in the middle
+        had its saved moments loaded into its neighbour's."""
         mine = getattr(super(), name)
         runtime = self.__dict__.get("_kip_runtime")
-        models = [] if runtime is None else [c.model for c in runtime.conversions]
-        unused = {id(v) for old, _ in self._replaced_pairs() for v in getattr(old, name)}
-        theirs = [v for model in models for v in getattr(model, name)]
-        return union_of_variables([v for v in mine if id(v) not in unused], theirs)
+        return list(mine) if runtime is None else runtime.in_use(mine, name)
 
     # -- saving: the wrapped model's layout --------------------------------------
     def save_weights(self, filepath, *args, **kwargs):
         self._copy_replacements_back()
-        return super().save_weights(filepath, *args, **kwargs)
+        with self._optimizer_in_saved_order():
+            return super().save_weights(filepath, *args, **kwargs)
 
     def save(self, filepath, *args, **kwargs):
         self._copy_replacements_back()
-        return super().save(filepath, *args, **kwargs)
+        with self._optimizer_in_saved_order():
+            return super().save(filepath, *args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
-        result = super().load_weights(filepath, *args, **kwargs)
+        with self._optimizer_in_saved_order():
+            result = super().load_weights(filepath, *args, **kwargs)
         self._copy_into_replacements()
         return result
+
+    def _optimizer_in_saved_order(self):
+        """Keras saves an optimizer's state (with the model, and in weights
+        files) by position, and loads it by position into an optimizer built
+        over the loaded model's variables, in the wrapped model's order:
+        while saving or loading, the optimizer lists its state in that order
+        (one extended for new variables holds them last; a grown layer's
+        moments loaded into its neighbour's)."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return contextlib.nullcontext()
+        return _compat.optimizer_state_in_order(optimizer, self.trainable_variables)
 
     def _copy_replacements_back(self):
         """Saved weights keep the wrapped model's layout, so that a fresh
@@ -130,13 +149,7 @@ class PluginModel(keras.Model):
 
     def _replaced_pairs(self):
         runtime = self.__dict__.get("_kip_runtime")
-        pairs, seen = [], set()
-        for conversion in [] if runtime is None else runtime.conversions:
-            for old, new in conversion.model.kip_replaced:
-                if (id(old), id(new)) not in seen:
-                    seen.add((id(old), id(new)))
-                    pairs.append((old, new))
-        return pairs
+        return [] if runtime is None else runtime.replaced_layers()
 
     @property
     def kip_report(self):
@@ -234,7 +247,11 @@ class PluginModel(keras.Model):
             super().compile(**arguments)
         # What Keras's compile set here is what the steps read from the
         # wrapper (the compiled loss and metrics `fit` resets and reports).
-        self._kip_runtime.owner_names = frozenset(
+        # A second compile sets some to what they were (`compiled`, `loss`,
+        # `_jit_compile`): they stay the wrapper's, or the step would read
+        # the wrapped model's own, never compiled, values (`fit` then failed
+        # in TensorFlow's iterator code).
+        self._kip_runtime.owner_names = self._kip_runtime.owner_names | frozenset(
             name for name, value in vars(self).items()
             if name not in before or before[name] is not value
         ) | {"optimizer"}

@@ -65,12 +65,11 @@ def _step_self_class(cls):
 
 def _variables_view(name):
     def get(self):
-        # Layers a Replace pass created live only in the converted models.
+        # Layers a Replace pass created live only in the converted models,
+        # and the layers they replaced no longer run (with a callback, the
+        # owner is the user's model, which still holds them).
         runtime = vars(self)[_RUNTIME]
-        return union_of_variables(
-            getattr(runtime.owner, name),
-            [v for conversion in runtime.conversions for v in getattr(conversion.model, name)],
-        )
+        return runtime.in_use(getattr(runtime.owner, name), name)
 
     return property(get)
 

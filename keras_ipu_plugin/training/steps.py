@@ -66,6 +66,9 @@ from keras_ipu_plugin.training.step_self import CalleeStandIn
 from keras_ipu_plugin.training.step_self import step_self
 from keras_ipu_plugin.frontend.tracing import TraceError
 from keras_ipu_plugin.frontend.tracing import trace_model
+from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
+from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
+from keras_ipu_plugin.passes.replace import copy_weights_by_name
 
 _MAX_REBUILDS_PER_STEP = 8
 
@@ -162,20 +165,31 @@ class Runtime:
                 return conversion
         return None
 
-    def add_conversion(self, callee, call, signature=None, report_entries=()):
+    def add_conversion(self, callee, call, signature=None, report_entries=(), reuse=None):
         """Convert `callee` for calls like `call` (concrete), under the
-        strategy that owns the model, and apply the passes."""
+        strategy that owns the model, and apply the passes.
+
+        The layers Replace made in earlier conversions (`reuse`, default
+        those of the conversions kept) are used again, trained as they are.
+        """
         check_built_under(self.subject, _compat.model_strategy(self.owner))
         signature = signature or call.signature()
+        reuse = self.replaced_layers() if reuse is None else reuse
         with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
             # The IPU backend needs static shapes (static_batch=True there).
             graph_model = convert_call(callee, call, verify=self.verify, signature=signature,
                                        static_batch=get_backend().static_batch)
-            model = (apply_passes(graph_model, self.passes, verify=self.verify)
-                     if self.passes else graph_model)
+            if self.passes:
+                with _replaced_layers_in_sync(reuse):
+                    model = apply_passes(graph_model, self.passes, verify=self.verify,
+                                         reuse_replacements=reuse)
+            else:
+                model = graph_model
         self.watch.take()
         for entry in report_entries:
             model.kip_report.add(*entry)
+        if model.kip_replaced:
+            self._hand_over_optimizer_state(model)
         conversion = CallConversion(callee, signature, model, call, graph_model)
         conversion.layer_sequence = _layer_sequence(graph_model)
         self.conversions.append(conversion)
@@ -184,16 +198,23 @@ class Runtime:
         return conversion
 
     def rebuild(self, reason):
-        """Convert every call again (the model's variables or layers changed)."""
+        """Convert every call again (the model's variables or layers changed).
+
+        The layers Replace made are kept, with their trained weights and
+        their optimizer state: only layers new to the model get new
+        replacements.
+        """
         new = [v for v in self.subject.variables if id(v) not in self._known]
         entries = [("rebuild", self.subject.name, reason,
                     ", ".join(v.path for v in new) or "no new variables")]
         self.rebuilds += 1
         previous, self.conversions = self.conversions, []
+        reuse = self.replaced_layers(previous)
         try:
             for conversion in previous:
                 self.add_conversion(conversion.callee, conversion.example,
-                                    conversion.signature, report_entries=entries)
+                                    conversion.signature, report_entries=entries,
+                                    reuse=reuse)
         except InputDataError as error:
             # These arguments were accepted when first converted; if `call`
             # fails on them now, the fault is the user's code, mid-training:
@@ -204,6 +225,57 @@ class Runtime:
         except BaseException:
             self.conversions = previous
             raise
+
+    def replaced_layers(self, conversions=None):
+        """`(old layer, new layer)` pairs Replace made in `conversions` (by
+        default the conversions kept), each pair once, oldest first."""
+        pairs, seen = [], set()
+        for conversion in self.conversions if conversions is None else conversions:
+            for old, new in conversion.model.kip_replaced:
+                if (id(old), id(new)) not in seen:
+                    seen.add((id(old), id(new)))
+                    pairs.append((old, new))
+        return pairs
+
+    def in_use(self, variables, name):
+        """`variables` (a model's `name`: "variables", "trainable_weights",
+        ...) as the converted graphs use them, followed by the conversions'
+        own `name` not among them: a variable of a replaced layer stands
+        replaced by its replacement's of the same weight name, or is left
+        out (the replaced layers no longer run, so never train). The
+        optimizer Keras builds over these then holds the replacement's
+        state where the wrapped model's layout has the replaced layer's,
+        which is where a saved model's optimizer state loads it back."""
+        pairs = self.replaced_layers()
+        unused = {id(v) for old, _ in pairs for v in getattr(old, name)}
+        stand_ins = {id(old): new for old, new in replaced_variable_pairs(pairs)}
+        mine = [stand_ins.get(id(v), v) for v in variables
+                if id(v) not in unused or id(v) in stand_ins]
+        theirs = [v for conversion in self.conversions for v in getattr(conversion.model, name)]
+        return union_of_variables(mine, theirs)
+
+    def _hand_over_optimizer_state(self, model):
+        """The optimizers already built over the layers `model`'s Replace
+        passes replaced (a model loaded with its optimizer state; `fit`
+        building before a callback converts) hand their state over to the
+        replacements; see `dynamic.hand_over_optimizer_state`."""
+        for optimizer in self._optimizers():
+            handed = hand_over_optimizer_state(optimizer, model.kip_replaced)
+            if handed:
+                model.kip_report.add(
+                    "replace", optimizer.name, "optimizer state handed over",
+                    ", ".join(f"{old.path} -> {new.path}" for old, new in handed))
+
+    def _optimizers(self):
+        """The optimizers a step may apply: the owner's, and any kept as an
+        attribute of the owner or the model (a GAN's `d_optimizer`)."""
+        found = []
+        for model in (self.owner, self.subject):
+            for value in list(vars(model).values()):
+                if (isinstance(value, keras.optimizers.Optimizer)
+                        and all(value is not other for other in found)):
+                    found.append(value)
+        return found
 
     def structure_changed(self):
         """Whether the model must be converted again because a Python
@@ -375,6 +447,35 @@ class Runtime:
             variables += list(model.metrics_variables)
         variables += _compat.global_seed_variables()
         return union_of_variables(variables, [])
+
+
+@contextlib.contextmanager
+def _replaced_layers_in_sync(replaced_layers):
+    """Within: each replaced layer holds the weights of the layer that
+    replaces it (by weight name, as PluginModel copies them before saving);
+    after: its own again.
+
+    A conversion that reuses trained replacement layers is verified against
+    the model's own layers, which stopped training when they were replaced:
+    compared as they are, a Replace with copied weights would "differ" by
+    everything learnt since. A pair whose weights do not match by name and
+    shape (a replacement with other parameters) is left as it is: what its
+    pass claims is checked on it unchanged.
+    """
+    pairs = [(old, new) for old, new in replaced_layers if _same_weights_by_name(old, new)]
+    saved = VariableValues([v for old, _ in pairs for v in old.weights])
+    try:
+        for old, new in pairs:
+            copy_weights_by_name(new, old)
+        yield
+    finally:
+        saved.restore()
+
+
+def _same_weights_by_name(old, new):
+    mine = {v.name: (tuple(v.shape), v.dtype) for v in old.weights}
+    theirs = {v.name: (tuple(v.shape), v.dtype) for v in new.weights}
+    return len(mine) == len(old.weights) and mine == theirs
 
 
 def _with_tensors(call, tensors):
