@@ -14,6 +14,7 @@ from keras_ipu_plugin.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import registered_passes
+from keras_ipu_plugin.passes.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.state import ModelState
 from keras_ipu_plugin.tracing import TraceError
@@ -236,7 +237,14 @@ def validate_passes(passes):
 
 
 def graph_of(model):
-    """The graph IR of a functional model, with its recorded annotations."""
+    """The graph IR of a functional model, with its recorded annotations
+    and the first batch's per-replica rows (what planning passes plan for)."""
+    graph = _graph_of(model)
+    graph.batch_rows = first_batch_rows(model, graph.input_specs)
+    return graph
+
+
+def _graph_of(model):
     functional = isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth")
     sequential = isinstance(model, keras.Sequential)
     if not (functional or sequential):

@@ -107,6 +107,8 @@ class Graph:
         self.outputs = outputs  # nest of Values
         self.name = name
         self.replaced = []  # (old layer, new layer) pairs made by Replace
+        # the per-replica rows of the first batch, for planning passes (None: unknown)
+        self.batch_rows = None
 
     # -- queries ---------------------------------------------------------
     def consumers(self, node):
@@ -162,6 +164,7 @@ class Graph:
         outputs = map_values(lambda v: values[id(v)], self.outputs)
         graph = Graph(self.input_specs, input_values, nodes, outputs, self.name)
         graph.replaced = list(self.replaced)
+        graph.batch_rows = self.batch_rows
         return graph
 
     # -- back to Keras -------------------------------------------------------
