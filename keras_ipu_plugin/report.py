@@ -28,11 +28,13 @@ class Entry:
 @dataclass(frozen=True)
 class PlanTable:
     """A planning pass's plan, shown after the report's table: a `title`,
-    `columns` and `rows` (tuples of strings)."""
+    `columns` and `rows` (tuples of strings), and the plan's `figures` as
+    data (estimates, node names), which the table does not show as such."""
 
     title: str
     columns: tuple
     rows: tuple
+    figures: dict = field(default_factory=dict, compare=False)
 
     def table(self):
         table = Table(title=self.title)

@@ -128,6 +128,7 @@ class Recompute(Pass):
 
     def __init__(self, targets=None, *, auto=False, memory_budget=None):
         self.auto = check_auto(auto, "Recompute")
+        self.memory_budget = check_memory_budget(memory_budget, self.auto)
         if targets is not None and self.auto:
             raise PassError("Recompute takes targets or auto=True (planned checkpoints), "
                             "not both.")
@@ -135,7 +136,6 @@ class Recompute(Pass):
             raise PassError("Recompute needs targets (the layers to checkpoint after), "
                             "or auto=True to plan the checkpoints.")
         self.targets = None if targets is None else as_targets(targets)
-        self.memory_budget = check_memory_budget(memory_budget, self.auto)
 
     # -- configs and saving ------------------------------------------------------
     def get_config(self):

@@ -173,7 +173,14 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
     shaped = [p.node.name for p in profiles if p.note]
     if shaped:
         rows.append(("estimated from shapes only", _names(shaped)))
-    return PlanTable(f"Recompute plan of {graph.name!r}", ("quantity", "value"), rows)
+    figures = {
+        "batch": batch, "checkpoints": [order[i].name for i in plan.checkpoints],
+        "segments": [(order[first].name, order[last].name) for first, last in plan.segments],
+        "peak": plan.peak, "baseline_peak": plan.baseline_peak, "budget": budget,
+        "extra_fraction": plan.extra_fraction,
+    }
+    return PlanTable(f"Recompute plan of {graph.name!r}", ("quantity", "value"), tuple(rows),
+                     figures)
 
 
 def _budget_text(memory_budget, budget):
@@ -213,8 +220,13 @@ def plan_stages(graph, num_stages, balance, report, step):
     rows.append(("imbalance", "largest / mean", "", f"{stage_balance.imbalance(sums):.2f}", ""))
     for note in notes:
         rows.append(("note", note, "", "", ""))
+    figures = {
+        "balance": balance, "costs": sums, "imbalance": stage_balance.imbalance(sums),
+        "stages": [[node.name for node in nodes[first:last + 1]] for first, last in stages],
+    }
     report.add_plan(PlanTable(f"Pipeline stages of {graph.name!r} (balance={balance!r})",
-                              ("stage", "layers", "nodes", "cost", "share"), rows))
+                              ("stage", "layers", "nodes", "cost", "share"), tuple(rows),
+                              figures))
     return stages
 
 
