@@ -25,16 +25,41 @@ class Entry:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class PlanTable:
+    """A planning pass's plan, shown after the report's table: a `title`,
+    `columns` and `rows` (tuples of strings), and the plan's `figures` as
+    data (estimates, node names), which the table does not show as such."""
+
+    title: str
+    columns: tuple
+    rows: tuple
+    figures: dict = field(default_factory=dict, compare=False)
+
+    def table(self):
+        table = Table(title=self.title)
+        for column in self.columns:
+            table.add_column(column)
+        for row in self.rows:
+            table.add_row(*row)
+        return table
+
+
 @dataclass
 class Report:
-    """What conversion and each pass did, and which layers stayed opaque."""
+    """What conversion and each pass did, and which layers stayed opaque;
+    `plans` hold the tables of the planning passes (`PlanTable`)."""
 
     entries: list = field(default_factory=list)
     opaque: dict = field(default_factory=dict)  # layer name -> reason
     metrics: dict = field(default_factory=dict)  # e.g. graph sizes
+    plans: list = field(default_factory=list)
 
     def add(self, step, layer, action, detail=""):
         self.entries.append(Entry(step, layer, action, detail))
+
+    def add_plan(self, plan):
+        self.plans.append(plan)
 
     def add_opaque(self, layer, reason):
         self.opaque[layer] = reason
@@ -52,9 +77,10 @@ class Report:
         self.entries.extend(other.entries)
         self.opaque.update(other.opaque)
         self.metrics.update(other.metrics)
+        self.plans.extend(other.plans)
 
     def copy(self):
-        return Report(list(self.entries), dict(self.opaque), dict(self.metrics))
+        return Report(list(self.entries), dict(self.opaque), dict(self.metrics), list(self.plans))
 
     def table(self):
         table = Table(title="keras_ipu_plugin report")
@@ -68,8 +94,12 @@ class Report:
             table.add_row("metric", name, str(value), "")
         return table
 
+    def tables(self):
+        """The report's table, then each plan's."""
+        return [self.table()] + [plan.table() for plan in self.plans]
+
     def __str__(self):
-        return render(self.table())
+        return "".join(render(table) for table in self.tables())
 
 
 def graph_table(graph):
@@ -94,7 +124,7 @@ def summary(model, print_fn=None):
     model.summary(print_fn=print_fn)
     graph = getattr(model, "kip_graph", None)
     for table in ([graph_table(graph)] if graph is not None else []) + (
-        [model.kip_report.table()] if getattr(model, "kip_report", None) else []
+        model.kip_report.tables() if getattr(model, "kip_report", None) else []
     ):
         print_fn(render(table))
 

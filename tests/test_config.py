@@ -344,6 +344,9 @@ def sample_passes():
         Outline(keras.layers.LayerNormalization, unique_sharding=True),
         Recompute(["block_1.norm", keras.layers.LayerNormalization]),
         PipelineStages([["stem", Block], ["head"]]),
+        Recompute(auto=True, memory_budget=0.5),
+        Recompute(auto=True, memory_budget=2 ** 30),
+        PipelineStages(num_stages=4, balance="time"),
     ]
 
 
@@ -396,7 +399,7 @@ def test_a_class_registered_with_kip_saves_by_its_registered_name(monkeypatch):
 
     kip.register_layer(Turbo, name="TurboDense")
     config = Recompute([Turbo]).get_config()
-    assert config == {"targets": [{"class": "TurboDense"}]}
+    assert config == {"targets": [{"class": "TurboDense"}], "auto": False, "memory_budget": None}
     assert Recompute.from_config(config).targets == (Turbo,)
 
 

@@ -111,6 +111,8 @@ class Graph:
         # use again: a new one would start from the old layer's untrained
         # weights, and from no optimizer state.
         self.reusable = {}
+        # the per-replica rows of the first batch, for planning passes (None: unknown)
+        self.batch_rows = None
 
     # -- queries ---------------------------------------------------------
     def consumers(self, node):
@@ -167,6 +169,7 @@ class Graph:
         graph = Graph(self.input_specs, input_values, nodes, outputs, self.name)
         graph.replaced = list(self.replaced)
         graph.reusable = dict(self.reusable)
+        graph.batch_rows = self.batch_rows
         return graph
 
     def summary_rows(self):

@@ -29,6 +29,11 @@ from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
 from keras_ipu_plugin.passes.expand import expand_to_reach
+from keras_ipu_plugin.passes.planning import BALANCES
+from keras_ipu_plugin.passes.planning import check_auto
+from keras_ipu_plugin.passes.planning import check_memory_budget
+from keras_ipu_plugin.passes.planning import plan_recompute
+from keras_ipu_plugin.passes.planning import plan_stages
 
 
 @register_pass("outline", order=2)
@@ -102,35 +107,68 @@ class Outline(Pass):
 
 @register_pass("recompute", order=3)
 class Recompute(Pass):
-    """Put a recomputation checkpoint after each matched layer.
+    """Put a recomputation checkpoint after each matched layer, or let the
+    plan choose them (`auto=True`).
 
     Activations between two checkpoints are recomputed in the backward pass
-    instead of being kept, trading compute for memory.
+    instead of being kept, trading compute for memory. With `auto=True` the
+    checkpoints are planned from the graph's shapes at the first batch (per
+    replica; see `passes.planning`): without `memory_budget`, the smallest
+    estimated peak memory (each layer recomputed at most once: at most one
+    extra forward pass), with `memory_budget` (bytes as an int, or a float
+    in (0, 1]: a fraction of the estimated peak without recomputation) the
+    least recomputation that meets it. The report holds the plan's table.
 
     Example:
         >>> kip.passes.Recompute(["block_1", "block_2"])
+        >>> kip.passes.Recompute(auto=True, memory_budget=0.5)
     """
 
     step = "recompute"
 
-    def __init__(self, targets):
-        self.targets = as_targets(targets)
+    def __init__(self, targets=None, *, auto=False, memory_budget=None):
+        self.auto = check_auto(auto, "Recompute")
+        self.memory_budget = check_memory_budget(memory_budget, self.auto)
+        if targets is not None and self.auto:
+            raise PassError("Recompute takes targets or auto=True (planned checkpoints), "
+                            "not both.")
+        if targets is None and not self.auto:
+            raise PassError("Recompute needs targets (the layers to checkpoint after), "
+                            "or auto=True to plan the checkpoints.")
+        self.targets = None if targets is None else as_targets(targets)
 
     # -- configs and saving ------------------------------------------------------
     def get_config(self):
-        return {"targets": targets_config(self.targets, "Recompute")}
+        return {
+            "targets": None if self.targets is None else targets_config(self.targets, "Recompute"),
+            "auto": self.auto,
+            "memory_budget": self.memory_budget,
+        }
 
     @classmethod
     def from_config(cls, config):
-        config = saved_config(config, "Recompute", required=("targets",))
-        return cls(targets_from_config(config["targets"], "Recompute"))
+        config = saved_config(config, "Recompute", required=(),
+                              optional=("targets", "auto", "memory_budget"))
+        targets = config.get("targets")
+        return cls(None if targets is None else targets_from_config(targets, "Recompute"),
+                   auto=config.get("auto", False), memory_budget=config.get("memory_budget"))
 
     @classmethod
     def from_user_config(cls, value, path, reader):
-        """`recompute: [block_1, block_2]`, or one target."""
-        return cls(reader.targets(value, path))
+        """`recompute: [block_1, block_2]`, one target, or
+        `recompute: {auto: true, memory_budget: 0.5}`."""
+        if not isinstance(value, dict):
+            return cls(reader.targets(value, path))
+        arguments = _user_arguments(value, path, ("targets", "auto", "memory_budget"))
+        targets = arguments.pop("targets", None)
+        if targets is not None:
+            targets = reader.targets(targets, f"{path}.targets")
+        return _built(cls, targets, arguments, path)
 
     def run(self, graph, report):
+        if self.auto:
+            plan_recompute(graph, self.memory_budget, report, self.step)
+            return graph
         nodes, blocks = _find(graph, self.targets, report, self.step)
         for node in nodes:
             node.annotations["recompute"] = True
@@ -145,44 +183,96 @@ class Recompute(Pass):
 
 @register_pass("pipeline_stages", order=4)
 class PipelineStages(Pass):
-    """Assign pipeline stages: `stages[i]` lists the targets of stage i.
+    """Assign pipeline stages: `stages[i]` lists the targets of stage i, or
+    `num_stages=N` cuts the graph into N balanced stages.
 
-    Layers not listed take the stage of their latest input, so every layer
-    gets a stage; a layer may not feed a layer of an earlier stage.
+    With lists, layers not listed take the stage of their latest input, so
+    every layer gets a stage; a layer may not feed a layer of an earlier
+    stage. With `num_stages`, the graph's nodes (in topological order) are
+    cut into N contiguous stages with the smallest largest stage cost, by
+    `balance`: `"params"` (weights), `"activations"` (bytes kept for the
+    backward pass at the first batch) or `"time"` (each node's forward and
+    backward pass timed alone on the first batch's shapes). The report holds
+    the plan's table.
 
     Example:
         >>> kip.passes.PipelineStages([["encoder"], ["decoder", "head"]])
+        >>> kip.passes.PipelineStages(num_stages=4, balance="time")
     """
 
     step = "pipeline_stages"
 
-    def __init__(self, stages):
+    def __init__(self, stages=None, *, num_stages=None, balance="params"):
+        if balance not in BALANCES:
+            raise PassError(f"PipelineStages: balance is one of {', '.join(map(repr, BALANCES))}; "
+                            f"got {short_repr(balance)}.")
+        self.balance = balance
+        if stages is not None and num_stages is not None:
+            raise PassError("PipelineStages takes a list of lists of targets or "
+                            "num_stages=N (balanced stages), not both.")
+        if stages is None and num_stages is None:
+            raise PassError("PipelineStages needs stages (a list of lists of targets), "
+                            "or num_stages=N to balance N stages.")
+        if num_stages is not None:
+            if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+                raise PassError("PipelineStages: num_stages is a positive int; got "
+                                f"{short_repr(num_stages)}.")
+            self.stages, self.num_stages = None, num_stages
+            return
+        if balance != "params":
+            raise PassError(f"PipelineStages: balance={balance!r} balances num_stages=N; "
+                            "explicit stage lists are used as given.")
         if not isinstance(stages, (list, tuple)) or not stages:
             raise PassError("PipelineStages takes a non-empty list of lists of targets.")
         self.stages = tuple(as_targets(stage) for stage in stages)
+        self.num_stages = None
 
     # -- configs and saving ------------------------------------------------------
     def get_config(self):
-        return {"stages": [targets_config(stage, "PipelineStages") for stage in self.stages]}
+        return {
+            "stages": None if self.stages is None else [
+                targets_config(stage, "PipelineStages") for stage in self.stages],
+            "num_stages": self.num_stages,
+            "balance": self.balance,
+        }
 
     @classmethod
     def from_config(cls, config):
-        config = saved_config(config, "PipelineStages", required=("stages",))
-        stages = config["stages"]
-        if not isinstance(stages, list):
+        config = saved_config(config, "PipelineStages", required=(),
+                              optional=("stages", "num_stages", "balance"))
+        stages = config.get("stages")
+        if stages is not None and not isinstance(stages, list):
             raise PassError(
                 f"PipelineStages.from_config: stages are a list; got {short_repr(stages)}."
             )
-        return cls([targets_from_config(stage, "PipelineStages") for stage in stages])
+        if stages is not None:
+            stages = [targets_from_config(stage, "PipelineStages") for stage in stages]
+        return cls(stages, num_stages=config.get("num_stages"),
+                   balance=config.get("balance", "params"))
 
     @classmethod
     def from_user_config(cls, value, path, reader):
-        """`pipeline_stages: [[encoder], [decoder, head]]`."""
+        """`pipeline_stages: [[encoder], [decoder, head]]`, or
+        `pipeline_stages: {num_stages: 4, balance: time}`."""
+        if isinstance(value, dict):
+            arguments = _user_arguments(value, path, ("stages", "num_stages", "balance"))
+            stages = arguments.pop("stages", None)
+            if stages is not None:
+                if not isinstance(stages, list) or not stages:
+                    raise ConfigError(f"{path}.stages",
+                                      "expected a non-empty list of lists of targets")
+                stages = [reader.targets(stage, config_path(f"{path}.stages", i))
+                          for i, stage in enumerate(stages)]
+            return _built(cls, stages, arguments, path)
         if not isinstance(value, list) or not value:
-            raise ConfigError(path, "expected a non-empty list of lists of targets")
+            raise ConfigError(path, "expected a non-empty list of lists of targets, or "
+                                    "{num_stages: N, balance: params | activations | time}")
         return cls([reader.targets(stage, config_path(path, i)) for i, stage in enumerate(value)])
 
     def run(self, graph, report):
+        if self.num_stages is not None:
+            plan_stages(graph, self.num_stages, self.balance, report, self.step)
+            return graph
         assigned = {}
         for targets in self.stages:
             for target in targets:
@@ -211,6 +301,22 @@ class PipelineStages(Pass):
             node.annotations["stage"] = stage
             report.add(self.step, node.name, f"stage {stage}")
         return graph
+
+
+def _user_arguments(value, path, known):
+    """A config mapping's keys checked against `known` argument names."""
+    for key in value:
+        if key not in known:
+            raise ConfigError(config_path(path, key), f"unknown key (expected {', '.join(known)})")
+    return dict(value)
+
+
+def _built(cls, first, arguments, path):
+    """`cls(first, **arguments)`, its errors as `ConfigError`s at `path`."""
+    try:
+        return cls(first, **arguments)
+    except PassError as error:
+        raise ConfigError(path, str(error)) from None
 
 
 def _keyword_arguments(kwargs, owner):

@@ -15,6 +15,7 @@ from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import registered_passes
+from keras_ipu_plugin.passes.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.tracing import TraceError
@@ -249,7 +250,14 @@ def validate_passes(passes):
 
 
 def graph_of(model):
-    """The graph IR of a functional model, with its recorded annotations."""
+    """The graph IR of a functional model, with its recorded annotations
+    and the first batch's per-replica rows (what planning passes plan for)."""
+    graph = _graph_of(model)
+    graph.batch_rows = first_batch_rows(model, graph.input_specs)
+    return graph
+
+
+def _graph_of(model):
     functional = isinstance(model, keras.Model) and _compat.is_graph_model(model)
     sequential = isinstance(model, keras.Sequential)
     if not (functional or sequential):

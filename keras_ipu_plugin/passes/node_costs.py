@@ -1,0 +1,466 @@
+"""What each node of the graph costs: memory its backward pass keeps, forward
+FLOPs, parameters, and (on request) measured time. The planning passes
+(`Recompute(auto=True)`, `PipelineStages(num_stages=...)`) plan from these.
+
+A node is profiled by tracing it alone, on its recorded input shapes with
+the first batch's size (per replica), forward and backward, in a
+`tf.function` that is never run: the forward tensors that the backward ops
+read are what it keeps for the backward pass. Its weights come in as
+arguments (through a `keras.StatelessScope`), so no variable of the user's
+model is read or written and no strategy is involved. Identical layers on
+identical inputs (the blocks of a tower) are traced once.
+
+Example:
+    >>> profiles = profile_nodes(graph, batch=64)
+    >>> profiles[0].kept_bytes, profiles[0].flops
+    (262144, 1.6e7)
+"""
+
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from dataclasses import field
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.ir.graph import FOLLOW
+from keras_ipu_plugin.ir.graph import map_values
+
+
+@dataclass
+class NodeProfile:
+    """One node's costs. Bytes at the planning batch; `kept_inputs[k]` is the
+    bytes of input value k (`node.input_values[k]`) its backward keeps."""
+
+    node: object
+    internal: int = 0  # kept intermediates: neither its inputs nor its outputs
+    kept_output: int = 0
+    kept_inputs: list = field(default_factory=list)
+    flops: float = 0.0
+    output_bytes: int = 0
+    output_elements: int = 0  # per example, as the executor counts them
+    params: int = 0  # weights of its layer, counted at its first node
+    grad_bytes: int = 0  # gradients of its trainable weights, at its first node
+    fixed: bool = False  # forward state: never recomputed
+    note: str = ""  # why the figures are only shape estimates, when they are
+    key: object = None  # equal keys: identical layer on identical inputs
+
+    @property
+    def kept_bytes(self):
+        """All it keeps for the backward pass, inputs and outputs included."""
+        return self.internal + self.kept_output + sum(self.kept_inputs)
+
+
+# -- the batch and the order ----------------------------------------------------------
+def first_batch_rows(model, input_specs):
+    """The per-replica batch the planning passes plan for: a static batch
+    dimension where the graph has one, else the rows of the first batch
+    `convert_to_functional` kept, divided among the replicas of the strategy
+    that owns the model's variables. None when neither is known."""
+    static = [spec.batch_size for spec in keras.tree.flatten(input_specs)
+              if getattr(spec, "batch_size", None)]
+    if static:
+        return int(static[0])
+    x = getattr(model, "kip_first_batch", None)
+    if x is None:
+        return None
+    leaves = keras.tree.flatten(x)
+    if not leaves or not getattr(leaves[0], "shape", None):
+        return None
+    rows = int(leaves[0].shape[0])
+    replicas = strategy_owning(model.variables).num_replicas_in_sync
+    return max(1, -(-rows // replicas))
+
+
+def execution_order(graph):
+    """The graph's nodes in the order the rebuilt model runs them: Keras's
+    functional models run nodes by decreasing depth (`_nodes_by_depth`),
+    which is what the executor cuts into recompute segments. Follows
+    `keras.src.ops.function.map_graph`: a depth-first walk from the outputs,
+    then depths from the outputs back, a layer called at several nodes
+    taking the largest depth of its calls."""
+    producer = {id(value): node for node in graph.nodes for value in node.outputs}
+
+    def parents(node):
+        found = []
+        for value in node.input_values:
+            parent = producer.get(id(value))
+            if parent is not None and parent not in found:
+                found.append(parent)
+        return found
+
+    post, seen = [], set()
+    for value in keras.tree.flatten(graph.outputs):
+        root = producer.get(id(value))
+        if root is None or id(root) in seen:
+            continue
+        stack = [(root, iter(parents(root)))]
+        seen.add(id(root))
+        while stack:
+            node, pending = stack[-1]
+            nxt = next((p for p in pending if id(p) not in seen), None)
+            if nxt is None:
+                post.append(node)
+                stack.pop()
+            else:
+                seen.add(id(nxt))
+                stack.append((nxt, iter(parents(nxt))))
+    depths, by_operation = {}, {}
+    for node in reversed(post):
+        depth = depths.setdefault(id(node), 0)
+        depth = max(depth, by_operation.get(id(node.operation), 0))
+        by_operation[id(node.operation)] = depth
+        depths[id(node)] = depth
+        for parent in parents(node):
+            depths[id(parent)] = max(depth + 1, depths.get(id(parent), 0))
+    nodes = {id(node): node for node in graph.nodes}
+    levels = {}
+    for node_id, depth in depths.items():
+        levels.setdefault(depth, []).append(nodes[node_id])
+    return [node for depth in sorted(levels, reverse=True) for node in levels[depth]]
+
+
+# -- profiling ----------------------------------------------------------------------
+def profile_nodes(graph, batch):
+    """A `NodeProfile` per node of `graph` (in graph order), at `batch` rows."""
+    traced = {}
+    profiles, counted = [], set()
+    for node in graph.nodes:
+        profile = _profile(node, batch, traced)
+        operation = node.operation
+        if isinstance(operation, keras.layers.Layer) and id(operation) not in counted:
+            counted.add(id(operation))
+            profile.params = int(sum(np.prod(v.shape) for v in operation.weights))
+            profile.grad_bytes = int(sum(
+                np.prod(v.shape) * _itemsize(v.dtype) for v in operation.trainable_weights))
+        profile.fixed = _has_forward_state(operation)
+        profiles.append(profile)
+    return profiles
+
+
+def _has_forward_state(operation):
+    from keras_ipu_plugin.runtime.executor import _has_forward_state as executor_rule
+
+    return executor_rule(operation)
+
+
+def _profile(node, batch, traced):
+    outputs = [_shape_and_dtype(value.spec, batch) for value in node.outputs]
+    output_bytes = sum(_bytes(shape, dtype) for shape, dtype in outputs)
+    elements = sum(_elements_per_example(value.spec) for value in node.outputs)
+    key = _trace_key(node, batch)
+    if key is None or key not in traced:
+        try:
+            result = _trace(node, batch)
+        except Exception as error:  # noqa: BLE001 - user layers may fail anywhere
+            result = _ShapeEstimate(node, batch, f"{type(error).__name__}: {error}")
+        if key is not None:
+            traced[key] = result
+    else:
+        result = traced[key]
+    return NodeProfile(
+        node=node, internal=result.internal, kept_output=result.kept_output,
+        kept_inputs=list(result.kept_inputs), flops=result.flops,
+        output_bytes=output_bytes, output_elements=elements, note=result.note, key=key,
+    )
+
+
+@dataclass
+class _Traced:
+    internal: int
+    kept_output: int
+    kept_inputs: list
+    flops: float
+    note: str
+    function: object = None  # the concrete function (for timing)
+    specs: tuple = ()
+
+
+def _ShapeEstimate(node, batch, reason):
+    """What a node keeps when it cannot be traced alone: its inputs, as most
+    layers do (no intermediates known), and its output size as FLOPs."""
+    inputs = [_bytes(*_shape_and_dtype(v.spec, batch)) for v in node.input_values]
+    flops = sum(int(np.prod(_shape_and_dtype(v.spec, batch)[0])) for v in node.outputs)
+    return _Traced(0, 0, inputs, float(flops), f"estimated from shapes ({reason})")
+
+
+def _trace_key(node, batch):
+    """Nodes with equal keys keep and cost the same: same layer class and
+    config (its name aside), same input signature and call arguments."""
+    from keras_ipu_plugin.runtime.executor import outline_config
+
+    operation = node.operation
+    if not isinstance(operation, keras.layers.Layer):
+        return None
+    config, _ = outline_config(operation)
+    if config is None:
+        return None
+    signature = tuple(
+        (_shape_and_dtype(value.spec, batch)) for value in node.input_values)
+    static = map_values(lambda value: "tensor", (node.args, node.kwargs))
+    try:
+        return (type(operation), repr(sorted(config.items())), signature,
+                repr(static), node.training)
+    except Exception:  # noqa: BLE001 - an unprintable config: trace it alone
+        return None
+
+
+def _call_arguments(node, tensors):
+    """`(args, kwargs)` of `node` on `tensors` (by Value id), with `training`
+    as the executor passes it in a training step."""
+    args = map_values(lambda value: tensors[id(value)], node.args)
+    kwargs = dict(map_values(lambda value: tensors[id(value)], node.kwargs))
+    kwargs.pop("training", None)
+    operation = node.operation
+    if node.training in (True, False):
+        kwargs["training"] = node.training
+    elif node.training == FOLLOW or "training" in _compat.call_context_args(operation):
+        kwargs["training"] = True
+    return args, kwargs
+
+
+def _trace(node, batch):
+    operation = node.operation
+    values = node.input_values
+    weights = list(operation.weights) if isinstance(operation, keras.layers.Layer) else []
+    trainable = {id(v) for v in getattr(operation, "trainable_weights", [])}
+    input_specs = [tf.TensorSpec(*_shape_and_dtype(v.spec, batch)) for v in values]
+    weight_specs = [tf.TensorSpec(v.shape, v.dtype) for v in weights]
+    float_outputs = [v for v in node.outputs if _floating(v.spec.dtype)]
+    upstream_specs = [tf.TensorSpec(*_shape_and_dtype(v.spec, batch)) for v in float_outputs]
+    seen = {}
+
+    def forward_and_backward(inputs, weight_values, upstream):
+        tensors = {id(value): tensor for value, tensor in zip(values, inputs)}
+        sources = [x for x in inputs if _floating(x.dtype)] + [
+            w for v, w in zip(weights, weight_values) if id(v) in trainable]
+        with tf.GradientTape() as tape:
+            tape.watch(sources)
+            with _compat.stateless_scope(list(zip(weights, weight_values)),
+                                                  collect_losses=True):
+                args, kwargs = _call_arguments(node, tensors)
+                outputs = keras.tree.flatten(operation(*args, **kwargs))
+        graph = tf.compat.v1.get_default_graph()
+        seen.update(first_backward=len(graph.get_operations()), inputs=list(inputs),
+                    weights=list(weight_values), upstream=list(upstream), outputs=outputs)
+        floats = [o for o in outputs if _floating(o.dtype)]
+        if not sources or not floats:
+            return []
+        gradients = tape.gradient(floats, sources, output_gradients=list(upstream)[:len(floats)],
+                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
+        return [g.values if isinstance(g, tf.IndexedSlices) else g
+                for g in gradients if g is not None]
+
+    function = tf.function(forward_and_backward, autograph=False)
+    concrete = function.get_concrete_function(input_specs, weight_specs, upstream_specs)
+    kept_inputs, kept_output, internal, flops = _read_trace(concrete.graph, seen)
+    return _Traced(internal, kept_output, kept_inputs, flops, "", concrete,
+                   (input_specs, weight_specs, upstream_specs))
+
+
+def _read_trace(graph, seen):
+    """(bytes kept per input, kept outputs, kept intermediates, forward
+    FLOPs) from a traced forward-and-backward graph."""
+    operations = graph.get_operations()
+    forward = operations[:seen["first_backward"]]
+    forward_set = set(forward)
+    inputs = {t.ref(): k for k, t in enumerate(seen["inputs"])}
+    outputs = {t.ref() for t in seen["outputs"]}
+    weights = {t.ref() for t in seen["weights"]}
+    upstream = {t.ref() for t in seen["upstream"]}
+    kept = {}
+    for op in operations[seen["first_backward"]:]:
+        for tensor in op.inputs:
+            if tensor.op in forward_set and tensor.ref() not in weights | upstream:
+                kept[tensor.ref()] = tensor
+    kept_inputs = [0] * len(seen["inputs"])
+    kept_output = internal = 0
+    for ref, tensor in kept.items():
+        if tensor.dtype in (tf.resource, tf.variant) or _from_weights_only(tensor, weights):
+            continue
+        size = _bytes(tensor.shape, tensor.dtype)
+        if ref in inputs:
+            kept_inputs[inputs[ref]] = size
+        elif ref in outputs:
+            kept_output += size
+        else:
+            internal += size
+    flops = sum(_op_flops(op) for op in forward if op.type != "Placeholder")
+    return kept_inputs, kept_output, internal, float(flops)
+
+
+def _from_weights_only(tensor, weights):
+    """A weight read or cast (a copy of a weight, not an activation)."""
+    if tensor.ref() in weights:
+        return True
+    return bool(tensor.op.inputs) and all(
+        t.ref() in weights or _from_weights_only(t, weights) for t in tensor.op.inputs)
+
+
+_NO_FLOPS = {"Const", "Placeholder", "Identity", "IdentityN", "Shape", "ShapeN", "Size", "Rank",
+             "ReadVariableOp", "NoOp", "StopGradient", "Reshape", "Squeeze", "ExpandDims"}
+
+
+def _op_flops(op):
+    """Forward FLOPs of one op: multiply-adds for contractions, one per
+    output element for the rest (a proxy for memory-bound ops)."""
+    if op.type in _NO_FLOPS:
+        return 0
+    out = sum(_known_elements(t.shape) for t in op.outputs)
+    try:
+        if op.type == "MatMul":
+            a = op.inputs[0].shape
+            depth = a[-2] if op.get_attr("transpose_a") else a[-1]
+            return 2 * out * (depth or 1)
+        if op.type.startswith("BatchMatMul"):
+            a = op.inputs[0].shape
+            depth = a[-2] if op.get_attr("adj_x") else a[-1]
+            return 2 * out * (depth or 1)
+        if op.type in ("Conv2D", "Conv3D"):
+            return 2 * out * _known_elements(op.inputs[1].shape[:-1])
+        if op.type == "DepthwiseConv2dNative":
+            return 2 * out * _known_elements(op.inputs[1].shape[:2])
+        if op.type == "Einsum":
+            return 2 * _einsum_size(op)
+    except (ValueError, TypeError, IndexError):
+        pass
+    return out
+
+
+def _einsum_size(op):
+    """The product of every index's size in an einsum (its multiply-adds)."""
+    equation = op.get_attr("equation")
+    equation = equation.decode() if isinstance(equation, bytes) else equation
+    operands = equation.split("->")[0].split(",")
+    sizes = {}
+    for letters, tensor in zip(operands, op.inputs):
+        letters = re.sub(r"\.\.\.", "", letters)
+        dims = tensor.shape.as_list()
+        for letter, dim in zip(letters[::-1], dims[::-1]):
+            sizes[letter] = dim or 1
+    size = 1
+    for dim in sizes.values():
+        size *= dim
+    return size
+
+
+# -- timing -----------------------------------------------------------------------------
+def time_nodes(graph, batch, repeats=5, profiles=None):
+    """The median seconds of each node's forward and backward pass (in graph
+    order), run alone on random data of its recorded shapes at `batch` rows,
+    less the cost of calling an empty function; None for a node that cannot
+    run alone. Identical layers on identical inputs are timed once.
+
+    Example:
+        >>> time_nodes(graph, batch=32)[:2]
+        [0.00121, 0.00034]
+    """
+    cache, times = {}, []
+    overhead = _call_overhead(repeats)
+    for index, node in enumerate(graph.nodes):
+        key = profiles[index].key if profiles else _trace_key(node, batch)
+        if key is not None and key in cache:
+            times.append(cache[key])
+            continue
+        try:
+            seconds = max(0.0, _median_run(_trace(node, batch), repeats) - overhead)
+        except Exception:  # noqa: BLE001 - a node that cannot run alone
+            seconds = None
+        if key is not None:
+            cache[key] = seconds
+        times.append(seconds)
+    return times
+
+
+def _median_run(traced, repeats):
+    if traced.function is None:
+        raise ValueError("not traced")
+    rng = np.random.default_rng(0)
+    arguments = tuple([_random(spec, rng) for spec in specs] for specs in traced.specs)
+    runs = []
+    for attempt in range(repeats + 2):  # two warm-up runs
+        start = time.perf_counter()
+        results = traced.function(*arguments)
+        for result in results:
+            result.numpy()  # wait for it
+        if attempt >= 2:
+            runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def _call_overhead(repeats):
+    function = tf.function(lambda x: [x * 1.0], autograph=False).get_concrete_function(
+        tf.TensorSpec((1,), tf.float32))
+    x = tf.zeros((1,))
+    runs = []
+    for attempt in range(repeats * 4 + 2):
+        start = time.perf_counter()
+        function(x)[0].numpy()
+        if attempt >= 2:
+            runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def _random(spec, rng):
+    shape = [dim or 1 for dim in spec.shape]
+    dtype = spec.dtype
+    if dtype.is_floating or dtype.is_complex:
+        return tf.constant(rng.normal(size=shape) * 0.1, dtype=dtype)
+    if dtype == tf.string:
+        return tf.fill(shape, "")
+    return tf.zeros(shape, dtype)  # integers: index 0 is valid for any table
+
+
+# -- sizes -------------------------------------------------------------------------------
+def _shape_and_dtype(spec, batch):
+    """The static shape of a value at `batch` rows (a leading unknown
+    dimension is the batch; other unknown dimensions count as 1)."""
+    shape = list(spec.shape)
+    if shape and shape[0] is None:
+        shape[0] = batch
+    return tuple(dim if dim is not None else 1 for dim in shape), tf.as_dtype(spec.dtype)
+
+
+def value_bytes(value, batch):
+    """Bytes of graph value `value` at `batch` rows."""
+    return _bytes(*_shape_and_dtype(value.spec, batch))
+
+
+def _elements_per_example(spec):
+    """As `executor._activation_size` counts them (unknown dims as 1)."""
+    size = 1
+    for dim in tuple(spec.shape)[1:]:
+        size *= dim or 1
+    return size
+
+
+def _known_elements(shape):
+    try:
+        dims = tf.TensorShape(shape).as_list()
+    except ValueError:
+        return 0
+    size = 1
+    for dim in dims:
+        size *= dim or 1
+    return size
+
+
+def _bytes(shape, dtype):
+    return _known_elements(shape) * _itemsize(dtype)
+
+
+def _itemsize(dtype):
+    dtype = tf.as_dtype(dtype)
+    if dtype in (tf.string, tf.resource, tf.variant):
+        return 0
+    return dtype.size
+
+
+def _floating(dtype):
+    dtype = tf.as_dtype(dtype)
+    return dtype.is_floating or dtype.is_complex

@@ -1,0 +1,302 @@
+"""The planning passes' graph side: from the graph IR to cost lists, the
+pure planners (`recompute_plan`, `stage_balance`) on them, and the plan back
+onto the nodes as annotations, with a report table.
+
+Example:
+    >>> plan_recompute(graph, memory_budget=0.5, report=report, step="recompute")
+    >>> print(report)          # ... and a "Recompute plan" table
+"""
+
+import keras
+
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.passes import node_costs
+from keras_ipu_plugin.passes import recompute_plan
+from keras_ipu_plugin.passes import stage_balance
+from keras_ipu_plugin.report import PlanTable
+
+BALANCES = ("params", "activations", "time")
+
+ESTIMATE_COVERS = ("activations the backward pass reads and the gradients, at the "
+                   "first batch; weights and optimizer state are not included")
+
+
+def planning_batch(graph, owner):
+    """The per-replica batch the plan is made for (see
+    `node_costs.first_batch_rows`), or a `PassError` saying how to give one."""
+    batch = getattr(graph, "batch_rows", None)
+    if not batch:
+        raise PassError(
+            f"{owner} plans from the first batch's shapes, but `{graph.name}` keeps no "
+            "first batch: convert it with kip.convert_to_functional(model, data) (which "
+            "keeps it), or with static_batch=True.")
+    return int(batch)
+
+
+def check_auto(auto, owner):
+    if not isinstance(auto, bool):
+        raise PassError(f"{owner}: auto is True or False; got {auto!r}.")
+    return auto
+
+
+def check_memory_budget(memory_budget, auto):
+    """`memory_budget` checked: None, bytes (an int), or a fraction of the
+    estimated peak (a float in (0, 1])."""
+    if memory_budget is None:
+        return None
+    if not auto:
+        raise PassError("Recompute: memory_budget plans the checkpoints; it needs "
+                        "auto=True (with targets the checkpoints are given).")
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise PassError("Recompute: memory_budget is bytes (an int) or a fraction of the "
+                        f"estimated peak (a float in (0, 1]); got {memory_budget!r}.")
+    if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
+        raise PassError(
+            f"Recompute: memory_budget={memory_budget!r} is a float, so a fraction of the "
+            "estimated peak without recomputation, which must be in (0, 1]; give bytes as "
+            f"an int (memory_budget={int(memory_budget)}).")
+    if isinstance(memory_budget, int) and memory_budget < 1:
+        raise PassError(f"Recompute: memory_budget is a positive number of bytes; got "
+                        f"{memory_budget}.")
+    return memory_budget
+
+
+# -- Recompute(auto=True) --------------------------------------------------------------
+def recompute_costs(graph, order, profiles, batch):
+    """The `recompute_plan.NodeCost` chain of `graph` in `order` (the
+    executor's), from `profiles` (graph order) at `batch` rows."""
+    by_node = {id(profile.node): profile for profile in profiles}
+    position = {id(node): index for index, node in enumerate(order)}
+    producer = {id(value): node for node in graph.nodes for value in node.outputs}
+    last_reader = _last_readers(graph, order, position)
+    calls = {}
+    for node in graph.nodes:
+        calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
+    costs, live = [], {}
+    for index, node in enumerate(order):
+        profile = by_node[id(node)]
+        kept = profile.internal
+        for value, size in zip(node.input_values, profile.kept_inputs):
+            source = producer.get(id(value))
+            if source is not None and position[id(source)] != index - 1:
+                kept += size  # from further back (the previous node's: at the cut)
+        after = order[index + 1] if index + 1 < len(order) else None
+        by_next = 0
+        if after is not None:
+            following = by_node[id(after)]
+            by_next = sum(size for value, size in zip(after.input_values, following.kept_inputs)
+                          if producer.get(id(value)) is node)
+        for value in node.outputs:
+            live[id(value)] = (value, last_reader.get(id(value), index))
+        live = {key: item for key, item in live.items() if item[1] > index}
+        boundary = sum(node_costs.value_bytes(value, batch) for value, _ in live.values())
+        costs.append(recompute_plan.NodeCost(
+            name=node.name, kept=kept, kept_output=profile.kept_output,
+            kept_by_consumer=by_next, boundary=boundary, flops=profile.flops,
+            grads=profile.grad_bytes, output=profile.output_bytes,
+            elements=profile.output_elements, fixed=profile.fixed,
+            can_checkpoint=calls[id(node.operation)] == 1,
+        ))
+    return costs
+
+
+def _last_readers(graph, order, position):
+    """{id(value): the order position of its last reader}; graph outputs are
+    read at the end."""
+    last = {}
+    for node in order:
+        for value in node.input_values:
+            last[id(value)] = max(last.get(id(value), -1), position[id(node)])
+    for value in keras.tree.flatten(graph.outputs):
+        last[id(value)] = len(order)
+    return last
+
+
+def plan_recompute(graph, memory_budget, report, step):
+    """Choose checkpoints for `graph` (annotating their nodes), for the
+    smallest peak (`memory_budget=None`) or the least recomputation under
+    `memory_budget` (bytes, or a fraction of the estimated peak without
+    recomputation). Adds the plan's table to `report`."""
+    batch = planning_batch(graph, "Recompute(auto=True)")
+    profiles = node_costs.profile_nodes(graph, batch)
+    order = node_costs.execution_order(graph)
+    costs = recompute_costs(graph, order, profiles, batch)
+    baseline = recompute_plan.estimate_peak(costs)
+    budget = None
+    if memory_budget is not None:
+        budget = memory_budget * baseline if isinstance(memory_budget, float) else memory_budget
+    try:
+        plan = (recompute_plan.plan_smallest_peak(costs) if budget is None
+                else recompute_plan.plan_for_budget(costs, budget))
+    except recompute_plan.UnmeetableBudget as error:
+        fixed = [cost.name for cost in costs if cost.fixed]
+        raise PassError(
+            f"{step}: the memory budget {_budget_text(memory_budget, budget)} cannot be met "
+            f"for `{graph.name}` at a batch of {batch}: the smallest estimated peak any "
+            f"checkpoint plan reaches is {_mib(error.smallest)} (without recomputation "
+            f"{_mib(error.baseline)}). The estimate covers {ESTIMATE_COVERS}."
+            + (f" Layers with forward state are never recomputed: "
+               f"{_names(fixed)}." if fixed else "")
+            + " Raise the budget, or lower the batch.") from None
+    for index in plan.checkpoints:
+        node = order[index]
+        node.annotations["recompute"] = True
+        report.add(step, node.name, "checkpoint after", "planned (Recompute(auto=True))")
+    report.add_plan(_recompute_table(graph, costs, order, plan, batch, memory_budget, budget,
+                                     profiles))
+    return plan
+
+
+def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, profiles):
+    rows = [
+        ("batch (per replica)", str(batch)),
+        ("checkpoints", _names([order[i].name for i in plan.checkpoints]) or "none"),
+        ("recomputed segments", "; ".join(
+            f"{order[first].name} .. {order[last].name} ({last - first + 1} nodes)"
+            for first, last in plan.segments) or "none"),
+    ]
+    fixed = [cost.name for cost in costs if cost.fixed]
+    if fixed:
+        rows.append(("never recomputed (forward state)", _names(fixed)))
+    rows += [
+        ("estimated peak without recompute", _mib(plan.baseline_peak)),
+        ("estimated peak with the plan",
+         f"{_mib(plan.peak)} ({plan.peak / plan.baseline_peak:.2f}x)" if plan.baseline_peak
+         else _mib(plan.peak)),
+        ("memory budget", _budget_text(memory_budget, budget) if budget is not None
+         else "none: the smallest peak, then the least recomputation"),
+        ("estimated extra compute",
+         f"{plan.extra_fraction:.2f} of a forward pass (about "
+         f"+{plan.extra_fraction / 3:.0%} of a training step)"),
+        ("the estimate covers", ESTIMATE_COVERS),
+    ]
+    shaped = [p.node.name for p in profiles if p.note]
+    if shaped:
+        rows.append(("estimated from shapes only", _names(shaped)))
+    figures = {
+        "batch": batch, "checkpoints": [order[i].name for i in plan.checkpoints],
+        "segments": [(order[first].name, order[last].name) for first, last in plan.segments],
+        "peak": plan.peak, "baseline_peak": plan.baseline_peak, "budget": budget,
+        "extra_fraction": plan.extra_fraction,
+    }
+    return PlanTable(f"Recompute plan of {graph.name!r}", ("quantity", "value"), tuple(rows),
+                     figures)
+
+
+def _budget_text(memory_budget, budget):
+    if isinstance(memory_budget, float):
+        return f"{_mib(budget)} ({memory_budget:g} of the estimated peak)"
+    return _mib(budget)
+
+
+# -- PipelineStages(num_stages=N) ------------------------------------------------------
+def plan_stages(graph, num_stages, balance, report, step):
+    """Cut `graph`'s nodes (topological order) into `num_stages` contiguous
+    stages with the smallest largest cost (`balance`), annotate each node's
+    stage and add the plan's table to `report`."""
+    nodes = graph.nodes
+    owner = f"PipelineStages(num_stages={num_stages}, balance={balance!r})"
+    batch = planning_batch(graph, owner) if balance != "params" else None
+    profiles = (node_costs.profile_nodes(graph, batch) if batch
+                else [_params_profile(node) for node in nodes])
+    if balance == "params":
+        _count_params_once(profiles)
+    costs, unit, notes = _stage_costs(graph, profiles, balance, batch)
+    try:
+        stages = stage_balance.balanced_partition(costs, num_stages, _allowed_cuts(nodes))
+    except stage_balance.CannotPartition as error:
+        raise PassError(f"{step}: cannot cut `{graph.name}` into {num_stages} stages: {error} "
+                        "(a layer called at several nodes keeps them in one stage).") from None
+    for index, (first, last) in enumerate(stages):
+        for node in nodes[first:last + 1]:
+            node.annotations["stage"] = index
+            report.add(step, node.name, f"stage {index}", f"planned (balance={balance!r})")
+    sums = stage_balance.stage_sums(costs, stages)
+    rows = [
+        (str(index), f"{nodes[first].name} .. {nodes[last].name}", str(last - first + 1),
+         _cost_text(cost, unit), f"{cost / sum(sums):.0%}" if sum(sums) else "-")
+        for index, ((first, last), cost) in enumerate(zip(stages, sums))
+    ]
+    rows.append(("imbalance", "largest / mean", "", f"{stage_balance.imbalance(sums):.2f}", ""))
+    for note in notes:
+        rows.append(("note", note, "", "", ""))
+    figures = {
+        "balance": balance, "costs": sums, "imbalance": stage_balance.imbalance(sums),
+        "stages": [[node.name for node in nodes[first:last + 1]] for first, last in stages],
+    }
+    report.add_plan(PlanTable(f"Pipeline stages of {graph.name!r} (balance={balance!r})",
+                              ("stage", "layers", "nodes", "cost", "share"), tuple(rows),
+                              figures))
+    return stages
+
+
+def _params_profile(node):
+    return node_costs.NodeProfile(node=node)
+
+
+def _count_params_once(profiles):
+    counted = set()
+    for profile in profiles:
+        operation = profile.node.operation
+        if isinstance(operation, keras.layers.Layer) and id(operation) not in counted:
+            counted.add(id(operation))
+            profile.params = int(sum(int(_size(v.shape)) for v in operation.weights))
+
+
+def _size(shape):
+    size = 1
+    for dim in shape:
+        size *= int(dim)
+    return size
+
+
+def _stage_costs(graph, profiles, balance, batch):
+    """(costs, unit, notes): one cost per node in graph order."""
+    if balance == "params":
+        return [float(p.params) for p in profiles], "params", []
+    if balance == "activations":
+        return [float(p.kept_bytes) for p in profiles], "bytes", []
+    times = node_costs.time_nodes(graph, batch, profiles=profiles)
+    notes = []
+    missing = [i for i, t in enumerate(times) if t is None]
+    if missing:
+        # A node that cannot run alone is costed by its FLOPs at the rate of
+        # the nodes that ran.
+        timed = [(t, profiles[i].flops) for i, t in enumerate(times) if t is not None]
+        rate = sum(t for t, _ in timed) / max(sum(f for _, f in timed), 1.0)
+        for i in missing:
+            times[i] = profiles[i].flops * rate
+        notes.append("not timed alone, costed by FLOPs: "
+                     + _names([profiles[i].node.name for i in missing]))
+    return [float(t) for t in times], "seconds", notes
+
+
+def _allowed_cuts(nodes):
+    """Indices after which a stage may end: no layer has calls on both
+    sides (a layer's stage is one annotation, shared by all its calls)."""
+    first, last = {}, {}
+    for index, node in enumerate(nodes):
+        first.setdefault(id(node.operation), index)
+        last[id(node.operation)] = index
+    blocked = set()
+    for key, start in first.items():
+        blocked.update(range(start, last[key]))
+    return {i for i in range(len(nodes) - 1) if i not in blocked}
+
+
+def _cost_text(cost, unit):
+    if unit == "seconds":
+        return f"{cost * 1e3:.2f} ms"
+    if unit == "bytes":
+        return _mib(cost)
+    return f"{cost:,.0f} params"
+
+
+# -- text -----------------------------------------------------------------------------
+def _mib(size):
+    return f"{size / 2 ** 20:,.1f} MiB"
+
+
+def _names(names, limit=12):
+    text = ", ".join(names[:limit])
+    return text + (f", ... ({len(names)} in all)" if len(names) > limit else "")

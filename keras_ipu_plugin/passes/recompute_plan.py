@@ -1,0 +1,402 @@
+"""Choosing recomputation checkpoints: a pure planner over per-node costs.
+
+The model is a chain: the graph's nodes in the order the executor runs
+them, each described by a `NodeCost` (bytes it keeps for the backward pass,
+bytes crossing the cut after it, forward cost, gradient bytes). A plan is the
+set of nodes after which a checkpoint ends a recomputed segment, with the
+executor's own rules (`executor.make_plan`):
+
+- a node with forward state (`fixed`) runs alone, never recomputed;
+- nodes up to a checkpoint form a recomputed segment; the nodes after the
+  last checkpoint, and those before a fixed node, run normally;
+- the last recomputed segment runs normally when the nodes after it are
+  smaller (elements per example) than its largest output.
+
+Memory is estimated for the whole training step the way the backward pass
+frees it: at the backward of node `t`, what the forward pass kept for the
+nodes before `t`, what `t` keeps, the gradients of the nodes after `t` and
+`t`'s own output. A recomputed segment keeps only its inputs (the
+checkpoint) in the forward pass and holds all its activations again while
+its backward runs. `estimate_peak` computes that for a plan; the planners
+find plans by a dynamic program over the node order that computes the very
+same figures (tests compare it with brute force on small chains).
+
+Example:
+    >>> costs = [NodeCost(f"h{i}", kept=8, boundary=4, flops=1, grads=2,
+    ...                   output=4, kept_by_consumer=4) for i in range(16)]
+    >>> plan = plan_smallest_peak(costs)
+    >>> plan.peak < plan.baseline_peak
+    True
+    >>> plan_for_budget(costs, 0.6 * plan.baseline_peak).extra_flops
+    6.0
+"""
+
+from dataclasses import dataclass
+from dataclasses import field
+
+#: A plan without a budget takes the least recomputation among the plans
+#: whose peak is within this fraction of the smallest one: the last percent
+#: of memory can cost a whole extra segment of recomputation.
+SMALLEST_PEAK_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs, for planning.
+
+    kept: bytes its backward pass needs that are neither its inputs from the
+        node before it nor its own outputs (intermediates, inputs from
+        further back).
+    kept_output: bytes of its own outputs its backward pass needs.
+    kept_by_consumer: bytes of its outputs the next node's backward needs.
+    boundary: bytes of the tensors crossing the cut after it (computed at or
+        before it, read after it): a recomputed segment starting after it
+        keeps these.
+    flops: its forward cost (what recomputing it costs).
+    grads: bytes of the gradients its backward pass produces.
+    output: bytes of its outputs (the working memory of its backward).
+    elements: elements per example of its outputs (what the executor
+        compares to keep the last segment; see `executor._keep_last_segment`).
+    fixed: it has forward state and never sits in a recomputed segment.
+    can_checkpoint: a segment may end after it.
+    """
+
+    name: str
+    kept: float = 0
+    kept_output: float = 0
+    kept_by_consumer: float = 0
+    boundary: float = 0
+    flops: float = 0
+    grads: float = 0
+    output: float = 0
+    elements: float = 0
+    fixed: bool = False
+    can_checkpoint: bool = True
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """A chosen plan: `checkpoints` (node indices), the `segments` that are
+    recomputed (`(first, last)` indices), the estimated `peak` with it and
+    `baseline_peak` without, and the forward cost recomputed
+    (`extra_flops`) against the whole forward pass (`forward_flops`)."""
+
+    checkpoints: tuple
+    segments: tuple
+    peak: float
+    baseline_peak: float
+    extra_flops: float
+    forward_flops: float
+    notes: tuple = field(default_factory=tuple)
+
+    @property
+    def extra_fraction(self):
+        """Recomputed forward cost as a fraction of one forward pass."""
+        return self.extra_flops / self.forward_flops if self.forward_flops else 0.0
+
+
+class UnmeetableBudget(ValueError):
+    """No plan meets the budget; `smallest` is the smallest peak any plan reaches."""
+
+    def __init__(self, budget, smallest, baseline):
+        self.budget, self.smallest, self.baseline = budget, smallest, baseline
+        super().__init__(
+            f"memory budget {budget:.0f} bytes is below the smallest peak any plan reaches "
+            f"({smallest:.0f} bytes; {baseline:.0f} without recomputation)")
+
+
+# -- what a plan is and what it costs ---------------------------------------------
+def segments_of(costs, checkpoints):
+    """`[(first, last, recomputed)]`: the segments the executor makes of
+    `checkpoints`, its rules applied (see the module docstring)."""
+    checkpoints = set(checkpoints)
+    segments, start = [], None
+    for index, cost in enumerate(costs):
+        if cost.fixed:
+            if start is not None:
+                segments.append([start, index - 1, False])
+                start = None
+            segments.append([index, index, False])
+            continue
+        if start is None:
+            start = index
+        if index in checkpoints:
+            segments.append([start, index, True])
+            start = None
+    if start is not None:
+        segments.append([start, len(costs) - 1, False])
+    recomputed = [segment for segment in segments if segment[2]]
+    if recomputed and _runs_normally_as_last(costs, recomputed[-1][0], recomputed[-1][1]):
+        recomputed[-1][2] = False
+    return [tuple(segment) for segment in segments]
+
+
+def estimate_peak(costs, checkpoints=()):
+    """The estimated peak bytes of a training step with `checkpoints`."""
+    return _evaluate(costs, segments_of(costs, checkpoints))[0]
+
+
+def describe_plan(costs, checkpoints):
+    """The `RecomputePlan` of `checkpoints`, as the executor would run it."""
+    segments = segments_of(costs, checkpoints)
+    peak, extra = _evaluate(costs, segments)
+    recomputed = tuple((first, last) for first, last, again in segments if again)
+    return RecomputePlan(
+        checkpoints=tuple(sorted(set(checkpoints))), segments=recomputed, peak=peak,
+        baseline_peak=estimate_peak(costs), extra_flops=extra,
+        forward_flops=float(sum(cost.flops for cost in costs)),
+    )
+
+
+def _evaluate(costs, segments):
+    """(peak, recomputed flops) of `segments`: the figures the dynamic
+    program computes transition by transition."""
+    after = _gradients_after(costs)
+    kept, peak, extra, previous = 0.0, 0.0, 0.0, _START
+    for first, last, recomputed in segments:
+        if recomputed:
+            kept += _checkpoint_bytes(costs, first)
+            peak = max(peak, kept + _segment_local_peak(costs, after, first, last))
+            extra += sum(cost.flops for cost in costs[first:last + 1])
+            previous = _RECOMPUTED
+            continue
+        for index in range(first, last + 1):
+            kept += _cut_bytes(costs, index, previous)
+            peak = max(peak, kept + _node_local_peak(costs, after, index))
+            kept += costs[index].kept
+            previous = _FIXED if costs[index].fixed else _NORMAL
+    return peak, extra
+
+
+# -- the pieces both the evaluation and the dynamic program add up ------------------
+_START, _NORMAL, _FIXED, _RECOMPUTED = 0, 1, 2, 3
+#: What may precede a recomputed segment: the executor ends a run of nodes
+#: that run normally only at a fixed node (a checkpoint would make the run
+#: part of the segment).
+_SEGMENT_MAY_FOLLOW = (_START, _FIXED, _RECOMPUTED)
+
+
+def _gradients_after(costs):
+    """`after[i]`: gradient bytes of the nodes after node i (produced
+    before node i's backward runs)."""
+    after, total = [0.0] * len(costs), 0.0
+    for index in range(len(costs) - 1, -1, -1):
+        after[index] = total
+        total += costs[index].grads
+    return after
+
+
+def _cut_bytes(costs, index, previous):
+    """Bytes the forward pass keeps at the cut before node `index` when it
+    runs normally, given how the node before it ran: the larger of what
+    the producer and this node keep of it (one tensor in a chain)."""
+    if previous == _START:
+        return 0.0
+    before = costs[index - 1]
+    if previous in (_NORMAL, _FIXED):
+        return max(before.kept_output, before.kept_by_consumer)
+    return before.kept_by_consumer
+
+
+def _checkpoint_bytes(costs, first):
+    """Bytes a recomputed segment starting at `first` keeps: its inputs."""
+    return costs[first - 1].boundary if first > 0 else 0.0
+
+
+def _node_local_peak(costs, after, index):
+    """Memory at node `index`'s backward on top of what the nodes before it
+    keep (the cut before it included in `kept` already)."""
+    cost = costs[index]
+    return cost.kept + cost.kept_output + after[index] + cost.output
+
+
+def _segment_local_peak(costs, after, first, last):
+    """The largest memory while segment `[first, last]` runs its backward
+    (all its activations recomputed), on top of what the forward pass keeps
+    before it (its checkpoint included)."""
+    inside, peak = 0.0, 0.0
+    for index in range(first, last + 1):
+        if index > first:
+            inside += max(costs[index - 1].kept_output, costs[index - 1].kept_by_consumer)
+        peak = max(peak, inside + _node_local_peak(costs, after, index))
+        inside += costs[index].kept
+    return peak
+
+
+def _runs_normally_as_last(costs, first, last):
+    """The executor's rule: as the last recomputed segment, `[first, last]`
+    runs normally when the nodes after it are smaller than its largest
+    output (recomputing it would save nothing)."""
+    tail = sum(cost.elements for cost in costs[last + 1:])
+    return tail < max(cost.elements for cost in costs[first:last + 1])
+
+
+# -- the dynamic program ------------------------------------------------------------
+@dataclass(frozen=True)
+class _Label:
+    """A partial plan over the nodes before a position: the bytes its
+    forward pass keeps, its recomputed flops, its peak so far, and the
+    checkpoints (a linked list, for the plan)."""
+
+    kept: float
+    flops: float
+    peak: float
+    checkpoints: object = None  # (index, rest) or None
+
+
+# A label's state: how the last node ran (_START / _NORMAL / _FIXED /
+# _RECOMPUTED),
+# whether the last recomputed segment is one the executor would run normally
+# were it the last (then another must follow), and whether a checkpoint was
+# spent on such a segment at the end (then none may follow).
+def _search(costs, budget, minimise):
+    """Labels reaching the end. `minimise="flops"`: under `budget`, the
+    least recomputation; `"peak"`: the smallest peak."""
+    n = len(costs)
+    after = _gradients_after(costs)
+    fronts = [dict() for _ in range(n + 1)]
+    fronts[0][(_START, False, False)] = [_Label(0.0, 0.0, 0.0)]
+    for position in range(n):
+        ends = {}
+        for (previous, pending, closed), labels in fronts[position].items():
+            segments = not closed and previous in _SEGMENT_MAY_FOLLOW
+            if segments and previous not in ends:
+                ends[previous] = _segment_ends(costs, after, position, previous)
+            for label in labels:
+                _step_normal(costs, after, budget, fronts, position, previous, pending,
+                             closed, label)
+                if segments:
+                    _step_segments(ends[previous], budget, fronts, pending, label)
+        for key in fronts[position + 1]:
+            fronts[position + 1][key] = _pareto(fronts[position + 1][key], minimise)
+        fronts[position] = None  # free
+    return [label for (_, pending, _), labels in fronts[n].items() if not pending
+            for label in labels]
+
+
+def _step_normal(costs, after, budget, fronts, position, previous, pending, closed, label):
+    kept = label.kept + _cut_bytes(costs, position, previous)
+    peak = max(label.peak, kept + _node_local_peak(costs, after, position))
+    if peak <= budget:
+        now = _FIXED if costs[position].fixed else _NORMAL
+        _add(fronts[position + 1], (now, pending, closed),
+             _Label(kept + costs[position].kept, label.flops, peak, label.checkpoints))
+
+
+def _segment_ends(costs, after, position, previous):
+    """Every segment that may start at `position`, as `(last, checkpoint
+    bytes, local peak, flops, spent, plain kept, plain local peak)`: what
+    recomputing it adds (see `_segment_local_peak`), whether the executor
+    would run it normally were it the last (`spent`), and, for running it
+    normally instead, the bytes it keeps and its peak above what comes
+    before. The same for every label at `position`, so computed once."""
+    checkpoint = _checkpoint_bytes(costs, position)
+    ends = []
+    inside, local, flops = 0.0, 0.0, 0.0
+    plain_kept, plain_local, plain_previous = 0.0, 0.0, previous
+    largest, tail = 0.0, sum(cost.elements for cost in costs[position:])
+    for last in range(position, len(costs)):
+        cost = costs[last]
+        if cost.fixed:
+            break
+        if last > position:
+            inside += max(costs[last - 1].kept_output, costs[last - 1].kept_by_consumer)
+        local = max(local, inside + _node_local_peak(costs, after, last))
+        inside += cost.kept
+        flops += cost.flops
+        plain_kept += _cut_bytes(costs, last, plain_previous)
+        plain_local = max(plain_local, plain_kept + _node_local_peak(costs, after, last))
+        plain_kept += cost.kept
+        plain_previous = _NORMAL
+        largest = max(largest, cost.elements)
+        tail -= cost.elements
+        ends.append((last, checkpoint, checkpoint + local, flops, tail < largest,
+                     plain_kept, plain_local, cost.can_checkpoint))
+    return ends
+
+
+def _step_segments(ends, budget, fronts, pending, label):
+    """Every segment starting where `label` ends: recomputed, or (only to
+    settle a pending segment) spent as the last one, which the executor
+    runs normally."""
+    for last, checkpoint, local, flops, spent, plain_kept, plain_local, can_end in ends:
+        peak = max(label.peak, label.kept + local)
+        plain_peak = max(label.peak, label.kept + plain_local)
+        if peak > budget and plain_peak > budget:
+            return  # a longer segment only needs more
+        if not can_end:
+            continue
+        if peak <= budget:
+            _add(fronts[last + 1], (_RECOMPUTED, spent, False),
+                 _Label(label.kept + checkpoint, label.flops + flops, peak,
+                        (last, label.checkpoints)))
+        if pending and spent and plain_peak <= budget:
+            _add(fronts[last + 1], (_NORMAL, False, True),
+                 _Label(label.kept + plain_kept, label.flops, plain_peak,
+                        (last, label.checkpoints)))
+
+
+def _add(front, key, label):
+    front.setdefault(key, []).append(label)
+
+
+def _pareto(labels, minimise):
+    """The labels no other label beats: less kept and less of the objective."""
+    objective = (lambda label: label.flops) if minimise == "flops" else (
+        lambda label: label.peak)
+    labels = sorted(labels, key=lambda label: (label.kept, objective(label), label.peak))
+    kept, best = [], None
+    for label in labels:
+        if best is None or objective(label) < best:
+            kept.append(label)
+            best = objective(label)
+    return kept
+
+
+def _checkpoint_list(label):
+    found, link = [], label.checkpoints
+    while link is not None:
+        found.append(link[0])
+        link = link[1]
+    return tuple(sorted(found))
+
+
+# -- the planners -------------------------------------------------------------------
+def smallest_peak(costs):
+    """The smallest estimated peak any plan reaches."""
+    if not costs:
+        return 0.0
+    # No plan needs more than running everything normally (a plan too).
+    return min(label.peak for label in _search(costs, estimate_peak(costs), "peak"))
+
+
+def plan_for_budget(costs, budget):
+    """The plan with the least recomputation whose estimated peak is at
+    most `budget` bytes; `UnmeetableBudget` when none is.
+
+    Example:
+        >>> plan_for_budget(costs, 200 * 2**20).checkpoints
+        (5, 11, 17)
+    """
+    if not costs:
+        return describe_plan(costs, ())
+    labels = _search(costs, budget, "flops")
+    if not labels:
+        raise UnmeetableBudget(budget, smallest_peak(costs), estimate_peak(costs))
+    best = min(labels, key=lambda label: (label.flops, label.peak))
+    return describe_plan(costs, _checkpoint_list(best))
+
+
+def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE):
+    """The plan with the least recomputation among those whose peak is
+    within `tolerance` of the smallest (each node recomputed at most once:
+    at most one extra forward pass).
+
+    Example:
+        >>> plan_smallest_peak(costs).checkpoints
+        (6, 13, 20, 27, 34, 41)
+    """
+    if not costs:
+        return describe_plan(costs, ())
+    smallest = smallest_peak(costs)
+    return plan_for_budget(costs, smallest * (1 + tolerance))

@@ -1,0 +1,158 @@
+"""The pure planners (issue 16): recomputation checkpoints by dynamic
+programming over a chain of node costs, pipeline stages by a min-max
+contiguous partition. Each is checked against brute force on small inputs."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from keras_ipu_plugin.passes import recompute_plan
+from keras_ipu_plugin.passes import stage_balance
+from keras_ipu_plugin.passes.recompute_plan import NodeCost
+
+
+def _random_chain(rng, n):
+    return [
+        NodeCost(
+            f"n{i}", kept=rng.choice([0, 1, 2, 3, 5, 8]), kept_output=rng.choice([0, 0, 2, 4]),
+            kept_by_consumer=rng.choice([0, 2, 4]), boundary=rng.choice([1, 2, 4, 6]),
+            flops=rng.choice([0, 1, 2, 5]), grads=rng.choice([0, 1, 3]),
+            output=rng.choice([1, 2, 4]), elements=rng.choice([0, 1, 2, 4, 8]),
+            fixed=rng.random() < 0.15, can_checkpoint=rng.random() < 0.85,
+        )
+        for i in range(n)
+    ]
+
+
+def _every_plan(costs):
+    """(peak, recomputed flops) of every set of checkpoints."""
+    candidates = [i for i, c in enumerate(costs) if c.can_checkpoint and not c.fixed]
+    plans = []
+    for count in range(len(candidates) + 1):
+        for checkpoints in itertools.combinations(candidates, count):
+            plan = recompute_plan.describe_plan(costs, checkpoints)
+            plans.append((plan.peak, plan.extra_flops))
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_recompute_dynamic_program_finds_what_brute_force_finds(seed):
+    rng = random.Random(seed)
+    for _ in range(120):
+        costs = _random_chain(rng, rng.randint(1, 8))
+        plans = _every_plan(costs)
+        smallest = min(peak for peak, _ in plans)
+        assert recompute_plan.smallest_peak(costs) == pytest.approx(smallest)
+        for budget in sorted({peak for peak, _ in plans}) + [smallest - 0.5]:
+            feasible = [flops for peak, flops in plans if peak <= budget]
+            if not feasible:
+                with pytest.raises(recompute_plan.UnmeetableBudget) as raised:
+                    recompute_plan.plan_for_budget(costs, budget)
+                assert raised.value.smallest == pytest.approx(smallest)
+                continue
+            plan = recompute_plan.plan_for_budget(costs, budget)
+            assert plan.peak <= budget
+            assert plan.extra_flops == pytest.approx(min(feasible))
+            # The plan's figures are those of its checkpoints as the executor runs them.
+            assert recompute_plan.estimate_peak(costs, plan.checkpoints) == pytest.approx(plan.peak)
+
+
+def _uniform_chain(n, grads=0.0):
+    return [NodeCost(f"h{i}", kept=8, boundary=4, kept_by_consumer=4, flops=1, grads=grads,
+                     output=4, elements=1024) for i in range(n)]
+
+
+def test_smallest_peak_of_a_uniform_chain_checkpoints_about_every_sqrt_n_layers():
+    costs = _uniform_chain(36)
+    plan = recompute_plan.plan_smallest_peak(costs)
+    baseline = recompute_plan.estimate_peak(costs)
+    # O(sqrt n) memory: checkpoints and one segment's activations
+    assert plan.peak < 0.3 * baseline, (plan.peak, baseline)
+    assert math.sqrt(36) / 2 <= len(plan.checkpoints) <= 2 * math.sqrt(36), plan.checkpoints
+    # at most one extra forward pass
+    assert plan.extra_flops <= plan.forward_flops
+
+
+def test_a_budget_buys_the_least_recomputation_that_meets_it():
+    costs = _uniform_chain(24)
+    baseline = recompute_plan.estimate_peak(costs)
+    loose = recompute_plan.plan_for_budget(costs, 0.8 * baseline)
+    tight = recompute_plan.plan_for_budget(costs, 0.4 * baseline)
+    assert loose.peak <= 0.8 * baseline and tight.peak <= 0.4 * baseline
+    assert 0 < loose.extra_flops < tight.extra_flops
+    assert recompute_plan.plan_for_budget(costs, baseline).extra_flops == 0
+
+
+def test_an_unmeetable_budget_says_the_smallest_peak():
+    costs = _uniform_chain(12, grads=10)
+    smallest = recompute_plan.smallest_peak(costs)
+    with pytest.raises(recompute_plan.UnmeetableBudget) as raised:
+        recompute_plan.plan_for_budget(costs, 0.99 * smallest)
+    assert raised.value.smallest == pytest.approx(smallest)
+    assert raised.value.baseline == pytest.approx(recompute_plan.estimate_peak(costs))
+
+
+def test_nodes_with_forward_state_are_never_in_a_recomputed_segment():
+    costs = _uniform_chain(12)
+    costs[5] = NodeCost("bn", kept=8, boundary=4, kept_by_consumer=4, flops=1, output=4,
+                        elements=1024, fixed=True)
+    plan = recompute_plan.plan_smallest_peak(costs)
+    assert plan.segments
+    assert all(not first <= 5 <= last for first, last in plan.segments), plan.segments
+
+
+def test_segments_follow_the_executor_last_segment_rule():
+    # A recomputed segment followed by nodes smaller than its largest output
+    # runs normally when it is the last one (executor._keep_last_segment).
+    costs = _uniform_chain(4)
+    costs[3] = NodeCost("head", elements=1)
+    assert recompute_plan.segments_of(costs, [2]) == [(0, 2, False), (3, 3, False)]
+    costs[3] = NodeCost("head", elements=5000)
+    assert recompute_plan.segments_of(costs, [2]) == [(0, 2, True), (3, 3, False)]
+
+
+def test_checkpoints_only_where_a_segment_may_end():
+    costs = [NodeCost(f"h{i}", kept=8, boundary=4, kept_by_consumer=4, flops=1, output=4,
+                      elements=1024, can_checkpoint=i % 3 == 2) for i in range(12)]
+    plan = recompute_plan.plan_smallest_peak(costs)
+    assert plan.checkpoints and all(i % 3 == 2 for i in plan.checkpoints)
+
+
+# -- stages ----------------------------------------------------------------------------
+def test_stage_partition_minimises_the_largest_stage_like_brute_force():
+    rng = random.Random(0)
+    for _ in range(1500):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        costs = [rng.choice([0, 1, 2, 3, 7]) for _ in range(n)]
+        allowed = {i for i in range(n - 1) if rng.random() < 0.8}
+        best = None
+        for cuts in itertools.combinations(sorted(allowed), stages - 1):
+            bounds = [-1, *cuts, n - 1]
+            largest = max(sum(costs[bounds[k] + 1:bounds[k + 1] + 1]) for k in range(stages))
+            best = largest if best is None else min(best, largest)
+        if best is None:
+            with pytest.raises(stage_balance.CannotPartition):
+                stage_balance.balanced_partition(costs, stages, allowed)
+            continue
+        partition = stage_balance.balanced_partition(costs, stages, allowed)
+        assert len(partition) == stages and partition[0][0] == 0 and partition[-1][1] == n - 1
+        assert all(a[1] + 1 == b[0] for a, b in zip(partition, partition[1:]))
+        assert all(first <= last for first, last in partition)
+        assert all(last in allowed for _, last in partition[:-1])
+        assert max(stage_balance.stage_sums(costs, partition)) == best
+
+
+def test_among_equal_largest_stages_the_more_even_partition_is_taken():
+    # The largest stage is the 10 however the ones are cut; a stage is not
+    # left nearly empty: (10, 2, 2), not (10, 1, 3) or (10, 3, 1).
+    costs = [10, 1, 1, 1, 1]
+    partition = stage_balance.balanced_partition(costs, 3)
+    assert stage_balance.stage_sums(costs, partition) == [10, 2, 2]
+
+
+def test_imbalance_is_largest_over_mean():
+    assert stage_balance.imbalance([2, 2, 2]) == 1.0
+    assert stage_balance.imbalance([3, 1]) == 1.5

@@ -1,0 +1,447 @@
+"""The planning passes on real models (issue 16): `Recompute(auto=True,
+memory_budget=...)` and `PipelineStages(num_stages=N, balance=...)`.
+
+They change where the executor recomputes and which stage a layer runs in,
+never what the model computes: gradients equal the unplanned model's in
+graph mode, under XLA and under MirroredStrategy. The plan is what runs (the
+executor's segments are the planned ones), it lowers what a training step
+keeps for the backward pass, its estimate tracks what TensorFlow keeps, and
+it is shown as a table in the report, from Python, configs and the CLI.
+"""
+
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin import cli
+from keras_ipu_plugin.passes.manager import graph_of
+from keras_ipu_plugin.runtime.backends import get_backend
+from keras_ipu_plugin.runtime.executor import make_plan
+from keras_ipu_plugin.passes import Expand
+from keras_ipu_plugin.passes import PipelineStages
+from keras_ipu_plugin.passes import Recompute
+from keras_ipu_plugin.passes import node_costs
+
+layers = keras.layers
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+WIDTH, FEATURES, BATCH = 64, 16, 64
+
+
+class WideBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(4 * WIDTH, activation="gelu", name="up")
+        self.down = layers.Dense(WIDTH, name="down")
+
+    def call(self, x):
+        return x + self.down(self.up(x))
+
+
+class WideTower(keras.Model):
+    def __init__(self, depth=8, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.blocks = [WideBlock(name=f"block_{i}") for i in range(depth)]
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _data(n=BATCH, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, FEATURES)).astype("float32"),
+            rng.normal(size=(n, 1)).astype("float32"))
+
+
+def _converted(model=None, n=BATCH):
+    x, _ = _data(n)
+    model = model or WideTower(name="tower")
+    model(x[:2])
+    return kip.convert_to_functional(model, x)
+
+
+def _plan(passed, title):
+    plans = [plan for plan in passed.kip_report.plans if plan.title.startswith(title)]
+    assert len(plans) == 1, [plan.title for plan in passed.kip_report.plans]
+    return plans[0]
+
+
+def _executor_segments(model):
+    """The recomputed segments the executor makes: (first, last) layer names."""
+    return [(s.nodes[0].operation.name, s.nodes[-1].operation.name)
+            for s in make_plan(model, get_backend()) if s.recompute]
+
+
+def _gradients(model, x, y, jit_compile):
+    @tf.function(jit_compile=jit_compile)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    return [g.numpy() for g in step(x, y)]
+
+
+def kept_for_backward(model, batch=BATCH, features=FEATURES):
+    """Bytes of the float tensors a traced training step's forward pass
+    keeps for its backward pass (see test_pass_guarded_behaviours.py)."""
+    first_backward = []
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        first_backward.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(
+        tf.TensorSpec((batch, features)), tf.TensorSpec((batch, 1))).graph
+    operations = graph.get_operations()
+    forward = set(operations[:first_backward[0]])
+    kept = {
+        tensor.ref(): tensor
+        for op in operations[first_backward[0]:] for tensor in op.inputs
+        if tensor.op in forward and tensor.dtype.is_floating and tensor.op.type != "ReadVariableOp"
+        and tensor.op.type != "Placeholder"
+    }
+    return sum(int(np.prod(t.shape.as_list())) * t.dtype.size for t in kept.values())
+
+
+# -- Recompute(auto=True) -----------------------------------------------------------------
+def test_auto_recompute_runs_the_segments_it_planned():
+    converted = _converted()
+    passed = kip.apply_passes(converted, [Expand(), Recompute(auto=True)])
+    plan = _plan(passed, "Recompute plan")
+    assert plan.figures["segments"], "the plan recomputes nothing: the test could not fail"
+    assert _executor_segments(passed) == plan.figures["segments"]
+    assert plan.figures["peak"] < 0.6 * plan.figures["baseline_peak"], plan.figures
+    assert plan.figures["batch"] == BATCH
+    assert 0 < plan.figures["extra_fraction"] <= 1.0
+    text = str(passed.kip_report)
+    assert "Recompute plan of 'tower'" in text and "estimated peak with the plan" in text
+    assert passed.kip_report.touched("recompute") == plan.figures["checkpoints"]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("budget", [None, 0.6], ids=["smallest_peak", "budget"])
+def test_planned_recompute_gives_the_gradients_of_the_unplanned_model(jit_compile, budget):
+    x, y = _data()
+    converted = _converted()
+    passed = kip.apply_passes(converted, [Expand(), Recompute(auto=True, memory_budget=budget)],
+                              verify=False)
+    assert _executor_segments(passed), "nothing recomputed: the test could not fail"
+    expected = _gradients(converted, x, y, jit_compile)
+    actual = _gradients(passed, x, y, jit_compile)
+    for got, want in zip(actual, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_planned_recompute_lowers_what_a_training_step_keeps_as_estimated():
+    converted = _converted()
+    smallest = kip.apply_passes(converted, [Expand(), Recompute(auto=True)])
+    budget = kip.apply_passes(converted, [Expand(), Recompute(auto=True, memory_budget=0.7)])
+    plain, at_budget, at_smallest = (kept_for_backward(m) for m in (converted, budget, smallest))
+    assert at_smallest < at_budget < plain, (plain, at_budget, at_smallest)
+    # What the plan estimates the forward pass keeps tracks what TensorFlow
+    # keeps: the activations of the estimated peak without recomputation
+    # (at the start of the backward pass, before any gradient) against the
+    # measured bytes.
+    estimate = _plan(smallest, "Recompute plan").figures["baseline_peak"]
+    assert 0.75 * plain < estimate < 1.35 * plain, (estimate, plain)
+
+
+def test_a_memory_budget_in_bytes_is_met_by_the_estimate():
+    converted = _converted()
+    baseline = _plan(kip.apply_passes(converted, [Expand(), Recompute(auto=True)]),
+                     "Recompute plan").figures["baseline_peak"]
+    budget = int(0.7 * baseline)
+    passed = kip.apply_passes(converted, [Expand(), Recompute(auto=True, memory_budget=budget)])
+    figures = _plan(passed, "Recompute plan").figures
+    assert figures["budget"] == budget and figures["peak"] <= budget
+    assert "(0.7" not in str(passed.kip_report)  # bytes, not a fraction
+
+
+def test_an_unmeetable_budget_is_a_pass_error_with_the_smallest_estimate():
+    converted = _converted()
+    before = [v.numpy() for v in converted.weights]
+    with pytest.raises(kip.PassError, match=r"memory budget 0\.0 MiB.*cannot be met.*smallest "
+                                            r"estimated peak any checkpoint plan reaches is "
+                                            r"[0-9.]+ MiB \(without recomputation [0-9.]+ MiB\)"):
+        kip.apply_passes(converted, [Expand(), Recompute(auto=True, memory_budget=1)])
+    for value, variable in zip(before, converted.weights):
+        np.testing.assert_array_equal(value, variable.numpy())
+
+
+class StatefulBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(4 * WIDTH, activation="gelu", name="up")
+        self.bn = layers.BatchNormalization(name="bn")
+        self.drop = layers.Dropout(0.2, name="drop")
+        self.down = layers.Dense(WIDTH, name="down")
+
+    def call(self, x, training=None):
+        return x + self.down(self.drop(self.bn(self.up(x), training=training), training=training))
+
+
+class StatefulTower(WideTower):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [StatefulBlock(name=f"block_{i}") for i in range(6)]
+
+
+def test_layers_with_forward_state_stay_outside_planned_segments():
+    passed = kip.apply_passes(_converted(StatefulTower(name="tower")),
+                              [Expand(), Recompute(auto=True)])
+    segments = [s for s in make_plan(passed, get_backend()) if s.recompute]
+    assert segments, "nothing recomputed: the test could not fail"
+    for segment in segments:
+        for node in segment.nodes:
+            assert not getattr(node.operation, "non_trainable_variables", []), node.operation.name
+    never = dict(_plan(passed, "Recompute plan").rows)["never recomputed (forward state)"]
+    assert "block_0.bn" in never and "block_0.drop" in never
+
+
+class SharedTower(keras.Model):
+    """One Dense called at every block: one layer, one annotation."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.shared = layers.Dense(WIDTH, activation="gelu", name="shared")
+        self.others = [layers.Dense(WIDTH, activation="gelu", name=f"own_{i}") for i in range(6)]
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        x = self.stem(x)
+        for layer in self.others:
+            x = self.shared(layer(x))
+        return self.head(x)
+
+
+def test_a_shared_layer_is_never_a_planned_checkpoint_nor_split_between_stages():
+    converted = _converted(SharedTower(name="shared_tower"))
+    passed = kip.apply_passes(converted, [Recompute(auto=True)])
+    checkpoints = _plan(passed, "Recompute plan").figures["checkpoints"]
+    assert checkpoints and not any(name.startswith("shared") for name in checkpoints)
+    staged = kip.apply_passes(converted, [PipelineStages(num_stages=2)])
+    stages = _plan(staged, "Pipeline stages").figures["stages"]
+    holding = [i for i, names in enumerate(stages) if any(n.startswith("shared") for n in names)]
+    assert len(holding) == 1, stages
+
+
+def test_planning_without_a_known_batch_is_a_clear_error():
+    inputs = keras.Input((FEATURES,))
+    model = keras.Model(inputs, layers.Dense(1)(layers.Dense(WIDTH)(inputs)))
+    with pytest.raises(kip.PassError, match="first batch.*convert_to_functional"):
+        kip.apply_passes(model, [Recompute(auto=True)])
+
+
+def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_alike(mirrored):
+    x, y = _data(4 * BATCH)
+
+    def train(passes):
+        keras.utils.set_random_seed(3)
+        with mirrored.scope():
+            model = WideTower(name="tower")
+            model(x[:2])
+            trained = kip.PluginModel(model, passes=passes) if passes is not None else model
+            trained.compile(optimizer="sgd", loss="mse")
+        history = trained.fit(x, y, batch_size=2 * BATCH, epochs=2, shuffle=False, verbose=0)
+        return history.history["loss"], trained
+
+    expected, _ = train(None)
+    actual, trained = train([Expand(), Recompute(auto=True)])
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    figures = _plan(trained.converted, "Recompute plan").figures
+    assert figures["batch"] == BATCH  # 2 * BATCH rows over 2 replicas
+    assert _executor_segments(trained.converted) == figures["segments"] != []
+
+
+# -- PipelineStages(num_stages=N) --------------------------------------------------------
+class Uneven(keras.Model):
+    """Dense layers of very different sizes: a parameter split is not a
+    layer-count split."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stack = [layers.Dense(units, activation="relu", name=f"d{i}")
+                      for i, units in enumerate([256, 16, 16, 16, 256, 16])]
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        for layer in self.stack:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_stages_balanced_by_params_minimise_the_largest_stage():
+    passed = kip.apply_passes(_converted(Uneven(name="uneven")), [PipelineStages(num_stages=3)])
+    figures = _plan(passed, "Pipeline stages").figures
+    names = ["d0", "d1", "d2", "d3", "d4", "d5", "head"]
+    params = [passed.get_layer(name).count_params() for name in names]
+    assert [name for stage in figures["stages"] for name in stage] == names
+    assert figures["costs"] == [sum(params[names.index(n)] for n in stage)
+                                for stage in figures["stages"]]
+    smallest = min(
+        max(sum(params[:a]), sum(params[a:b]), sum(params[b:]))
+        for a in range(1, 6) for b in range(a + 1, 7))
+    assert max(figures["costs"]) == smallest
+    # not the layer-count split a user might write
+    assert max(figures["costs"]) < max(sum(params[:2]), sum(params[2:4]), sum(params[4:]))
+    assert passed.kip_stages == {name: index for index, names in enumerate(figures["stages"])
+                                 for name in names}
+    assert "imbalance" in str(passed.kip_report)
+
+
+def test_stages_balanced_by_time_follow_the_measured_times(monkeypatch):
+    # Times are measured (noisy); here they are given, to check the plan
+    # follows them rather than the parameters.
+    names = ["d0", "d1", "d2", "d3", "d4", "d5", "head"]
+    given = dict(zip(names, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0]))
+    monkeypatch.setattr(node_costs, "time_nodes",
+                        lambda graph, batch, profiles=None: [given[n.name] for n in graph.nodes])
+    passed = kip.apply_passes(_converted(Uneven(name="uneven")),
+                              [PipelineStages(num_stages=2, balance="time")])
+    figures = _plan(passed, "Pipeline stages").figures
+    assert figures["stages"] == [names[:6], ["head"]]
+    assert figures["imbalance"] == 1.0
+
+
+def test_node_times_are_measured_and_a_heavier_node_takes_longer():
+    x = np.random.default_rng(0).normal(size=(256, 512)).astype("float32")
+    inputs = keras.Input((512,))
+    light = layers.Dense(4, name="light")(inputs)
+    heavy = layers.Dense(2048, name="heavy")(layers.Dense(2048, name="wide")(inputs))
+    model = keras.Model(inputs, [light, heavy])
+    converted = kip.convert_to_functional(model, x)
+    graph = graph_of(converted)
+    times = dict(zip([n.name for n in graph.nodes], node_costs.time_nodes(graph, 256)))
+    assert all(t is not None and t >= 0 for t in times.values()), times
+    # 2048x2048 against 512x4 multiply-adds per row: a thousand times more work
+    assert times["heavy"] > 10 * times["light"], times
+
+
+def test_stages_balanced_by_activations_use_the_bytes_kept_for_backward():
+    passed = kip.apply_passes(_converted(Uneven(name="uneven")),
+                              [PipelineStages(num_stages=2, balance="activations")])
+    figures = _plan(passed, "Pipeline stages").figures
+    assert len(figures["stages"]) == 2 and all(figures["costs"])
+    assert "MiB" in str(passed.kip_report)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_planned_stages_on_devices_give_the_gradients_of_the_unplanned_model(jit_compile):
+    x, y = _data()
+    converted = _converted()
+    passed = kip.apply_passes(converted, [Expand(), PipelineStages(num_stages=2, balance="time")],
+                              verify=False)
+    passed.kip_stage_devices = ["/cpu:0", "/cpu:1"]
+    assert set(passed.kip_stages.values()) == {0, 1}
+    expected = _gradients(converted, x, y, jit_compile)
+    actual = _gradients(passed, x, y, jit_compile)
+    for got, want in zip(actual, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_planned_stages_under_mirrored_strategy_train_alike(mirrored):
+    x, y = _data(BATCH)
+
+    def train(passes):
+        keras.utils.set_random_seed(4)
+        with mirrored.scope():
+            model = WideTower(name="tower")
+            model(x[:2])
+            trained = kip.PluginModel(model, passes=passes) if passes is not None else model
+            trained.compile(optimizer="sgd", loss="mse")
+        history = trained.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return history.history["loss"], trained
+
+    expected, _ = train(None)
+    actual, trained = train([Expand(), PipelineStages(num_stages=3, balance="activations")])
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    assert set(trained.converted.kip_stages.values()) == {0, 1, 2}
+
+
+def test_too_many_stages_is_a_clear_error():
+    with pytest.raises(kip.PassError, match="cannot cut .* into 40 stages"):
+        kip.apply_passes(_converted(Uneven(name="uneven")), [PipelineStages(num_stages=40)])
+
+
+# -- configs, the CLI, the order the executor runs -----------------------------------------
+def test_planning_passes_from_a_yaml_config(tmp_path):
+    config = tmp_path / "passes.yaml"
+    config.write_text("expand: all\n"
+                      "recompute: {auto: true, memory_budget: 0.6}\n"
+                      "pipeline_stages: {num_stages: 2, balance: time}\n")
+    passes = kip.passes_from_config(config)
+    assert passes[1] == Recompute(auto=True, memory_budget=0.6)
+    assert passes[2] == PipelineStages(num_stages=2, balance="time")
+    passed = kip.apply_passes(_converted(), passes)
+    text = str(passed.kip_report)
+    assert "Recompute plan of 'tower'" in text and "(0.6 of the estimated peak)" in text
+    assert "Pipeline stages of 'tower' (balance='time')" in text
+    assert set(passed.kip_stages.values()) == {0, 1} and _executor_segments(passed)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"auto": True, "budget": 0.5}, "unknown key"),
+    ({"auto": True, "memory_budget": 1.5}, "fraction.*in \\(0, 1\\]"),
+    ({"memory_budget": 0.5}, "needs auto=True"),
+    ({"auto": True, "targets": ["a"]}, "not both"),
+])
+def test_a_wrong_recompute_config_names_its_place(value, message):
+    with pytest.raises(kip.ConfigError, match=message) as raised:
+        kip.passes_from_config({"recompute": value})
+    assert raised.value.path.startswith("recompute")
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"num_stages": 0}, "positive int"),
+    ({"num_stages": 2, "balance": "flops"}, "balance is one of"),
+    ({"num_stages": 2, "stages": [["a"]]}, "not both"),
+])
+def test_a_wrong_pipeline_stages_config_names_its_place(value, message):
+    with pytest.raises(kip.ConfigError, match=message):
+        kip.passes_from_config({"pipeline_stages": value})
+
+
+def test_inspect_prints_the_plans(tmp_path, capsys):
+    config = tmp_path / "passes.yaml"
+    config.write_text("expand: all\nrecompute: {auto: true}\n"
+                      "pipeline_stages: {num_stages: 2, balance: params}\n")
+    target = f"{EXAMPLES / 'resnet_blocks.py'}:SmallResNet"
+    argv = ["inspect", target, "--data-shape", "16,16,3", "--batch-size", "8",
+            "--passes", str(config)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Recompute plan of" in out and "estimated peak without recompute" in out
+    assert "Pipeline stages of" in out and "largest / mean" in out
+
+
+@pytest.mark.parametrize("example, shape", [("text_transformer", (8, 12)),
+                                            ("resnet_blocks", (8, 16, 16, 3))])
+def test_the_planned_order_is_the_order_the_rebuilt_model_runs(example, shape):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        module = __import__(example)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    rng = np.random.default_rng(0)
+    if example == "text_transformer":
+        x = rng.integers(1, 50, size=shape).astype("int32")
+    else:
+        x = rng.normal(size=shape).astype("float32")
+    passed = kip.apply_passes(kip.convert_to_functional(module.build_model(), x), [Expand()])
+    planned = [node.name for node in node_costs.execution_order(graph_of(passed))]
+    assert planned == [node.operation.name for node in _compat.functional_nodes(passed)]
