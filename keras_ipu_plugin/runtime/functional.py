@@ -11,11 +11,11 @@ its config so they survive `save` / `load_model`:
 - `kip_original_mask`: what an explicit `mask=` meant to the original model
   (see `mask_semantics`); a mask this graph cannot apply the way the
   original would is refused, never applied differently.
+- `kip_report` (not saved): the report of the conversion and passes.
 
 Every call checks that each input has the dtype kind (int, float, bool,
 string) the model was converted with: Keras's functional model would cast
 a float batch to an int input silently.
-- `kip_report` (not saved): the report of the conversion and passes.
 """
 
 import inspect
