@@ -20,3 +20,19 @@ def test_readme_minimal_example_runs_twice_in_one_process():
         exec(compile(code, str(README), "exec"), namespace)
         report = namespace["passed"].kip_report
         assert len(report.touched("recompute")) == 1  # the one LayerNormalization
+
+
+def test_architecture_writing_a_pass_example_runs_and_its_pass_reads_from_configs(monkeypatch):
+    import keras_ipu_plugin as kip
+    from keras_ipu_plugin.passes import base
+
+    monkeypatch.setattr(base, "_PASSES", dict(base._PASSES))  # the registry, restored after
+    text = (README.parent / "docs" / "architecture.md").read_text()
+    code = text[text.index("### Writing a pass"):].split("```python", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(code, "docs/architecture.md", "exec"), namespace)
+    tagged = namespace["tagged"]
+    assert tagged.kip_annotations and all(
+        annotations == {"tag": "x"} for annotations in tagged.kip_annotations.values()
+    )
+    assert kip.passes_from_config({"tag_dense": {"label": "y"}}) == [namespace["TagDense"]("y")]
