@@ -49,6 +49,9 @@ import os
 import statistics
 import subprocess
 import sys
+
+# Children run this file by path: the repository's package, installed or not.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time
 from pathlib import Path
 
@@ -221,11 +224,13 @@ def _status(field):
 
 # -- the parent: alternate the variants, print side by side ---------------------------
 def run(model_name, variant):
-    out = subprocess.run(
+    done = subprocess.run(
         [sys.executable, __file__, "--child", model_name, variant],
-        check=True, capture_output=True, text=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+        capture_output=True, text=True,
+    )
+    if done.returncode != 0:  # show why the child failed, not only that it did
+        raise RuntimeError(f"child {model_name} / {variant} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def summarise(runs):

@@ -32,6 +32,9 @@ import os
 import statistics
 import subprocess
 import sys
+
+# Children run this file by path: the repository's package, installed or not.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time
 
 FULL = dict(layers=8, hidden=512, heads=8, sequence=256, batch=16, vocabulary=30522)
@@ -109,11 +112,13 @@ def child(variant, size):
 
 
 def run(variant, size_name):
-    out = subprocess.run(
+    done = subprocess.run(
         [sys.executable, __file__, "--child", variant, size_name],
-        check=True, capture_output=True, text=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+        capture_output=True, text=True,
+    )
+    if done.returncode != 0:  # show why the child failed, not only that it did
+        raise RuntimeError(f"child {variant} / {size_name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(size_name):
