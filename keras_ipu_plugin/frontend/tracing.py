@@ -830,6 +830,11 @@ def _replayed_shapes(nodes, prefix, batch_size):
                 f"shapes of `{node.name}` cannot be checked to follow it: "
                 f"{type(error).__name__})"
             ) from error
+        # As in the trace (`_collect`): a layer that leaves a dimension
+        # unknown although its inputs know theirs (`EinsumDense(output_shape=
+        # (None, f))` leaves the sequence out) is asked TensorFlow's shape
+        # inference, or the replay could not tell that dimension is fixed.
+        outputs = _precise_specs(operation, args, kwargs, outputs)
         for value, tensor in zip(node.outputs, outputs):
             replayed[id(value)] = tensor
             shapes[id(value)] = tuple(tensor.shape)
