@@ -786,6 +786,34 @@ def test_a_batch_sized_block_with_an_einsum_dense_of_unknown_length_expands():
         np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
 
 
+class GroupedQueries(layers.Layer):
+    """keras_hub's Gemma attention: queries from an `EinsumDense` whose
+    `output_shape=(None, heads, dim)` leaves the sequence length out of its
+    own output shape, then reshaped to a shape built from `ops.shape(q)`.
+    Only the batch size may be unknown there."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.query = layers.EinsumDense("btd,dnh->btnh", output_shape=(None, 2, 4), name="query")
+
+    def call(self, x):
+        q = self.query(x)
+        shape = ops.shape(q)
+        q = ops.reshape(q, (*shape[:-2], 1, 2, shape[-1]))
+        return ops.reshape(ops.sum(q, axis=2), (shape[0], shape[1], 8))
+
+
+def test_a_block_reshaping_to_the_shape_of_an_einsum_dense_output_expands():
+    x = _rand(4, 5, 3)
+    model = BatchModel(GroupedQueries(name="block"), name="grouped")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    for batch in (1, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""
