@@ -1140,3 +1140,76 @@ def test_nested_expansion_wires_every_fresh_conversion_correctly():
         model(x)
         passed = kip.apply_passes(kip.convert_to_functional(model, x), [kip.passes.Expand()])
         np.testing.assert_allclose(np.asarray(passed(x)), np.asarray(model(x)), atol=1e-5)
+
+
+class ConfiglessNorm(keras.layers.Layer):
+    """keras_hub's Gemma `RMSNormalization`: no `get_config`, and built with
+    `dtype=<a DTypePolicy>`, for which Keras cannot write one either."""
+
+    def __init__(self, epsilon=1e-6, **kwargs):
+        super().__init__(**kwargs)
+        self.epsilon = epsilon
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x):
+        variance = keras.ops.mean(keras.ops.square(x), axis=-1, keepdims=True)
+        return x * keras.ops.rsqrt(variance + self.epsilon) * self.scale
+
+
+class ScaledNormNet(keras.Model):
+    """Gemma's embedding scale `x * ops.cast(sqrt(d), x.dtype)` (which Keras
+    calls sparse) before a configless norm."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Dense(4, name="embed")
+        self.norm = ConfiglessNorm(epsilon=0.25, dtype=keras.DTypePolicy("float32"), name="norm")
+
+    def call(self, x):
+        x = self.embed(x)
+        return self.norm(x * keras.ops.cast(2.0, x.dtype))
+
+
+def _copy_in_order(old, new):
+    for source, target in zip(old.weights, new.weights):
+        target.assign(source)
+
+
+def test_a_tensor_scaled_by_a_constant_is_not_recorded_as_sparse():
+    x = np.random.RandomState(0).normal(size=(3, 5)).astype("float32")
+    model = ScaledNormNet()
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    assert not any(value.spec.sparse for node in converted.kip_graph.nodes
+                   for value in node.outputs)
+
+
+def test_replace_reads_a_configless_layers_arguments_from_its_attributes():
+    x = np.random.RandomState(0).normal(size=(3, 5)).astype("float32")
+    model = ScaledNormNet()
+    model(x)
+    model.norm.scale.assign([0.5, 1.0, 1.5, 2.0])
+    Faster = type("FasterNorm", (ConfiglessNorm,), {})
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [
+        Replace({ConfiglessNorm: Replacement(Faster, copy_weights_fn=_copy_in_order)})])
+    new = passed.kip_graph.node("norm").operation
+    assert type(new) is Faster and new.epsilon == 0.25
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
+    assert any("read from its attributes" in entry.detail for entry in passed.kip_report.entries)
+
+
+class ArgumentNotKept(ConfiglessNorm):
+    def __init__(self, center=True, **kwargs):
+        super().__init__(**kwargs)
+
+
+def test_replace_of_a_configless_layer_missing_an_argument_says_which():
+    x = np.random.RandomState(0).normal(size=(3, 5)).astype("float32")
+    inputs = keras.Input((5,))
+    outputs = ArgumentNotKept(dtype=keras.DTypePolicy("float32"), name="norm")(inputs)
+    model = keras.Model(inputs, outputs)
+    with pytest.raises(kip.PassError, match="`center`"):
+        kip.apply_passes(kip.convert_to_functional(model, x), [
+            Replace({ArgumentNotKept: Replacement(ArgumentNotKept, copy_weights_fn=_copy_in_order)})])

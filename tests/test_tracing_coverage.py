@@ -756,6 +756,64 @@ def test_a_block_using_the_batch_size_expands_to_a_graph_for_any_batch_size(bloc
         np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
 
 
+class CausalGatedFeedForward(layers.Layer):
+    """keras_hub's Gemma decoder block: a causal mask broadcast to the batch
+    size (traced at two batch sizes) and a gated feed-forward of
+    `EinsumDense(output_shape=(None, f))`, whose own output shape leaves
+    the sequence length unknown although its input knows it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(2, 4, name="attention")
+        self.gate = layers.EinsumDense("btd,df->btf", output_shape=(None, 6), name="gate")
+
+    def call(self, x):
+        length = ops.shape(x)[1]
+        mask = ops.expand_dims(ops.tril(ops.ones((length, length), "int32")), 0)
+        mask = ops.broadcast_to(mask, (ops.shape(x)[0], length, length))
+        return self.gate(self.attention(x, x, attention_mask=mask))
+
+
+def test_a_batch_sized_block_with_an_einsum_dense_of_unknown_length_expands():
+    x = _rand(4, 5, 3)
+    model = BatchModel(CausalGatedFeedForward(name="block"), name="gated")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert passed.kip_graph.node("block.gate").operation is model.block.gate
+    for batch in (1, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class GroupedQueries(layers.Layer):
+    """keras_hub's Gemma attention: queries from an `EinsumDense` whose
+    `output_shape=(None, heads, dim)` leaves the sequence length out of its
+    own output shape, then reshaped to a shape built from `ops.shape(q)`.
+    Only the batch size may be unknown there."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.query = layers.EinsumDense("btd,dnh->btnh", output_shape=(None, 2, 4), name="query")
+
+    def call(self, x):
+        q = self.query(x)
+        shape = ops.shape(q)
+        q = ops.reshape(q, (*shape[:-2], 1, 2, shape[-1]))
+        return ops.reshape(ops.sum(q, axis=2), (shape[0], shape[1], 8))
+
+
+def test_a_block_reshaping_to_the_shape_of_an_einsum_dense_output_expands():
+    x = _rand(4, 5, 3)
+    model = BatchModel(GroupedQueries(name="block"), name="grouped")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    for batch in (1, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""

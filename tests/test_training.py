@@ -370,3 +370,76 @@ def test_replaced_layers_train_save_and_load_in_the_wrapped_layout(tmp_path):
     again.convert(x[:16])
     again.load_weights(tmp_path / "plugin.weights.h5")
     np.testing.assert_allclose(again(x), plugin(x), atol=1e-5)
+
+
+
+class TracedShapes(keras.layers.Layer):
+    """Passes its input on; records the shape of each graph (not eager, not
+    symbolic-Keras) tensor it is called on: the shapes a compiled step is
+    traced with."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.traced = []
+
+    def call(self, x):
+        if tf.is_tensor(x) and not isinstance(x, keras.KerasTensor) and not tf.executing_eagerly():
+            self.traced.append(tuple(x.shape))
+        return x
+
+
+class AttentionPooled(keras.Model):
+    """Self-attention, then attention pooling (a softmax over the sequence
+    of a Dense(1)), as CCT's: the pooling's bias and the attention's key
+    bias shift softmax inputs uniformly, so their gradients are zero but
+    for rounding, which Adam turns into steps. Training equals plain Keras
+    only if every step computes exactly what plain Keras's step computes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.shapes = TracedShapes()
+        self.embed = keras.layers.Dense(8, activation="gelu")
+        self.attention = keras.layers.MultiHeadAttention(2, 4)
+        self.score = keras.layers.Dense(1)
+        self.logits = keras.layers.Dense(3)
+
+    def call(self, x):
+        x = self.embed(self.shapes(x))
+        x = x + self.attention(x, x)
+        weights = keras.ops.softmax(self.score(x), axis=1)
+        pooled = keras.ops.squeeze(keras.ops.matmul(keras.ops.transpose(weights, (0, 2, 1)), x), 1)
+        return self.logits(pooled)
+
+
+def _attention_pooled_fit(how):
+    rng = np.random.RandomState(0)
+    x = rng.rand(12, 6, 5).astype("float32")
+    y = keras.utils.to_categorical(rng.randint(0, 3, size=(12,)), 3)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    keras.utils.set_random_seed(3)
+    model = AttentionPooled()
+    model(x[:4])
+    model.shapes.traced.clear()  # building traced it in a scratch graph
+    trainee, callbacks = model, []
+    if how == "plugin_model":
+        trainee = kip.PluginModel(model)
+    elif how == "plugin_callback":
+        callbacks = [kip.PluginCallback()]
+    trainee.compile(optimizer=keras.optimizers.Adam(1e-3),
+                    loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    history = trainee.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    return history.history["loss"], [np.array(v.numpy()) for v in model.weights], model.shapes.traced
+
+
+@pytest.mark.parametrize("how", ["plugin_model", "plugin_callback"])
+def test_the_first_compiled_step_is_traced_with_the_shapes_fit_gives(how):
+    # Traced with the first batch's static shapes, the step's graph is
+    # optimised otherwise than plain Keras's and rounds otherwise (a CCT's
+    # pooling bias then trained differently).
+    expected_loss, expected, expected_shapes = _attention_pooled_fit("plain")
+    loss, actual, shapes = _attention_pooled_fit(how)
+    assert set(expected_shapes) == {(None, 6, 5)}, expected_shapes
+    assert set(shapes) == {(None, 6, 5)}, shapes
+    assert loss == expected_loss
+    for e, a in zip(expected, actual):
+        np.testing.assert_array_equal(a, e)

@@ -507,9 +507,28 @@ def _lifting_call(self, *args, **kwargs):
 @functools.lru_cache(maxsize=None)
 def _builtin_view_class(cls):
     """A subclass of a Keras layer class whose calls on concrete tensors are
-    lifted (`_lifting_call`); everything else is the class's own."""
+    lifted (`_lifting_call`) and whose output shapes are as precise as its
+    inputs allow (`_precise_output_spec`); everything else is the class's own."""
     return type(cls.__name__, (cls,), {"__module__": cls.__module__,
-                                       "__call__": _lifting_call})
+                                       "__call__": _lifting_call,
+                                       "compute_output_spec": _precise_output_spec})
+
+
+def _precise_output_spec(self, *args, **kwargs):
+    """The layer's own output spec, made precise by `_precise_specs` where
+    it leaves a dimension unknown that its inputs know: the code after it
+    in `call` reads it (keras_hub's Gemma attention reshapes to
+    `ops.shape(q)` after an `EinsumDense(output_shape=(None, heads, dim))`,
+    whose own spec leaves the sequence length out; a None there would be
+    taken for the batch size)."""
+    outputs = super(type(self), self).compute_output_spec(*args, **kwargs)
+    flat = keras.tree.flatten(outputs)
+    if not all(isinstance(t, keras.KerasTensor) for t in flat):
+        return outputs
+    precise = _precise_specs(self, args, kwargs, flat)
+    if precise is flat:
+        return outputs
+    return keras.tree.pack_sequence_as(outputs, precise)
 
 
 def _is_concrete(leaf):
@@ -655,7 +674,10 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         if pinned and node.training is not None:
             node.training = bool(node.training)
         outputs_recorded = _compat.node_outputs(keras_node)
-        specs = _precise_specs(operation, args, kwargs, outputs_recorded)
+        specs = _dense_unless_given_sparse(
+            _precise_specs(operation, args, kwargs, outputs_recorded),
+            [values[id(leaf)].spec if isinstance(leaf, keras.KerasTensor) else leaf
+             for leaf in keras.tree.flatten((args, kwargs))])
         for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
             value = Value(node, index, spec)
             node.outputs.append(value)
@@ -672,6 +694,24 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
     if batch_sized:
         _check_batch_dimensions(nodes, prefix)
     return nodes, output_values
+
+
+def _dense_unless_given_sparse(specs, structure):
+    """`specs` with `sparse=False` where no argument is sparse. Keras's
+    `ops.multiply` calls its output sparse when either argument is not a
+    tensor of its own (`x * ops.cast(scale, x.dtype)` in keras_hub's Gemma
+    embedding); a layer later rebuilt on such a spec is traced on a
+    SparseTensor and fails (or computes sparse). `structure`: the
+    arguments, a KerasTensor given as the spec recorded for it."""
+    if not any(spec.sparse for spec in specs) or any(
+        getattr(leaf, "sparse", False) is True or isinstance(leaf, tf.SparseTensor)
+        for leaf in keras.tree.flatten(structure)
+    ):
+        return specs
+    return [
+        keras.KerasTensor(spec.shape, dtype=spec.dtype, ragged=spec.ragged) if spec.sparse else spec
+        for spec in specs
+    ]
 
 
 def _precise_specs(operation, args, kwargs, outputs):
@@ -830,6 +870,11 @@ def _replayed_shapes(nodes, prefix, batch_size):
                 f"shapes of `{node.name}` cannot be checked to follow it: "
                 f"{type(error).__name__})"
             ) from error
+        # As in the trace (`_collect`): a layer that leaves a dimension
+        # unknown although its inputs know theirs (`EinsumDense(output_shape=
+        # (None, f))` leaves the sequence out) is asked TensorFlow's shape
+        # inference, or the replay could not tell that dimension is fixed.
+        outputs = _precise_specs(operation, args, kwargs, outputs)
         for value, tensor in zip(node.outputs, outputs):
             replayed[id(value)] = tensor
             shapes[id(value)] = tuple(tensor.shape)

@@ -145,7 +145,7 @@ class Replacement:
         the functional model needs distinct names when one `params` name
         replaces several layers)."""
         accepted = accepted_config_keys(self.new_class)
-        config = {k: v for k, v in old.get_config().items() if k in accepted}
+        config = {k: v for k, v in layer_config(old, self.params).items() if k in accepted}
         config.update(self.params)
         if name is not None:
             config["name"] = name
@@ -285,6 +285,8 @@ def _new_layer(node, replacement, report, step, name=None):
         kwargs.pop("training", None)
         new(*args, **kwargs)  # builds the variables, under the owning strategy
     detail = f"{type(old).__name__} -> {type(new).__name__}"
+    if not has_own_config(old):
+        detail += " (no get_config: its constructor arguments read from its attributes)"
     if replacement.params:
         detail += f", params {replacement.params}"
     if replacement.copy_weights:
@@ -353,6 +355,63 @@ def _max_difference(old, new, args, kwargs):
                       for e, a in zip(expected, actual)), default=0.0)
     scale = max((float(np.max(np.abs(e), initial=0.0)) for e in expected), default=0.0)
     return difference, scale
+
+
+def has_own_config(layer):
+    """Whether `layer.get_config()` works (Keras writes it for a class that
+    does not, unless an argument was one it cannot serialise)."""
+    try:
+        layer.get_config()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def layer_config(layer, given=()):
+    """`layer.get_config()`, or, for a layer that has none (keras_hub's
+    Gemma `RMSNormalization` writes no `get_config` and is given a dtype
+    policy object, which Keras cannot write one for), its constructor's
+    arguments read back from its attributes of the same names
+    (`self.epsilon = epsilon`), with the base Layer's (`name`, `dtype`,
+    `trainable`). An argument neither stored so nor in `given` (the
+    Replacement's `params`) raises `PassError`: guessing its default could
+    build a layer computing something else.
+
+    Example:
+        >>> layer_config(keras_hub_gemma_rms_norm)["epsilon"]
+        1e-06
+    """
+    try:
+        return layer.get_config()
+    except NotImplementedError:
+        pass
+    config = {"name": layer.name, "dtype": layer.dtype_policy, "trainable": layer.trainable}
+    missing = []
+    for klass in type(layer).__mro__:
+        if klass is keras.layers.Layer:
+            break
+        if "__init__" not in vars(klass):
+            continue
+        for name, parameter in inspect.signature(klass.__init__).parameters.items():
+            if name == "self" or name in config or parameter.kind in (
+                inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL
+            ):
+                continue
+            if name in given:
+                continue
+            if name in vars(layer):
+                config[name] = vars(layer)[name]
+            else:
+                missing.append(name)
+    if missing:
+        raise PassError(
+            f"replace: `{layer.name}` ({type(layer).__name__}) has no config (its "
+            f"`get_config` is not implemented) and keeps no attribute for the "
+            f"constructor argument(s) {', '.join(f'`{m}`' for m in missing)}; give "
+            f"them in the Replacement's params, or implement `get_config` on "
+            f"{type(layer).__name__}."
+        )
+    return config
 
 
 def accepted_config_keys(layer_class):

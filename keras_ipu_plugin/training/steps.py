@@ -517,7 +517,9 @@ class StepFunction:
             elif not runtime.owner.run_eagerly:
                 convert_calls(runtime, self.step, data)  # eager steps convert as they call
             self._make()
-            return self._run([data])
+            if runtime.owner.run_eagerly:
+                return self._run([data])
+            return self._run(_first_batch_as_iterated(iterator, data))
         if iterator is not self._iterator:  # a new epoch: a new iterator
             self._iterator = iterator
             if runtime.structure_changed():
@@ -718,6 +720,44 @@ def _next(iterator):
         except tf.errors.OutOfRangeError:
             raise StopIteration
     return next(iter(iterator))
+
+
+def _first_batch_as_iterated(iterator, data):
+    """A source for `StepFunction._run` holding only `data`, the batch just
+    read from `iterator` to convert from, with the shapes `iterator` gives.
+
+    Handed over concrete (a list), the batch would trace the compiled step
+    with its static shapes (`(4, 8, 8, 3)`), where `fit` traces it with the
+    iterator's (`(None, 8, 8, 3)`). TensorFlow optimises the two graphs
+    differently, so the first step rounds differently from plain Keras: a
+    gradient that is zero but for rounding (a bias before a softmax) then
+    takes another Adam step, and training differs. A one-batch iterator
+    whose elements have the original iterator's shapes traces the graph
+    `fit` traces. (A distributed iterator takes the batch as it is.)
+
+    Example:
+        >>> source = _first_batch_as_iterated(iterator, data)
+        >>> _next(source) is not None   # `data`, with `iterator`'s shapes
+        True
+    """
+    spec = getattr(iterator, "element_spec", None)
+    if not isinstance(iterator, tf.data.Iterator) or not all(
+        isinstance(leaf, tf.TensorSpec) for leaf in tf.nest.flatten(spec)
+    ):
+        return [data]
+    try:
+        tf.nest.assert_same_structure(data, spec)
+    except (TypeError, ValueError):
+        return [data]
+
+    def as_iterated(batch):
+        return tf.nest.map_structure(
+            lambda tensor, leaf: tf.compat.v1.placeholder_with_default(tensor, leaf.shape),
+            batch, spec,
+        )
+
+    single = tf.data.Dataset.from_tensors((data,)).map(as_iterated)
+    return iter(single)
 
 
 def _first_x(model, data):
