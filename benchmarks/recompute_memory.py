@@ -21,17 +21,16 @@ Variants, each in its own process (peak memory is per process):
   peak without recomputation.
 
 Each process traces `fit` on one batch and runs a warm-up step; then it
-records its resident memory, resets the peak (`/proc/self/clear_refs`), times
-STEPS single steps and reads the peak again: "step peak" is what the
-training steps added on top of the weights, data and runtime (activations,
-gradients, temporaries), the quantity the plan estimates. The processes run
-with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_`), so that large
-tensors are returned to the system when freed and the resident peak is the
-peak of live tensors rather than of the allocator's cache; step times are
-measured under that setting too. On a GPU (when one is visible) the step
-peak is `tf.config.experimental.get_memory_info` after
-`reset_memory_stats`, in bytes of device memory, and the host figures are
-printed beside it.
+reads what TensorFlow's allocator holds (weights, optimizer state, data),
+resets its peak (`tf.config.experimental.reset_memory_stats`), times STEPS
+single steps and reads the peak again (`get_memory_info`): "step peak" is
+what the training steps added on top (activations, gradients, temporaries),
+the quantity the plan estimates. On the CPU the processes run with
+TensorFlow's BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true`), which keeps
+these counts as it does on a GPU; on a GPU (when one is visible) they are
+bytes of device memory. The process's resident peak is printed beside it,
+but it is no measure of the plan: it includes tracing the step, and memory
+the allocator freed is not given back, so it never falls.
 
 The variants of a model alternate over ROUNDS rounds; the median over rounds
 is printed (one step on a shared 2-core machine swings by tens of percent).
@@ -56,6 +55,9 @@ import time
 from pathlib import Path
 
 STEPS, ROUNDS = 4, 2
+#: TensorFlow's BFC allocator on the CPU too: it counts the bytes in use
+#: and their peak (`get_memory_info`), as on a GPU (see the module docstring).
+CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 MODELS = {
     "mlp": ("baseline", "hand", "hand-written", "auto", "budget"),
     "transformer": ("baseline", "hand", "auto", "budget"),
@@ -89,27 +91,23 @@ def child(model_name, variant):
             plan = _plan_figures(model)
     model.compile(optimizer="sgd", loss=loss)
     batch = len(x) // STEPS
-    gpu = tf.config.list_logical_devices("GPU")
-    gc.collect()
-    # TensorFlow keeps the memory it freed for its next allocation (the
-    # resident size does not fall back after a step), so the step peak is
-    # the process's peak over what it held before its first step.
-    before = _status("VmRSS")
-    if gpu:
-        tf.config.experimental.reset_memory_stats("GPU:0")
-        gpu_before = tf.config.experimental.get_memory_info("GPU:0")["current"]
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=2, verbose=0)  # trace, warm up
+    gc.collect()
+    # What TensorFlow's allocator holds now (weights, optimizer state, data)
+    # and its peak over the timed steps: the step peak is what the training
+    # steps added on top, the quantity the plan estimates.
+    held = tf.config.experimental.get_memory_info(device)["current"]
+    tf.config.experimental.reset_memory_stats(device)
     times = StepTimes(keras)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[times])
     result = {
-        "step_peak": (_status("VmHWM") - before) * 1024,
+        "step_peak": tf.config.experimental.get_memory_info(device)["peak"] - held,
         "process_peak": _status("VmHWM") * 1024,
         "step_s": statistics.median(times.times),
         "plan": plan,
+        "device": device,
     }
-    if gpu:
-        result["gpu_step_peak"] = (
-            tf.config.experimental.get_memory_info("GPU:0")["peak"] - gpu_before)
     print(json.dumps(result))
 
 
@@ -226,7 +224,7 @@ def _status(field):
 def run(model_name, variant):
     done = subprocess.run(
         [sys.executable, __file__, "--child", model_name, variant],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env={**os.environ, **CHILD_ENV},
     )
     if done.returncode != 0:  # show why the child failed, not only that it did
         raise RuntimeError(f"child {model_name} / {variant} failed:\n{done.stderr[-3000:]}")
@@ -239,18 +237,19 @@ def summarise(runs):
         return statistics.median(values) if values else None
 
     return {"step_peak": median("step_peak"), "process_peak": median("process_peak"),
-            "step_s": median("step_s"), "gpu_step_peak": median("gpu_step_peak"),
+            "step_s": median("step_s"), "device": runs[-1]["device"],
             "plan": runs[-1]["plan"]}
 
 
 def report(model_name, result):
     mib = 2 ** 20
     base = result["baseline"]
-    gpu = base["gpu_step_peak"] is not None
     print(f"\n== {model_name} ==")
     header = (f"{'variant':<14}{'step peak MiB':>15}{'x base':>8}{'process MiB':>13}"
               f"{'step s':>9}{'x base':>8}{'est. MiB':>10}{'est./meas.':>11}")
-    print(header + (f"{'GPU step MiB':>14}" if gpu else ""))
+    print(f"(step peak: TensorFlow's allocator on {base['device']}, over what it held "
+          "before the timed steps; process: the resident peak)")
+    print(header)
     for name, r in result.items():
         plan = r["plan"] or {}
         estimate = plan.get("peak")
@@ -259,8 +258,6 @@ def report(model_name, result):
                 f"{r['step_s'] / base['step_s']:>8.2f}"
                 + (f"{estimate / mib:>10.0f}{estimate / r['step_peak']:>11.2f}" if estimate
                    else f"{'':>10}{'':>11}"))
-        if gpu:
-            line += f"{r['gpu_step_peak'] / mib:>14.0f}"
         print(line)
     some_plan = next((r["plan"] for r in result.values() if r["plan"]), None)
     if some_plan:
@@ -268,11 +265,11 @@ def report(model_name, result):
               f"{some_plan['baseline_peak'] / mib:.0f} MiB "
               f"(measured: {base['step_peak'] / mib:.0f} MiB)")
     auto, budget = result.get("auto"), result.get("budget")
-    measure = "gpu_step_peak" if gpu else "step_peak"
+    measure = "step_peak"
     if auto:
         memory = auto[measure] / base[measure]
         step = auto["step_s"] / base["step_s"]
-        hand = result["hand"][measure]
+        hand = result["hand"][measure] if "hand" in result else float("nan")
         print(f"auto: checkpoints {', '.join(auto['plan']['checkpoints']) or 'none'}; "
               f"estimated extra compute {auto['plan']['extra_fraction']:.2f} forward passes")
         print(f"goal auto <= 0.6x baseline memory: {memory:.2f} "
@@ -290,13 +287,16 @@ def report(model_name, result):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("models", nargs="*", choices=[*MODELS, []])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--variants", nargs="+", help="only these variants (baseline always)")
     args = parser.parse_args(argv)
-    for model_name in args.models:
-        runs = {variant: [] for variant in MODELS[model_name]}
+    for model_name in args.models or list(MODELS):
+        variants = [v for v in MODELS[model_name]
+                    if not args.variants or v == "baseline" or v in args.variants]
+        runs = {variant: [] for variant in variants}
         for _ in range(args.rounds):
-            for variant in MODELS[model_name]:
+            for variant in variants:
                 runs[variant].append(run(model_name, variant))
         report(model_name, {variant: summarise(rs) for variant, rs in runs.items()})
 

@@ -332,6 +332,39 @@ def test_node_times_are_measured_and_a_heavier_node_takes_longer():
     assert times["heavy"] > 10 * times["light"], times
 
 
+def test_node_times_are_taken_in_interleaved_rounds(monkeypatch):
+    # Timed one node after the other, a node that ran while the machine was
+    # busy came out slower than its neighbours; in rounds, every node runs
+    # once between two runs of any node, so a busy spell hits them alike.
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
+    inputs = keras.Input((16,))
+    hidden = layers.Dense(8, name="a")(inputs)
+    model = keras.Model(inputs, layers.Dense(4, name="c")(layers.Dense(6, name="b")(hidden)))
+    graph = graph_of(kip.convert_to_functional(model, x))
+    calls, trace = [], node_costs._trace
+
+    def logged_trace(node, batch):
+        traced = trace(node, batch)
+        function = traced.function
+
+        def logged(*arguments):
+            calls.append(node.name)
+            return function(*arguments)
+
+        traced.function = logged
+        return traced
+
+    monkeypatch.setattr(node_costs, "_trace", logged_trace)
+    times = node_costs.time_nodes(graph, 8, repeats=3)
+    assert all(t is not None for t in times)
+    names = [node.name for node in graph.nodes]
+    assert len(names) >= 3 and set(calls) == set(names)
+    # after each node's first run, the runs go round the nodes in turn
+    rounds = calls[len(names):]
+    assert len(rounds) >= 3 * len(names)
+    assert rounds == names * (len(rounds) // len(names)), calls
+
+
 def test_stages_balanced_by_activations_use_the_bytes_kept_for_backward():
     passed = kip.apply_passes(_converted(Uneven(name="uneven")),
                               [PipelineStages(num_stages=2, balance="activations")])

@@ -356,41 +356,48 @@ def time_nodes(graph, batch, repeats=5, profiles=None):
     less the cost of calling an empty function; None for a node that cannot
     run alone. Identical layers on identical inputs are timed once.
 
+    The nodes are timed in interleaved rounds (every node once per round,
+    after two warm-up rounds): timed one after the other, a node that ran
+    while the machine was busy came out several times slower than its
+    neighbours, and the stages balanced on it were not balanced.
+
     Example:
         >>> time_nodes(graph, batch=32)[:2]
         [0.00121, 0.00034]
     """
-    cache, times = {}, []
-    overhead = _call_overhead(repeats)
+    runnable, keys = {}, []
+    rng = np.random.default_rng(0)
     for index, node in enumerate(graph.nodes):
         key = profiles[index].key if profiles else _trace_key(node, batch)
-        if key is not None and key in cache:
-            times.append(cache[key])
+        key = key if key is not None else ("node", index)
+        keys.append(key)
+        if key in runnable:
             continue
         try:
-            seconds = max(0.0, _median_run(_trace(node, batch), repeats) - overhead)
+            traced = _trace(node, batch)
+            if traced.function is None:
+                raise ValueError("not traced")
+            arguments = tuple([_random(spec, rng) for spec in specs] for specs in traced.specs)
+            _run_once(traced.function, arguments)  # fails here if it cannot run alone
+            runnable[key] = (traced.function, arguments, [])
         except Exception:  # noqa: BLE001 - a node that cannot run alone
-            seconds = None
-        if key is not None:
-            cache[key] = seconds
-        times.append(seconds)
-    return times
+            runnable[key] = None
+    overhead = _call_overhead(repeats)
+    timed = [entry for entry in runnable.values() if entry is not None]
+    for attempt in range(repeats + 1):  # one more warm-up round (one ran above)
+        for function, arguments, runs in timed:
+            seconds = _run_once(function, arguments)
+            if attempt >= 1:
+                runs.append(seconds)
+    return [None if runnable[key] is None
+            else max(0.0, statistics.median(runnable[key][2]) - overhead) for key in keys]
 
 
-def _median_run(traced, repeats):
-    if traced.function is None:
-        raise ValueError("not traced")
-    rng = np.random.default_rng(0)
-    arguments = tuple([_random(spec, rng) for spec in specs] for specs in traced.specs)
-    runs = []
-    for attempt in range(repeats + 2):  # two warm-up runs
-        start = time.perf_counter()
-        results = traced.function(*arguments)
-        for result in results:
-            result.numpy()  # wait for it
-        if attempt >= 2:
-            runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+def _run_once(function, arguments):
+    start = time.perf_counter()
+    for result in function(*arguments):
+        result.numpy()  # wait for it
+    return time.perf_counter() - start
 
 
 def _call_overhead(repeats):
