@@ -616,3 +616,14 @@ def is_graph_model(model):
     """Whether `model` is a graph of layers (a functional or sequential model
     built on inputs), not a subclassed one."""
     return hasattr(model, "_nodes_by_depth")
+
+
+# Modules of model code that ships inside Keras, written with its layers as
+# a user's code is (ConvNeXt's `LayerScale`); the rest of Keras is its library.
+KERAS_MODEL_CODE_MODULES = ("keras.src.applications.",)
+
+
+def is_keras_model_code(module):
+    """Whether `module` (a `__module__` string) is model code shipped inside
+    Keras rather than Keras's layer library."""
+    return module.startswith(KERAS_MODEL_CODE_MODULES)
