@@ -63,3 +63,108 @@ def test_a_keras_applications_layer_reading_its_own_weight_expands_with_equal_gr
     for got, want in zip(_gradients(passed, x, model.trainable_variables),
                          _gradients(model, x, model.trainable_variables)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- a sub-layer returning None among its outputs ---------------------------------
+class AttentionWithCache(layers.Layer):
+    """Returns `(output, cache)`, the cache None when none is given (as
+    keras_hub's T5MultiHeadAttention does)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+
+    def call(self, x, cache=None):
+        output = self.dense(x)
+        if cache is not None:
+            cache = cache + output
+        return output, cache
+
+
+class CacheBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = AttentionWithCache(name="attention")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        y, cache = self.attention(x)
+        return self.norm(x + y)
+
+
+class CacheNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = CacheBlock(name="block")
+        self.head = layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def test_a_block_whose_sub_layer_returns_none_among_its_outputs_expands():
+    # T5's transformer layer calls an attention returning (output, None):
+    # Keras's node rejects a None output, so the layer could not be
+    # expanded, and Replace could not reach the norms inside it.
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    model = CacheNet(name="cache_net")
+    model(x)
+    converted = kip.convert_to_functional(model, (x,))
+    one_level = kip.apply_passes(converted, [Expand("block")])
+    node = one_level.kip_graph.node("block.attention")
+    assert node.output_structure == (0, None)
+    np.testing.assert_allclose(one_level(x), model(x), atol=1e-6)
+    everything = kip.apply_passes(converted, [Expand("all")])
+    assert {"CacheBlock", "AttentionWithCache"}.isdisjoint(_classes(everything))
+    np.testing.assert_allclose(everything(x), model(x), atol=1e-6)
+    for got, want in zip(_gradients(one_level, x, model.trainable_variables),
+                         _gradients(model, x, model.trainable_variables)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- Replace of a layer whose config Keras cannot generate ----------------------------
+class ScaleNorm(layers.Layer):
+    """As keras_hub's T5LayerNorm: no `get_config`, made with a dtype
+    policy object (which Keras cannot put in a generated config)."""
+
+    def __init__(self, epsilon=1e-6, **kwargs):
+        super().__init__(**kwargs)
+        self.epsilon = epsilon
+
+    def build(self, input_shape):
+        self.weight = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="weight")
+
+    def call(self, x):
+        variance = keras.ops.mean(keras.ops.square(x), axis=-1, keepdims=True)
+        return self.weight * x * keras.ops.rsqrt(variance + self.epsilon)
+
+
+class NormBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+        self.norm = ScaleNorm(0.5, dtype=self.dtype_policy, name="norm")
+
+    def call(self, x):
+        return self.norm(self.dense(x))
+
+
+class NewScaleNorm(ScaleNorm):
+    pass
+
+
+def test_replace_makes_a_layer_whose_config_keras_cannot_generate_from_its_attributes():
+    x = _rng().normal(size=(2, 4)).astype("float32")
+    inputs = keras.Input((4,))
+    block = NormBlock(name="block")
+    model = keras.Model(inputs, block(inputs))
+    block.norm.weight.assign([1.0, 2.0, 3.0, 4.0])
+
+    def copy(old, new):
+        new.weight.assign(old.weight)
+
+    replace = kip.passes.Replace({ScaleNorm: kip.passes.Replacement(NewScaleNorm, copy_weights_fn=copy)})
+    passed = kip.apply_passes(kip.convert_to_functional(model, (x,)), [replace])
+    new = [node.operation for node in passed.kip_graph.nodes if isinstance(node.operation, NewScaleNorm)]
+    assert len(new) == 1 and new[0].epsilon == 0.5
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-6)

@@ -100,6 +100,11 @@ def trace_model(model, input_specs, training=None):
     nodes, outputs = trace_call(
         model, (inputs,), {}, placeholders, training=training, prefix=""
     )
+    if any(leaf is None for leaf in keras.tree.flatten(outputs)):
+        raise TraceError(
+            "`call` returns None among its outputs, which a functional model "
+            "cannot return; return the tensors only"
+        )
     return Graph(input_specs, input_values, nodes, outputs, name=model.name)
 
 
@@ -290,7 +295,8 @@ def _trace_once(trace, training, pinned, opaque_layers):
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
         return _collect(outputs, trace.placeholders, trace.prefix, pinned,
-                        opaque_layers, trace.read_names, trace.anchor)
+                        opaque_layers, trace.read_names, trace.anchor,
+                        trace.none_leaves)
 
 
 class _Trace:
@@ -317,6 +323,9 @@ class _Trace:
         self.failure = None  # why the symbolic trace failed, for a retry
         self.lift_for = set()  # ids of the views whose concrete calls are lifted
         self.read_names = {}  # id(Keras node of a read) -> its node name
+        # id(Keras node) -> (the node, its output structure, None leaves and
+        # all) for a call that returned None among its outputs (`_tensors_only`)
+        self.none_leaves = {}
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
         self._taken = set()
         self._new_reads = []
@@ -411,12 +420,37 @@ def _inline_view_class(cls, function):
     module docstring); classes that say their own output shape keep it."""
     if _states_own_output_shape(cls):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                           "compute_output_spec": _own_output_spec,
                                            "__call__": _lifting_call})
     return type(cls.__name__, (cls,), {
         "__module__": cls.__module__,
         "compute_output_spec": _inline_output_spec,
         "__call__": _lifting_call,
     })
+
+
+_NONE_LEAVES = "_kip_none_leaves"  # in a view's dict: see `_tensors_only`
+
+
+def _tensors_only(view, outputs):
+    """`outputs` for Keras's node: a layer may return None among its outputs
+    (keras_hub's attention returns `(output, None)` when given no cache),
+    which a Keras node rejects. The node then records the tensors alone, and
+    the structure with its None leaves is kept on the view until its
+    `__call__` (`_lifting_call`) hands it back to the calling code."""
+    leaves = keras.tree.flatten(outputs)
+    if not any(leaf is None for leaf in leaves):
+        return outputs
+    if all(leaf is None for leaf in leaves):
+        raise TraceError(f"`{viewed_layer(view).name}` returns no tensor, only None")
+    vars(view)[_NONE_LEAVES] = outputs
+    return [leaf for leaf in leaves if leaf is not None]
+
+
+def _own_output_spec(self, *args, **kwargs):
+    """The class's own `compute_output_spec`, with None outputs kept aside
+    (`_tensors_only`)."""
+    return _tensors_only(self, super(type(self), self).compute_output_spec(*args, **kwargs))
 
 
 def _states_own_output_shape(cls):
@@ -449,11 +483,15 @@ def _inline_output_spec(self, *args, **kwargs):
     try:
         with _compat.node_lists_snapshot(layers, always=True):
             outputs = self.call(*args, **kwargs)
-            return keras.tree.map_structure(_fresh_keras_tensor, outputs)
+            return _tensors_only(self, keras.tree.map_structure(_fresh_keras_tensor, outputs))
+    except TraceError:
+        raise
     except Exception:
         pass
     try:
-        return super(type(self), self).compute_output_spec(*args, **kwargs)
+        return _tensors_only(self, super(type(self), self).compute_output_spec(*args, **kwargs))
+    except TraceError:
+        raise
     except Exception as error:
         layer = viewed_layer(self)  # only views have this method
         try:
@@ -461,7 +499,7 @@ def _inline_output_spec(self, *args, **kwargs):
         except Exception:
             raise error from None
         vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
-        return outputs
+        return _tensors_only(self, outputs)
 
 
 def _autograph_output_spec(layer, args, kwargs):
@@ -501,7 +539,20 @@ def _lifting_call(self, *args, **kwargs):
             _is_concrete(leaf) for leaf in leaves
         ):
             args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
-    return super(type(self), self).__call__(*args, **kwargs)
+    outputs = super(type(self), self).__call__(*args, **kwargs)
+    structure = vars(self).pop(_NONE_LEAVES, None)
+    if structure is None:
+        return outputs
+    # Keras recorded the tensors alone (`_tensors_only`); the calling code
+    # gets the structure it returned, None leaves and all, holding the very
+    # tensors Keras recorded (and set masks on).
+    if trace is not None:
+        # The Keras node is kept with the entry: a node of an inline
+        # computation is dropped once it ends, and its id can come back as
+        # another node's.
+        keras_node = _compat.producing_node(outputs[0])[0]
+        trace.none_leaves[id(keras_node)] = (keras_node, structure)
+    return structure
 
 
 @functools.lru_cache(maxsize=None)
@@ -580,6 +631,8 @@ def _leaves(structure):
 
 
 def _fresh_keras_tensor(tensor):
+    if tensor is None:  # kept aside by `_tensors_only`
+        return None
     if not isinstance(tensor, keras.KerasTensor):
         raise TypeError(f"`call` returned a {type(tensor).__name__}")
     return keras.KerasTensor(tensor.shape, dtype=tensor.dtype, sparse=tensor.sparse,
@@ -587,12 +640,18 @@ def _fresh_keras_tensor(tensor):
 
 
 def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_names=None,
-             anchor=None):
+             anchor=None, none_leaves=None):
     """Walk Keras nodes back from `outputs` into Nodes in topological order,
     naming the user's layers where views were called; `opaque_layers`
     collects the OpaqueLayers made (see `_opaque_layer`). An operation with
     the batch size (None) in its shape becomes a `BatchSizedOperation` that
-    takes it from `anchor` (a KerasTensor among the placeholders)."""
+    takes it from `anchor` (a KerasTensor among the placeholders).
+
+    `none_leaves` ({id(Keras node): (it, output structure)}): calls that returned
+    None among their outputs; their Nodes keep that structure as
+    `output_structure` (output indices, None leaves kept). None leaves of
+    `outputs` stay None in the returned structure."""
+    none_leaves = {} if none_leaves is None else none_leaves
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes = []
@@ -655,6 +714,12 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         if pinned and node.training is not None:
             node.training = bool(node.training)
         outputs_recorded = _compat.node_outputs(keras_node)
+        recorded_node, structure = none_leaves.get(id(keras_node), (None, None))
+        if recorded_node is keras_node:
+            indices = iter(range(len(outputs_recorded)))
+            node.output_structure = keras.tree.map_structure(
+                lambda leaf: None if leaf is None else next(indices), structure
+            )
         specs = _precise_specs(operation, args, kwargs, outputs_recorded)
         for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
             value = Value(node, index, spec)
@@ -662,13 +727,20 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
             values[id(tensor)] = value
         nodes.append(node)
 
-    for tensor in keras.tree.flatten(outputs):
+    leaves = keras.tree.flatten(outputs)
+    if all(tensor is None for tensor in leaves):
+        raise TraceError("`call` returns no tensor")
+    for tensor in leaves:
+        if tensor is None:  # kept as None in the output structure
+            continue
         if not isinstance(tensor, keras.KerasTensor):
             raise TraceError(
                 f"`call` returns a {type(tensor).__name__}, not a tensor"
             )
         visit_tensor(tensor)
-    output_values = keras.tree.map_structure(lambda t: values[id(t)], outputs)
+    output_values = keras.tree.map_structure(
+        lambda t: None if t is None else values[id(t)], outputs
+    )
     if batch_sized:
         _check_batch_dimensions(nodes, prefix)
     return nodes, output_values

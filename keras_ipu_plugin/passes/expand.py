@@ -223,7 +223,8 @@ def trace_node(node, report, reads=None, names=None):
         )
     except tracing.TraceError as error:
         return _stay_opaque(node, error.reason, report)
-    flat_outputs = keras.tree.flatten(outputs)
+    # None leaves (a cache not given) are no Values: the node had none.
+    flat_outputs = [leaf for leaf in keras.tree.flatten(outputs) if leaf is not None]
     if len(flat_outputs) != len(node.outputs):
         return _stay_opaque(node, (
             f"`call` traced to {len(flat_outputs)} outputs but the layer "

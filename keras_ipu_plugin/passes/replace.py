@@ -145,7 +145,7 @@ class Replacement:
         the functional model needs distinct names when one `params` name
         replaces several layers)."""
         accepted = accepted_config_keys(self.new_class)
-        config = {k: v for k, v in old.get_config().items() if k in accepted}
+        config = {k: v for k, v in config_of(old).items() if k in accepted}
         config.update(self.params)
         if name is not None:
             config["name"] = name
@@ -353,6 +353,58 @@ def _max_difference(old, new, args, kwargs):
                       for e, a in zip(expected, actual)), default=0.0)
     scale = max((float(np.max(np.abs(e), initial=0.0)) for e in expected), default=0.0)
     return difference, scale
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def config_of(layer):
+    """`layer.get_config()`; for a layer whose class has no `get_config`
+    and whose config Keras cannot generate (keras_hub's `T5LayerNorm`, made
+    with a dtype policy object), the arguments of its class's `__init__`
+    read back from the layer's attributes of the same names (plain values
+    only), with its name, dtype policy and `trainable`. Raises `PassError`
+    naming the layer when an argument without a default has no such
+    attribute. (With copied weights, Replace then checks that the new
+    layer computes what the old one did.)
+
+    Example:
+        >>> config_of(T5LayerNorm(1e-6, dtype=policy))["epsilon"]
+        1e-06
+    """
+    try:
+        return layer.get_config()
+    except NotImplementedError:
+        pass
+    config = {"name": layer.name, "trainable": layer.trainable, "dtype": layer.dtype_policy}
+    state = vars(layer)
+    for klass in type(layer).__mro__:
+        if klass is keras.layers.Layer:
+            break
+        if "__init__" not in vars(klass):
+            continue
+        for name, parameter in inspect.signature(klass.__init__).parameters.items():
+            if name == "self" or name in config or parameter.kind in (
+                inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL
+            ):
+                continue
+            value = state.get(name, parameter.default)
+            if value is inspect.Parameter.empty or not _is_plain(value):
+                raise PassError(
+                    f"replace: cannot make a config of `{layer.name}` "
+                    f"({type(layer).__name__}): its class has no `get_config`, "
+                    f"Keras could not generate one, and its `__init__` argument "
+                    f"`{name}` is not held as a plain attribute of that name; "
+                    "give the class a `get_config`."
+                )
+            config[name] = value
+    return config
+
+
+def _is_plain(value):
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(item) for item in value)
+    return isinstance(value, _PLAIN)
 
 
 def accepted_config_keys(layer_class):
