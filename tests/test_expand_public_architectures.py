@@ -31,7 +31,8 @@ def _gradients(model, x, variables):
     with tf.GradientTape() as tape:
         y = model(x)
         loss = tf.reduce_sum(y * tf.range(1.0, 1.0 + float(y.shape[-1])))
-    return [np.asarray(g) for g in tape.gradient(loss, [v.value for v in variables])]
+    return [np.asarray(tf.convert_to_tensor(g))
+            for g in tape.gradient(loss, [v.value for v in variables])]
 
 
 # -- built-in means exported by keras.layers ----------------------------------------
@@ -168,3 +169,106 @@ def test_replace_makes_a_layer_whose_config_keras_cannot_generate_from_its_attri
     new = [node.operation for node in passed.kip_graph.nodes if isinstance(node.operation, NewScaleNorm)]
     assert len(new) == 1 and new[0].epsilon == 0.5
     np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
+
+
+# -- Keras masks across expanded layers --------------------------------------------
+class PaddingEmbedding(layers.Layer):
+    """Token plus position embeddings; `compute_mask` marks padding (as the
+    Keras translation example's PositionalEmbedding)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = layers.Embedding(10, 4, name="tokens")
+        self.positions = layers.Embedding(6, 4, name="positions")
+
+    def call(self, ids):
+        return self.tokens(ids) + self.positions(keras.ops.arange(keras.ops.shape(ids)[-1]))
+
+    def compute_mask(self, ids, mask=None):
+        return keras.ops.not_equal(ids, 0)
+
+
+class MaskedAttention(layers.Layer):
+    """Turns the mask Keras hands its `call` into an attention mask."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(num_heads=2, key_dim=4, name="attention")
+        self.norm = layers.LayerNormalization(name="norm")
+        self.supports_masking = True
+
+    def call(self, x, mask=None):
+        attention_mask = None if mask is None else keras.ops.cast(mask[:, None, :], "int32")
+        return self.norm(x + self.attention(x, x, attention_mask=attention_mask))
+
+
+class MaskedNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = PaddingEmbedding(name="embedding")
+        self.block = MaskedAttention(name="block")
+        self.head = layers.Dense(3, name="head")
+
+    def call(self, ids):
+        return self.head(self.block(self.embedding(ids)))
+
+
+def test_expanded_layers_receive_and_attach_the_masks_keras_passes_between_layers():
+    # Expanded, the embedding's `compute_mask` was lost and the block's
+    # `call` was traced with mask=None: padding was attended to, and the
+    # expanded model's outputs were silently off.
+    ids = _rng().integers(1, 10, size=(4, 6))
+    ids[:, 4:] = 0
+    model = MaskedNet(name="masked")
+    want = model(ids)
+    passed = _expand_all(model, ids)
+    assert {"PaddingEmbedding", "MaskedAttention"}.isdisjoint(_classes(passed))
+    got = passed(ids)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # the output carries the mask (a loss would be masked with it) as before
+    np.testing.assert_array_equal(np.asarray(got._keras_mask), np.asarray(want._keras_mask))
+    for got_g, want_g in zip(_gradients(passed, ids, model.trainable_variables),
+                             _gradients(model, ids, model.trainable_variables)):
+        np.testing.assert_allclose(got_g, want_g, atol=1e-5)
+
+
+# -- layers that stay whole say what blocks them ---------------------------------------
+class TensorFlowDistance(layers.Layer):
+    """Computes with a TensorFlow function (as the Keras siamese example's
+    DistanceLayer does with `tf.square`)."""
+
+    def call(self, a, b):
+        return keras.ops.sum(tf.square(a - b), -1)
+
+
+class DataSizedSum(layers.Layer):
+    """Sums into as many segments as the data says (as the Keras GAT
+    example's `num_segments=ops.max(edges[:, 0]) + 1`)."""
+
+    def call(self, values, segments):
+        return keras.ops.segment_sum(values, segments, num_segments=keras.ops.max(segments) + 1)
+
+
+def _reason_left(model, x, cls):
+    passed = _expand_all(model, x)
+    nodes = [node for node in passed.kip_graph.nodes
+             if isinstance(getattr(node.operation, "layer", node.operation), cls)]
+    assert len(nodes) == 1
+    return nodes[0].opaque_reason or passed.kip_report.opaque[nodes[0].name]
+
+
+def test_a_layer_computing_with_tensorflow_functions_stays_whole_with_the_line_to_rewrite():
+    a, b = keras.Input((3,)), keras.Input((3,))
+    model = keras.Model([a, b], TensorFlowDistance(name="distance")(a, b))
+    x = [_rng().normal(size=(2, 3)).astype("float32") for _ in range(2)]
+    reason = _reason_left(model, x, TensorFlowDistance)
+    assert "TensorFlow function" in reason and "tf.square(a - b)" in reason
+    assert "keras.ops" in reason
+
+
+def test_a_layer_sized_by_tensor_values_stays_whole_saying_so():
+    values, segments = keras.Input((), batch_size=5), keras.Input((), batch_size=5, dtype="int32")
+    model = keras.Model([values, segments], DataSizedSum(name="sum")(values, segments))
+    x = [np.arange(5, dtype="float32"), np.array([0, 0, 1, 1, 2], "int32")]
+    reason = _reason_left(model, x, DataSizedSum)
+    assert "computed from tensor values" in reason and "ops.segment_sum" in reason

@@ -61,6 +61,7 @@ from keras_ipu_plugin.runtime.batch_sized import generalize_batch
 from keras_ipu_plugin.runtime.batch_sized import unknown_dimension_attributes
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.ir.graph import FOLLOW
+from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
@@ -186,6 +187,10 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             for t in batched
         }
         swap = lambda leaf: concrete.get(id(leaf), leaf)  # noqa: E731
+        for tensor in batched:  # the masks the inputs carry, at this batch size
+            mask = _compat.keras_mask(tensor)
+            if isinstance(mask, keras.KerasTensor):
+                _compat.set_keras_mask(concrete[id(tensor)], swap(mask))
         trace = _Trace(
             layer, keras.tree.map_structure(swap, args), keras.tree.map_structure(swap, kwargs),
             {id(swap(t)): placeholders[id(t)] for t in symbols},
@@ -721,11 +726,30 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
                 lambda leaf: None if leaf is None else next(indices), structure
             )
         specs = _precise_specs(operation, args, kwargs, outputs_recorded)
+        # Masks are computed from the call's inputs (`compute_mask`): their
+        # nodes come before this one, which Expand may put an `AttachMask`
+        # of them in place of.
+        masks = [mask_value(tensor) for tensor in outputs_recorded]
         for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
-            value = Value(node, index, spec)
+            value = Value(node, index, spec, mask=masks[index])
             node.outputs.append(value)
             values[id(tensor)] = value
         nodes.append(node)
+
+    def mask_value(tensor):
+        """The Value of the Keras mask `tensor` carries (its operations
+        become nodes), None, or UNTRACED_MASK (a concrete mask, or one
+        not computed from the call's inputs)."""
+        mask = _compat.keras_mask(tensor)
+        if mask is None:
+            return None
+        if not isinstance(mask, keras.KerasTensor):
+            return UNTRACED_MASK
+        try:
+            visit_tensor(mask)
+            return values[id(mask)]
+        except (TraceError, KeyError):
+            return UNTRACED_MASK
 
     leaves = keras.tree.flatten(outputs)
     if all(tensor is None for tensor in leaves):
@@ -939,6 +963,26 @@ def _sequences_in(structure):
 
 def _describe_failure(error, default=None):
     where = _failing_layer(error) or default
+    if _TF_ON_SYMBOL in str(error):
+        # Keras's message lists what a KerasTensor is; say which line of the
+        # user's code did it, and what to write instead.
+        line = _user_source_line(error)
+        at = f" (`{line}`)" if line else ""
+        return (
+            f"`call` applies a TensorFlow function to a symbolic tensor{at}"
+            f"{f' in `{where}`' if where else ''}: only `keras.ops` and Keras "
+            "layers trace into a graph; write it with `keras.ops` (e.g. "
+            "`ops.square` for `tf.square`) for the layer to expand"
+        )
+    if _SYMBOLIC_SHAPE.search(str(error)):
+        line = _user_source_line(error)
+        at = f" (`{line}`)" if line else ""
+        return (
+            f"`call` gives an operation a shape or size computed from tensor "
+            f"values{at}{f' in `{where}`' if where else ''}: the output's shape "
+            "then depends on the data, which a Keras graph cannot hold; give it "
+            "a Python number or a static dimension for the layer to expand"
+        )
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
@@ -948,6 +992,27 @@ def _describe_failure(error, default=None):
 
 
 _NONE_VALUE = re.compile(r"value \(None\)|NoneType")
+_TF_ON_SYMBOL = "A KerasTensor cannot be used as input to a TensorFlow function"
+_SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DOTALL)
+_LIBRARY_PATHS = re.compile(r"[/\\](tensorflow|keras|keras_ipu_plugin|optree)[/\\]")
+
+
+def _user_source_line(error):
+    """`file:line: source` of the innermost frame of user code (not
+    TensorFlow's, Keras's or ours) in `error`'s traceback, or None."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not _LIBRARY_PATHS.search(code.co_filename):
+            found = (code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    import linecache
+
+    source = linecache.getline(*found).strip()
+    return f"{found[0].rsplit('/', 1)[-1]}:{found[1]}: {source}"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -54,6 +54,8 @@ def is_expandable(operation):
         return False
     if isinstance(operation, keras.Model):
         return True
+    if type(operation).__module__.startswith("keras_ipu_plugin."):
+        return False  # the plugin's own graph layers (`AttachMask`)
     return not is_builtin_layer(operation)
 
 
