@@ -616,3 +616,42 @@ def is_graph_model(model):
     """Whether `model` is a graph of layers (a functional or sequential model
     built on inputs), not a subclassed one."""
     return hasattr(model, "_nodes_by_depth")
+
+
+# Modules of model code that ships inside Keras, written with its layers as
+# a user's code is (ConvNeXt's `LayerScale`); the rest of Keras is its library.
+KERAS_MODEL_CODE_MODULES = ("keras.src.applications.",)
+
+
+def is_keras_model_code(module):
+    """Whether `module` (a `__module__` string) is model code shipped inside
+    Keras rather than Keras's layer library."""
+    return module.startswith(KERAS_MODEL_CODE_MODULES)
+
+
+def masks_keras_would_pass(layer, args, kwargs):
+    """The mask arguments `layer.__call__(*args, **kwargs)` adds before it
+    runs `call` (Keras 3.15's `Layer.__call__`, step 6): `mask` from the
+    Keras masks of the one tensor argument when `call` takes `mask`, or
+    `<name>_mask` for each tensor argument `<name>` when there are several;
+    only those the caller left None. Returns `{argument: masks}` to add.
+
+    Expand calls a layer's `call` directly, not through `__call__`, and
+    must hand it the masks `__call__` would have.
+    """
+    from keras import tree
+    from keras.src.layers.layer import CallSpec
+
+    call_spec = CallSpec(layer._call_signature, layer._call_context_args, args, dict(kwargs))
+    added = {}
+    tensors = call_spec.tensor_arguments_dict
+    if len(tensors) == 1:
+        if "mask" in call_spec.argument_names and call_spec.arguments_dict["mask"] is None:
+            only = next(iter(tensors.values()))
+            added["mask"] = tree.map_structure(keras_mask, only)
+    elif len(tensors) > 1:
+        for name, value in tensors.items():
+            mask_name = f"{name}_mask"
+            if mask_name in call_spec.argument_names and call_spec.arguments_dict[mask_name] is None:
+                added[mask_name] = tree.map_structure(keras_mask, value)
+    return added

@@ -61,6 +61,7 @@ from keras_ipu_plugin.runtime.batch_sized import generalize_batch
 from keras_ipu_plugin.runtime.batch_sized import unknown_dimension_attributes
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.ir.graph import FOLLOW
+from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
@@ -100,6 +101,11 @@ def trace_model(model, input_specs, training=None):
     nodes, outputs = trace_call(
         model, (inputs,), {}, placeholders, training=training, prefix=""
     )
+    if any(leaf is None for leaf in keras.tree.flatten(outputs)):
+        raise TraceError(
+            "`call` returns None among its outputs, which a functional model "
+            "cannot return; return the tensors only"
+        )
     return Graph(input_specs, input_values, nodes, outputs, name=model.name)
 
 
@@ -181,6 +187,10 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             for t in batched
         }
         swap = lambda leaf: concrete.get(id(leaf), leaf)  # noqa: E731
+        for tensor in batched:  # the masks the inputs carry, at this batch size
+            mask = _compat.keras_mask(tensor)
+            if isinstance(mask, keras.KerasTensor):
+                _compat.set_keras_mask(concrete[id(tensor)], swap(mask))
         trace = _Trace(
             layer, keras.tree.map_structure(swap, args), keras.tree.map_structure(swap, kwargs),
             {id(swap(t)): placeholders[id(t)] for t in symbols},
@@ -290,7 +300,8 @@ def _trace_once(trace, training, pinned, opaque_layers):
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
         return _collect(outputs, trace.placeholders, trace.prefix, pinned,
-                        opaque_layers, trace.read_names, trace.anchor)
+                        opaque_layers, trace.read_names, trace.anchor,
+                        trace.none_leaves)
 
 
 class _Trace:
@@ -317,6 +328,9 @@ class _Trace:
         self.failure = None  # why the symbolic trace failed, for a retry
         self.lift_for = set()  # ids of the views whose concrete calls are lifted
         self.read_names = {}  # id(Keras node of a read) -> its node name
+        # id(Keras node) -> (the node, its output structure, None leaves and
+        # all) for a call that returned None among its outputs (`_tensors_only`)
+        self.none_leaves = {}
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
         self._taken = set()
         self._new_reads = []
@@ -411,12 +425,37 @@ def _inline_view_class(cls, function):
     module docstring); classes that say their own output shape keep it."""
     if _states_own_output_shape(cls):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                           "compute_output_spec": _own_output_spec,
                                            "__call__": _lifting_call})
     return type(cls.__name__, (cls,), {
         "__module__": cls.__module__,
         "compute_output_spec": _inline_output_spec,
         "__call__": _lifting_call,
     })
+
+
+_NONE_LEAVES = "_kip_none_leaves"  # in a view's dict: see `_tensors_only`
+
+
+def _tensors_only(view, outputs):
+    """`outputs` for Keras's node: a layer may return None among its outputs
+    (keras_hub's attention returns `(output, None)` when given no cache),
+    which a Keras node rejects. The node then records the tensors alone, and
+    the structure with its None leaves is kept on the view until its
+    `__call__` (`_lifting_call`) hands it back to the calling code."""
+    leaves = keras.tree.flatten(outputs)
+    if not any(leaf is None for leaf in leaves):
+        return outputs
+    if all(leaf is None for leaf in leaves):
+        raise TraceError(f"`{viewed_layer(view).name}` returns no tensor, only None")
+    vars(view)[_NONE_LEAVES] = outputs
+    return [leaf for leaf in leaves if leaf is not None]
+
+
+def _own_output_spec(self, *args, **kwargs):
+    """The class's own `compute_output_spec`, with None outputs kept aside
+    (`_tensors_only`)."""
+    return _tensors_only(self, super(type(self), self).compute_output_spec(*args, **kwargs))
 
 
 def _states_own_output_shape(cls):
@@ -449,11 +488,15 @@ def _inline_output_spec(self, *args, **kwargs):
     try:
         with _compat.node_lists_snapshot(layers, always=True):
             outputs = self.call(*args, **kwargs)
-            return keras.tree.map_structure(_fresh_keras_tensor, outputs)
+            return _tensors_only(self, keras.tree.map_structure(_fresh_keras_tensor, outputs))
+    except TraceError:
+        raise
     except Exception:
         pass
     try:
-        return super(type(self), self).compute_output_spec(*args, **kwargs)
+        return _tensors_only(self, super(type(self), self).compute_output_spec(*args, **kwargs))
+    except TraceError:
+        raise
     except Exception as error:
         layer = viewed_layer(self)  # only views have this method
         try:
@@ -461,7 +504,7 @@ def _inline_output_spec(self, *args, **kwargs):
         except Exception:
             raise error from None
         vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
-        return outputs
+        return _tensors_only(self, outputs)
 
 
 def _autograph_output_spec(layer, args, kwargs):
@@ -501,7 +544,20 @@ def _lifting_call(self, *args, **kwargs):
             _is_concrete(leaf) for leaf in leaves
         ):
             args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
-    return super(type(self), self).__call__(*args, **kwargs)
+    outputs = super(type(self), self).__call__(*args, **kwargs)
+    structure = vars(self).pop(_NONE_LEAVES, None)
+    if structure is None:
+        return outputs
+    # Keras recorded the tensors alone (`_tensors_only`); the calling code
+    # gets the structure it returned, None leaves and all, holding the very
+    # tensors Keras recorded (and set masks on).
+    if trace is not None:
+        # The Keras node is kept with the entry: a node of an inline
+        # computation is dropped once it ends, and its id can come back as
+        # another node's.
+        keras_node = _compat.producing_node(outputs[0])[0]
+        trace.none_leaves[id(keras_node)] = (keras_node, structure)
+    return structure
 
 
 @functools.lru_cache(maxsize=None)
@@ -599,6 +655,8 @@ def _leaves(structure):
 
 
 def _fresh_keras_tensor(tensor):
+    if tensor is None:  # kept aside by `_tensors_only`
+        return None
     if not isinstance(tensor, keras.KerasTensor):
         raise TypeError(f"`call` returned a {type(tensor).__name__}")
     return keras.KerasTensor(tensor.shape, dtype=tensor.dtype, sparse=tensor.sparse,
@@ -606,12 +664,18 @@ def _fresh_keras_tensor(tensor):
 
 
 def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_names=None,
-             anchor=None):
+             anchor=None, none_leaves=None):
     """Walk Keras nodes back from `outputs` into Nodes in topological order,
     naming the user's layers where views were called; `opaque_layers`
     collects the OpaqueLayers made (see `_opaque_layer`). An operation with
     the batch size (None) in its shape becomes a `BatchSizedOperation` that
-    takes it from `anchor` (a KerasTensor among the placeholders)."""
+    takes it from `anchor` (a KerasTensor among the placeholders).
+
+    `none_leaves` ({id(Keras node): (it, output structure)}): calls that returned
+    None among their outputs; their Nodes keep that structure as
+    `output_structure` (output indices, None leaves kept). None leaves of
+    `outputs` stay None in the returned structure."""
+    none_leaves = {} if none_leaves is None else none_leaves
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes = []
@@ -674,23 +738,55 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         if pinned and node.training is not None:
             node.training = bool(node.training)
         outputs_recorded = _compat.node_outputs(keras_node)
+        recorded_node, structure = none_leaves.get(id(keras_node), (None, None))
+        if recorded_node is keras_node:
+            indices = iter(range(len(outputs_recorded)))
+            node.output_structure = keras.tree.map_structure(
+                lambda leaf: None if leaf is None else next(indices), structure
+            )
         specs = _dense_unless_given_sparse(
             _precise_specs(operation, args, kwargs, outputs_recorded),
             [values[id(leaf)].spec if isinstance(leaf, keras.KerasTensor) else leaf
              for leaf in keras.tree.flatten((args, kwargs))])
+        # Masks are computed from the call's inputs (`compute_mask`): their
+        # nodes come before this one, which Expand may put an `AttachMask`
+        # of them in place of.
+        masks = [mask_value(tensor) for tensor in outputs_recorded]
         for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
-            value = Value(node, index, spec)
+            value = Value(node, index, spec, mask=masks[index])
             node.outputs.append(value)
             values[id(tensor)] = value
         nodes.append(node)
 
-    for tensor in keras.tree.flatten(outputs):
+    def mask_value(tensor):
+        """The Value of the Keras mask `tensor` carries (its operations
+        become nodes), None, or UNTRACED_MASK (a concrete mask, or one
+        not computed from the call's inputs)."""
+        mask = _compat.keras_mask(tensor)
+        if mask is None:
+            return None
+        if not isinstance(mask, keras.KerasTensor):
+            return UNTRACED_MASK
+        try:
+            visit_tensor(mask)
+            return values[id(mask)]
+        except (TraceError, KeyError):
+            return UNTRACED_MASK
+
+    leaves = keras.tree.flatten(outputs)
+    if all(tensor is None for tensor in leaves):
+        raise TraceError("`call` returns no tensor")
+    for tensor in leaves:
+        if tensor is None:  # kept as None in the output structure
+            continue
         if not isinstance(tensor, keras.KerasTensor):
             raise TraceError(
                 f"`call` returns a {type(tensor).__name__}, not a tensor"
             )
         visit_tensor(tensor)
-    output_values = keras.tree.map_structure(lambda t: values[id(t)], outputs)
+    output_values = keras.tree.map_structure(
+        lambda t: None if t is None else values[id(t)], outputs
+    )
     if batch_sized:
         _check_batch_dimensions(nodes, prefix)
     return nodes, output_values
@@ -912,6 +1008,26 @@ def _sequences_in(structure):
 
 def _describe_failure(error, default=None):
     where = _failing_layer(error) or default
+    if _TF_ON_SYMBOL in str(error):
+        # Keras's message lists what a KerasTensor is; say which line of the
+        # user's code did it, and what to write instead.
+        line = _user_source_line(error)
+        at = f" (`{line}`)" if line else ""
+        return (
+            f"`call` applies a TensorFlow function to a symbolic tensor{at}"
+            f"{f' in `{where}`' if where else ''}: only `keras.ops` and Keras "
+            "layers trace into a graph; write it with `keras.ops` (e.g. "
+            "`ops.square` for `tf.square`) for the layer to expand"
+        )
+    if _SYMBOLIC_SHAPE.search(str(error)):
+        line = _user_source_line(error)
+        at = f" (`{line}`)" if line else ""
+        return (
+            f"`call` gives an operation a shape or size computed from tensor "
+            f"values{at}{f' in `{where}`' if where else ''}: the output's shape "
+            "then depends on the data, which a Keras graph cannot hold; give it "
+            "a Python number or a static dimension for the layer to expand"
+        )
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
@@ -921,6 +1037,27 @@ def _describe_failure(error, default=None):
 
 
 _NONE_VALUE = re.compile(r"value \(None\)|NoneType")
+_TF_ON_SYMBOL = "A KerasTensor cannot be used as input to a TensorFlow function"
+_SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DOTALL)
+_LIBRARY_PATHS = re.compile(r"[/\\](tensorflow|keras|keras_ipu_plugin|optree)[/\\]")
+
+
+def _user_source_line(error):
+    """`file:line: source` of the innermost frame of user code (not
+    TensorFlow's, Keras's or ours) in `error`'s traceback, or None."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not _LIBRARY_PATHS.search(code.co_filename):
+            found = (code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    import linecache
+
+    source = linecache.getline(*found).strip()
+    return f"{found[0].rsplit('/', 1)[-1]}:{found[1]}: {source}"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -21,15 +21,26 @@ import keras
 FOLLOW = "follow"
 
 
+#: `Value.mask` when Keras attaches a mask to the tensor that the trace
+#: could not express as a Value of the graph.
+UNTRACED_MASK = "untraced"
+
+
 class Value:
-    """A tensor of the graph: output `index` of `producer` (None: an input)."""
+    """A tensor of the graph: output `index` of `producer` (None: an input).
 
-    __slots__ = ("producer", "index", "spec")
+    `mask`: the Value of the Keras mask this tensor carries when the graph
+    runs (`_keras_mask`, which Keras hands to the `mask` argument of the
+    layers it feeds), None when it carries none, or `UNTRACED_MASK`.
+    """
 
-    def __init__(self, producer, index, spec):
+    __slots__ = ("producer", "index", "spec", "mask")
+
+    def __init__(self, producer, index, spec, mask=None):
         self.producer = producer
         self.index = index
         self.spec = spec  # a KerasTensor with the shape and dtype
+        self.mask = mask
 
     def __repr__(self):
         where = self.producer.name if self.producer else "input"
@@ -144,7 +155,8 @@ class Graph:
         values = {}
 
         def copy_value(value, producer):
-            new = Value(producer, value.index, value.spec)
+            # `mask` is the old graph's Value until every Value is copied.
+            new = Value(producer, value.index, value.spec, value.mask)
             values[id(value)] = new
             return new
 
@@ -165,6 +177,9 @@ class Graph:
             new.from_blocks = list(node.from_blocks)
             new.outputs = [copy_value(v, new) for v in node.outputs]
             nodes.append(new)
+        for value in values.values():
+            if isinstance(value.mask, Value):
+                value.mask = values[id(value.mask)]
         outputs = map_values(lambda v: values[id(v)], self.outputs)
         graph = Graph(self.input_specs, input_values, nodes, outputs, self.name)
         graph.replaced = list(self.replaced)

@@ -15,7 +15,10 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tracing
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import InlinedBlock
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.passes.base import ALL
@@ -31,6 +34,7 @@ from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
 from keras_ipu_plugin.runtime.layer_kinds import is_expandable
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
+from keras_ipu_plugin.runtime.masks import AttachMask
 from keras_ipu_plugin.runtime.reads import ReadLayers
 from keras_ipu_plugin.runtime.reads import is_read
 
@@ -109,6 +113,9 @@ def expand_graph(graph, should_expand, report, step, recursive):
         if replaced:
             node.args = map_values(resolve, node.args)
             node.kwargs = map_values(resolve, node.kwargs)
+            for value in node.input_values:
+                if isinstance(value.mask, Value):  # its producer may be expanded
+                    value.mask = resolve(value.mask)
         if not (offered and should_expand(node)):
             nodes.append(node)
             return
@@ -201,14 +208,36 @@ def trace_node(node, report, reads=None, names=None):
     new nodes' names are added to it.
     """
     layer = node.operation
+    inputs = values_in((node.args, node.kwargs))
+    untraced = [value for value in (*inputs, *node.outputs) if value.mask is UNTRACED_MASK]
+    if untraced:
+        return _stay_opaque(node, (
+            f"Keras attaches a mask to {_describe_value(untraced[0], node)} that "
+            "could not be traced into the graph (not computed from the model's "
+            "inputs by Keras operations), so the expanded layers could not be "
+            "handed it as Keras hands it to the layer"
+        ), report)
     placeholders, tensors = {}, {}
-    for value in values_in((node.args, node.kwargs)):
+
+    def placeholder(value):
         if id(value) not in tensors:
             tensor = keras.KerasTensor(value.spec.shape, dtype=value.spec.dtype)
             tensors[id(value)] = tensor
             placeholders[id(tensor)] = value
+            if isinstance(value.mask, Value):
+                # The tensor carries its Keras mask in the trace as it does
+                # when the graph runs: sub-layers are handed it as they were
+                # inside the original call.
+                _compat.set_keras_mask(tensor, placeholder(value.mask))
+        return tensors[id(value)]
+
+    for value in inputs:
+        placeholder(value)
     args = map_values(lambda v: tensors[id(v)], node.args)
     kwargs = map_values(lambda v: tensors[id(v)], node.kwargs)
+    # `call` is traced directly, not through `__call__`, which would hand it
+    # the masks its inputs carry (`call(x, mask=None)` of a masking layer).
+    kwargs.update(_compat.masks_keras_would_pass(layer, args, kwargs))
     # A block whose call pinned `training` is traced under that value only:
     # every sub-layer then records a concrete mode (`trace_call` pins them),
     # so one following the block's `training` gets the block's pinned value.
@@ -223,7 +252,8 @@ def trace_node(node, report, reads=None, names=None):
         )
     except tracing.TraceError as error:
         return _stay_opaque(node, error.reason, report)
-    flat_outputs = keras.tree.flatten(outputs)
+    # None leaves (a cache not given) are no Values: the node had none.
+    flat_outputs = [leaf for leaf in keras.tree.flatten(outputs) if leaf is not None]
     if len(flat_outputs) != len(node.outputs):
         return _stay_opaque(node, (
             f"`call` traced to {len(flat_outputs)} outputs but the layer "
@@ -238,7 +268,43 @@ def trace_node(node, report, reads=None, names=None):
         if agnostic:
             new.training = None
         _name_after_path(new, node.name, used)
+    flat_outputs = _with_masks_of_call(node, layer, flat_outputs, new_nodes, block, used)
     return new_nodes, dict(zip(node.outputs, flat_outputs))
+
+
+def _with_masks_of_call(node, layer, outputs, new_nodes, block, used):
+    """`outputs` of the expanded `call`, each carrying the Keras mask the
+    layer's `__call__` gave the original output: Keras keeps the masks
+    `call` set when every output has one, and otherwise (for a layer that
+    supports masking) attaches its `compute_mask` result, the mask the
+    node's output carries in the graph, to each output without one. An
+    `AttachMask` node (appended to `new_nodes`) attaches it."""
+    if not layer.supports_masking or all(value.mask is not None for value in outputs):
+        return outputs
+    attached = []
+    for old, new in zip(node.outputs, outputs):
+        if new.mask is not None or old.mask is None:
+            attached.append(new)
+            continue
+        name, count = f"{node.name}.mask", 0
+        while name in used:
+            count += 1
+            name = f"{node.name}.mask_{count}"
+        used.add(name)
+        attach = Node(name, AttachMask(name=name), (new,), {"mask": old.mask},
+                      output_structure=None)
+        attach.from_blocks = [*node.from_blocks, block]
+        attach.outputs = [Value(attach, 0, new.spec, mask=old.mask)]
+        new_nodes.append(attach)
+        attached.append(attach.outputs[0])
+    return attached
+
+
+def _describe_value(value, node):
+    if value in node.outputs:
+        return f"output {node.outputs.index(value)} of `{node.name}`"
+    where = value.producer.name if value.producer is not None else "the model's input"
+    return f"an input of `{node.name}` (from `{where}`)"
 
 
 def _stay_opaque(node, reason, report):

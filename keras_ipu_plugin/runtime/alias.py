@@ -29,10 +29,15 @@ class LayerAlias(keras.layers.Layer):
         True
     """
 
-    def __init__(self, layer, **kwargs):
+    def __init__(self, layer, tensor_outputs_only=False, **kwargs):
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(**kwargs)
         self.layer = layer
+        # The layer returns None among its outputs (keras_hub's attention
+        # returns `(output, None)` without a cache), which a functional
+        # model's node cannot hold: the alias returns the tensors alone, in
+        # order, as the graph IR recorded them.
+        self.tensor_outputs_only = tensor_outputs_only
         self.supports_masking = layer.supports_masking
         self._passes_training = "training" in inspect.signature(layer.call).parameters
         _compat.adopt_call_signature(self, layer)
@@ -46,12 +51,17 @@ class LayerAlias(keras.layers.Layer):
     def call(self, *args, training=None, **kwargs):
         if self._passes_training:
             kwargs["training"] = training
-        return self.layer(*args, **kwargs)
+        return self._tensors(self.layer(*args, **kwargs))
 
     def compute_output_spec(self, *args, training=None, **kwargs):
         if self._passes_training:
             kwargs["training"] = training
-        return self.layer.compute_output_spec(*args, **kwargs)
+        return self._tensors(self.layer.compute_output_spec(*args, **kwargs))
+
+    def _tensors(self, outputs):
+        if not self.tensor_outputs_only:
+            return outputs
+        return [leaf for leaf in keras.tree.flatten(outputs) if leaf is not None]
 
     def compute_mask(self, *args, **kwargs):
         return self.layer.compute_mask(*args, **kwargs)
@@ -59,6 +69,7 @@ class LayerAlias(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config["layer"] = keras.saving.serialize_keras_object(self.layer)
+        config["tensor_outputs_only"] = self.tensor_outputs_only
         return config
 
     @classmethod

@@ -21,8 +21,31 @@ def accepts_training(layer):
     return "training" in inspect.signature(layer.call).parameters
 
 
+# The built-in layers: the classes the public `keras.layers` namespace
+# exports (exact classes; a subclass is user code). A Keras class that is
+# not exported there (ConvNeXt's `LayerScale` in `keras.src.applications`)
+# is someone's model code, to be expanded like a user's layer.
+_BUILTIN_LAYER_CLASSES = frozenset(
+    value for value in vars(keras.layers).values()
+    if isinstance(value, type) and issubclass(value, keras.layers.Layer)
+)
+
+
+def is_builtin_layer(layer):
+    """Whether `layer`'s class is one `keras.layers` exports (not a subclass).
+
+    Example:
+        >>> is_builtin_layer(keras.layers.Dense(2)), is_builtin_layer(MyDense(2))
+        (True, False)
+    """
+    return type(layer) in _BUILTIN_LAYER_CLASSES
+
+
 def is_expandable(operation):
-    """Custom layers and nested functional / sequential models."""
+    """Custom layers and nested functional / sequential models: every layer
+    whose class `keras.layers` does not export (user code, keras_hub's
+    layers, classes of `keras.src.applications`), except the plugin's own
+    graph layers (opaque nodes, batch-sized operations, variable reads)."""
     if not isinstance(operation, keras.layers.Layer) or isinstance(
         operation, (OpaqueLayer, BatchSizedOperation)
     ):
@@ -31,7 +54,9 @@ def is_expandable(operation):
         return False
     if isinstance(operation, keras.Model):
         return True
-    return not type(operation).__module__.startswith("keras.")
+    if type(operation).__module__.startswith("keras_ipu_plugin."):
+        return False  # the plugin's own graph layers (`AttachMask`)
+    return not is_builtin_layer(operation)
 
 
 # Built-in layers whose output never depends on `training` (exact classes:

@@ -92,23 +92,29 @@ class _UniqueNames:
 
     def __init__(self):
         self.taken = set()
-        self.chosen = {}  # id(layer) -> the layer or its alias
+        self.chosen = {}  # (id(layer), tensors only) -> the layer or its alias
 
     def operation_for(self, node):
         operation = node.operation
         if not isinstance(operation, keras.layers.Layer):
             return operation  # keras.ops operations: ours, already named
-        if id(operation) in self.chosen:
-            return self.chosen[id(operation)]
+        # A call that returns None among its outputs goes through an alias
+        # that returns the tensors alone (a Keras node holds tensors only).
+        tensors_only = any(
+            leaf is None for leaf in keras.tree.flatten(node.output_structure)
+        ) if node.output_structure is not None else False
+        key = (id(operation), tensors_only)
+        if key in self.chosen:
+            return self.chosen[key]
         own_name = node.name == operation.name or node.made_by_pass
-        if own_name and operation.name not in self.taken:
+        if own_name and operation.name not in self.taken and not tensors_only:
             chosen = operation
         else:
             name, count = node.name, 0
             while name in self.taken:
                 count += 1
                 name = f"{node.name}_{count}"
-            chosen = LayerAlias(operation, name=name)
+            chosen = LayerAlias(operation, tensor_outputs_only=tensors_only, name=name)
         self.taken.add(chosen.name)
-        self.chosen[id(operation)] = chosen
+        self.chosen[key] = chosen
         return chosen

@@ -18,6 +18,8 @@ Example:
     True
 """
 
+from keras_ipu_plugin import _compat
+
 LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
 
 
@@ -77,12 +79,15 @@ def viewed_layer(obj):
 
 
 def user_call(layer):
-    """The class's `call` when it is user code (not Keras's, TF's or ours)."""
+    """The class's `call` when it is user code (not Keras's layer library,
+    TF's or ours; Keras's applications count as user code)."""
     if "call" in vars(layer):  # set on the instance by its owner: leave it
         return None
     function = getattr(type(layer), "call", None)
     module = getattr(function, "__module__", "") or ""
-    if function is None or module.split(".")[0] in LIBRARY_PACKAGES:
+    if function is None:
+        return None
+    if module.split(".")[0] in LIBRARY_PACKAGES and not _compat.is_keras_model_code(module):
         return None
     return function
 

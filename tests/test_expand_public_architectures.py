@@ -1,0 +1,274 @@
+"""Expand on constructs of public architectures (issue 13, the corpus of
+tests/zoo/): each test a small hand-written model with the one construct
+a corpus model showed failing.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin.passes import Expand
+from keras_ipu_plugin.runtime.layer_kinds import is_expandable
+
+layers = keras.layers
+
+
+def _rng():
+    return np.random.default_rng(0)
+
+
+def _expand_all(model, x):
+    converted = kip.convert_to_functional(model, (x,))
+    return kip.apply_passes(converted, [Expand("all")])
+
+
+def _classes(model):
+    return [type(node.operation).__name__ for node in model.kip_graph.nodes]
+
+
+def _gradients(model, x, variables):
+    with tf.GradientTape() as tape:
+        y = model(x)
+        loss = tf.reduce_sum(y * tf.range(1.0, 1.0 + float(y.shape[-1])))
+    return [np.asarray(tf.convert_to_tensor(g))
+            for g in tape.gradient(loss, [v.value for v in variables])]
+
+
+# -- built-in means exported by keras.layers ----------------------------------------
+def test_layers_not_exported_by_keras_layers_are_expandable():
+    from keras.src.applications.convnext import LayerScale
+
+    class MyDense(layers.Dense):
+        pass
+
+    assert not is_expandable(layers.Dense(2))
+    assert not is_expandable(layers.LayerNormalization())
+    assert is_expandable(MyDense(2))  # a user's subclass is user code
+    assert is_expandable(LayerScale(0.5, 3))  # model code shipped inside Keras
+
+
+def test_a_keras_applications_layer_reading_its_own_weight_expands_with_equal_gradients():
+    # ConvNeXt's LayerScale (`x * self.gamma`) lives in keras.src.applications,
+    # not in keras.layers: it was left whole by Expand("all"), with no reason.
+    from keras.src.applications.convnext import LayerScale
+
+    inputs = keras.Input((4, 4, 3))
+    scale = LayerScale(0.5, 3, name="scale")
+    model = keras.Model(inputs, scale(layers.Conv2D(3, 1, name="conv")(inputs)))
+    x = _rng().normal(size=(2, 4, 4, 3)).astype("float32")
+    passed = _expand_all(model, x)
+    assert "LayerScale" not in _classes(passed)
+    assert "VariableRead" in _classes(passed)
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
+    for got, want in zip(_gradients(passed, x, model.trainable_variables),
+                         _gradients(model, x, model.trainable_variables)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- a sub-layer returning None among its outputs ---------------------------------
+class AttentionWithCache(layers.Layer):
+    """Returns `(output, cache)`, the cache None when none is given (as
+    keras_hub's T5MultiHeadAttention does)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+
+    def call(self, x, cache=None):
+        output = self.dense(x)
+        if cache is not None:
+            cache = cache + output
+        return output, cache
+
+
+class CacheBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = AttentionWithCache(name="attention")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        y, cache = self.attention(x)
+        return self.norm(x + y)
+
+
+class CacheNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = CacheBlock(name="block")
+        self.head = layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def test_a_block_whose_sub_layer_returns_none_among_its_outputs_expands():
+    # T5's transformer layer calls an attention returning (output, None):
+    # Keras's node rejects a None output, so the layer could not be
+    # expanded, and Replace could not reach the norms inside it.
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    model = CacheNet(name="cache_net")
+    model(x)
+    converted = kip.convert_to_functional(model, (x,))
+    one_level = kip.apply_passes(converted, [Expand("block")])
+    node = one_level.kip_graph.node("block.attention")
+    assert node.output_structure == (0, None)
+    np.testing.assert_allclose(one_level(x), model(x), atol=1e-6)
+    everything = kip.apply_passes(converted, [Expand("all")])
+    assert {"CacheBlock", "AttentionWithCache"}.isdisjoint(_classes(everything))
+    np.testing.assert_allclose(everything(x), model(x), atol=1e-6)
+    for got, want in zip(_gradients(one_level, x, model.trainable_variables),
+                         _gradients(model, x, model.trainable_variables)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# -- Replace of a layer whose config Keras cannot generate ----------------------------
+class ScaleNorm(layers.Layer):
+    """As keras_hub's T5LayerNorm: no `get_config`, made with a dtype
+    policy object (which Keras cannot put in a generated config)."""
+
+    def __init__(self, epsilon=1e-6, **kwargs):
+        super().__init__(**kwargs)
+        self.epsilon = epsilon
+
+    def build(self, input_shape):
+        self.weight = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="weight")
+
+    def call(self, x):
+        variance = keras.ops.mean(keras.ops.square(x), axis=-1, keepdims=True)
+        return self.weight * x * keras.ops.rsqrt(variance + self.epsilon)
+
+
+class NormBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+        self.norm = ScaleNorm(0.5, dtype=self.dtype_policy, name="norm")
+
+    def call(self, x):
+        return self.norm(self.dense(x))
+
+
+class NewScaleNorm(ScaleNorm):
+    pass
+
+
+def test_replace_makes_a_layer_whose_config_keras_cannot_generate_from_its_attributes():
+    x = _rng().normal(size=(2, 4)).astype("float32")
+    inputs = keras.Input((4,))
+    block = NormBlock(name="block")
+    model = keras.Model(inputs, block(inputs))
+    block.norm.weight.assign([1.0, 2.0, 3.0, 4.0])
+
+    def copy(old, new):
+        new.weight.assign(old.weight)
+
+    replace = kip.passes.Replace({ScaleNorm: kip.passes.Replacement(NewScaleNorm, copy_weights_fn=copy)})
+    passed = kip.apply_passes(kip.convert_to_functional(model, (x,)), [replace])
+    new = [node.operation for node in passed.kip_graph.nodes if isinstance(node.operation, NewScaleNorm)]
+    assert len(new) == 1 and new[0].epsilon == 0.5
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
+
+
+# -- Keras masks across expanded layers --------------------------------------------
+class PaddingEmbedding(layers.Layer):
+    """Token plus position embeddings; `compute_mask` marks padding (as the
+    Keras translation example's PositionalEmbedding)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = layers.Embedding(10, 4, name="tokens")
+        self.positions = layers.Embedding(6, 4, name="positions")
+
+    def call(self, ids):
+        return self.tokens(ids) + self.positions(keras.ops.arange(keras.ops.shape(ids)[-1]))
+
+    def compute_mask(self, ids, mask=None):
+        return keras.ops.not_equal(ids, 0)
+
+
+class MaskedAttention(layers.Layer):
+    """Turns the mask Keras hands its `call` into an attention mask."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(num_heads=2, key_dim=4, name="attention")
+        self.norm = layers.LayerNormalization(name="norm")
+        self.supports_masking = True
+
+    def call(self, x, mask=None):
+        attention_mask = None if mask is None else keras.ops.cast(mask[:, None, :], "int32")
+        return self.norm(x + self.attention(x, x, attention_mask=attention_mask))
+
+
+class MaskedNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = PaddingEmbedding(name="embedding")
+        self.block = MaskedAttention(name="block")
+        self.head = layers.Dense(3, name="head")
+
+    def call(self, ids):
+        return self.head(self.block(self.embedding(ids)))
+
+
+def test_expanded_layers_receive_and_attach_the_masks_keras_passes_between_layers():
+    # Expanded, the embedding's `compute_mask` was lost and the block's
+    # `call` was traced with mask=None: padding was attended to, and the
+    # expanded model's outputs were silently off.
+    ids = _rng().integers(1, 10, size=(4, 6))
+    ids[:, 4:] = 0
+    model = MaskedNet(name="masked")
+    want = model(ids)
+    passed = _expand_all(model, ids)
+    assert {"PaddingEmbedding", "MaskedAttention"}.isdisjoint(_classes(passed))
+    got = passed(ids)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # the output carries the mask (a loss would be masked with it) as before
+    np.testing.assert_array_equal(np.asarray(got._keras_mask), np.asarray(want._keras_mask))
+    for got_g, want_g in zip(_gradients(passed, ids, model.trainable_variables),
+                             _gradients(model, ids, model.trainable_variables)):
+        np.testing.assert_allclose(got_g, want_g, atol=1e-5)
+
+
+# -- layers that stay whole say what blocks them ---------------------------------------
+class TensorFlowDistance(layers.Layer):
+    """Computes with a TensorFlow function (as the Keras siamese example's
+    DistanceLayer does with `tf.square`)."""
+
+    def call(self, a, b):
+        return keras.ops.sum(tf.square(a - b), -1)
+
+
+class DataSizedSum(layers.Layer):
+    """Sums into as many segments as the data says (as the Keras GAT
+    example's `num_segments=ops.max(edges[:, 0]) + 1`)."""
+
+    def call(self, values, segments):
+        return keras.ops.segment_sum(values, segments, num_segments=keras.ops.max(segments) + 1)
+
+
+def _reason_left(model, x, cls):
+    passed = _expand_all(model, x)
+    nodes = [node for node in passed.kip_graph.nodes
+             if isinstance(getattr(node.operation, "layer", node.operation), cls)]
+    assert len(nodes) == 1
+    return nodes[0].opaque_reason or passed.kip_report.opaque[nodes[0].name]
+
+
+def test_a_layer_computing_with_tensorflow_functions_stays_whole_with_the_line_to_rewrite():
+    a, b = keras.Input((3,)), keras.Input((3,))
+    model = keras.Model([a, b], TensorFlowDistance(name="distance")(a, b))
+    x = [_rng().normal(size=(2, 3)).astype("float32") for _ in range(2)]
+    reason = _reason_left(model, x, TensorFlowDistance)
+    assert "TensorFlow function" in reason and "tf.square(a - b)" in reason
+    assert "keras.ops" in reason
+
+
+def test_a_layer_sized_by_tensor_values_stays_whole_saying_so():
+    values, segments = keras.Input((), batch_size=5), keras.Input((), batch_size=5, dtype="int32")
+    model = keras.Model([values, segments], DataSizedSum(name="sum")(values, segments))
+    x = [np.arange(5, dtype="float32"), np.array([0, 0, 1, 1, 2], "int32")]
+    reason = _reason_left(model, x, DataSizedSum)
+    assert "computed from tensor values" in reason and "ops.segment_sum" in reason
