@@ -40,6 +40,10 @@ def _corpus():
     ]
 
 
+#: The checks below take the corpus as a module-scoped parameter: pytest then
+#: runs every check of one model before the next model's, so the checks of a
+#: model share its conversion and its plain-Keras fit (see
+#: `harness.shared_conversion`, `harness.plain_fit`); each keeps its own test.
 CORPUS = _corpus()
 
 
@@ -73,32 +77,32 @@ def test_corpus_model_cites_its_source_and_has_the_interface(name):
 
 
 # -- the checks of issue 13 ----------------------------------------------------------
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_converts_fully_traced(name):
     _assert_ok(harness.check_traced(name))
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_expand_all_keeps_outputs_and_gradients_equal(name):
     _assert_ok(_expansion(name)[0])
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_expand_all_leaves_no_custom_layer_without_a_reason(name):
     _assert_ok(_expansion(name)[1])
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_replace_reaches_every_norm_layer_with_outputs_equal(name):
     _assert_ok(harness.check_replace(name))
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_plugin_model_fit_equals_plain_keras(name):
     _assert_ok(harness.check_fit(name, "plugin_model"))
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_plugin_callback_fit_equals_plain_keras(name):
     _assert_ok(harness.check_fit(name, "plugin_callback"))
 
