@@ -154,3 +154,23 @@ def test_harness_counts_layers_not_exported_by_keras_layers_as_custom():
     assert harness.is_custom(keras.Sequential([keras.layers.Dense(2)]))
     assert harness.is_norm(keras.layers.RMSNormalization())
     assert not harness.is_norm(keras.layers.BatchNormalization())
+
+
+def test_harness_shared_conversion_gives_each_check_the_converted_state():
+    """The checks of a model share one conversion: a check must neither see
+    what an earlier one changed nor change it unnoticed."""
+    subject = harness.Subject("recommender")
+    shared = harness.shared_conversion(subject)
+    (converted,) = shared.converted()
+    variable = converted.trainable_variables[0]
+    as_converted = np.array(variable.numpy())
+    assert shared.check_unchanged("nothing") is None
+
+    variable.assign(as_converted + 1.0)  # what a pass must not do
+    with pytest.raises(harness.CheckFailed, match=f"changed the variable `{variable.path}`"):
+        shared.check_unchanged("a pass")
+
+    again = harness.shared_conversion(subject)
+    assert again is shared, "the next check of the model converts it again"
+    np.testing.assert_array_equal(variable.numpy(), as_converted)
+    assert shared.check_unchanged("nothing") is None
