@@ -35,13 +35,18 @@ REQUIRED = (
 
 def _corpus():
     return [
-        pytest.param(name, id=name, marks=[pytest.mark.slow] if harness.Subject(name).slow else [])
+        pytest.param(name, id=name, marks=[
+            # one pytest-xdist worker runs every check of a model, in order
+            pytest.mark.xdist_group(f"zoo_{name}"),
+            *([pytest.mark.slow] if harness.Subject(name).slow else []),
+        ])
         for name in MODELS
     ]
 
 
 #: The checks below take the corpus as a module-scoped parameter: pytest then
-#: runs every check of one model before the next model's, so the checks of a
+#: runs every check of one model before the next model's (and, under
+#: pytest-xdist's `--dist loadgroup`, on one worker), so the checks of a
 #: model share its conversion and its plain-Keras fit (see
 #: `harness.shared_conversion`, `harness.plain_fit`); each keeps its own test.
 CORPUS = _corpus()
