@@ -11,6 +11,12 @@ import tensorflow as tf
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multi_worker.py"
 
 
+#: Each multi-process test starts two TensorFlow workers: under pytest-xdist
+#: they run on one pytest worker, one launch at a time (four workers at once
+#: on two cores would crowd the launch's time limit).
+multi_process = pytest.mark.xdist_group("multi_worker")
+
+
 def _example():
     spec = importlib.util.spec_from_file_location("multi_worker_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
@@ -19,6 +25,7 @@ def _example():
 
 
 @pytest.mark.slow
+@multi_process
 @pytest.mark.parametrize("entry", ["plugin_model", "callback"])
 def test_two_workers_train_like_one_process(tmp_path, entry):
     example = _example()
@@ -46,6 +53,7 @@ def _processes_mentioning(text):
     return found
 
 
+@multi_process
 def test_launch_cleans_up_failed_workers(tmp_path, monkeypatch):
     example = _example()
     monkeypatch.setattr(example, "__file__", str(tmp_path / "missing_script.py"))
@@ -53,6 +61,7 @@ def test_launch_cleans_up_failed_workers(tmp_path, monkeypatch):
         example.launch(str(tmp_path), workers=2, timeout=60)
 
 
+@multi_process
 def test_launch_kills_workers_past_the_time_limit(tmp_path):
     example = _example()
     with pytest.raises(Exception, match="timed out|Timeout"):
@@ -61,6 +70,7 @@ def test_launch_kills_workers_past_the_time_limit(tmp_path):
 
 
 @pytest.mark.slow
+@multi_process
 def test_scope_refuses_multi_worker_strategy_with_a_clear_error(tmp_path):
     example = _example()
     outputs = example.launch(str(tmp_path), workers=2, timeout=180, entry="scope_error")

@@ -35,11 +35,20 @@ REQUIRED = (
 
 def _corpus():
     return [
-        pytest.param(name, id=name, marks=[pytest.mark.slow] if harness.Subject(name).slow else [])
+        pytest.param(name, id=name, marks=[
+            # one pytest-xdist worker runs every check of a model, in order
+            pytest.mark.xdist_group(f"zoo_{name}"),
+            *([pytest.mark.slow] if harness.Subject(name).slow else []),
+        ])
         for name in MODELS
     ]
 
 
+#: The checks below take the corpus as a module-scoped parameter: pytest then
+#: runs every check of one model before the next model's (and, under
+#: pytest-xdist's `--dist loadgroup`, on one worker), so the checks of a
+#: model share its conversion and its plain-Keras fit (see
+#: `harness.shared_conversion`, `harness.plain_fit`); each keeps its own test.
 CORPUS = _corpus()
 
 
@@ -73,32 +82,32 @@ def test_corpus_model_cites_its_source_and_has_the_interface(name):
 
 
 # -- the checks of issue 13 ----------------------------------------------------------
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_converts_fully_traced(name):
     _assert_ok(harness.check_traced(name))
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_expand_all_keeps_outputs_and_gradients_equal(name):
     _assert_ok(_expansion(name)[0])
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_expand_all_leaves_no_custom_layer_without_a_reason(name):
     _assert_ok(_expansion(name)[1])
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_replace_reaches_every_norm_layer_with_outputs_equal(name):
     _assert_ok(harness.check_replace(name))
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_plugin_model_fit_equals_plain_keras(name):
     _assert_ok(harness.check_fit(name, "plugin_model"))
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_plugin_callback_fit_equals_plain_keras(name):
     _assert_ok(harness.check_fit(name, "plugin_callback"))
 
@@ -150,3 +159,23 @@ def test_harness_counts_layers_not_exported_by_keras_layers_as_custom():
     assert harness.is_custom(keras.Sequential([keras.layers.Dense(2)]))
     assert harness.is_norm(keras.layers.RMSNormalization())
     assert not harness.is_norm(keras.layers.BatchNormalization())
+
+
+def test_harness_shared_conversion_gives_each_check_the_converted_state():
+    """The checks of a model share one conversion: a check must neither see
+    what an earlier one changed nor change it unnoticed."""
+    subject = harness.Subject("recommender")
+    shared = harness.shared_conversion(subject)
+    (converted,) = shared.converted()
+    variable = converted.trainable_variables[0]
+    as_converted = np.array(variable.numpy())
+    assert shared.check_unchanged("nothing") is None
+
+    variable.assign(as_converted + 1.0)  # what a pass must not do
+    with pytest.raises(harness.CheckFailed, match=f"changed the variable `{variable.path}`"):
+        shared.check_unchanged("a pass")
+
+    again = harness.shared_conversion(subject)
+    assert again is shared, "the next check of the model converts it again"
+    np.testing.assert_array_equal(variable.numpy(), as_converted)
+    assert shared.check_unchanged("nothing") is None

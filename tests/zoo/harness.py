@@ -25,6 +25,13 @@ The checks (public kip API only):
   (losses, metrics) and the same final variables as plain Keras on an
   identical twin (same weights and RNG states, same data, same seed).
 
+The checks of one model share work when they run one after another (as
+`check_model` and tests/test_zoo.py run them): `check_traced`,
+`check_expand` and `check_replace` start from one verified conversion
+(`shared_conversion`, reset for each check), and both fit checks compare
+with one plain-Keras fit (`plain_fit`). Run in any other order, a check
+makes them again; the results are the same.
+
 Comparisons restore every non-trainable variable of the model (RNG seed
 states, BatchNormalization statistics) before each run, so a model that
 draws random numbers at inference compares equal when it computes the same
@@ -177,6 +184,100 @@ def _labelled(label, text, parts):
     return text if len(parts) == 1 else f"{label}: {text}"
 
 
+# -- one conversion shared by the structural checks of a model ----------------------
+class SharedConversion:
+    """A model of `subject`, its parts and one verified conversion of each
+    part: what `check_traced` inspects, and what `check_expand` and
+    `check_replace` apply their passes to (converting the same model three
+    times costs a third of the corpus's time and checks nothing more).
+
+    Each check starts from the state conversion left: `shared_conversion`
+    puts every variable back to its value after converting (and the seeds
+    to where a fresh model's check started), and `check_unchanged` fails a
+    check whose passes changed a variable of the model or the converted
+    graph, which `apply_passes` must leave as they were.
+
+    Example:
+        >>> shared = shared_conversion(Subject("vit"))
+        >>> for (label, part, inputs), converted in shared.for_passes(): ...
+    """
+
+    def __init__(self, subject):
+        self.subject = subject
+        self.model = subject.fresh()
+        x, y = subject.data()
+        self.parts = subject.parts(self.model, x, y)
+        self.error = None
+        self._converted = []
+        try:
+            for _, part, inputs in self.parts:
+                self._converted.append(kip.convert_to_functional(part, (inputs,)))
+        except Exception as error:  # noqa: BLE001 - check_traced reports it
+            self.error = error
+        variables = {}
+        for model in [self.model, *self._converted]:
+            variables.update((id(v), v) for v in model.variables)
+        self._state = [(v, np.array(v.numpy())) for v in variables.values()]
+        self._graphs = [_graph_signature(model) for model in self._converted]
+
+    def converted(self):
+        """One verified conversion per part; raises what conversion raised."""
+        if self.error is not None:
+            raise self.error
+        return self._converted
+
+    def for_passes(self):
+        """`[((label, part, inputs), converted)]`: the verified conversions,
+        or, where verification (or conversion) failed, a fresh model's parts
+        converted without verification, as each check did on its own, so
+        that Expand and Replace still report on a model `check_traced`
+        fails."""
+        if self.error is None:
+            return list(zip(self.parts, self._converted))
+        model = self.subject.fresh()
+        x, y = self.subject.data()
+        parts = self.subject.parts(model, x, y)
+        return [((label, part, inputs), kip.convert_to_functional(part, (inputs,), verify=False))
+                for label, part, inputs in parts]
+
+    def reset(self):
+        """Variables as conversion left them, seeds as a fresh model's check had them."""
+        for variable, value in self._state:
+            variable.assign(value)
+        self.subject.data()  # sets the seeds, then draws what data() draws
+
+    def check_unchanged(self, what):
+        """Raise `CheckFailed` if `what` changed a variable of the model or
+        a converted graph (a later check would see it)."""
+        for variable, value in self._state:
+            if np.asarray(variable.numpy()).tobytes() != value.tobytes():
+                raise CheckFailed(f"{what} changed the variable `{variable.path}` of the "
+                                  "model it was applied to")
+        for model, signature in zip(self._converted, self._graphs):
+            if _graph_signature(model) != signature:
+                raise CheckFailed(f"{what} changed the graph of `{model.name}`, "
+                                  "the model it was applied to")
+
+
+def _graph_signature(model):
+    return [(node.name, id(node.operation)) for node in model.kip_graph.nodes]
+
+
+_shared = {}  # the last model's SharedConversion only (keras.applications are large)
+
+
+def shared_conversion(subject):
+    """`subject`'s `SharedConversion`, reset for the next check: made once
+    for the checks of a model run one after another (as `check_model` and
+    tests/test_zoo.py run them); made again after another model's."""
+    if subject.name not in _shared:
+        _shared.clear()
+        _shared[subject.name] = SharedConversion(subject)
+    shared = _shared[subject.name]
+    shared.reset()
+    return shared
+
+
 # -- check 1: conversion is fully traced ------------------------------------------
 def check_traced(name):
     """Convert (verified) each part; pass when no node is opaque, or when
@@ -184,12 +285,10 @@ def check_traced(name):
     subject = Subject(name)
 
     def run():
-        model = subject.fresh()
-        x, y = subject.data()
-        parts = subject.parts(model, x, y)
+        shared = shared_conversion(subject)
+        parts = shared.parts
         found, sizes = [], []
-        for label, part, inputs in parts:
-            converted = kip.convert_to_functional(part, (inputs,))
+        for (label, _, _), converted in zip(parts, shared.converted()):
             sizes.append(len(converted.kip_graph.nodes))
             found += [(label, node, reason) for node, reason in opaque_nodes(converted)]
         if not found:
@@ -225,12 +324,10 @@ def check_expand(name):
     outcome = {"equal": None, "left": None}
 
     def run():
-        model = subject.fresh()
-        x, y = subject.data()
-        parts = subject.parts(model, x, y)
+        shared = shared_conversion(subject)
+        parts = shared.parts
         differences, left, errors = [], [], []
-        for label, part, inputs in parts:
-            converted = kip.convert_to_functional(part, (inputs,), verify=False)
+        for (label, part, inputs), converted in shared.for_passes():
             passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
             left += [(label, *entry) for entry in custom_layers_left(passed)]
             try:
@@ -245,6 +342,7 @@ def check_expand(name):
                     difference += f" (the converted model already differs before Expand: {before})"
                 differences.append(_labelled(label, difference, parts))
         outcome["left"] = (left, parts)
+        shared.check_unchanged("Expand")
         if errors:
             return ERROR, "; ".join(errors + differences)
         if differences:
@@ -379,12 +477,10 @@ def check_replace(name):
     subject = Subject(name)
 
     def run():
-        model = subject.fresh()
-        x, y = subject.data()
-        parts = subject.parts(model, x, y)
+        shared = shared_conversion(subject)
+        parts = shared.parts
         notes, problems, total = [], [], 0
-        for label, part, inputs in parts:
-            converted = kip.convert_to_functional(part, (inputs,), verify=False)
+        for (label, part, inputs), converted in shared.for_passes():
             norms = [layer for layer in sub_layers(part) if is_norm(layer)]
             total += len(norms)
             if not norms:
@@ -412,6 +508,7 @@ def check_replace(name):
                 problems.append(_labelled(label, f"{reach}, but {difference}", parts))
             else:
                 notes.append(_labelled(label, reach, parts))
+        shared.check_unchanged("Replace")
         if total == 0:
             if subject.no_norm_layers:
                 return NA, "no norm layer (as the model states)"
@@ -534,6 +631,8 @@ class FitRun:
     converted: bool = True
 
 
+# The last model's only: the fits of a model run one after another, and the
+# variables of keras.applications are large.
 _initial = {}  # name -> variable values every twin starts from
 _reference = {}  # name -> FitRun of plain Keras
 
@@ -549,6 +648,8 @@ def twin(subject):
             part(inputs)
     variables = model.variables
     if subject.name not in _initial:
+        _initial.clear()
+        _reference.clear()
         _initial[subject.name] = [np.array(v.numpy()) for v in variables]
     values = _initial[subject.name]
     if len(values) != len(variables):
