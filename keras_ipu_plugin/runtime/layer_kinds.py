@@ -13,6 +13,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
 
 
@@ -24,7 +25,7 @@ def accepts_training(layer):
 def is_expandable(operation):
     """Custom layers and nested functional / sequential models."""
     if not isinstance(operation, keras.layers.Layer) or isinstance(
-        operation, (OpaqueLayer, BatchSizedOperation)
+        operation, (OpaqueLayer, BatchSizedOperation, RandomDraw)
     ):
         return False
     if is_read(operation):  # a variable or a constant: nothing to inline
