@@ -191,3 +191,23 @@ def test_two_draws_from_one_generator_stay_whole_and_say_why():
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     assert custom_layers_left(passed) == ["block"]
     assert "order of the draws" in passed.kip_report.opaque["block"]
+
+
+class NumpyRate(layers.Layer):
+    """A drop-path rate taken from `np.linspace`: a NumPy float on the left."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.keep = 1 - np.linspace(0, 0.1, 3)[1]
+
+    def call(self, x):
+        return self.keep * x
+
+
+def test_a_numpy_scalar_on_the_left_of_a_tensor_stays_whole_saying_to_write_float():
+    x = _rand(4, 5, 3)
+    model = Wrapper(NumpyRate(name="block"), name="wrapper")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+    assert custom_layers_left(passed) == ["block"]
+    assert "write `float(p)`" in passed.kip_report.opaque["block"]

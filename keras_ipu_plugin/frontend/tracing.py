@@ -976,10 +976,19 @@ def _describe_failure(error, default=None):
     if _NONE_VALUE.search(text):
         # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
         text = f"{text}; {STATIC_BATCH_HINT}"
+    elif _TO_NUMPY.search(text):
+        text = f"{text}; {NUMPY_OPERAND_HINT}"
     return text
 
 
 _NONE_VALUE = re.compile(r"value \(None\)|NoneType")
+_TO_NUMPY = re.compile(r"KerasTensor is symbolic.*NumPy array")
+
+NUMPY_OPERAND_HINT = (
+    "a NumPy value on the left of an operator (`np.float64(p) + x`, e.g. a "
+    "rate taken from `np.linspace`) turns the tensor into a NumPy array, "
+    "which a traced tensor cannot be: write `float(p)`"
+)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
