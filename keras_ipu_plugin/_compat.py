@@ -20,7 +20,10 @@ checks both), so a Keras upgrade is a change in this file.
 """
 
 import contextlib
+import copy
+import inspect
 import sys
+import threading
 
 import tensorflow as tf
 
@@ -463,6 +466,123 @@ def broadcast_to_operation(shape):
     from keras.src.ops.numpy import BroadcastTo
 
     return BroadcastTo(shape=tuple(shape))
+
+
+# -- symbolic idioms Keras rejects while tracing (tracing.py) -------------------
+# Public Keras code writes `ops.tile(token, (ops.shape(x)[0], 1, 1))` and
+# `table[None]`. On symbolic tensors Keras's `Tile` multiplies the unknown
+# batch size (None) into its output shape (TypeError), and its symbolic
+# indexing takes ints and tuples only, rejecting a bare None, Ellipsis or
+# slice although `x[None]` is exactly `x[(None,)]`. Inside
+# `traced_idioms()` (on the thread that entered it only) the tile's output
+# shape is None where its repeats are (the tracer then makes it a
+# `BatchSizedOperation` that reads the batch size when the graph runs) and
+# a bare key is recorded as the same key in a tuple. Outside, and on other
+# threads, Keras is exactly as it was; what changes only ever raised before.
+# A `keras.random.normal / uniform / truncated_normal` draw is handed to the
+# tracer's `record_draw` (which records it as a graph node, or returns None
+# to let it run as Keras runs it): run eagerly, it would draw once, freeze
+# the numbers into the graph and advance the layer's seed generator.
+_idioms_state = threading.local()
+_idioms_lock = threading.Lock()
+_idioms_users = [0]
+_idioms_originals = {}
+
+
+def _in_traced_idioms():
+    return getattr(_idioms_state, "depth", 0) > 0
+
+
+def _tile_output_spec(self, x):
+    from keras.src.ops.numpy import Tile
+
+    original = _idioms_originals[Tile]
+    repeats = self.repeats
+    if not _in_traced_idioms() or isinstance(repeats, int) or None not in list(repeats):
+        return original(self, x)
+    filled = copy.copy(self)
+    filled.repeats = type(repeats)(1 if r is None else r for r in repeats)
+    spec = original(filled, x)
+    shape = list(spec.shape)
+    # Repeats align with the output's last dimensions (numpy's rule).
+    for offset, repeat in enumerate(reversed(list(repeats))):
+        if repeat is None:
+            shape[len(shape) - 1 - offset] = None
+    return type(spec)(tuple(shape), dtype=spec.dtype)
+
+
+_DRAWS = ("normal", "uniform", "truncated_normal")
+
+
+def _backend_random():
+    from keras.src.random import random
+
+    return random.backend.random  # the module `keras.random` calls into
+
+
+def _intercepted_draw(kind):
+    def draw(*args, **kwargs):
+        original = _idioms_originals[kind]
+        recorders = getattr(_idioms_state, "recorders", None)
+        if not recorders or recorders[-1] is None or in_shape_inference():
+            return original(*args, **kwargs)
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound.apply_defaults()
+        recorded = recorders[-1](kind, dict(bound.arguments))
+        return original(*args, **kwargs) if recorded is None else recorded
+
+    return draw
+
+
+def _getitem(self, key):
+    from keras.src.backend.common.keras_tensor import KerasTensor
+
+    if _in_traced_idioms() and (key is None or key is Ellipsis or isinstance(key, slice)):
+        key = (key,)
+    return _idioms_originals[KerasTensor](self, key)
+
+
+@contextlib.contextmanager
+def traced_idioms(record_draw=None):
+    """Follow `ops.tile` with the batch size in its repeats and indexing
+    with a bare None / Ellipsis / slice on symbolic tensors, on this thread,
+    while the context lasts, and hand `keras.random` draws to
+    `record_draw(distribution, arguments)` (see above).
+
+    Example:
+        >>> with traced_idioms():
+        ...     keras.KerasTensor((5, 8))[None].shape
+        (1, 5, 8)
+    """
+    from keras.src.backend.common.keras_tensor import KerasTensor
+    from keras.src.ops.numpy import Tile
+
+    backend_random = _backend_random()
+    with _idioms_lock:
+        if _idioms_users[0] == 0:
+            _idioms_originals[Tile] = Tile.compute_output_spec
+            _idioms_originals[KerasTensor] = KerasTensor.__getitem__
+            Tile.compute_output_spec = _tile_output_spec
+            KerasTensor.__getitem__ = _getitem
+            for kind in _DRAWS:
+                _idioms_originals[kind] = getattr(backend_random, kind)
+                setattr(backend_random, kind, _intercepted_draw(kind))
+        _idioms_users[0] += 1
+    _idioms_state.depth = getattr(_idioms_state, "depth", 0) + 1
+    recorders = _idioms_state.__dict__.setdefault("recorders", [])
+    recorders.append(record_draw)
+    try:
+        yield
+    finally:
+        recorders.pop()
+        _idioms_state.depth -= 1
+        with _idioms_lock:
+            _idioms_users[0] -= 1
+            if _idioms_users[0] == 0:
+                Tile.compute_output_spec = _idioms_originals.pop(Tile)
+                KerasTensor.__getitem__ = _idioms_originals.pop(KerasTensor)
+                for kind in _DRAWS:
+                    setattr(backend_random, kind, _idioms_originals.pop(kind))
 
 
 # -- what a conversion may change on a user's model (state.py) ----------------

@@ -334,6 +334,8 @@ class _Trace:
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
         self._taken = set()
         self._new_reads = []
+        self._draws = []  # the RandomDraw layers, the same in every mode traced
+        self._draws_made, self._drawn_from = 0, set()
 
     @classmethod
     def current(cls):
@@ -345,11 +347,15 @@ class _Trace:
         """Make this the trace in progress (one per mode traced)."""
         stack = self._active.__dict__.setdefault("stack", [])
         self._taken, self._new_reads = set(), []
+        self._draws_made, self._drawn_from = 0, set()
         stack.append(self)
         try:
             # The read layers outlive the trace (a graph keeps them): leave
-            # none of the trace's Keras nodes on them.
-            with _compat.node_lists_snapshot(self.reads.layers(), always=True):
+            # none of the trace's Keras nodes on them. Public code's
+            # `ops.tile(t, (ops.shape(x)[0], 1, 1))` and `table[None]` are
+            # followed (`_compat.traced_idioms`).
+            with _compat.node_lists_snapshot(self.reads.layers(), always=True), \
+                    _compat.traced_idioms(self.record_draw):
                 yield
         finally:
             stack.pop()
@@ -409,6 +415,48 @@ class _Trace:
             return held(self.anchor)
 
         return keras.tree.map_structure(lift, (args, kwargs))
+
+    def record_draw(self, distribution, arguments):
+        """The graph tensor of a `keras.random` draw `call` makes: the output
+        of a `RandomDraw` node (`random_draws.py`) that makes it when the
+        graph runs; None (Keras then runs it) where it is given tensors."""
+        from keras_ipu_plugin.runtime.random_draws import RandomDraw
+
+        arguments = dict(arguments)
+        shape, seed = arguments.pop("shape"), arguments.pop("seed")
+        dtype = arguments.pop("dtype")
+        if (self.anchor is None or not isinstance(shape, (list, tuple))
+                or not all(dim is None or isinstance(dim, int) for dim in shape)
+                or not all(isinstance(v, (int, float)) for v in arguments.values())
+                or not (seed is None or isinstance(seed, (int, keras.random.SeedGenerator)))):
+            return None
+        what = f"`call` draws `keras.random.{distribution}` of shape {tuple(shape)}"
+        if None in shape and not _only_the_batch_is_unknown(self):
+            raise TraceError(f"{what}, whose unknown dimension may not be the batch size")
+        if not isinstance(seed, int):
+            # Two draws from one generator give different numbers in the
+            # order they are made; the graph does not order them.
+            if id(seed) in self._drawn_from:
+                raise TraceError(f"{what} from a seed generator it already drew from: "
+                                 "the graph would not keep the order of the draws")
+            self._drawn_from.add(id(seed))
+        config = (distribution, tuple(shape), arguments, dtype)
+        if self._draws_made < len(self._draws):  # the same draw in another mode
+            draw = self._draws[self._draws_made]
+            if draw.seed_generator is not seed or (
+                draw.distribution, draw.draw_shape, draw.arguments, draw.draw_dtype
+            ) != config:
+                draw = None
+        else:
+            draw = None
+        if draw is None:
+            draw = RandomDraw(distribution, shape, arguments, seed=seed, draw_dtype=dtype,
+                              name=f"random_{distribution}")
+            del self._draws[self._draws_made:]
+            self._draws.append(draw)
+        self._draws_made += 1
+        self._new_reads.append(draw)
+        return draw(self.anchor)
 
     def _unique(self, name):
         base, count = name, 0
@@ -592,6 +640,17 @@ def _is_concrete(leaf):
         tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, keras.Variable))
         and not isinstance(leaf, tf.Variable)
     )
+
+
+def _only_the_batch_is_unknown(trace):
+    """Whether the traced call's inputs know every dimension but the
+    batch size, and `trace.anchor` has it unknown: a None in a shape made
+    inside `call` is then the batch size."""
+    symbols = [leaf for leaf in keras.tree.flatten((trace.args, trace.kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+    anchor_shape = tuple(trace.anchor.shape)
+    return bool(anchor_shape) and anchor_shape[0] is None and not any(
+        None in tuple(t.shape)[1:] for t in symbols)
 
 
 def _anchor_of(structure):
@@ -1033,6 +1092,8 @@ def _describe_failure(error, default=None):
     if _NONE_VALUE.search(text):
         # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
         text = f"{text}; {STATIC_BATCH_HINT}"
+    elif _TO_NUMPY.search(text):
+        text = f"{text}; {NUMPY_OPERAND_HINT}"
     return text
 
 
@@ -1058,6 +1119,15 @@ def _user_source_line(error):
 
     source = linecache.getline(*found).strip()
     return f"{found[0].rsplit('/', 1)[-1]}:{found[1]}: {source}"
+
+
+_TO_NUMPY = re.compile(r"KerasTensor is symbolic.*NumPy array")
+
+NUMPY_OPERAND_HINT = (
+    "a NumPy value on the left of an operator (`np.float64(p) + x`, e.g. a "
+    "rate taken from `np.linspace`) turns the tensor into a NumPy array, "
+    "which a traced tensor cannot be: write `float(p)`"
+)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

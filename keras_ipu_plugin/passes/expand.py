@@ -36,6 +36,7 @@ from keras_ipu_plugin.runtime.layer_kinds import is_expandable
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
 from keras_ipu_plugin.runtime.masks import AttachMask
 from keras_ipu_plugin.runtime.reads import ReadLayers
+from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
 
 
@@ -332,7 +333,7 @@ def _name_after_path(node, parent_path, used):
         used.add(node.name)
         return
     if not isinstance(operation, keras.layers.Layer) or isinstance(
-        operation, BatchSizedOperation
+        operation, (BatchSizedOperation, RandomDraw)
     ):
         # A keras.ops operation the trace made: its auto-generated name
         # (`add_17`) depends on what ran before; number it within its parent.

@@ -59,7 +59,28 @@ class BatchSizedOperation(keras.layers.Layer):
         return self.with_batch_size(batch_size).call(*args, **kwargs)
 
     def compute_output_spec(self, anchor, *args, **kwargs):
-        return self.with_batch_size(anchor.shape[0]).compute_output_spec(*args, **kwargs)
+        batch_size = anchor.shape[0]
+        if batch_size is not None:
+            return self.with_batch_size(batch_size).compute_output_spec(*args, **kwargs)
+        try:
+            return self.operation.compute_output_spec(*args, **kwargs)
+        except Exception:
+            # Keras's `Tile` cannot multiply an unknown repeat into its
+            # output shape (the functional model is rebuilt on a batch of
+            # None): the spec at two batch sizes shows which dimensions
+            # follow it.
+            return self._spec_at_two_batch_sizes(*args, **kwargs)
+
+    def _spec_at_two_batch_sizes(self, *args, **kwargs):
+        two, three = (self.with_batch_size(size).compute_output_spec(*args, **kwargs)
+                      for size in (2, 3))
+        return keras.tree.map_structure(
+            lambda a, b: keras.KerasTensor(
+                tuple(x if x == y else None for x, y in zip(a.shape, b.shape)),
+                dtype=a.dtype, sparse=a.sparse,
+            ),
+            two, three,
+        )
 
     def get_config(self):
         config = super().get_config()

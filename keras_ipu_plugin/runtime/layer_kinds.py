@@ -13,6 +13,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
 
 
@@ -47,7 +48,7 @@ def is_expandable(operation):
     layers, classes of `keras.src.applications`), except the plugin's own
     graph layers (opaque nodes, batch-sized operations, variable reads)."""
     if not isinstance(operation, keras.layers.Layer) or isinstance(
-        operation, (OpaqueLayer, BatchSizedOperation)
+        operation, (OpaqueLayer, BatchSizedOperation, RandomDraw)
     ):
         return False
     if is_read(operation):  # a variable or a constant: nothing to inline

@@ -1,0 +1,213 @@
+"""Common idioms of public Keras code that the symbolic trace must follow
+exactly (issue 13: ViT's patching-and-embedding layer).
+
+- `ops.tile(token, (ops.shape(x)[0], 1, 1))`: the repeats hold the batch
+  size, unknown (None) while tracing; the graph reads it when it runs.
+- `table[None]`, `x[...]`, `table[1:]`: indexing with a bare new axis,
+  Ellipsis or slice, which Keras's symbolic indexing rejects (it takes
+  ints and tuples only), is recorded as the same index in a tuple.
+
+Each model is compared with the original at the conversion batch size and
+at others, and after saving and loading.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+from keras import layers
+from keras import ops
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin.passes import Expand
+
+from test_conversion import assert_equivalent  # tests/ is on sys.path
+from test_tracing_coverage import custom_layers_left
+from test_tracing_coverage import fully_traced
+
+
+def _rand(*shape, seed=0):
+    return np.random.RandomState(seed).normal(size=shape).astype("float32")
+
+
+class Wrapper(keras.Model):
+    def __init__(self, block, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(8, name="embed")
+        self.block = block
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
+def expands_exactly_at_any_batch_size(block, tmp_path):
+    """Convert and `Expand` a model around `block`; the expanded graph has
+    no custom layer left and equals the original at other batch sizes and
+    after saving and loading. Returns the expanded model."""
+    x = _rand(4, 5, 3)
+    model = Wrapper(block, name="wrapper")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    fully_traced(converted)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert custom_layers_left(passed) == []
+    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+    assert_equivalent(model, passed, x)
+    for batch in (1, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+    path = str(tmp_path / "passed.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    other = _rand(6, 5, 3, seed=6)
+    np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+    return passed
+
+
+class TiledClassToken(layers.Layer):
+    """ViT (keras_hub's `ViTPatchingAndEmbedding`): a learned class token
+    tiled to the batch size and put before the patches."""
+
+    def build(self, shape):
+        self.class_token = self.add_weight(
+            shape=(1, 1, shape[-1]), initializer="random_normal", name="class_token")
+
+    def call(self, x):
+        token = ops.tile(self.class_token, (ops.shape(x)[0], 1, 1))
+        return ops.concatenate([token, x], axis=1)
+
+
+def test_a_token_tiled_to_the_batch_size_expands_to_a_graph_for_any_batch_size(tmp_path):
+    passed = expands_exactly_at_any_batch_size(TiledClassToken(name="block"), tmp_path)
+    assert any(type(n.operation).__name__ == "BatchSizedOperation"
+               and type(n.operation.operation).__name__ == "Tile"
+               for n in passed.kip_graph.nodes)
+
+
+class BareIndexing(layers.Layer):
+    """A position table given a batch axis with `table[None]`, a bias cut
+    with `bias[1:]`, and `x[...]`: bare keys, not tuples."""
+
+    def build(self, shape):
+        self.table = self.add_weight(
+            shape=(shape[1], shape[2]), initializer="random_normal", name="table")
+        self.bias = self.add_weight(
+            shape=(shape[2] + 1,), initializer="random_normal", name="bias")
+
+    def call(self, x):
+        return x[...] + self.table[None] + self.bias[1:]
+
+
+def test_indexing_with_a_bare_new_axis_slice_or_ellipsis_expands_exactly(tmp_path):
+    expands_exactly_at_any_batch_size(BareIndexing(name="block"), tmp_path)
+
+
+def test_keras_rejects_bare_keys_again_after_a_trace(tmp_path):
+    # Only the trace records bare keys as tuples: Keras after it is as it was.
+    expands_exactly_at_any_batch_size(BareIndexing(name="block"), tmp_path)
+    tensor = keras.KerasTensor((5, 8))
+    with pytest.raises(ValueError, match="Unsupported key type"):
+        tensor[None]
+    with pytest.raises(TypeError):
+        ops.tile(keras.KerasTensor((1, 8)), (None, 1))
+
+
+# -- random draws ----------------------------------------------------------------
+class Sampling(layers.Layer):
+    """The Keras VAE example's sampling layer: noise of the batch size drawn
+    from the layer's own seed generator at every call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, x):
+        noise = keras.random.normal(shape=(ops.shape(x)[0], ops.shape(x)[1], 8),
+                                    seed=self.seed_generator)
+        return x + 0.5 * noise
+
+
+class FixedNoise(layers.Layer):
+    """Noise of a fixed shape (no batch size in it), drawn anew at each call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x * keras.random.uniform((1, 1, 8), 0.5, 1.5, seed=self.seed_generator)
+
+
+class TwoDraws(layers.Layer):
+    """Two draws from one generator: their order is what gives each its numbers."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, x):
+        first = keras.random.normal((1, 1, 8), seed=self.seed_generator)
+        second = keras.random.normal((1, 1, 8), seed=self.seed_generator)
+        return x * first - second
+
+
+def _seed_states(model):
+    return [v for v in model.non_trainable_variables if "seed_generator_state" in v.path]
+
+
+def test_random_draws_expand_to_nodes_drawing_the_originals_numbers_at_any_batch_size(tmp_path):
+    for block in (Sampling(name="block"), FixedNoise(name="block")):
+        x = _rand(4, 5, 3)
+        model = Wrapper(block, name="wrapper")
+        model(x)
+        states = _seed_states(model)
+        assert states
+        start = [np.array(s) for s in states]
+        passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+        # Converting and expanding drew nothing from the user's generator.
+        for state, value in zip(states, start):
+            np.testing.assert_array_equal(np.array(state), value)
+        assert custom_layers_left(passed) == []
+        assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+        assert any(type(n.operation).__name__ == "RandomDraw" for n in passed.kip_graph.nodes)
+        # The passed model draws from the same generator: the same numbers,
+        # new ones at each call (not one draw frozen into the graph).
+        for batch in (4, 1, 7):
+            other = _rand(batch, 5, 3, seed=batch)
+            before = [np.array(s) for s in states]
+            expected = np.array(model(other))
+            for state, value in zip(states, before):
+                state.assign(value)
+            got = np.array(passed(other))
+            np.testing.assert_allclose(got, expected, atol=1e-6)
+            assert not np.allclose(np.array(passed(other)), got)
+
+
+def test_two_draws_from_one_generator_stay_whole_and_say_why():
+    x = _rand(4, 5, 3)
+    model = Wrapper(TwoDraws(name="block"), name="wrapper")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+    assert custom_layers_left(passed) == ["block"]
+    assert "order of the draws" in passed.kip_report.opaque["block"]
+
+
+class NumpyRate(layers.Layer):
+    """A drop-path rate taken from `np.linspace`: a NumPy float on the left."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.keep = 1 - np.linspace(0, 0.1, 3)[1]
+
+    def call(self, x):
+        return self.keep * x
+
+
+def test_a_numpy_scalar_on_the_left_of_a_tensor_stays_whole_saying_to_write_float():
+    x = _rand(4, 5, 3)
+    model = Wrapper(NumpyRate(name="block"), name="wrapper")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+    assert custom_layers_left(passed) == ["block"]
+    assert "write `float(p)`" in passed.kip_report.opaque["block"]
