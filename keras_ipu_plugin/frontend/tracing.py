@@ -533,18 +533,18 @@ def _inline_output_spec(self, *args, **kwargs):
     KerasTensors themselves; Keras's scratch-graph way if that fails, and
     AutoGraph's (the view then stands for an opaque node) if that fails."""
     layers = _compat.all_layers(self)
+    # A failure of the layer's own code (a TraceError too: a draw the graph
+    # cannot order) makes this layer opaque, not the one calling it; only
+    # `_tensors_only`'s refusal (a layer returning no tensor) goes up.
     try:
         with _compat.node_lists_snapshot(layers, always=True):
-            outputs = self.call(*args, **kwargs)
-            return _tensors_only(self, keras.tree.map_structure(_fresh_keras_tensor, outputs))
-    except TraceError:
-        raise
+            outputs = keras.tree.map_structure(_fresh_keras_tensor, self.call(*args, **kwargs))
     except Exception:
         pass
+    else:
+        return _tensors_only(self, outputs)
     try:
-        return _tensors_only(self, super(type(self), self).compute_output_spec(*args, **kwargs))
-    except TraceError:
-        raise
+        outputs = super(type(self), self).compute_output_spec(*args, **kwargs)
     except Exception as error:
         layer = viewed_layer(self)  # only views have this method
         try:
@@ -552,7 +552,7 @@ def _inline_output_spec(self, *args, **kwargs):
         except Exception:
             raise error from None
         vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
-        return _tensors_only(self, outputs)
+    return _tensors_only(self, outputs)
 
 
 def _autograph_output_spec(layer, args, kwargs):
