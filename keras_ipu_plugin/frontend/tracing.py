@@ -885,9 +885,9 @@ def _precise_specs(operation, args, kwargs, outputs):
     if any(None in tuple(t.shape)[1:] for t in inputs):
         return outputs
     try:  # `call` run on symbolic TensorFlow tensors, not the layer's formula
-        inferred = keras.tree.flatten(
+        inferred = [t for t in keras.tree.flatten(
             _compat.Operation.compute_output_spec(operation, *args, **kwargs)
-        )
+        ) if t is not None]
     except Exception:  # the recorded shapes are right, only less precise
         return outputs
     if len(inferred) != len(outputs):
@@ -1018,7 +1018,10 @@ def _replayed_shapes(nodes, prefix, batch_size):
             compute_output_spec = functools.partial(
                 keras.layers.Layer.compute_output_spec, operation)
         try:
-            outputs = keras.tree.flatten(compute_output_spec(*args, **kwargs))
+            # A None among a layer's outputs (T5's attention without a cache)
+            # is no Value of its node (`Node.output_structure` keeps it).
+            outputs = [t for t in keras.tree.flatten(compute_output_spec(*args, **kwargs))
+                       if t is not None]
         except Exception as error:
             raise TraceError(
                 f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the "
