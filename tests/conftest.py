@@ -8,6 +8,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+# The report is rendered as wide as the terminal; tests read its text, so
+# they fix the width (pytest-xdist's workers see an 80-column terminal and
+# wrapped the words the tests look for). Tests of the width set their own.
+os.environ["COLUMNS"] = "160"
+
 # XLA may keep a value in more precision than its dtype where it fuses ops
 # (on by default), so under mixed precision with jit_compile a change in the
 # graph's structure alone (an outlined function) changes the rounding. The
