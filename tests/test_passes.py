@@ -382,8 +382,8 @@ def test_expand_one_target_expands_one_level_only():
 def test_shared_custom_layer_stays_shared():
     model, passed, x = expanded(make_shared)
     # Node paths are unique: the second call site is numbered.
-    dense_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared.dense_1")]
-    out_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.out", "shared.out_1")]
+    dense_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared_1.dense")]
+    out_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.out", "shared_1.out")]
     assert len(dense_nodes) == 2 and len(out_nodes) == 2
     assert dense_nodes[0].operation is dense_nodes[1].operation is model.shared.dense
     assert out_nodes[0].operation is out_nodes[1].operation is model.shared.out
@@ -692,7 +692,7 @@ def test_replace_keeps_shared_layers_shared():
     )
     # A name reaches every call site of the layer it names (the second one's
     # path is numbered): replacing one site only would un-share the layer.
-    nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared.dense_1")]
+    nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared_1.dense")]
     assert len(nodes) == 2
     assert isinstance(nodes[0].operation, MyDense)
     assert nodes[0].operation is nodes[1].operation

@@ -66,6 +66,7 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.runtime.reads import HeldConstant
 from keras_ipu_plugin.runtime.reads import ReadLayers
 from keras_ipu_plugin.runtime.reads import is_read
@@ -318,7 +319,7 @@ class _Trace:
         self.lift_for = set()  # ids of the views whose concrete calls are lifted
         self.read_names = {}  # id(Keras node of a read) -> its node name
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
-        self._taken = set()
+        self._names = Namespace()  # the node names this trace gave
         self._new_reads = []
 
     @classmethod
@@ -330,7 +331,7 @@ class _Trace:
     def active(self):
         """Make this the trace in progress (one per mode traced)."""
         stack = self._active.__dict__.setdefault("stack", [])
-        self._taken, self._new_reads = set(), []
+        self._names, self._new_reads = Namespace(), []
         stack.append(self)
         try:
             # The read layers outlive the trace (a graph keeps them): leave
@@ -365,7 +366,7 @@ class _Trace:
         return value
 
     def _read(self, variable, name):
-        node_name = self._unique(self.prefix + name)
+        node_name = self._names.create(self.prefix + name)
         known = {id(layer) for layer in self.reads.layers()}
         read = self.reads.variable_read(variable, like=self.layer, name=node_name)
         if id(read) not in known:
@@ -388,21 +389,13 @@ class _Trace:
         def lift(leaf):
             if not _is_concrete(leaf):
                 return leaf
-            name = self._unique(f"{self.prefix}{consumer.name}_input")
+            name = self._names.create(f"{self.prefix}{consumer.name}_input")
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
             return held(self.anchor)
 
         return keras.tree.map_structure(lift, (args, kwargs))
-
-    def _unique(self, name):
-        base, count = name, 0
-        while name in self._taken:
-            count += 1
-            name = f"{base}_{count}"
-        self._taken.add(name)
-        return name
 
 
 @functools.lru_cache(maxsize=None)
@@ -595,7 +588,7 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
     takes it from `anchor` (a KerasTensor among the placeholders)."""
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
-    nodes = []
+    nodes, names = [], Namespace()
     visited = set()
     batch_sized = []
 
@@ -640,7 +633,9 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         if is_read(operation):  # named after the attribute or its consumer
             name = (read_names or {}).get(id(keras_node), operation.name)
         node = Node(
-            name=name,
+            # A layer called twice (a shared block) has two nodes: the
+            # second is numbered (`shared_1`), as node names are unique.
+            name=names.create(name),
             operation=operation,
             args=_to_values(args, values),
             kwargs=_to_values(kwargs, values),

@@ -19,6 +19,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
@@ -235,10 +236,10 @@ class Replace(Pass):
                     f"model `{graph.name}`."
                 )
             replaced = {id(node) for node in nodes}
-            taken = {
+            taken = Namespace(
                 getattr(node.operation, "name", None)
                 for node in graph.nodes if id(node) not in replaced
-            }
+            )
             new_layers = {}  # one new layer per old layer: sharing is kept
             for node in nodes:
                 old = node.operation
@@ -256,8 +257,7 @@ class Replace(Pass):
                     else:
                         # A new layer is ours to name: after its node's path
                         # (`block_1.conv1`) unless `params` names it.
-                        name = _unique(replacement.params.get("name", node.name), taken)
-                        taken.add(name)
+                        name = taken.create(replacement.params.get("name", node.name))
                         new_layers[id(old)] = _new_layer(
                             node, replacement, report, self.step, name
                         )
@@ -265,14 +265,6 @@ class Replace(Pass):
                 node.operation = new_layers[id(old)]
                 node.made_by_pass = True  # ours: keeps the name it was given
         return graph
-
-
-def _unique(name, taken):
-    candidate, count = name, 0
-    while candidate in taken:
-        count += 1
-        candidate = f"{name}_{count}"
-    return candidate
 
 
 def _new_layer(node, replacement, report, step, name=None):

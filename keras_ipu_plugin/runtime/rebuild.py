@@ -12,6 +12,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
+from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.runtime.alias import LayerAlias
 from keras_ipu_plugin.runtime.functional import KipFunctional
 
@@ -91,7 +92,7 @@ class _UniqueNames:
     """
 
     def __init__(self):
-        self.taken = set()
+        self.taken = Namespace()
         self.chosen = {}  # id(layer) -> the layer or its alias
 
     def operation_for(self, node):
@@ -103,12 +104,8 @@ class _UniqueNames:
         own_name = node.name == operation.name or node.made_by_pass
         if own_name and operation.name not in self.taken:
             chosen = operation
+            self.taken.add(chosen.name)
         else:
-            name, count = node.name, 0
-            while name in self.taken:
-                count += 1
-                name = f"{node.name}_{count}"
-            chosen = LayerAlias(operation, name=name)
-        self.taken.add(chosen.name)
+            chosen = LayerAlias(operation, name=self.taken.create(node.name))
         self.chosen[id(operation)] = chosen
         return chosen
