@@ -23,6 +23,7 @@ import contextlib
 import sys
 
 import tensorflow as tf
+from tensorflow.python.trackable import data_structures as _tf_data_structures
 
 from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
@@ -491,6 +492,20 @@ def global_seed_generator_state():
     return None if generator is None else generator.state
 
 
+def current_training():
+    """The `training` value of the Keras call in progress (None outside one)."""
+    context = global_state.get_global_attribute(_CALL_CTX)
+    return None if context is None else context.get_value("training")
+
+
+def constructor_config(layer):
+    """The arguments `layer` was constructed with, as Keras recorded them
+    for its automatic `get_config` (a dict), or None where it did not
+    (far cheaper than `get_config()`, which serializes every initializer)."""
+    config = getattr(layer, "_auto_config", None)
+    return None if config is None else dict(config.config)
+
+
 def raw_container(value):
     """The builtin list, dict or set that holds `value`'s items, or None
     when `value` is not a mutable container.
@@ -504,15 +519,24 @@ def raw_container(value):
     Writing through the raw container with the builtin methods bypasses the
     wrappers' tracking, which would otherwise re-track every item put back.
     """
-    from tensorflow.python.trackable import data_structures
-
-    if isinstance(value, data_structures._DictWrapper):
+    kind = type(value)
+    if kind in NEVER_CONTAINERS:  # most values: checked first, as this runs per attribute
+        return None
+    if kind in (list, dict, set):
+        return value
+    if isinstance(value, _tf_data_structures._DictWrapper):
         return value.__wrapped__
-    if isinstance(value, data_structures.List):
+    if isinstance(value, _tf_data_structures.List):
         return value._storage
     if isinstance(value, (list, dict, set)):
         return value
+    NEVER_CONTAINERS.add(kind)
     return None
+
+
+#: Types whose values `raw_container` found not to be containers (it learns
+#: them), so that walking a model's attributes costs a set lookup per value.
+NEVER_CONTAINERS = {bool, int, float, str, bytes, type(None), tuple}
 
 
 _WRAPPER_BOOKKEEPING = {
@@ -528,6 +552,8 @@ _WRAPPER_BOOKKEEPING = {
 def wrapper_bookkeeping(container):
     """Copies of what a TensorFlow tracking wrapper records about its items
     (empty for other containers), for `restore_wrapper_bookkeeping`."""
+    if type(container) in (list, dict, set):
+        return {}
     names = _WRAPPER_BOOKKEEPING.get(type(container).__name__, ())
     saved = {}
     for name in names:

@@ -67,6 +67,7 @@ from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.frontend.replay import output_specs_key
 from keras_ipu_plugin.runtime.reads import HeldConstant
 from keras_ipu_plugin.runtime.reads import ReadLayers
 from keras_ipu_plugin.runtime.reads import is_read
@@ -319,6 +320,7 @@ class _Trace:
         self.lift_for = set()  # ids of the views whose concrete calls are lifted
         self.read_names = {}  # id(Keras node of a read) -> its node name
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
+        self.output_specs = {}  # replay.output_specs_key -> output KerasTensors
         self._names = Namespace()  # the node names this trace gave
         self._new_reads = []
 
@@ -438,13 +440,24 @@ def _inline_output_spec(self, *args, **kwargs):
     """Output KerasTensors of `self.call(*args, **kwargs)`, run on the
     KerasTensors themselves; Keras's scratch-graph way if that fails, and
     AutoGraph's (the view then stands for an opaque node) if that fails."""
+    # Blocks of one kind (`replay.output_specs_key`) give the same output
+    # specs: their `call` runs once per trace, not once per block.
+    trace = _Trace.current()
+    key = None if trace is None else output_specs_key(
+        viewed_layer(self), args, kwargs, _compat.current_training())
+    if key is not None and key in trace.output_specs:
+        return keras.tree.map_structure(_fresh_keras_tensor, trace.output_specs[key])
     layers = _compat.all_layers(self)
     try:
         with _compat.node_lists_snapshot(layers, always=True):
             outputs = self.call(*args, **kwargs)
-            return keras.tree.map_structure(_fresh_keras_tensor, outputs)
+            outputs = keras.tree.map_structure(_fresh_keras_tensor, outputs)
     except Exception:
         pass
+    else:
+        if key is not None:
+            trace.output_specs[key] = outputs
+        return outputs
     try:
         return super(type(self), self).compute_output_spec(*args, **kwargs)
     except Exception as error:

@@ -350,6 +350,19 @@ class Graph:
         self._nodes.remove(node)
         self.names.discard(node.name)
 
+    def rename_nodes(self, names):
+        """Give nodes new names at once (`{node: name}`; names may swap):
+        the names must stay unique."""
+        for node, name in names.items():
+            self._position(node)
+            node.name = name
+        taken = Namespace()
+        for node in self._nodes:
+            if node.name in taken:
+                raise GraphError(f"Two nodes of graph `{self.name}` would be named `{node.name}`.")
+            taken.add(node.name)
+        self.names = taken
+
     # -- checks ------------------------------------------------------------
     def lint(self):
         """Raise `GraphError` unless the graph is well formed: each node once,

@@ -308,7 +308,27 @@ def _graph_of(model):
         node.annotations.update(annotations.get(getattr(node.operation, "name", None), {}))
         if isinstance(node.operation, OpaqueLayer):
             node.opaque_reason = node.operation.reason
+    _restore_paths(graph, getattr(model, "kip_layer_paths", {}))
     return graph
+
+
+def _restore_paths(graph, paths):
+    """Name a loaded model's nodes by their paths again (`block_1.dense`
+    for the layer `dense`): its graph is read from its Keras layers, and
+    `paths` (`kip_layer_paths`) says which path each layer call had. A layer
+    called at several paths takes them in call order, where the counts agree."""
+    by_layer = {}
+    for path, name in paths.items():
+        by_layer.setdefault(name, []).append(path)
+    calls = {}
+    for node in graph.nodes:
+        if node.is_layer:
+            calls.setdefault(node.operation.name, []).append(node)
+    renamed = {}
+    for name, nodes in calls.items():
+        if len(by_layer.get(name, ())) == len(nodes):
+            renamed.update(zip(nodes, by_layer[name]))
+    graph.rename_nodes(renamed)
 
 
 def _plain_view(model):

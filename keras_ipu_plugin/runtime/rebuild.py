@@ -40,10 +40,12 @@ def rebuild(graph, name=None):
             return tensors[id(leaf)]
         return leaf
 
-    pinned, annotations = {}, {}
-    named = _UniqueNames()
+    pinned, annotations, paths = {}, {}, {}
+    named = _UniqueNames(graph.nodes)
     for node in graph.nodes:
         operation = named.operation_for(node)
+        if node.is_layer:
+            paths[node.name] = operation.name
         args = map_leaves(resolve, node.args)
         kwargs = map_leaves(resolve, node.kwargs)
         kwargs.pop("training", None)
@@ -72,6 +74,7 @@ def rebuild(graph, name=None):
         name=name or graph.name,
         kip_pinned_training=pinned,
         kip_annotations=annotations,
+        kip_layer_paths=paths,
     )
     model.kip_graph = graph
     object.__setattr__(model, "kip_replaced", tuple(graph.replaced))
@@ -79,33 +82,46 @@ def rebuild(graph, name=None):
 
 
 class _UniqueNames:
-    """Names the rebuilt model's layers after their nodes.
+    """The Keras layer each node's layer is called as in the rebuilt model.
 
-    A layer inlined by Expand has the node name `parent.child`; the user's
-    layer object keeps its own name (the plugin does not rename user
-    objects), so the rebuilt model calls it through a `LayerAlias` with the
-    node's name. That also gives every layer the distinct name a functional
-    model needs when blocks share sub-layer names (`conv1` in every block).
-    A layer called at several nodes gets one alias, named after the first.
-    Layers a pass created (Replace) are ours and keep the name they were
-    given.
+    A functional model needs a distinct name per layer. A layer keeps its
+    own name (the user's layer object, called as it is) unless another
+    layer of the model has that name already, as sub-layers of different
+    blocks often do (`conv1` in every residual block); then it is called
+    through a `LayerAlias` named after its node's path (`block_2.conv1`),
+    the same layer object under another name (the plugin never renames the
+    user's layers). The path stays the node's name in the IR, the report
+    and targets whichever name the Keras model shows; `kip_layer(path)`
+    finds the layer either way.
+
+    Nodes whose path is their layer's own name (the layers `call` used
+    directly) claim their names first, so a top-level `dense` keeps its
+    name even when an expanded block before it holds a `dense` too. A layer
+    called at several nodes is one Keras layer (one alias, at most).
     """
 
-    def __init__(self):
+    def __init__(self, nodes):
         self.taken = Namespace()
         self.chosen = {}  # id(layer) -> the layer or its alias
+        for node in nodes:
+            operation = node.operation
+            if (isinstance(operation, keras.layers.Layer)
+                    and (node.name == operation.name or node.made_by_pass)
+                    and id(operation) not in self.chosen
+                    and operation.name not in self.taken):
+                self.taken.add(operation.name)
+                self.chosen[id(operation)] = operation
 
     def operation_for(self, node):
         operation = node.operation
         if not isinstance(operation, keras.layers.Layer):
             return operation  # keras.ops operations: ours, already named
-        if id(operation) in self.chosen:
-            return self.chosen[id(operation)]
-        own_name = node.name == operation.name or node.made_by_pass
-        if own_name and operation.name not in self.taken:
-            chosen = operation
-            self.taken.add(chosen.name)
-        else:
-            chosen = LayerAlias(operation, name=self.taken.create(node.name))
-        self.chosen[id(operation)] = chosen
+        chosen = self.chosen.get(id(operation))
+        if chosen is None:
+            if operation.name not in self.taken:
+                self.taken.add(operation.name)
+                chosen = operation
+            else:
+                chosen = LayerAlias(operation, name=self.taken.create(node.name))
+            self.chosen[id(operation)] = chosen
         return chosen
