@@ -7,6 +7,9 @@ runtime, so this runs at import time, before any test module touches TF.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# apply_passes checks every graph with Graph.lint() before and after each
+# pass (see passes/manager.py): a pass leaving a malformed graph fails there.
+os.environ.setdefault("KIP_LINT_GRAPHS", "1")
 
 # XLA may keep a value in more precision than its dtype where it fuses ops
 # (on by default), so under mixed precision with jit_compile a change in the
