@@ -231,3 +231,62 @@ def test_apply_passes_lints_the_graph_after_each_pass_in_tests():
     converted = kip.convert_to_functional(_Small(), x)
     with pytest.raises(PassError, match="after pass _LeavesAStrayNode: .*`stray`"):
         kip.apply_passes(converted, [kip.passes.Expand(), _LeavesAStrayNode()])
+
+
+# -- Keras masks and None outputs ----------------------------------------------
+def masked_chain():
+    """input -> n0 -> n1 -> n2, n1's output carrying n0's output as its mask."""
+    graph = chain()
+    n0, n1, _ = graph.nodes
+    n1.outputs[0].mask = n0.outputs[0]
+    return graph
+
+
+def test_replace_all_uses_with_moves_the_masks_that_refer_to_the_old_value():
+    # A value whose Keras mask came from a replaced (inlined) node kept
+    # pointing at the erased node's output: rebuilt, Keras would attach no
+    # mask there, or the graph would not lint.
+    graph = masked_chain()
+    n0, n1, _ = graph.nodes
+    new = graph.insert_after(n0, node("n0_new", graph.input_values))[0]
+    graph.replace_all_uses_with(n0.outputs[0], new.outputs[0])
+    assert n1.outputs[0].mask is new.outputs[0]
+    assert list(new.outputs[0].masked) == [n1.outputs[0]]
+    graph.erase_node(n0)
+    graph.lint()
+
+
+def test_erase_node_refuses_a_node_whose_output_is_still_a_mask():
+    graph = masked_chain()
+    n0, n1, n2 = graph.nodes
+    n1.args = (graph.input_values,)  # n0 read by nobody, still n1's output's mask
+    with pytest.raises(GraphError, match=r"`n0`.*Keras mask"):
+        graph.erase_node(n0)
+
+
+def test_copy_keeps_the_masks_within_the_copy():
+    graph = masked_chain()
+    graph.nodes[2].outputs[0].mask = kip.ir.graph.UNTRACED_MASK
+    copied = graph.copy()
+    n0, n1, n2 = copied.nodes
+    assert n1.outputs[0].mask is n0.outputs[0]
+    assert n2.outputs[0].mask == kip.ir.graph.UNTRACED_MASK
+    assert list(graph.nodes[0].outputs[0].masked) == [graph.nodes[1].outputs[0]]
+    copied.lint()
+
+
+def test_lint_catches_a_mask_from_outside_the_graph():
+    graph = chain()
+    graph.nodes[1].outputs[0].mask = node("stray", graph.input_values).outputs[0]
+    with pytest.raises(GraphError, match="Keras mask"):
+        graph.lint()
+
+
+def test_lint_accepts_none_among_the_outputs_and_checks_the_rest():
+    graph = chain()
+    n1 = graph.nodes[1]
+    n1.output_structure = (0, None)  # the call returned (tensor, None)
+    graph.lint()
+    n1.output_structure = (0, 1, None)  # places an output the node lacks
+    with pytest.raises(GraphError, match="output structure of node `n1`"):
+        graph.lint()

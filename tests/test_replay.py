@@ -83,3 +83,54 @@ def test_a_block_holding_an_unknown_object_has_no_signature():
     block.table = np.arange(3)  # not plain data: the trace cannot be told equal
     assert layer_signature(block) is None
     assert layer_signature(CountingBlock(name="unbuilt")) is None
+
+
+class DenseBlock(layers.Layer):
+    """Its Dense's output carries the Keras mask of the block's input (Keras
+    sets it on the Dense's output), so the block's output does too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(6, activation="tanh", name="dense")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class MaskedMean(layers.Layer):
+    """Averages the steps its Keras mask keeps (a custom layer: expanded
+    too, its `call` must be handed the mask)."""
+
+    def call(self, x, mask=None):
+        if mask is None:
+            return keras.ops.mean(x, axis=1)
+        weights = keras.ops.expand_dims(keras.ops.cast(mask, x.dtype), -1)
+        return keras.ops.sum(x * weights, axis=1) / keras.ops.sum(weights, axis=1)
+
+
+class MaskedStack(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Embedding(20, 6, mask_zero=True)
+        self.blocks = [DenseBlock(name=f"block_{i}") for i in range(3)]
+        self.pool = MaskedMean(name="mean")
+
+    def call(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.pool(x)
+
+
+def test_blocks_given_a_keras_mask_keep_it_when_expanded():
+    # A replayed block's values carried no Keras mask: the custom mean
+    # after the last block, expanded, was handed none and averaged the
+    # padding too, a silently different output.
+    ids = np.random.default_rng(0).integers(1, 20, size=(4, 7))
+    ids[:, 4:] = 0
+    model = MaskedStack(name="masked")
+    model(ids)
+    passed = kip.apply_passes(kip.convert_to_functional(model, ids), [Expand()])
+    assert [n.name for n in passed.kip_graph.nodes if n.name.startswith("block_")] == [
+        "block_0.dense", "block_1.dense", "block_2.dense"]
+    np.testing.assert_allclose(passed(ids), model(ids), atol=1e-6)
