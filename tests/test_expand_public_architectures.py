@@ -272,3 +272,44 @@ def test_a_layer_sized_by_tensor_values_stays_whole_saying_so():
     x = [np.arange(5, dtype="float32"), np.array([0, 0, 1, 1, 2], "int32")]
     reason = _reason_left(model, x, DataSizedSum)
     assert "computed from tensor values" in reason and "ops.segment_sum" in reason
+
+
+class CacheFirstAttention(layers.Layer):
+    """Returns `(cache, output)`, the cache None: a None before the tensor."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+
+    def call(self, x):
+        return None, self.dense(x)
+
+
+class BatchSizedCacheBlock(layers.Layer):
+    """Uses the batch size (so the trace replays the block's shapes at other
+    batch sizes) around a sub-layer returning None among its outputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = CacheFirstAttention(name="attention")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        _, y = self.attention(x)
+        ones = keras.ops.ones((keras.ops.shape(x)[0], 1, 4))
+        return self.norm(x + y * ones)
+
+
+def test_a_batch_sized_block_around_a_sub_layer_returning_none_first_expands():
+    # The shape replay at other batch sizes met the None leaf (T5's decoder):
+    # `'NoneType' object has no attribute 'shape'`, or shapes paired with
+    # the wrong outputs.
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    inputs = keras.Input((5, 4))
+    block = BatchSizedCacheBlock(name="block")
+    model = keras.Model(inputs, block(inputs))
+    passed = kip.apply_passes(model, [Expand("all")])
+    assert {"BatchSizedCacheBlock", "CacheFirstAttention"}.isdisjoint(_classes(passed))
+    for batch in (2, 3):
+        other = _rng().normal(size=(batch, 5, 4)).astype("float32")
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-6)

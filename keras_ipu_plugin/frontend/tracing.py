@@ -892,9 +892,9 @@ def _precise_specs(operation, args, kwargs, outputs):
     if any(None in tuple(t.shape)[1:] for t in inputs):
         return outputs
     try:  # `call` run on symbolic TensorFlow tensors, not the layer's formula
-        inferred = keras.tree.flatten(
+        inferred = [t for t in keras.tree.flatten(
             _compat.Operation.compute_output_spec(operation, *args, **kwargs)
-        )
+        ) if t is not None]
     except Exception:  # the recorded shapes are right, only less precise
         return outputs
     if len(inferred) != len(outputs):
@@ -1025,12 +1025,15 @@ def _replayed_shapes(nodes, prefix, batch_size):
             compute_output_spec = functools.partial(
                 keras.layers.Layer.compute_output_spec, operation)
         try:
-            outputs = keras.tree.flatten(compute_output_spec(*args, **kwargs))
+            # A None among a layer's outputs (T5's attention without a cache)
+            # is no Value of its node (`Node.output_structure` keeps it).
+            outputs = [t for t in keras.tree.flatten(compute_output_spec(*args, **kwargs))
+                       if t is not None]
         except Exception as error:
             raise TraceError(
                 f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the "
                 f"shapes of `{node.name}` cannot be checked to follow it: "
-                f"{type(error).__name__})"
+                f"{type(error).__name__}: {_first_line(error)})"
             ) from error
         # As in the trace (`_collect`): a layer that leaves a dimension
         # unknown although its inputs know theirs (`EinsumDense(output_shape=
@@ -1041,6 +1044,13 @@ def _replayed_shapes(nodes, prefix, batch_size):
             replayed[id(value)] = tensor
             shapes[id(value)] = tuple(tensor.shape)
     return shapes
+
+
+def _first_line(error, limit=200):
+    """The first line of `error`'s message, cut to `limit` characters."""
+    lines = str(error).strip().splitlines() or [""]
+    line = lines[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _unknown_dimension_reason(where, value):
