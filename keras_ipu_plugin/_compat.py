@@ -26,6 +26,7 @@ import sys
 import threading
 
 import tensorflow as tf
+from tensorflow.python.trackable import data_structures as _tf_data_structures
 
 from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
@@ -534,6 +535,21 @@ def _intercepted_draw(kind):
     return draw
 
 
+_VARIABLE_INIT = "_initialize_with_initializer"
+
+
+def _initialize_without_recording(self, initializer):
+    """A variable's initializer draws its numbers as Keras draws them: a
+    layer built while a trace runs (a sub-layer first called there) would
+    otherwise get a graph tensor for its initial value."""
+    recorders = _idioms_state.__dict__.setdefault("recorders", [])
+    recorders.append(None)
+    try:
+        return _idioms_originals[_VARIABLE_INIT](self, initializer)
+    finally:
+        recorders.pop()
+
+
 def _getitem(self, key):
     from keras.src.backend.common.keras_tensor import KerasTensor
 
@@ -554,12 +570,16 @@ def traced_idioms(record_draw=None):
         ...     keras.KerasTensor((5, 8))[None].shape
         (1, 5, 8)
     """
+    from keras.src import backend
     from keras.src.backend.common.keras_tensor import KerasTensor
     from keras.src.ops.numpy import Tile
 
     backend_random = _backend_random()
     with _idioms_lock:
         if _idioms_users[0] == 0:
+            _idioms_originals[_VARIABLE_INIT] = getattr(backend.Variable, _VARIABLE_INIT)
+            _idioms_originals["own"] = _VARIABLE_INIT in vars(backend.Variable)
+            setattr(backend.Variable, _VARIABLE_INIT, _initialize_without_recording)
             _idioms_originals[Tile] = Tile.compute_output_spec
             _idioms_originals[KerasTensor] = KerasTensor.__getitem__
             Tile.compute_output_spec = _tile_output_spec
@@ -579,6 +599,11 @@ def traced_idioms(record_draw=None):
         with _idioms_lock:
             _idioms_users[0] -= 1
             if _idioms_users[0] == 0:
+                original = _idioms_originals.pop(_VARIABLE_INIT)
+                if _idioms_originals.pop("own"):
+                    setattr(backend.Variable, _VARIABLE_INIT, original)
+                else:  # inherited: the class is left as it was
+                    delattr(backend.Variable, _VARIABLE_INIT)
                 Tile.compute_output_spec = _idioms_originals.pop(Tile)
                 KerasTensor.__getitem__ = _idioms_originals.pop(KerasTensor)
                 for kind in _DRAWS:
@@ -611,6 +636,20 @@ def global_seed_generator_state():
     return None if generator is None else generator.state
 
 
+def current_training():
+    """The `training` value of the Keras call in progress (None outside one)."""
+    context = global_state.get_global_attribute(_CALL_CTX)
+    return None if context is None else context.get_value("training")
+
+
+def constructor_config(layer):
+    """The arguments `layer` was constructed with, as Keras recorded them
+    for its automatic `get_config` (a dict), or None where it did not
+    (far cheaper than `get_config()`, which serializes every initializer)."""
+    config = getattr(layer, "_auto_config", None)
+    return None if config is None else dict(config.config)
+
+
 def raw_container(value):
     """The builtin list, dict or set that holds `value`'s items, or None
     when `value` is not a mutable container.
@@ -624,15 +663,24 @@ def raw_container(value):
     Writing through the raw container with the builtin methods bypasses the
     wrappers' tracking, which would otherwise re-track every item put back.
     """
-    from tensorflow.python.trackable import data_structures
-
-    if isinstance(value, data_structures._DictWrapper):
+    kind = type(value)
+    if kind in NEVER_CONTAINERS:  # most values: checked first, as this runs per attribute
+        return None
+    if kind in (list, dict, set):
+        return value
+    if isinstance(value, _tf_data_structures._DictWrapper):
         return value.__wrapped__
-    if isinstance(value, data_structures.List):
+    if isinstance(value, _tf_data_structures.List):
         return value._storage
     if isinstance(value, (list, dict, set)):
         return value
+    NEVER_CONTAINERS.add(kind)
     return None
+
+
+#: Types whose values `raw_container` found not to be containers (it learns
+#: them), so that walking a model's attributes costs a set lookup per value.
+NEVER_CONTAINERS = {bool, int, float, str, bytes, type(None), tuple}
 
 
 _WRAPPER_BOOKKEEPING = {
@@ -648,6 +696,8 @@ _WRAPPER_BOOKKEEPING = {
 def wrapper_bookkeeping(container):
     """Copies of what a TensorFlow tracking wrapper records about its items
     (empty for other containers), for `restore_wrapper_bookkeeping`."""
+    if type(container) in (list, dict, set):
+        return {}
     names = _WRAPPER_BOOKKEEPING.get(type(container).__name__, ())
     saved = {}
     for name in names:

@@ -15,7 +15,8 @@ optionally named (`tokens=12`): several unnamed shapes make a list of
 inputs, named ones a dict. Random data of a batch of 2 is made for them, the
 model is converted (and checked equal) on it, the passes of `--passes` (a
 JSON or YAML config, see `kip.passes_from_config`) are applied, and the
-report and the converted model's summary are printed. `--plot OUT.png`
+report, the converted model's summary and its graph's nodes (named by
+their paths, `block_1.dense`) are printed. `--plot OUT.png`
 draws the converted graph with `keras.utils.plot_model`, which needs pydot
 and graphviz: without them the command says so and exits with code 2.
 
@@ -156,6 +157,12 @@ def inspect(args):
     print(f"inputs: {describe_inputs(data)}")
     print(converted.kip_report)
     converted.summary(line_length=120, print_fn=_print_line, expand_nested=False)
+    # Keras's summary shows layer names (an expanded layer keeps its own);
+    # the graph's table shows each node's path.
+    from keras_ipu_plugin.report import graph_table
+    from keras_ipu_plugin.report import render
+
+    print(render(graph_table(converted.kip_graph)))
     if args.plot:
         plot(converted, args.plot)
     return EXIT_OK

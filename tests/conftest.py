@@ -7,6 +7,9 @@ runtime, so this runs at import time, before any test module touches TF.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# apply_passes checks every graph with Graph.lint() before and after each
+# pass (see passes/manager.py): a pass leaving a malformed graph fails there.
+os.environ.setdefault("KIP_LINT_GRAPHS", "1")
 
 # The report is rendered as wide as the terminal; tests read its text, so
 # they fix the width (pytest-xdist's workers see an 80-column terminal and

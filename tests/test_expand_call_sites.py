@@ -34,7 +34,9 @@ class CrossAttentionNet(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.block = CrossAttentionBlock(name="block")
-        self.pool = layers.GlobalAveragePooling1D(name="pool")
+        # Takes the name `attention`: expanded, the block's attention layer
+        # keeps its own name only if free, so it is called through an alias.
+        self.pool = layers.GlobalAveragePooling1D(name="attention")
         self.head = layers.Dense(1, name="head")
 
     def call(self, inputs):
@@ -43,7 +45,7 @@ class CrossAttentionNet(keras.Model):
 
 def test_a_layer_behind_an_alias_computes_its_mask_from_its_own_arguments():
     # The expanded attention is called through an alias (its name is taken
-    # by its path, `block.attention`). Keras handed the alias's
+    # by the pool, so the alias is named after its path). Keras handed the alias's
     # `compute_mask` the tuple of all its positional arguments, and
     # `Attention` rejected it when the model was called.
     ids = _rng().integers(1, 20, size=(8, 10))

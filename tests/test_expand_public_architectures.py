@@ -123,6 +123,25 @@ def test_a_block_whose_sub_layer_returns_none_among_its_outputs_expands():
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_a_sub_layer_returning_none_keeps_its_own_name_when_free(tmp_path):
+    # Expanded layers keep their own Keras names unless taken; the alias a
+    # None-returning call goes through was named after its path instead.
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    model = CacheNet(name="cache_net")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, (x,)), [Expand("block")])
+    alias = passed.get_layer("attention")
+    assert isinstance(alias, kip.LayerAlias) and alias.tensor_outputs_only
+    assert alias.layer is model.block.attention
+    assert passed.kip_layer("block.attention") is model.block.attention
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
+    path = str(tmp_path / "passed.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path, custom_objects={
+        "AttentionWithCache": AttentionWithCache, "CacheBlock": CacheBlock, "CacheNet": CacheNet})
+    np.testing.assert_allclose(loaded(x), model(x), atol=1e-6)
+
+
 # -- Replace of a layer whose config Keras cannot generate ----------------------------
 class ScaleNorm(layers.Layer):
     """As keras_hub's T5LayerNorm: no `get_config`, made with a dtype

@@ -301,10 +301,11 @@ def test_expand_names_nodes_parent_child_at_every_depth():
     assert "l1.proj" in names
     assert "head" in names
     assert not any(n in names for n in ("l1", "l1.l2", "l1.l2.l3"))
-    # The Keras layers carry the node names, so summary() shows the origin;
-    # the user's own layer keeps its name (reached through an alias).
-    assert "l1.l2.l3.dense" in [layer.name for layer in passed.layers]
+    # The user's layer keeps its own name in the Keras model (it is free);
+    # its path finds it.
     assert passed.kip_graph.node("l1.l2.l3.dense").operation.name == "dense"
+    assert passed.kip_layer("l1.l2.l3.dense") is passed.kip_graph.node("l1.l2.l3.dense").operation
+    assert "dense" in [layer.name for layer in passed.layers]
 
 
 def test_expand_same_sublayer_names_in_two_blocks_stay_distinct():
@@ -321,6 +322,34 @@ def test_expand_same_sublayer_names_in_two_blocks_stay_distinct():
     # Expanding the same model again gives the same names, not doubled ones.
     again = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     assert node_names(again) == names
+
+
+def test_expanded_layers_keep_their_own_keras_names_unless_taken(tmp_path):
+    model, passed, x = expanded(make_cnn)
+    by_name = {layer.name: layer for layer in passed.layers}
+    # block_1's sub-layers are the first to hold their names: called as
+    # they are, no alias (an alias per layer made conversion slow).
+    for name in ("conv1", "bn1", "conv2", "bn2", "add"):
+        assert by_name[name] is getattr(model.block_1, name)
+    # block_2's are the same names, taken: aliases named after their paths.
+    aliases = {layer.name: layer.layer for layer in passed.layers
+               if isinstance(layer, kip.LayerAlias)}
+    assert aliases == {f"block_2.{name}": getattr(model.block_2, name)
+                       for name in ("conv1", "bn1", "conv2", "bn2", "add")}
+    # The path is the node's name, and finds the layer either way; a block
+    # Expand inlined is found by its path too.
+    assert passed.kip_layer("block_1.conv1") is model.block_1.conv1
+    assert passed.kip_layer("block_2.conv1") is model.block_2.conv1
+    assert passed.kip_layer("block_2") is model.block_2
+    with pytest.raises(ValueError, match="no layer at path 'block_3.conv1'"):
+        passed.kip_layer("block_3.conv1")
+    # ... and in the saved model.
+    passed.save(tmp_path / "passed.keras")
+    loaded = keras.models.load_model(tmp_path / "passed.keras")
+    for path in ("block_1.conv1", "block_2.bn2", "head"):
+        assert loaded.kip_layer(path).name == passed.kip_layer(path).name
+        np.testing.assert_array_equal(
+            loaded.kip_layer(path).get_weights()[0], passed.kip_layer(path).get_weights()[0])
 
 
 class WithSubModels(keras.Model):
@@ -361,7 +390,10 @@ def test_passes_apply_to_hand_written_functional_and_sequential_models():
     x = _rand(2, 6, 6, 3)
     passed = kip.apply_passes(functional, [Expand(), Recompute("rb.add")])
     assert "rb.conv1" in node_names(passed)
-    assert passed.kip_annotations["rb.add"] == {"recompute": True}
+    assert passed.kip_graph.node("rb.add").annotations == {"recompute": True}
+    # The model keys them by Keras layer name: `rb.add` kept its own, `add`.
+    assert passed.kip_layer_paths["rb.add"] == "add"
+    assert passed.kip_annotations["add"] == {"recompute": True}
     kip.frontend.verify.check_equivalent(functional, passed, x)
     sequential = keras.Sequential([keras.Input((5,)), layers.Dense(3), Tower(2, name="tw")])
     passed = kip.apply_passes(sequential, [Expand()])
@@ -382,8 +414,8 @@ def test_expand_one_target_expands_one_level_only():
 def test_shared_custom_layer_stays_shared():
     model, passed, x = expanded(make_shared)
     # Node paths are unique: the second call site is numbered.
-    dense_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared.dense_1")]
-    out_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.out", "shared.out_1")]
+    dense_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared_1.dense")]
+    out_nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.out", "shared_1.out")]
     assert len(dense_nodes) == 2 and len(out_nodes) == 2
     assert dense_nodes[0].operation is dense_nodes[1].operation is model.shared.dense
     assert out_nodes[0].operation is out_nodes[1].operation is model.shared.out
@@ -692,7 +724,7 @@ def test_replace_keeps_shared_layers_shared():
     )
     # A name reaches every call site of the layer it names (the second one's
     # path is numbered): replacing one site only would un-share the layer.
-    nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared.dense_1")]
+    nodes = [n for n in passed.kip_graph.nodes if n.name in ("shared.dense", "shared_1.dense")]
     assert len(nodes) == 2
     assert isinstance(nodes[0].operation, MyDense)
     assert nodes[0].operation is nodes[1].operation
@@ -738,7 +770,9 @@ def test_annotations_are_recorded_in_the_graph_and_the_model():
     assert stages["stem"] == 0 and stages["block_1.add"] == 0
     assert stages["block_2.conv1"] == 1 and stages["block_2.add"] == 1
     assert stages["pool"] == 1 and stages["head"] == 2
-    assert passed.kip_annotations["block_1.add"] == {"recompute": True, "stage": 0}
+    # The model keys them by Keras layer name: block_1's layers kept their
+    # own names, block_2's are called through aliases named by path.
+    assert passed.kip_annotations["add"] == {"recompute": True, "stage": 0}
     assert passed.kip_annotations["block_2.bn2"] == {
         "outline": {"unique_sharding": True}, "stage": 1}
     kip.frontend.verify.check_equivalent(model, passed, x)

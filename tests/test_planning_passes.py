@@ -476,5 +476,7 @@ def test_the_planned_order_is_the_order_the_rebuilt_model_runs(example, shape):
     else:
         x = rng.normal(size=shape).astype("float32")
     passed = kip.apply_passes(kip.convert_to_functional(module.build_model(), x), [Expand()])
-    planned = [node.name for node in node_costs.execution_order(graph_of(passed))]
+    # Nodes are named by path; the Keras model's layers by their own names.
+    planned = [passed.kip_layer_paths.get(node.name, node.name)
+               for node in node_costs.execution_order(graph_of(passed))]
     assert planned == [node.operation.name for node in _compat.functional_nodes(passed)]

@@ -211,3 +211,37 @@ def test_a_numpy_scalar_on_the_left_of_a_tensor_stays_whole_saying_to_write_floa
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     assert custom_layers_left(passed) == ["block"]
     assert "write `float(p)`" in passed.kip_report.opaque["block"]
+
+
+class GrowsASeededHead(keras.Model):
+    """A sub-layer first called (so built) while the model is traced, with a
+    seeded initializer: its initial kernel is a `keras.random` draw too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.grow = False
+        self.base = layers.Dense(4, activation="tanh", name="base")
+        self.extra = layers.Dense(
+            4, kernel_initializer=keras.initializers.GlorotUniform(seed=3), name="extra")
+        self.out = layers.Dense(1, name="out")
+
+    def call(self, x):
+        x = self.base(x)
+        if self.grow:
+            x = x + self.extra(x)
+        return self.out(x)
+
+
+def test_a_sub_layer_built_during_the_trace_draws_its_initial_weights_as_keras_does():
+    # The initializer's draw was recorded as a graph node: the variable got
+    # a symbolic initial value and the whole model stayed opaque.
+    x = _rand(4, 3)
+    model = GrowsASeededHead(name="grows")
+    model(x)
+    model.grow = True
+    converted = kip.convert_to_functional(model, x)
+    assert converted.kip_report.opaque == {}, converted.kip_report.opaque
+    assert [n.name for n in converted.kip_graph.nodes] == ["base", "extra", "add", "out"]
+    assert not any(type(n.operation).__name__ == "RandomDraw" for n in converted.kip_graph.nodes)
+    assert model.extra.kernel.shape == (4, 4)
+    np.testing.assert_allclose(converted(x), model(x), atol=1e-6)

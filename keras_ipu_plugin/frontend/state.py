@@ -282,8 +282,16 @@ class _ObjectState:
         self.attributes = dict(vars(obj))
         self.containers = []  # (raw container, contents, (wrapper, bookkeeping))
         seen = set()
-        for value in self.attributes.values():
-            self._remember(value, seen)
+        self._remember_all(self.attributes.values(), seen)
+
+    def _remember_all(self, values, seen):
+        # A set lookup skips the values that are not containers (Keras's
+        # node lists hold one Node per call ever made): this runs for every
+        # attribute of every layer, twice per conversion.
+        never = _compat.NEVER_CONTAINERS
+        for value in values:
+            if type(value) not in never:
+                self._remember(value, seen)
 
     def _remember(self, value, seen):
         storage = _compat.raw_container(value)
@@ -293,9 +301,8 @@ class _ObjectState:
         contents = dict.copy(storage) if isinstance(storage, dict) else list(storage)
         bookkeeping = _compat.wrapper_bookkeeping(value)
         self.containers.append((storage, contents, (value, bookkeeping)))
-        children = contents.values() if isinstance(contents, dict) else contents
-        for child in list(children):
-            self._remember(child, seen)
+        self._remember_all(list(contents.values() if isinstance(contents, dict) else contents),
+                           seen)
 
     def restore(self):
         current = vars(self.obj)

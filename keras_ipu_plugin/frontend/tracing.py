@@ -67,6 +67,8 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.frontend.replay import output_specs_key
 from keras_ipu_plugin.runtime.reads import HeldConstant
 from keras_ipu_plugin.runtime.reads import ReadLayers
 from keras_ipu_plugin.runtime.reads import is_read
@@ -332,7 +334,8 @@ class _Trace:
         # all) for a call that returned None among its outputs (`_tensors_only`)
         self.none_leaves = {}
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
-        self._taken = set()
+        self.output_specs = {}  # replay.output_specs_key -> output KerasTensors
+        self._names = Namespace()  # the node names this trace gave
         self._new_reads = []
         self._draws = []  # the RandomDraw layers, the same in every mode traced
         self._draws_made, self._drawn_from = 0, set()
@@ -346,7 +349,7 @@ class _Trace:
     def active(self):
         """Make this the trace in progress (one per mode traced)."""
         stack = self._active.__dict__.setdefault("stack", [])
-        self._taken, self._new_reads = set(), []
+        self._names, self._new_reads = Namespace(), []
         self._draws_made, self._drawn_from = 0, set()
         stack.append(self)
         try:
@@ -385,7 +388,7 @@ class _Trace:
         return value
 
     def _read(self, variable, name):
-        node_name = self._unique(self.prefix + name)
+        node_name = self._names.create(self.prefix + name)
         known = {id(layer) for layer in self.reads.layers()}
         read = self.reads.variable_read(variable, like=self.layer, name=node_name)
         if id(read) not in known:
@@ -408,7 +411,7 @@ class _Trace:
         def lift(leaf):
             if not _is_concrete(leaf):
                 return leaf
-            name = self._unique(f"{self.prefix}{consumer.name}_input")
+            name = self._names.create(f"{self.prefix}{consumer.name}_input")
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
@@ -457,14 +460,6 @@ class _Trace:
         self._draws_made += 1
         self._new_reads.append(draw)
         return draw(self.anchor)
-
-    def _unique(self, name):
-        base, count = name, 0
-        while name in self._taken:
-            count += 1
-            name = f"{base}_{count}"
-        self._taken.add(name)
-        return name
 
 
 @functools.lru_cache(maxsize=None)
@@ -532,6 +527,14 @@ def _inline_output_spec(self, *args, **kwargs):
     """Output KerasTensors of `self.call(*args, **kwargs)`, run on the
     KerasTensors themselves; Keras's scratch-graph way if that fails, and
     AutoGraph's (the view then stands for an opaque node) if that fails."""
+    # Blocks of one kind (`replay.output_specs_key`) give the same output
+    # specs: their `call` runs once per trace, not once per block.
+    trace = _Trace.current()
+    key = None if trace is None else output_specs_key(
+        viewed_layer(self), args, kwargs, _compat.current_training())
+    if key is not None and key in trace.output_specs:
+        return _tensors_only(
+            self, keras.tree.map_structure(_fresh_keras_tensor, trace.output_specs[key]))
     layers = _compat.all_layers(self)
     # A failure of the layer's own code (a TraceError too: a draw the graph
     # cannot order) makes this layer opaque, not the one calling it; only
@@ -542,6 +545,8 @@ def _inline_output_spec(self, *args, **kwargs):
     except Exception:
         pass
     else:
+        if key is not None:
+            trace.output_specs[key] = outputs
         return _tensors_only(self, outputs)
     try:
         outputs = super(type(self), self).compute_output_spec(*args, **kwargs)
@@ -737,7 +742,7 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
     none_leaves = {} if none_leaves is None else none_leaves
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
-    nodes = []
+    nodes, names = [], Namespace()
     visited = set()
     batch_sized = []
 
@@ -782,7 +787,9 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         if is_read(operation):  # named after the attribute or its consumer
             name = (read_names or {}).get(id(keras_node), operation.name)
         node = Node(
-            name=name,
+            # A layer called twice (a shared block) has two nodes: the
+            # second is numbered (`shared_1`), as node names are unique.
+            name=names.create(name),
             operation=operation,
             args=_to_values(args, values),
             kwargs=_to_values(kwargs, values),

@@ -7,18 +7,45 @@ flowed, and `outputs` the values it produces. `runtime.rebuild.rebuild(graph)` t
 the IR back into a functional Keras model that calls the very same layer
 objects, so every variable not replaced by a pass is shared.
 
+Passes edit a graph with its primitives, as in torch.fx, never by
+rewiring lists by hand (a miswired node is a silently wrong model):
+
+- every `Value` knows its `users` (the nodes of the graph reading it),
+  kept in sync when a node's `args` / `kwargs` are set;
+- `insert_before` / `insert_after` / `append` add nodes, naming them in
+  the graph's one namespace (`graph.names`): a name already taken is
+  numbered (`block_1.dense_1`);
+- `replace_all_uses_with(old, new)` points every user, and the graph's
+  outputs, at another value;
+- `erase_node` removes a node nothing reads any more;
+- `lint()` checks the graph is well formed (what `apply_passes` runs after
+  every pass while the tests run).
+
+Each node has one metadata dict, `node.meta` (the pass annotations, why it
+is opaque, the blocks it was inlined from...), copied with the graph.
+
 Example:
     >>> graph = converted.kip_graph
     >>> [node.name for node in graph.nodes]
     ['embedding', 'block_1', 'head']
+    >>> head = graph.node("head")
+    >>> [user.name for user in graph.node("block_1").users]
+    ['head']
     >>> rebuilt = rebuild(graph)     # keras_ipu_plugin.runtime.rebuild
 """
 
 import keras
 
+from keras_ipu_plugin.ir.names import Namespace
+
 
 #: `Node.training` when the call follows the model's `training` argument.
 FOLLOW = "follow"
+
+
+class GraphError(ValueError):
+    """A graph edit that would leave the graph malformed, or a malformed
+    graph found by `Graph.lint` (the message names the node and value)."""
 
 
 #: `Value.mask` when Keras attaches a mask to the tensor that the trace
@@ -29,18 +56,40 @@ UNTRACED_MASK = "untraced"
 class Value:
     """A tensor of the graph: output `index` of `producer` (None: an input).
 
+    `users`: the nodes of a graph that read it, in the order they started
+    to (a dict used as an ordered set; the graph's outputs are not nodes
+    and are not listed).
+
     `mask`: the Value of the Keras mask this tensor carries when the graph
     runs (`_keras_mask`, which Keras hands to the `mask` argument of the
     layers it feeds), None when it carries none, or `UNTRACED_MASK`.
+    `masked`: the Values carrying this one as their mask (kept in sync when
+    `mask` is set), so that `Graph.replace_all_uses_with` moves them too: a
+    mask left on a replaced value would be a dangling reference.
     """
 
-    __slots__ = ("producer", "index", "spec", "mask")
+    __slots__ = ("producer", "index", "spec", "users", "_mask", "masked")
 
     def __init__(self, producer, index, spec, mask=None):
         self.producer = producer
         self.index = index
         self.spec = spec  # a KerasTensor with the shape and dtype
+        self.users = {}
+        self.masked = {}  # Values whose `mask` is this one (an ordered set)
+        self._mask = None
         self.mask = mask
+
+    @property
+    def mask(self):
+        return self._mask
+
+    @mask.setter
+    def mask(self, mask):
+        if isinstance(self._mask, Value):
+            self._mask.masked.pop(self, None)
+        self._mask = mask
+        if isinstance(mask, Value):
+            mask.masked[self] = None
 
     def __repr__(self):
         where = self.producer.name if self.producer else "input"
@@ -64,35 +113,129 @@ class InlinedBlock:
         return f"InlinedBlock({self.path!r}, {type(self.layer).__name__})"
 
 
+def _new_meta():
+    return {"annotations": {}, "opaque_reason": None, "made_by_pass": False,
+            "from_blocks": []}
+
+
+def _copy_meta(meta):
+    # One level deep: a copied graph's passes must not change the
+    # annotations (a dict) or blocks (a list) of the graph it came from.
+    return {key: (dict(item) if isinstance(item, dict)
+                  else list(item) if isinstance(item, list) else item)
+            for key, item in meta.items()}
+
+
 class Node:
     """One call of `operation` in the graph.
 
     `training` is None when the operation takes no `training` argument,
     `FOLLOW` when it follows the model's `training`, or True / False when the
-    original code pinned it. `annotations` hold what passes recorded
-    (`"recompute"`, `"outline"`, `"stage"`); `opaque_reason` says why a layer
-    could not be traced into sub-layers, when it could not; `from_blocks`
-    the `InlinedBlock`s it was expanded from, outermost first.
+    original code pinned it. `meta` is the node's one metadata dict; its
+    usual entries read as attributes: `annotations` (what passes recorded:
+    `"recompute"`, `"outline"`, `"stage"`), `opaque_reason` (why a layer
+    could not be traced into sub-layers, when it could not), `made_by_pass`
+    (a layer a pass created, not the user's) and `from_blocks` (the
+    `InlinedBlock`s it was expanded from, outermost first). A pass may keep
+    its own entries there too; they are copied with the graph.
+
+    `graph` is the graph the node is in (None until inserted). Setting
+    `args` / `kwargs` of a node in a graph updates its inputs' `users`.
     """
 
     def __init__(
         self, name, operation, args, kwargs, output_structure, training=None
     ):
+        self.graph = None
         self.name = name
         self.operation = operation
-        self.args = args
-        self.kwargs = kwargs
+        self._args = args
+        self._kwargs = kwargs
         self.output_structure = output_structure  # nest of output indices
         self.outputs = []
         self.training = training
-        self.annotations = {}
-        self.opaque_reason = None
-        self.made_by_pass = False  # a layer a pass created, not the user's
-        self.from_blocks = []
+        self.meta = _new_meta()
+
+    # -- inputs, kept in sync with their users ----------------------------
+    @property
+    def args(self):
+        return self._args
+
+    @args.setter
+    def args(self, args):
+        self._set_inputs(args, self._kwargs)
+
+    @property
+    def kwargs(self):
+        return self._kwargs
+
+    @kwargs.setter
+    def kwargs(self, kwargs):
+        self._set_inputs(self._args, kwargs)
+
+    def _set_inputs(self, args, kwargs):
+        if self.graph is None:
+            self._args, self._kwargs = args, kwargs
+            return
+        old = self.input_values
+        self._args, self._kwargs = args, kwargs
+        new = self.input_values
+        kept = set(new)
+        for value in old:
+            if value not in kept:
+                value.users.pop(self, None)
+        for value in new:
+            value.users[self] = None
 
     @property
     def input_values(self):
-        return values_in((self.args, self.kwargs))
+        return values_in((self._args, self._kwargs))
+
+    def replace_input_with(self, old, new):
+        """Read Value `new` wherever this node read `old`."""
+        swap = lambda value: new if value is old else value  # noqa: E731
+        self._set_inputs(map_values(swap, self._args), map_values(swap, self._kwargs))
+
+    @property
+    def users(self):
+        """The nodes that read any output of this one (each once)."""
+        found = {}
+        for value in self.outputs:
+            found.update(value.users)
+        return list(found)
+
+    # -- metadata ----------------------------------------------------------
+    @property
+    def annotations(self):
+        return self.meta["annotations"]
+
+    @annotations.setter
+    def annotations(self, annotations):
+        self.meta["annotations"] = annotations
+
+    @property
+    def opaque_reason(self):
+        return self.meta["opaque_reason"]
+
+    @opaque_reason.setter
+    def opaque_reason(self, reason):
+        self.meta["opaque_reason"] = reason
+
+    @property
+    def made_by_pass(self):
+        return self.meta["made_by_pass"]
+
+    @made_by_pass.setter
+    def made_by_pass(self, made):
+        self.meta["made_by_pass"] = made
+
+    @property
+    def from_blocks(self):
+        return self.meta["from_blocks"]
+
+    @from_blocks.setter
+    def from_blocks(self, blocks):
+        self.meta["from_blocks"] = blocks
 
     @property
     def is_layer(self):
@@ -107,15 +250,23 @@ class Graph:
 
     Tracing makes one (`frontend.tracing.trace_model`), as does reading a
     functional model (`passes.manager.graph_of`); `runtime.rebuild.rebuild`
-    turns it back into a model.
+    turns it back into a model. Passes edit it with the primitives below
+    (see the module docstring).
+
+    Example:
+        >>> node = graph.node("block_1")
+        >>> graph.insert_after(node, Node("block_1.extra", layer, (node.outputs[0],), {}, None))
+        >>> graph.lint()
     """
 
     def __init__(self, input_specs, input_values, nodes, outputs, name="model"):
         self.input_specs = input_specs  # nest of inputs.InputSpec
         self.input_values = input_values  # same nest, of Values
-        self.nodes = list(nodes)
-        self.outputs = outputs  # nest of Values
         self.name = name
+        self._nodes = []
+        self.names = Namespace()  # the names of the nodes, one namespace
+        self.nodes = nodes
+        self.outputs = outputs  # nest of Values
         self.replaced = []  # (old layer, new layer) pairs made by Replace
         # {id(old layer): new layer} made by an earlier run of the same
         # passes (an earlier conversion of the same model), for Replace to
@@ -125,25 +276,227 @@ class Graph:
         # the per-replica rows of the first batch, for planning passes (None: unknown)
         self.batch_rows = None
 
+    # -- the node list -----------------------------------------------------
+    @property
+    def nodes(self):
+        """The nodes in topological order (edit through the methods below;
+        assigning a whole new list is allowed too)."""
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes):
+        nodes = list(nodes)
+        kept = set(nodes)
+        for node in self._nodes:
+            if node not in kept:
+                self._detach(node)
+        for node in nodes:
+            if node.graph is not None and node.graph is not self:
+                raise GraphError(
+                    f"Node `{node.name}` is in graph `{node.graph.name}`; erase it "
+                    f"there before putting it in `{self.name}`."
+                )
+        self._nodes = nodes
+        self.names = Namespace(node.name for node in nodes)
+        for node in nodes:
+            if node.graph is None:
+                self._attach(node)
+
+    def _attach(self, node):
+        node.graph = self
+        for value in node.input_values:
+            value.users[node] = None
+
+    def _detach(self, node):
+        for value in node.input_values:
+            value.users.pop(node, None)
+        node.graph = None
+
+    def _position(self, node):
+        if node.graph is not self:
+            raise GraphError(f"Node `{node.name}` is not in graph `{self.name}`.")
+        return self._nodes.index(node)
+
+    # -- editing -------------------------------------------------------------
+    def insert_before(self, anchor, nodes):
+        """Put `nodes` (a Node or a list, in order) just before `anchor`.
+        Each is named in the graph's namespace: its name, numbered if
+        taken (`dense` -> `dense_1`). Returns the nodes."""
+        return self._insert(self._position(anchor), nodes)
+
+    def insert_after(self, anchor, nodes):
+        """Put `nodes` just after `anchor` (see `insert_before`)."""
+        return self._insert(self._position(anchor) + 1, nodes)
+
+    def append(self, nodes):
+        """Put `nodes` at the end (see `insert_before`)."""
+        return self._insert(len(self._nodes), nodes)
+
+    def _insert(self, index, nodes):
+        nodes = [nodes] if isinstance(nodes, Node) else list(nodes)
+        for node in nodes:
+            if node.graph is not None:
+                raise GraphError(
+                    f"Node `{node.name}` is already in graph `{node.graph.name}`; "
+                    "a node is in one graph at one place."
+                )
+            node.name = self.names.create(node.name)
+            self._attach(node)
+        self._nodes[index:index] = nodes
+        return nodes
+
+    def replace_all_uses_with(self, old, new):
+        """Make every node reading Value `old`, and the graph's outputs,
+        read Value `new` instead; every value carrying `old` as its Keras
+        mask carries `new`. Returns the nodes changed."""
+        if old is new:
+            return []
+        users = list(old.users)
+        for user in users:
+            user.replace_input_with(old, new)
+        for carrier in list(old.masked):
+            carrier.mask = new
+        self.outputs = map_values(lambda value: new if value is old else value, self.outputs)
+        return users
+
+    def erase_node(self, node):
+        """Remove `node`, which nothing may read any more (replace its uses
+        first): erasing a node still read would leave a dangling input."""
+        self._position(node)
+        users = node.users
+        if users:
+            raise GraphError(
+                f"Cannot erase node `{node.name}` of graph `{self.name}`: "
+                f"{', '.join(f'`{user.name}`' for user in users)} still read its outputs "
+                "(replace_all_uses_with first)."
+            )
+        outputs = set(values_in(self.outputs))
+        if any(value in outputs for value in node.outputs):
+            raise GraphError(
+                f"Cannot erase node `{node.name}` of graph `{self.name}`: it computes "
+                "an output of the graph (replace_all_uses_with first)."
+            )
+        for value in node.outputs:
+            carriers = [carrier for carrier in value.masked
+                        if carrier.producer is not node and carrier.producer is not None
+                        and carrier.producer.graph is self]
+            if carriers:
+                raise GraphError(
+                    f"Cannot erase node `{node.name}` of graph `{self.name}`: its output "
+                    f"{value.index} is the Keras mask of {carriers[0]!r} "
+                    "(replace_all_uses_with first)."
+                )
+        self._detach(node)
+        self._nodes.remove(node)
+        self.names.discard(node.name)
+        for value in node.outputs:  # its masks no longer refer to it
+            value.mask = None
+
+    def rename_nodes(self, names):
+        """Give nodes new names at once (`{node: name}`; names may swap):
+        the names must stay unique."""
+        for node, name in names.items():
+            self._position(node)
+            node.name = name
+        taken = Namespace()
+        for node in self._nodes:
+            if node.name in taken:
+                raise GraphError(f"Two nodes of graph `{self.name}` would be named `{node.name}`.")
+            taken.add(node.name)
+        self.names = taken
+
+    # -- checks ------------------------------------------------------------
+    def lint(self):
+        """Raise `GraphError` unless the graph is well formed: each node once,
+        in this graph, under a unique name of its namespace; every value a
+        node reads is an input of the graph or an output of a node before
+        it; outputs know their producer; `users` list exactly the nodes of
+        the graph that read a value; the graph's outputs are defined.
+        Linear in the size of the graph.
+
+        Example:
+            >>> graph.lint()   # silent when well formed
+        """
+        def fail(message):
+            raise GraphError(f"Graph `{self.name}` is malformed: {message}")
+
+        defined = set()
+        for value in values_in(self.input_values):
+            if value.producer is not None:
+                fail(f"input {value!r} has a producer, `{value.producer.name}`")
+            defined.add(value)
+        position = {}
+        for index, node in enumerate(self._nodes):
+            if node in position:
+                fail(f"node `{node.name}` appears twice")
+            position[node] = index
+        names, reads = set(), {}
+        for index, node in enumerate(self._nodes):
+            if node.graph is not self:
+                fail(f"node `{node.name}` is in the node list but not in the graph "
+                     "(the list was changed by hand)")
+            if node.name in names:
+                fail(f"two nodes are named `{node.name}`")
+            if node.name not in self.names:
+                fail(f"node `{node.name}` was renamed outside the graph's namespace")
+            names.add(node.name)
+            reads[node] = inputs = set(node.input_values)
+            for value in inputs:
+                if value not in defined:
+                    fail(f"node `{node.name}` reads {value!r}, which "
+                         + _why_undefined(value, index, position))
+                if node not in value.users:
+                    fail(f"node `{node.name}` reads {value!r}, whose users do not list it")
+            # `output_structure` places the outputs in what the call returns;
+            # None leaves stand for the Nones it returned (no Value).
+            if node.output_structure is not None:
+                leaves = [leaf for leaf in _structure_leaves(node.output_structure)
+                          if leaf is not None]
+                if sorted(leaves) != list(range(len(node.outputs))):
+                    fail(f"the output structure of node `{node.name}` places outputs "
+                         f"{leaves}, but the node has {len(node.outputs)}")
+            for output_index, value in enumerate(node.outputs):
+                if value.producer is not node or value.index != output_index:
+                    fail(f"output {output_index} of node `{node.name}` says it is "
+                         f"output {value.index} of "
+                         f"`{getattr(value.producer, 'name', None)}`")
+                defined.add(value)
+        for value in defined:
+            mask = value.mask
+            if isinstance(mask, Value):
+                if mask not in defined:
+                    fail(f"{value!r} carries the Keras mask {mask!r}, which "
+                         + _why_undefined(mask, len(self._nodes), position))
+                if value not in mask.masked:
+                    fail(f"{value!r} carries the Keras mask {mask!r}, which does not "
+                         "list it among the values it masks")
+            elif mask is not None and mask != UNTRACED_MASK:
+                fail(f"{value!r} has a mask that is no Value: {mask!r}")
+            for user in value.users:
+                if user not in position:
+                    fail(f"{value!r} lists user `{user.name}`, which is not in the graph")
+                if value not in reads[user]:
+                    fail(f"{value!r} lists user `{user.name}`, which does not read it")
+        for value in values_in(self.outputs):
+            if value not in defined:
+                fail(f"the graph's output {value!r} "
+                     + _why_undefined(value, len(self._nodes), position))
+
     # -- queries ---------------------------------------------------------
     def consumers(self, node):
         """Nodes that read any output of `node`, in graph order."""
-        produced = {id(v) for v in node.outputs}
-        return [
-            other
-            for other in self.nodes
-            if any(id(v) in produced for v in other.input_values)
-        ]
+        users = set(node.users)
+        return [other for other in self._nodes if other in users]
 
     def node(self, name):
-        for node in self.nodes:
+        for node in self._nodes:
             if node.name == name:
                 return node
         raise KeyError(f"No node named {name!r} in graph {self.name!r}.")
 
     def layers(self):
         seen, layers = set(), []
-        for node in self.nodes:
+        for node in self._nodes:
             if node.is_layer and id(node.operation) not in seen:
                 seen.add(id(node.operation))
                 layers.append(node.operation)
@@ -155,32 +508,28 @@ class Graph:
         values = {}
 
         def copy_value(value, producer):
-            # `mask` is the old graph's Value until every Value is copied.
-            new = Value(producer, value.index, value.spec, value.mask)
-            values[id(value)] = new
+            new = Value(producer, value.index, value.spec)
+            values[value] = new
             return new
 
-        input_values = keras.tree.map_structure(
-            lambda v: copy_value(v, None), self.input_values
-        )
+        input_values = map_values(lambda v: copy_value(v, None), self.input_values)
         nodes = []
-        for node in self.nodes:
+        for node in self._nodes:
             new = Node(
                 node.name, node.operation,
-                map_values(lambda v: values[id(v)], node.args),
-                map_values(lambda v: values[id(v)], node.kwargs),
+                map_values(values.__getitem__, node.args),
+                map_values(values.__getitem__, node.kwargs),
                 node.output_structure, training=node.training,
             )
-            new.annotations = dict(node.annotations)
-            new.opaque_reason = node.opaque_reason
-            new.made_by_pass = node.made_by_pass
-            new.from_blocks = list(node.from_blocks)
+            new.meta = _copy_meta(node.meta)
             new.outputs = [copy_value(v, new) for v in node.outputs]
             nodes.append(new)
-        for value in values.values():
-            if isinstance(value.mask, Value):
-                value.mask = values[id(value.mask)]
-        outputs = map_values(lambda v: values[id(v)], self.outputs)
+        # Masks once every Value is copied (a mask may come from a later
+        # output of the same node); UNTRACED_MASK is kept as it is.
+        for old, new in values.items():
+            if old.mask is not None:
+                new.mask = values[old.mask] if isinstance(old.mask, Value) else old.mask
+        outputs = map_values(values.__getitem__, self.outputs)
         graph = Graph(self.input_specs, input_values, nodes, outputs, self.name)
         graph.replaced = list(self.replaced)
         graph.reusable = dict(self.reusable)
@@ -197,17 +546,36 @@ class Graph:
                 ", ".join(f"{k}={v}" for k, v in sorted(node.annotations.items())),
                 node.opaque_reason or "",
             )
-            for node in self.nodes
+            for node in self._nodes
         ]
 
     def __repr__(self):
-        lines = [f"Graph {self.name!r}: {len(self.nodes)} nodes"]
-        for node in self.nodes:
+        lines = [f"Graph {self.name!r}: {len(self._nodes)} nodes"]
+        for node in self._nodes:
             inputs = ", ".join(
                 v.producer.name if v.producer else "input" for v in node.input_values
             )
             lines.append(f"  {node.name} = {type(node.operation).__name__}({inputs})")
         return "\n".join(lines)
+
+
+def _why_undefined(value, index, position):
+    producer = value.producer
+    if producer is None:
+        return "is not an input of this graph"
+    if producer in position:
+        return (f"comes from `{producer.name}`, later in the node list "
+                "(not in topological order)" if position[producer] >= index
+                else f"`{producer.name}` does not list among its outputs")
+    return f"comes from `{producer.name}`, which is not in the graph (erased?)"
+
+
+def _structure_leaves(structure):
+    """The leaves of an output structure, None leaves (a None the call
+    returned) kept."""
+    leaves = []
+    map_leaves(leaves.append, structure)
+    return leaves
 
 
 def map_leaves(fn, structure):

@@ -123,7 +123,7 @@ def nodes_matching(graph, target):
     """The nodes `target` matches, in graph order. A name matches the node
     of that path and every other call site of the same layer object: a
     layer shared between call sites is one layer (node paths are unique, so
-    the second site of `shared.dense` is `shared.dense_1`), and a pass that
+    the second site of `shared.dense` is `shared_1.dense`), and a pass that
     reached only one site would silently un-share it."""
     hits = [node for node in graph.nodes if matches(node, target)]
     if not isinstance(target, str) or target == ALL:

@@ -1,26 +1,15 @@
 """`Expand`: inline custom layers into the sub-layers their `call` uses.
 
 Each expanded layer's node is replaced by the nodes its `call` traces to,
-named `parent.child`. With `targets="all"` expansion repeats until only
-built-in Keras layers (and layers that cannot be traced, which stay opaque
-and are reported) remain. Sub-layers shared between call sites stay shared,
-because the same layer objects are called.
+named `parent.child` (`inline.inline_call`). With `targets="all"`
+expansion repeats until only built-in Keras layers (and layers that cannot
+be traced, which stay opaque and are reported) remain. Sub-layers shared
+between call sites stay shared, because the same layer objects are called.
 """
 
-import re
-
-import keras
-
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend import tracing
-from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.ir.graph import UNTRACED_MASK
-from keras_ipu_plugin.ir.graph import InlinedBlock
-from keras_ipu_plugin.ir.graph import Node
-from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.ir.graph import values_in
+from keras_ipu_plugin.frontend.replay import CallTemplates
 from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
@@ -32,12 +21,9 @@ from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
+from keras_ipu_plugin.passes.inline import inline_call
 from keras_ipu_plugin.runtime.layer_kinds import is_expandable
-from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
-from keras_ipu_plugin.runtime.masks import AttachMask
 from keras_ipu_plugin.runtime.reads import ReadLayers
-from keras_ipu_plugin.runtime.random_draws import RandomDraw
-from keras_ipu_plugin.runtime.reads import is_read
 
 
 @register_pass("expand", order=0)
@@ -87,55 +73,25 @@ class Expand(Pass):
 
 def expand_graph(graph, should_expand, report, step, recursive):
     """Expand every node for which `should_expand(node)` holds, in one walk
-    over the graph (linear in its size); with `recursive`, the nodes an
-    expansion produces are offered to `should_expand` too.
+    over the graph; with `recursive`, the nodes an expansion produces are
+    offered to `should_expand` too (before the nodes after them).
 
     Returns the nodes that stayed opaque although `should_expand` chose them.
     """
-    # old output Value -> the Value that stands for it. Keyed by the Values
-    # themselves, not their ids: an expanded node nested in another one is
-    # referenced by nothing else once expanded, and a dead Value's id can
-    # come back as a new Value's (which would then be rewired silently).
-    replaced = {}
-    nodes, opaque = [], []
-    reads = ReadLayers.of_graph(graph)
-    # Names in use across the whole graph: the operations a trace makes are
-    # named after their parent's path, and a sub-model shared between call
-    # sites is expanded once per site (`Embedding.convert_to_tensor` twice
-    # made the rebuilt functional model invalid).
-    names = {node.name for node in graph.nodes}
-
-    def resolve(value):
-        while value in replaced:
-            value = replaced[value]
-        return value
-
-    def visit(node, offered):
-        if replaced:
-            node.args = map_values(resolve, node.args)
-            node.kwargs = map_values(resolve, node.kwargs)
-            for value in node.input_values:
-                if isinstance(value.mask, Value):  # its producer may be expanded
-                    value.mask = resolve(value.mask)
-        if not (offered and should_expand(node)):
-            nodes.append(node)
-            return
-        traced = trace_node(node, report, reads, names)
-        if traced is None:
-            nodes.append(node)
+    reads = ReadLayers.of_graph(graph)  # one read layer per variable
+    templates = CallTemplates()  # each kind of block is traced once
+    opaque, pending = [], list(reversed(graph.nodes))
+    while pending:
+        node = pending.pop()
+        if not should_expand(node):
+            continue
+        new_nodes = inline_call(graph, node, report, reads, templates)
+        if new_nodes is None:
             opaque.append(node)
-            return
-        new_nodes, output_map = traced
-        replaced.update(output_map)
+            continue
         report.add(step, node.name, "expanded", ", ".join(n.name for n in new_nodes))
-        for new in new_nodes:
-            visit(new, recursive)
-
-    for node in graph.nodes:
-        visit(node, True)
-    graph.nodes = nodes
-    if replaced:
-        graph.outputs = map_values(resolve, graph.outputs)
+        if recursive:
+            pending.extend(reversed(new_nodes))
     return opaque
 
 
@@ -194,164 +150,3 @@ def contains(node, target):
         elif isinstance(sub, target):
             return True
     return False
-
-
-def trace_node(node, report, reads=None, names=None):
-    """Trace the layer of `node` into new nodes named `node.name + ".child"`.
-
-    `reads` (`reads.ReadLayers`) gives the variable reads already in the
-    graph, so a variable read at several places has one read layer.
-
-    Returns `(new_nodes, output_map)`, `output_map` mapping each output
-    Value of `node` to the Value that replaces it; or None when the
-    layer cannot be traced (then `node.opaque_reason` says why, and the
-    report has it). `names`: node names already in use in the graph; the
-    new nodes' names are added to it.
-    """
-    layer = node.operation
-    inputs = values_in((node.args, node.kwargs))
-    untraced = [value for value in (*inputs, *node.outputs) if value.mask is UNTRACED_MASK]
-    if untraced:
-        return _stay_opaque(node, (
-            f"Keras attaches a mask to {_describe_value(untraced[0], node)} that "
-            "could not be traced into the graph (not computed from the model's "
-            "inputs by Keras operations), so the expanded layers could not be "
-            "handed it as Keras hands it to the layer"
-        ), report)
-    placeholders, tensors = {}, {}
-
-    def placeholder(value):
-        if id(value) not in tensors:
-            tensor = keras.KerasTensor(value.spec.shape, dtype=value.spec.dtype)
-            tensors[id(value)] = tensor
-            placeholders[id(tensor)] = value
-            if isinstance(value.mask, Value):
-                # The tensor carries its Keras mask in the trace as it does
-                # when the graph runs: sub-layers are handed it as they were
-                # inside the original call.
-                _compat.set_keras_mask(tensor, placeholder(value.mask))
-        return tensors[id(value)]
-
-    for value in inputs:
-        placeholder(value)
-    args = map_values(lambda v: tensors[id(v)], node.args)
-    kwargs = map_values(lambda v: tensors[id(v)], node.kwargs)
-    # `call` is traced directly, not through `__call__`, which would hand it
-    # the masks its inputs carry (`call(x, mask=None)` of a masking layer).
-    kwargs.update(_compat.masks_keras_would_pass(layer, args, kwargs))
-    # A block whose call pinned `training` is traced under that value only:
-    # every sub-layer then records a concrete mode (`trace_call` pins them),
-    # so one following the block's `training` gets the block's pinned value.
-    training = node.training if node.training in (True, False) else None
-    agnostic = training is None and training_agnostic(layer)
-    if agnostic:
-        training = False  # one trace is enough: no sub-layer reads it
-    try:
-        new_nodes, outputs = tracing.trace_call(
-            layer, args, kwargs, placeholders, training=training,
-            prefix=node.name + ".", reads=reads,
-        )
-    except tracing.TraceError as error:
-        return _stay_opaque(node, error.reason, report)
-    # None leaves (a cache not given) are no Values: the node had none.
-    flat_outputs = [leaf for leaf in keras.tree.flatten(outputs) if leaf is not None]
-    if len(flat_outputs) != len(node.outputs):
-        return _stay_opaque(node, (
-            f"`call` traced to {len(flat_outputs)} outputs but the layer "
-            f"produced {len(node.outputs)}"
-        ), report)
-    used = set() if names is None else names
-    block = InlinedBlock(node.name, layer)
-    for new in new_nodes:
-        new.from_blocks = [*node.from_blocks, block, *new.from_blocks]
-        if new.opaque_reason:  # a dynamic sub-layer, kept whole
-            report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
-        if agnostic:
-            new.training = None
-        _name_after_path(new, node.name, used)
-    flat_outputs = _with_masks_of_call(node, layer, flat_outputs, new_nodes, block, used)
-    return new_nodes, dict(zip(node.outputs, flat_outputs))
-
-
-def _with_masks_of_call(node, layer, outputs, new_nodes, block, used):
-    """`outputs` of the expanded `call`, each carrying the Keras mask the
-    layer's `__call__` gave the original output: Keras keeps the masks
-    `call` set when every output has one, and otherwise (for a layer that
-    supports masking) attaches its `compute_mask` result, the mask the
-    node's output carries in the graph, to each output without one. An
-    `AttachMask` node (appended to `new_nodes`) attaches it."""
-    if not layer.supports_masking or all(value.mask is not None for value in outputs):
-        return outputs
-    attached = []
-    for old, new in zip(node.outputs, outputs):
-        if new.mask is not None or old.mask is None:
-            attached.append(new)
-            continue
-        name, count = f"{node.name}.mask", 0
-        while name in used:
-            count += 1
-            name = f"{node.name}.mask_{count}"
-        used.add(name)
-        attach = Node(name, AttachMask(name=name), (new,), {"mask": old.mask},
-                      output_structure=None)
-        attach.from_blocks = [*node.from_blocks, block]
-        attach.outputs = [Value(attach, 0, new.spec, mask=old.mask)]
-        new_nodes.append(attach)
-        attached.append(attach.outputs[0])
-    return attached
-
-
-def _describe_value(value, node):
-    if value in node.outputs:
-        return f"output {node.outputs.index(value)} of `{node.name}`"
-    where = value.producer.name if value.producer is not None else "the model's input"
-    return f"an input of `{node.name}` (from `{where}`)"
-
-
-def _stay_opaque(node, reason, report):
-    node.opaque_reason = reason
-    report.add_opaque(node.name, reason)
-    return None
-
-
-_AUTO_SUFFIX = re.compile(r"_\d+$")
-
-
-def _name_after_path(node, parent_path, used):
-    """Name `node` `parent.child`.
-
-    The user's layers keep their own names (`Graph.rebuild` calls a layer
-    whose name is already taken through a `LayerAlias` named after its
-    path). The `keras.ops` operations the trace made are ours: they take
-    their path as their name, since their auto-generated one (`add_17`)
-    depends on what ran before.
-    """
-    operation = node.operation
-    if is_read(operation):
-        # Named after its path when traced (`parent.scale`); a variable read
-        # at several places keeps one layer, named after the first.
-        used.add(node.name)
-        return
-    if not isinstance(operation, keras.layers.Layer) or isinstance(
-        operation, (BatchSizedOperation, RandomDraw)
-    ):
-        # A keras.ops operation the trace made: its auto-generated name
-        # (`add_17`) depends on what ran before; number it within its parent.
-        base = _AUTO_SUFFIX.sub("", operation.name) or "op"
-        name, count = f"{parent_path}.{base}", 0
-        while name in used:
-            count += 1
-            name = f"{parent_path}.{base}_{count}"
-        used.add(name)
-        node.name = operation.name = name
-        return
-    # A sub-layer called twice in one `call` (a rotary embedding applied to
-    # the queries and the keys) gets a numbered path at its second node:
-    # expanded, each call site's nodes need names of their own.
-    base = name = f"{parent_path}.{operation.name}"
-    count = 0
-    while name in used:
-        count += 1
-        name = f"{base}_{count}"
-    node.name = name
-    used.add(name)

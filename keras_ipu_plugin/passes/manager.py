@@ -1,4 +1,11 @@
-"""`apply_passes`: run passes over a functional model's graph."""
+"""`apply_passes`: run passes over a functional model's graph.
+
+With the environment variable `KIP_LINT_GRAPHS=1` (the test suite sets it)
+every graph is checked with `Graph.lint()` before the passes and after each
+one, so a pass that leaves a malformed graph fails at that pass, naming it.
+"""
+
+import os
 
 import keras
 
@@ -94,8 +101,10 @@ def _apply_passes(model, passes, verify, reuse_replacements):
     graph.reusable = {id(old): new for old, new in reuse_replacements}
     input_specs = graph.input_specs
     report = (getattr(model, "kip_report", None) or Report()).copy()
+    _lint(graph, "before the passes")
     for one_pass in passes:
         graph = one_pass.run(graph, report)
+        _lint(graph, f"after pass {type(one_pass).__name__}")
     result = _rebuilt(graph, model, passes)
     if isinstance(model, KipFunctional):
         result.kip_original_mask = model.kip_original_mask
@@ -111,6 +120,18 @@ def _apply_passes(model, passes, verify, reuse_replacements):
     if any("outline" in node.annotations for node in graph.nodes):
         _report_outlined_graph_size(graph, result, report)
     return result
+
+
+def _lint(graph, when):
+    """`graph.lint()` where `KIP_LINT_GRAPHS` asks for it (it is linear in
+    the graph, but a conversion should not pay for it), as a `PassError`
+    saying which pass left the graph malformed."""
+    if os.environ.get("KIP_LINT_GRAPHS", "") in ("", "0"):
+        return
+    try:
+        graph.lint()
+    except ValueError as error:
+        raise PassError(f"apply_passes: {when}: {error}") from error
 
 
 def _rebuilt(graph, model, passes):
@@ -287,7 +308,27 @@ def _graph_of(model):
         node.annotations.update(annotations.get(getattr(node.operation, "name", None), {}))
         if isinstance(node.operation, OpaqueLayer):
             node.opaque_reason = node.operation.reason
+    _restore_paths(graph, getattr(model, "kip_layer_paths", {}))
     return graph
+
+
+def _restore_paths(graph, paths):
+    """Name a loaded model's nodes by their paths again (`block_1.dense`
+    for the layer `dense`): its graph is read from its Keras layers, and
+    `paths` (`kip_layer_paths`) says which path each layer call had. A layer
+    called at several paths takes them in call order, where the counts agree."""
+    by_layer = {}
+    for path, name in paths.items():
+        by_layer.setdefault(name, []).append(path)
+    calls = {}
+    for node in graph.nodes:
+        if node.is_layer:
+            calls.setdefault(node.operation.name, []).append(node)
+    renamed = {}
+    for name, nodes in calls.items():
+        if len(by_layer.get(name, ())) == len(nodes):
+            renamed.update(zip(nodes, by_layer[name]))
+    graph.rename_nodes(renamed)
 
 
 def _plain_view(model):

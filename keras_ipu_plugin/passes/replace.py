@@ -1,29 +1,22 @@
 """`Replace`: swap layers for other (accelerator-optimised) layer classes.
 
-The new layer is built from the old layer's config merged with `params`;
-with `copy_weights=True` the old weights are copied into it (default copiers
-for Dense, LayerNormalization, Embedding and Conv layers; `copy_weights_fn`
-for anything else). Targets inside custom layers that are not expanded are
-reached by expanding the layers that contain them, which the report says.
+Each target's nodes call a new layer made by its `Replacement` (see
+`replacement.py`): one new layer per old layer, so layers shared between
+call sites stay shared, or the layer an earlier conversion of the same
+model made (trained since). Targets inside custom layers that are not
+expanded are reached by expanding the layers that contain them, which the
+report says.
 """
 
-import inspect
-
-import keras
-import numpy as np
-import tensorflow as tf
-
-from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
-from keras_ipu_plugin.passes.base import config_value
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import nodes_matching
 from keras_ipu_plugin.passes.base import register_pass
@@ -31,125 +24,10 @@ from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
 from keras_ipu_plugin.passes.expand import expand_to_reach
-from keras_ipu_plugin.passes.layer_class_names import class_named
-from keras_ipu_plugin.passes.layer_class_names import name_of_class
-
-_REPLACEMENT_KEYS = ("class", "params", "copy_weights")
-_DEFAULT_COPIED = (
-    keras.layers.Dense,
-    keras.layers.EinsumDense,
-    keras.layers.LayerNormalization,
-    keras.layers.Embedding,
-    keras.layers.Conv1D,
-    keras.layers.Conv2D,
-    keras.layers.Conv3D,
-    keras.layers.DepthwiseConv2D,
-    keras.layers.SeparableConv2D,
-    keras.layers.BatchNormalization,
-)
-
-
-class Replacement:
-    """How to replace one target: the new class, config changes, weights.
-
-    Example:
-        >>> Replacement(MyDense, params={"name": "fast_dense"}, copy_weights=True)
-    """
-
-    def __init__(self, new_class, params=None, copy_weights=False, copy_weights_fn=None):
-        if not (isinstance(new_class, type) and issubclass(new_class, keras.layers.Layer)):
-            raise PassError(
-                f"Replacement: `new_class` must be a keras Layer class; got {new_class!r}."
-            )
-        self.new_class = new_class
-        self.params = dict(params or {})
-        self.copy_weights = bool(copy_weights or copy_weights_fn)
-        self.copy_weights_fn = copy_weights_fn
-        unknown = sorted(set(self.params) - accepted_config_keys(new_class))
-        if unknown:
-            raise PassError(
-                f"Replacement of {new_class.__name__}: unknown parameter "
-                f"`{unknown[0]}` (accepted: {', '.join(sorted(accepted_config_keys(new_class)))})."
-            )
-
-    def __repr__(self):
-        return (f"Replacement({self.new_class.__name__}, params={self.params!r}, "
-                f"copy_weights={self.copy_weights})")
-
-    def __eq__(self, other):
-        return isinstance(other, Replacement) and (
-            self.new_class, self.params, self.copy_weights, self.copy_weights_fn
-        ) == (other.new_class, other.params, other.copy_weights, other.copy_weights_fn)
-
-    # -- configs and saving ------------------------------------------------------
-    def get_config(self, owner="Replacement"):
-        if self.copy_weights_fn is not None:
-            function = getattr(self.copy_weights_fn, "__qualname__", repr(self.copy_weights_fn))
-            raise PassError(
-                f"{owner}: copy_weights_fn={function} is a Python function, which cannot be "
-                "saved; save the weights only (save_weights), or drop copy_weights_fn and "
-                "copy the weights with a default copier."
-            )
-        return {
-            "new_class": name_of_class(self.new_class, owner),
-            "params": config_value(self.params, f"{owner}.params"),
-            "copy_weights": self.copy_weights,
-        }
-
-    @classmethod
-    def from_config(cls, config, owner="Replacement"):
-        config = saved_config(config, owner, required=("new_class",),
-                              optional=("params", "copy_weights"))
-        name = config["new_class"]
-        new_class = class_named(name) if isinstance(name, str) else None
-        if new_class is None:
-            raise PassError(
-                f"{owner}: unknown layer class {short_repr(name)}; register it with "
-                "kip.register_layer or @keras.saving.register_keras_serializable() "
-                "before loading."
-            )
-        return cls(new_class, config.get("params"), config.get("copy_weights", False))
-
-    @classmethod
-    def from_user_config(cls, spec, path, reader):
-        """`{class: MyDense, params: {name: fast}, copy_weights: true}`."""
-        if not isinstance(spec, dict):
-            raise ConfigError(path, f"expected a mapping with `class`; got {type(spec).__name__}")
-        for key in spec:
-            if key not in _REPLACEMENT_KEYS:
-                raise ConfigError(
-                    config_path(path, key), f"unknown key (expected {', '.join(_REPLACEMENT_KEYS)})"
-                )
-        if "class" not in spec:
-            raise ConfigError(f"{path}.class", "missing: the class to replace with")
-        new_class = reader.layer_class(spec["class"], f"{path}.class")
-        params = spec.get("params", {}) or {}
-        if not isinstance(params, dict):
-            raise ConfigError(f"{path}.params", f"expected a mapping; got {type(params).__name__}")
-        accepted = accepted_config_keys(new_class)
-        for key in params:
-            if key not in accepted:
-                raise ConfigError(
-                    config_path(f"{path}.params", key),
-                    f"{new_class.__name__} has no parameter {short_repr(key)}",
-                )
-        copy_weights = spec.get("copy_weights", False)
-        if not isinstance(copy_weights, bool):
-            raise ConfigError(
-                f"{path}.copy_weights", f"expected true or false; got {short_repr(copy_weights)}"
-            )
-        return cls(new_class, params, copy_weights)
-
-    def make_layer(self, old, name=None):
-        """A new layer from `old`'s config merged with `params` (and `name`:
-        the functional model needs distinct names when one `params` name
-        replaces several layers)."""
-        accepted = accepted_config_keys(self.new_class)
-        config = {k: v for k, v in layer_config(old, self.params).items() if k in accepted}
-        config.update(self.params)
-        if name is not None:
-            config["name"] = name
-        return self.new_class.from_config(config)
+from keras_ipu_plugin.passes.replacement import Replacement
+from keras_ipu_plugin.passes.replacement import config_equivalent
+from keras_ipu_plugin.passes.replacement import copy_weights_by_name  # noqa: F401 (re-exported)
+from keras_ipu_plugin.passes.replacement import new_layer_for
 
 
 @register_pass("replace", order=1)
@@ -221,7 +99,7 @@ class Replace(Pass):
         """EQUAL when every replacement copies the old weights and keeps the
         config; a new layer with fresh weights or other parameters computes
         something else on purpose (RUNS)."""
-        if all(r.copy_weights and _config_equivalent(r) for r in self.mapping.values()):
+        if all(r.copy_weights and config_equivalent(r) for r in self.mapping.values()):
             return EQUAL
         return RUNS
 
@@ -230,202 +108,34 @@ class Replace(Pass):
             expand_to_reach(graph, target, report, self.step)
             nodes = nodes_matching(graph, target)
             if not nodes:
-                raise PassError(
-                    f"replace: target {describe(target)} matches no layer of the "
-                    f"model `{graph.name}`."
-                )
-            replaced = {id(node) for node in nodes}
-            taken = {
-                getattr(node.operation, "name", None)
-                for node in graph.nodes if id(node) not in replaced
-            }
+                raise PassError(f"replace: target {describe(target)} matches no layer of "
+                                f"the model `{graph.name}`.")
+            # The new layers are ours to name: after their node's path
+            # (`block_1.conv1`) unless `params` names them, each name once.
+            chosen = set(nodes)
+            names = Namespace(getattr(node.operation, "name", None)
+                              for node in graph.nodes if node not in chosen)
             new_layers = {}  # one new layer per old layer: sharing is kept
             for node in nodes:
                 old = node.operation
                 if id(old) not in new_layers:
-                    reused = graph.reusable.get(id(old))
-                    if isinstance(reused, replacement.new_class):
-                        # Made by an earlier conversion of this model and
-                        # trained since: its weights (and the optimizer's
-                        # state for them) are the ones to go on with.
-                        taken.add(reused.name)
-                        new_layers[id(old)] = reused
-                        report.add(self.step, node.name, "replaced",
-                                   f"{type(old).__name__} -> {type(reused).__name__}, "
-                                   f"the layer `{reused.name}` of an earlier conversion")
-                    else:
-                        # A new layer is ours to name: after its node's path
-                        # (`block_1.conv1`) unless `params` names it.
-                        name = _unique(replacement.params.get("name", node.name), taken)
-                        taken.add(name)
-                        new_layers[id(old)] = _new_layer(
-                            node, replacement, report, self.step, name
-                        )
+                    new_layers[id(old)] = self._new_layer(graph, node, replacement, names, report)
                     graph.replaced.append((old, new_layers[id(old)]))
                 node.operation = new_layers[id(old)]
                 node.made_by_pass = True  # ours: keeps the name it was given
         return graph
 
-
-def _unique(name, taken):
-    candidate, count = name, 0
-    while candidate in taken:
-        count += 1
-        candidate = f"{name}_{count}"
-    return candidate
-
-
-def _new_layer(node, replacement, report, step, name=None):
-    old = node.operation
-    strategy = strategy_owning(old.weights)
-    with strategy.scope():
-        new = replacement.make_layer(old, name)
-        args = map_values(lambda v: _random_like(v.spec), node.args)
-        kwargs = map_values(lambda v: _random_like(v.spec), node.kwargs)
-        kwargs.pop("training", None)
-        new(*args, **kwargs)  # builds the variables, under the owning strategy
-    detail = f"{type(old).__name__} -> {type(new).__name__}"
-    if not has_own_config(old):
-        detail += " (no get_config: its constructor arguments read from its attributes)"
-    if replacement.params:
-        detail += f", params {replacement.params}"
-    if replacement.copy_weights:
-        copy = replacement.copy_weights_fn or _default_copier(old, new)
-        copy(old, new)
-        difference, scale = _max_difference(old, new, args, kwargs)
-        detail += f", weights copied, max output difference {difference:.2e}"
-        if _config_equivalent(replacement) and difference > 1e-5 * max(scale, 1.0):
-            raise PassError(
-                f"replace: `{node.name}` replaced by {type(new).__name__} with "
-                f"copied weights differs from the original by {difference:.3g}; "
-                "the replacement is not equivalent."
-            )
-    report.add(step, node.name, "replaced", detail)
-    return new
-
-
-def _config_equivalent(replacement):
-    return set(replacement.params) <= {"name"}
-
-
-def _default_copier(old, new):
-    if isinstance(old, _DEFAULT_COPIED):
-        return copy_weights_by_name
-    raise PassError(
-        f"replace: no default weight copier for {type(old).__name__} "
-        f"(`{old.name}`); pass copy_weights_fn=lambda old, new: ..."
-    )
-
-
-def copy_weights_by_name(old, new):
-    """Copy each weight of `old` into the weight of `new` with the same name."""
-    sources = {v.name: v for v in old.weights}
-    for variable in new.weights:
-        source = sources.get(variable.name)
-        if source is None or tuple(source.shape) != tuple(variable.shape):
-            raise PassError(
-                f"replace: cannot copy weights from `{old.name}` into "
-                f"`{new.name}`: no weight named `{variable.name}` of shape "
-                f"{tuple(variable.shape)} in the original."
-            )
-        variable.assign(source)
-
-
-def _random_like(spec):
-    shape = [d if d is not None else 2 for d in spec.shape]
-    rng = np.random.RandomState(0)
-    if "int" in spec.dtype:
-        return tf.constant(rng.randint(0, 2, size=shape), dtype=spec.dtype)
-    if spec.dtype == "bool":
-        return tf.constant(rng.rand(*shape) > 0.5)
-    if spec.dtype == "string":
-        return tf.fill(shape, "")
-    return tf.constant(rng.randn(*shape), dtype=spec.dtype)
-
-
-def _max_difference(old, new, args, kwargs):
-    """The largest absolute output difference, and the largest |output|."""
-    expected = [np.asarray(e, "float64") for e in keras.tree.flatten(old(*args, **kwargs))]
-    actual = [np.asarray(a, "float64") for a in keras.tree.flatten(new(*args, **kwargs))]
-    if len(expected) != len(actual) or any(
-        e.shape != a.shape for e, a in zip(expected, actual)
-    ):
-        return float("inf"), 0.0
-    difference = max((float(np.max(np.abs(a - e), initial=0.0))
-                      for e, a in zip(expected, actual)), default=0.0)
-    scale = max((float(np.max(np.abs(e), initial=0.0)) for e in expected), default=0.0)
-    return difference, scale
-
-
-def has_own_config(layer):
-    """Whether `layer.get_config()` works (Keras writes it for a class that
-    does not, unless an argument was one it cannot serialise)."""
-    try:
-        layer.get_config()
-    except NotImplementedError:
-        return False
-    return True
-
-
-def layer_config(layer, given=()):
-    """`layer.get_config()`, or, for a layer that has none (keras_hub's
-    Gemma `RMSNormalization` writes no `get_config` and is given a dtype
-    policy object, which Keras cannot write one for), its constructor's
-    arguments read back from its attributes of the same names
-    (`self.epsilon = epsilon`), with the base Layer's (`name`, `dtype`,
-    `trainable`). An argument neither stored so nor in `given` (the
-    Replacement's `params`) raises `PassError`: guessing its default could
-    build a layer computing something else.
-
-    Example:
-        >>> layer_config(keras_hub_gemma_rms_norm)["epsilon"]
-        1e-06
-    """
-    try:
-        return layer.get_config()
-    except NotImplementedError:
-        pass
-    config = {"name": layer.name, "dtype": layer.dtype_policy, "trainable": layer.trainable}
-    missing = []
-    for klass in type(layer).__mro__:
-        if klass is keras.layers.Layer:
-            break
-        if "__init__" not in vars(klass):
-            continue
-        for name, parameter in inspect.signature(klass.__init__).parameters.items():
-            if name == "self" or name in config or parameter.kind in (
-                inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL
-            ):
-                continue
-            if name in given:
-                continue
-            if name in vars(layer):
-                config[name] = vars(layer)[name]
-            else:
-                missing.append(name)
-    if missing:
-        raise PassError(
-            f"replace: `{layer.name}` ({type(layer).__name__}) has no config (its "
-            f"`get_config` is not implemented) and keeps no attribute for the "
-            f"constructor argument(s) {', '.join(f'`{m}`' for m in missing)}; give "
-            f"them in the Replacement's params, or implement `get_config` on "
-            f"{type(layer).__name__}."
-        )
-    return config
-
-
-def accepted_config_keys(layer_class):
-    """Config keys `layer_class` accepts: its `__init__` parameters up the
-    class hierarchy, plus the base Layer's."""
-    keys = set()
-    for klass in layer_class.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        for name, parameter in inspect.signature(klass.__init__).parameters.items():
-            if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
-                keys.add(name)
-        if klass is keras.layers.Layer:
-            break
-    keys.discard("self")
-    keys.update({"name", "dtype", "trainable", "autocast"})
-    return keys
+    def _new_layer(self, graph, node, replacement, names, report):
+        old, reused = node.operation, graph.reusable.get(id(node.operation))
+        if isinstance(reused, replacement.new_class):
+            # Made by an earlier conversion of this model and trained since:
+            # its weights (and the optimizer's state for them) go on.
+            names.add(reused.name)
+            report.add(self.step, node.name, "replaced",
+                       f"{type(old).__name__} -> {type(reused).__name__}, "
+                       f"the layer `{reused.name}` of an earlier conversion")
+            return reused
+        name = names.create(replacement.params.get("name", node.name))
+        new, detail = new_layer_for(node, replacement, name)
+        report.add(self.step, node.name, "replaced", detail)
+        return new

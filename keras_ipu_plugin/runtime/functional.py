@@ -11,6 +11,12 @@ its config so they survive `save` / `load_model`:
 - `kip_original_mask`: what an explicit `mask=` meant to the original model
   (see `mask_semantics`); a mask this graph cannot apply the way the
   original would is refused, never applied differently.
+- `kip_layer_paths`: `{node path: Keras layer name}` of every layer node
+  (an expanded layer keeps its own name, `dense`, at path `block_1.dense`),
+  so `kip_layer(path)` finds a layer by its path, loaded models too, and
+  a loaded model's graph gets its paths back. `kip_annotations` and
+  `kip_pinned_training` are keyed by Keras layer name (what the executor
+  and the backends see); the graph's nodes hold them by path.
 - `kip_report` (not saved): the report of the conversion and passes.
 
 Every call checks that each input has the dtype kind (int, float, bool,
@@ -69,6 +75,7 @@ class KipFunctional(_compat.Functional):
         kip_annotations=None,
         kip_stage_devices=None,
         kip_original_mask=MASK_ON_INPUTS,
+        kip_layer_paths=None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -80,6 +87,7 @@ class KipFunctional(_compat.Functional):
             name: dict(values) for name, values in (kip_annotations or {}).items()
         }
         self.kip_stage_devices = list(kip_stage_devices or [])
+        self.kip_layer_paths = dict(kip_layer_paths or {})
         self.kip_report = None
         self.kip_graph = None
         # (old layer, new layer) pairs made by Replace; not tracked, so the
@@ -95,6 +103,32 @@ class KipFunctional(_compat.Functional):
             for name, notes in self.kip_annotations.items()
             if "stage" in notes
         }
+
+    def kip_layer(self, path):
+        """The layer at node path `path` (`"block_1.dense"`), whatever name
+        the Keras model shows for it (its own, `dense`, unless that name is
+        taken, then an alias named after the path); a block Expand inlined
+        is found by its path too.
+
+        Example:
+            >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
+            >>> passed.kip_layer("block_1.dense") is model.block_1.dense
+            True
+        """
+        name = self.kip_layer_paths.get(path, path)
+        for layer in self.layers:
+            if layer.name == name:
+                return getattr(layer, "aliased_layer", layer)
+        graph = self.kip_graph
+        for node in graph.nodes if graph is not None else ():
+            for block in node.from_blocks:
+                if block.path == path:
+                    return block.layer
+        known = list(self.kip_layer_paths) or [layer.name for layer in self.layers]
+        raise ValueError(
+            f"`{self.name}` has no layer at path {path!r} (paths such as: "
+            f"{', '.join(known[:8])}{', ...' if len(known) > 8 else ''})."
+        )
 
     def _uses_executor(self):
         return bool(self.kip_stage_devices) or any(
@@ -186,4 +220,5 @@ class KipFunctional(_compat.Functional):
             name: dict(values) for name, values in self.kip_annotations.items()
         }
         config["kip_stage_devices"] = list(self.kip_stage_devices)
+        config["kip_layer_paths"] = dict(self.kip_layer_paths)
         return config

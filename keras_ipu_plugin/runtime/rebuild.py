@@ -12,6 +12,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
+from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.runtime.alias import LayerAlias
 from keras_ipu_plugin.runtime.functional import KipFunctional
 
@@ -39,10 +40,12 @@ def rebuild(graph, name=None):
             return tensors[id(leaf)]
         return leaf
 
-    pinned, annotations = {}, {}
-    named = _UniqueNames()
+    pinned, annotations, paths = {}, {}, {}
+    named = _UniqueNames(graph.nodes)
     for node in graph.nodes:
         operation = named.operation_for(node)
+        if node.is_layer:
+            paths[node.name] = operation.name
         args = map_leaves(resolve, node.args)
         kwargs = map_leaves(resolve, node.kwargs)
         kwargs.pop("training", None)
@@ -71,6 +74,7 @@ def rebuild(graph, name=None):
         name=name or graph.name,
         kip_pinned_training=pinned,
         kip_annotations=annotations,
+        kip_layer_paths=paths,
     )
     model.kip_graph = graph
     object.__setattr__(model, "kip_replaced", tuple(graph.replaced))
@@ -78,43 +82,63 @@ def rebuild(graph, name=None):
 
 
 class _UniqueNames:
-    """Names the rebuilt model's layers after their nodes.
+    """The Keras layer each node's layer is called as in the rebuilt model.
 
-    A layer inlined by Expand has the node name `parent.child`; the user's
-    layer object keeps its own name (the plugin does not rename user
-    objects), so the rebuilt model calls it through a `LayerAlias` with the
-    node's name. That also gives every layer the distinct name a functional
-    model needs when blocks share sub-layer names (`conv1` in every block).
-    A layer called at several nodes gets one alias, named after the first.
-    Layers a pass created (Replace) are ours and keep the name they were
-    given.
+    A functional model needs a distinct name per layer. A layer keeps its
+    own name (the user's layer object, called as it is) unless another
+    layer of the model has that name already, as sub-layers of different
+    blocks often do (`conv1` in every residual block); then it is called
+    through a `LayerAlias` named after its node's path (`block_2.conv1`),
+    the same layer object under another name (the plugin never renames the
+    user's layers). The path stays the node's name in the IR, the report
+    and targets whichever name the Keras model shows; `kip_layer(path)`
+    finds the layer either way.
+
+    Nodes whose path is their layer's own name (the layers `call` used
+    directly) claim their names first, so a top-level `dense` keeps its
+    name even when an expanded block before it holds a `dense` too. A layer
+    called at several nodes is one Keras layer (one alias, at most), and
+    one more alias where some of its calls returned None among their
+    outputs (`LayerAlias(tensor_outputs_only=True)`, own name if free).
     """
 
-    def __init__(self):
-        self.taken = set()
+    def __init__(self, nodes):
+        self.taken = Namespace()
         self.chosen = {}  # (id(layer), tensors only) -> the layer or its alias
+        for node in nodes:
+            operation = node.operation
+            key = (id(operation), _tensors_only(node))
+            if (isinstance(operation, keras.layers.Layer) and not key[1]
+                    and (node.name == operation.name or node.made_by_pass)
+                    and key not in self.chosen
+                    and operation.name not in self.taken):
+                self.taken.add(operation.name)
+                self.chosen[key] = operation
 
     def operation_for(self, node):
         operation = node.operation
         if not isinstance(operation, keras.layers.Layer):
             return operation  # keras.ops operations: ours, already named
         # A call that returns None among its outputs goes through an alias
-        # that returns the tensors alone (a Keras node holds tensors only).
-        tensors_only = any(
-            leaf is None for leaf in keras.tree.flatten(node.output_structure)
-        ) if node.output_structure is not None else False
+        # that returns the tensors alone (a Keras node holds tensors only);
+        # that alias too has the layer's own name where it is free.
+        tensors_only = _tensors_only(node)
         key = (id(operation), tensors_only)
-        if key in self.chosen:
-            return self.chosen[key]
-        own_name = node.name == operation.name or node.made_by_pass
-        if own_name and operation.name not in self.taken and not tensors_only:
-            chosen = operation
-        else:
-            name, count = node.name, 0
-            while name in self.taken:
-                count += 1
-                name = f"{node.name}_{count}"
-            chosen = LayerAlias(operation, tensor_outputs_only=tensors_only, name=name)
-        self.taken.add(chosen.name)
-        self.chosen[key] = chosen
+        chosen = self.chosen.get(key)
+        if chosen is None:
+            if not tensors_only and operation.name not in self.taken:
+                self.taken.add(operation.name)
+                chosen = operation
+            else:
+                name = operation.name if operation.name not in self.taken else node.name
+                chosen = LayerAlias(operation, tensor_outputs_only=tensors_only,
+                                    name=self.taken.create(name))
+            self.chosen[key] = chosen
         return chosen
+
+
+def _tensors_only(node):
+    """Whether the call at `node` returned None among its outputs."""
+    if node.output_structure is None:
+        return False
+    return any(leaf is None for leaf in keras.tree.flatten(node.output_structure))

@@ -1,0 +1,191 @@
+"""Inline one call of a custom layer: what `Expand` does at each node.
+
+`inline_call(graph, node, ...)` traces the layer's `call` at `node` (or
+replays the trace of a block of the same kind, `frontend/replay.py`) and
+puts the nodes it makes in the node's place with the graph's primitives:
+inserted before it, the node's users rewired to the new outputs, the node
+erased. The new nodes are named after their path, `parent.child`, in the
+graph's one namespace (the second call of a sub-layer in one `call` is
+`parent.child_1`).
+
+Masks follow Keras: the layer's `call` is handed the masks its inputs carry
+as `__call__` would hand them, and its outputs carry the masks `__call__`
+would attach (an `AttachMask` node, `parent.mask`, where the inlined ops
+leave an output without one).
+"""
+
+import re
+
+import keras
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend import tracing
+from keras_ipu_plugin.ir.graph import UNTRACED_MASK
+from keras_ipu_plugin.ir.graph import InlinedBlock
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.ir.graph import values_in
+from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
+from keras_ipu_plugin.runtime.masks import AttachMask
+from keras_ipu_plugin.runtime.random_draws import RandomDraw
+from keras_ipu_plugin.runtime.reads import is_read
+
+_AUTO_SUFFIX = re.compile(r"_\d+$")
+
+
+def inline_call(graph, node, report, reads, templates):
+    """Replace `node` by the nodes its layer's `call` traces to.
+
+    `reads` (`reads.ReadLayers`) holds the graph's variable reads (one read
+    layer per variable); `templates` (`replay.CallTemplates`) the traces to
+    replay. Returns the new nodes, in order; or None when the layer cannot
+    be traced (then `node.opaque_reason` says why, and the report has it).
+
+    Example:
+        >>> new_nodes = inline_call(graph, graph.node("block_1"), report,
+        ...                         ReadLayers.of_graph(graph), CallTemplates())
+        >>> [n.name for n in new_nodes]
+        ['block_1.dense', 'block_1.norm', 'block_1.add']
+    """
+    layer = node.operation
+    untraced = [value for value in (*node.input_values, *node.outputs)
+                if value.mask is UNTRACED_MASK]
+    if untraced:
+        return _stay_opaque(node, (
+            f"Keras attaches a mask to {_describe_value(untraced[0], node)} that "
+            "could not be traced into the graph (not computed from the model's "
+            "inputs by Keras operations), so the expanded layers could not be "
+            "handed it as Keras hands it to the layer"
+        ), report)
+    # A block whose call pinned `training` is traced under that value only:
+    # every sub-layer then records a concrete mode (`trace_call` pins them),
+    # so one following the block's `training` gets the block's pinned value.
+    training = node.training if node.training in (True, False) else None
+    agnostic = training is None and training_agnostic(layer)
+    traced = templates.replay(node) or _trace(node, report, reads, templates, agnostic)
+    if traced is None:
+        return None
+    new_nodes, outputs = traced
+    block = InlinedBlock(node.name, layer)
+    for new in new_nodes:
+        new.from_blocks = [*node.from_blocks, block, *new.from_blocks]
+        if new.opaque_reason:  # a dynamic sub-layer, kept whole
+            report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
+        if agnostic:
+            new.training = None
+        new.name = _path(new, node.name)
+    attach_nodes, outputs = _with_masks_of_call(node, outputs, block)
+    graph.insert_before(node, new_nodes + attach_nodes)
+    for new in new_nodes + attach_nodes:
+        if _is_ours(new.operation):
+            # A keras.ops operation the trace made: named as its node, as its
+            # auto-generated name (`add_17`) depends on what ran before.
+            new.operation.name = new.name
+    for old, replacement in zip(node.outputs, outputs):
+        graph.replace_all_uses_with(old, replacement)
+    graph.erase_node(node)
+    return new_nodes + attach_nodes
+
+
+def _with_masks_of_call(node, outputs, block):
+    """`(AttachMask nodes, outputs)`: the `outputs` of the inlined `call`,
+    each carrying the Keras mask the layer's `__call__` gave the node's
+    output. Keras keeps the masks `call` set when every output has one,
+    and otherwise (for a layer that supports masking) attaches its
+    `compute_mask` result, the mask the node's output carries in the
+    graph, to each output without one: an `AttachMask` node does."""
+    layer = node.operation
+    if not layer.supports_masking or all(value.mask is not None for value in outputs):
+        return [], outputs
+    attach_nodes, attached = [], []
+    for old, new in zip(node.outputs, outputs):
+        if new.mask is not None or old.mask is None:
+            attached.append(new)
+            continue
+        name = f"{node.name}.mask"  # the graph's namespace numbers it if taken
+        attach = Node(name, AttachMask(name=name), (new,), {"mask": old.mask},
+                      output_structure=None)
+        attach.from_blocks = [*node.from_blocks, block]
+        attach.outputs = [Value(attach, 0, new.spec, mask=old.mask)]
+        attach_nodes.append(attach)
+        attached.append(attach.outputs[0])
+    return attach_nodes, attached
+
+
+def _describe_value(value, node):
+    if value in node.outputs:
+        return f"output {node.outputs.index(value)} of `{node.name}`"
+    where = value.producer.name if value.producer is not None else "the model's input"
+    return f"an input of `{node.name}` (from `{where}`)"
+
+
+def _trace(node, report, reads, templates, agnostic):
+    """`(new nodes, flat outputs)` of tracing the layer at `node`, or None."""
+    placeholders, tensors = {}, {}
+
+    def placeholder(value):
+        if value not in tensors:
+            tensor = tensors[value] = keras.KerasTensor(value.spec.shape, dtype=value.spec.dtype)
+            placeholders[id(tensor)] = value
+            if isinstance(value.mask, Value):
+                # The tensor carries its Keras mask in the trace as it does
+                # when the graph runs: sub-layers are handed it as they were
+                # inside the original call.
+                _compat.set_keras_mask(tensor, placeholder(value.mask))
+        return tensors[value]
+
+    layer = node.operation
+    args = map_values(placeholder, node.args)
+    kwargs = map_values(placeholder, node.kwargs)
+    # `call` is traced directly, not through `__call__`, which would hand it
+    # the masks its inputs carry (`call(x, mask=None)` of a masking layer).
+    kwargs.update(_compat.masks_keras_would_pass(layer, args, kwargs))
+    training = node.training if node.training in (True, False) else None
+    try:
+        new_nodes, outputs = tracing.trace_call(
+            layer, args, kwargs, placeholders,
+            # one trace is enough where no sub-layer reads `training`
+            training=False if agnostic else training, prefix=node.name + ".", reads=reads,
+        )
+    except tracing.TraceError as error:
+        return _stay_opaque(node, error.reason, report)
+    # None leaves (a cache not given) are no Values: the node had none.
+    outputs = [leaf for leaf in keras.tree.flatten(outputs) if leaf is not None]
+    if len(outputs) != len(node.outputs):
+        return _stay_opaque(node, (
+            f"`call` traced to {len(outputs)} outputs but the layer "
+            f"produced {len(node.outputs)}"
+        ), report)
+    templates.record(node, new_nodes, outputs)
+    return new_nodes, outputs
+
+
+def _stay_opaque(node, reason, report):
+    node.opaque_reason = reason
+    report.add_opaque(node.name, reason)
+    return None
+
+
+def _is_ours(operation):
+    """A keras.ops operation, random draw or mask the trace or Expand made
+    (not the user's layer: its name may follow its node's)."""
+    return not isinstance(operation, keras.layers.Layer) or isinstance(
+        operation, (BatchSizedOperation, RandomDraw, AttachMask))
+
+
+def _path(node, parent):
+    """The name `node` asks for (the namespace numbers it if taken).
+
+    The user's layers are named after their own name (`parent.dense`; the
+    layer itself keeps its name). A variable read keeps the name the trace
+    gave it after its attribute (`parent.scale`). A keras.ops operation
+    the trace made is numbered within its parent (`parent.add`), its
+    auto-generated suffix dropped.
+    """
+    if is_read(node.operation):
+        return node.name
+    if _is_ours(node.operation):
+        return f"{parent}.{_AUTO_SUFFIX.sub('', node.operation.name) or 'op'}"
+    return f"{parent}.{node.operation.name}"
