@@ -1033,7 +1033,7 @@ def _replayed_shapes(nodes, prefix, batch_size):
             raise TraceError(
                 f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the "
                 f"shapes of `{node.name}` cannot be checked to follow it: "
-                f"{type(error).__name__}: {_first_line(error)})"
+                f"{type(error).__name__}: {essential_message(error, limit=200)})"
             ) from error
         # As in the trace (`_collect`): a layer that leaves a dimension
         # unknown although its inputs know theirs (`EinsumDense(output_shape=
@@ -1044,13 +1044,6 @@ def _replayed_shapes(nodes, prefix, batch_size):
             replayed[id(value)] = tensor
             shapes[id(value)] = tuple(tensor.shape)
     return shapes
-
-
-def _first_line(error, limit=200):
-    """The first line of `error`'s message, cut to `limit` characters."""
-    lines = str(error).strip().splitlines() or [""]
-    line = lines[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _unknown_dimension_reason(where, value):
