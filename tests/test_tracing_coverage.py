@@ -814,6 +814,42 @@ def test_a_block_reshaping_to_the_shape_of_an_einsum_dense_output_expands():
         np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
 
 
+class HeadsThenPositions(layers.Layer):
+    """keras_hub's T5 attention: heads reshaped to `(batch_size, -1, ...)`,
+    then a position table as long as the heads' sequence. While tracing,
+    the batch size is unknown, so is that `-1`, and `ops.arange` cannot
+    take it: the call is traced at two batch sizes, one of them 1."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = layers.Dense(8, name="proj")
+
+    def call(self, x):
+        heads = ops.reshape(self.proj(x), (ops.shape(x)[0], -1, 2, 4))
+        positions = ops.cast(ops.arange(ops.shape(heads)[1]), heads.dtype)
+        return ops.reshape(heads + positions[None, :, None, None], (ops.shape(x)[0], -1, 8))
+
+
+def test_a_reshape_to_the_batch_size_traced_at_two_batch_sizes_follows_any_batch(tmp_path):
+    # The reshape traced at batch size 1 must not stay a reshape to 1: it
+    # did when Keras copied (and saved) the operation from its constructor
+    # arguments, and the block was left whole.
+    x = _rand(4, 5, 3)
+    model = BatchModel(HeadsThenPositions(name="block"), name="heads_then_positions")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque
+    assert passed.kip_graph.node("block.proj").operation is model.block.proj
+    path = str(tmp_path / "heads.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    for batch in (1, 3, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+        np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""

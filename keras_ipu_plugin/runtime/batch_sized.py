@@ -192,9 +192,9 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         elif not isinstance(operation, keras.layers.Layer):
             shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name)
             if shapes:
-                for name, shape in shapes.items():
-                    setattr(operation, name, shape)
-                operation = BatchSizedOperation(operation, list(shapes), name=operation.name)
+                operation = BatchSizedOperation(
+                    _rebuilt_with(operation, shapes, node_s.name), list(shapes),
+                    name=operation.name)
                 args = (anchor,) + tuple(args)
         node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
         for value_s, value_l in zip(node_s.outputs, node_l.outputs):
@@ -283,6 +283,26 @@ def _general_attributes(a, b, batch_sizes, name):
             continue
         raise NotBatchGeneral(f"`{name}` is given {value!r} and {other!r} ({key})")
     return shapes
+
+
+def _rebuilt_with(operation, shapes, name):
+    """A new operation like `operation`, with `shapes` ({attribute: shape})
+    as constructor arguments.
+
+    Setting the attribute on the traced operation would not last: Keras
+    copies an operation (`copy.copy`, as `BatchSizedOperation` does for each
+    batch size) and saves it from the arguments it was constructed with, so
+    a Reshape traced at batch size 1 would go on reshaping to batch 1 (T5's
+    attention, seen as a 24 where 8 was due at batch size 3)."""
+    config = operation.get_config()
+    if not set(shapes) <= set(config):
+        raise NotBatchGeneral(
+            f"`{name}` holds the batch size in {sorted(set(shapes) - set(config))}, "
+            "which its config does not rebuild")
+    rebuilt = type(operation).from_config({**config, **shapes})
+    if any(tuple(getattr(rebuilt, key)) != tuple(shape) for key, shape in shapes.items()):
+        raise NotBatchGeneral(f"`{name}` does not rebuild from its config")
+    return rebuilt
 
 
 def _general_spec(a, b, batch_sizes, name):
