@@ -5,7 +5,8 @@ gives each private access a name that says what it is for:
 
 - tracing: run a layer's `call` under a chosen training context, walk and
   undo the nodes a symbolic call records (`call_context`, `producing_node`,
-  `node_lists_snapshot`, `record_call`, ...);
+  `node_lists_snapshot`, `record_call`, ...); let TensorFlow's dispatch see
+  symbolic tensors (`make_dispatchable`, `tf_elementwise_functions`);
 - the functional model: subclass it, run its graph with our own operation
   hook, read its nodes and output structure (`Functional`,
   `run_functional_graph`, `functional_nodes`, `output_structure`, ...);
@@ -608,6 +609,29 @@ def traced_idioms(record_draw=None):
                 KerasTensor.__getitem__ = _idioms_originals.pop(KerasTensor)
                 for kind in _DRAWS:
                     setattr(backend_random, kind, _idioms_originals.pop(kind))
+
+
+# -- TensorFlow functions on symbolic tensors (frontend/tf_functions.py) ------
+# TensorFlow's type-based dispatch (`tf.experimental.dispatch_for_api`, public)
+# consults its targets only for argument types registered as dispatchable,
+# which only TensorFlow's internal API can do; and its lists of elementwise
+# functions are private. Registering KerasTensor changes nothing by itself:
+# with no target that accepts a call, TensorFlow goes on as before.
+
+
+def make_dispatchable(cls):
+    """Let TensorFlow's dispatch targets see arguments of type `cls`."""
+    from tensorflow.python.util import dispatch
+
+    dispatch.register_dispatchable_type(cls)
+
+
+def tf_elementwise_functions():
+    """`(unary, binary)`: TensorFlow's elementwise functions, as it lists
+    them for `tf.experimental.dispatch_for_*_elementwise_apis`."""
+    from tensorflow.python.util import dispatch
+
+    return tuple(dispatch._UNARY_ELEMENTWISE_APIS), tuple(dispatch._BINARY_ELEMENTWISE_APIS)
 
 
 # -- what a conversion may change on a user's model (state.py) ----------------

@@ -6,6 +6,9 @@ exactly (issue 13: ViT's patching-and-embedding layer).
 - `table[None]`, `x[...]`, `table[1:]`: indexing with a bare new axis,
   Ellipsis or slice, which Keras's symbolic indexing rejects (it takes
   ints and tuples only), is recorded as the same index in a tuple.
+- `tf.square(a - b)`, `tf.reduce_sum(x, -1)`, `tf.reshape(x, [tf.shape(x)[0],
+  -1])`: TensorFlow functions on symbolic tensors (the Keras siamese
+  example's DistanceLayer, Keras 2 code) are recorded as graph operations.
 
 Each model is compared with the original at the conversion batch size and
 at others, and after saving and loading.
@@ -13,6 +16,7 @@ at others, and after saving and loading.
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras
 from keras import layers
@@ -20,6 +24,7 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
+from keras_ipu_plugin.runtime.tf_function import TFFunction
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path
 from test_tracing_coverage import custom_layers_left
@@ -245,3 +250,56 @@ def test_a_sub_layer_built_during_the_trace_draws_its_initial_weights_as_keras_d
     assert not any(type(n.operation).__name__ == "RandomDraw" for n in converted.kip_graph.nodes)
     assert model.extra.kernel.shape == (4, 4)
     np.testing.assert_allclose(converted(x), model(x), atol=1e-6)
+
+
+class TensorFlowFunctions(layers.Layer):
+    """Keras-2-style code: TensorFlow's elementwise, reduction, shape and
+    list functions on symbolic tensors, with extra arguments (an `alpha`,
+    a dtype, an axis) and the dynamic batch size from `tf.shape`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, name="dense")
+
+    def call(self, x):
+        h = tf.nn.leaky_relu(self.dense(x), alpha=0.3)
+        distance = tf.reduce_sum(tf.square(h - x), axis=-1, keepdims=True)
+        joined = tf.concat([tf.maximum(h, 0.1), tf.math.sigmoid(x) * distance], axis=-1)
+        heads = tf.reshape(joined, [tf.shape(x)[0], -1, 2, 8])
+        return tf.reshape(tf.cast(tf.cast(heads, "float64"), "float32"), [tf.shape(x)[0], -1, 16])
+
+
+def test_tensorflow_functions_on_symbolic_tensors_expand_to_graph_operations(tmp_path):
+    block = TensorFlowFunctions(name="block")
+    passed = expands_exactly_at_any_batch_size(block, tmp_path)
+    recorded = {node.operation.function for node in passed.kip_graph.nodes
+                if isinstance(node.operation, TFFunction)}
+    assert {"math.square", "math.reduce_sum", "nn.leaky_relu", "concat",
+            "reshape", "shape", "cast"} <= recorded
+    assert passed.kip_graph.node("block.dense").operation is block.dense
+
+
+def test_tensorflow_rejects_symbolic_tensors_again_outside_a_trace(tmp_path):
+    expands_exactly_at_any_batch_size(TensorFlowFunctions(name="block"), tmp_path)
+    with pytest.raises(ValueError, match="KerasTensor cannot be used as input"):
+        tf.square(keras.KerasTensor((None, 4)))
+
+
+class TensorFlowRandom(layers.Layer):
+    """A TensorFlow random function: never recorded (the graph would not
+    keep its seed); the layer stays whole, saying which line did it."""
+
+    def call(self, x):
+        return x + tf.random.stateless_uniform(tf.shape(x), seed=(1, 2))
+
+
+def test_a_tensorflow_random_function_leaves_its_layer_whole_saying_where():
+    x = _rand(4, 5, 3)
+    model = Wrapper(TensorFlowRandom(name="block"), name="wrapper")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert passed.kip_graph.node("block").operation is model.block
+    reason = passed.kip_report.opaque["block"]
+    assert "TensorFlow function" in reason and "tf.random.stateless_uniform" in reason
+    assert_equivalent(model, passed, x)

@@ -54,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend import tf_functions
 from keras_ipu_plugin.runtime.layer_kinds import accepts_training
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
@@ -356,9 +357,10 @@ class _Trace:
             # The read layers outlive the trace (a graph keeps them): leave
             # none of the trace's Keras nodes on them. Public code's
             # `ops.tile(t, (ops.shape(x)[0], 1, 1))` and `table[None]` are
-            # followed (`_compat.traced_idioms`).
+            # followed (`_compat.traced_idioms`), and TensorFlow functions
+            # on symbolic tensors are recorded (`tf_functions.recorded`).
             with _compat.node_lists_snapshot(self.reads.layers(), always=True), \
-                    _compat.traced_idioms(self.record_draw):
+                    _compat.traced_idioms(self.record_draw), tf_functions.recorded():
                 yield
         finally:
             stack.pop()

@@ -381,14 +381,14 @@ def is_custom(operation):
     """Whether a graph node's operation is a custom layer: a Layer whose
     class is not one that `keras.layers` exports (a keras_hub layer, a
     user's layer, ConvNeXt's LayerScale, a nested keras.Model, an opaque
-    node). `keras.ops` operations and the plugin's own graph layers are
-    not custom."""
+    node). `keras.ops` operations and the plugin's own graph layers and
+    operations (a TensorFlow function's `TFFunction`) are not custom."""
     if isinstance(operation, kip.OpaqueLayer):
         return True
     if isinstance(operation, kip.LayerAlias):
         operation = operation.layer
-    if not isinstance(operation, keras.layers.Layer):
-        return not type(operation).__module__.startswith("keras.")
+    if not isinstance(operation, keras.layers.Layer):  # a keras.ops call, a TFFunction
+        return not type(operation).__module__.startswith(("keras.", "keras_ipu_plugin."))
     if type(operation).__module__.startswith("keras_ipu_plugin."):
         return False
     return type(operation) not in _KERAS_LAYER_CLASSES

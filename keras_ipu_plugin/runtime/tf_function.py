@@ -1,0 +1,97 @@
+"""`TFFunction`: a TensorFlow function called on graph tensors, as a graph
+operation.
+
+Keras 3 records `keras.ops` calls on symbolic tensors but refuses
+TensorFlow's own functions (`tf.square(a - b)`, `tf.nn.relu(x)`,
+`tf.reduce_sum(x, -1)`): "A KerasTensor cannot be used as input to a
+TensorFlow function". Code written for Keras 2 is full of them, and every
+layer using one stayed a black box to Expand. While tracing, the tracer
+records such a call as this operation (`frontend/tf_functions.py`), which
+calls the very same TensorFlow function when the graph runs: its gradient
+is TensorFlow's, its output shapes are TensorFlow's shape inference, and it
+saves by the function's public name (`"math.square"`).
+
+Example:
+    >>> square = TFFunction("math.square")
+    >>> square(keras.KerasTensor((None, 4))).shape
+    (None, 4)
+"""
+
+import functools
+import inspect
+
+import keras
+import tensorflow as tf
+
+# The public namespaces a function is saved by, in the order its name is
+# looked for (`tf.square` is saved as "math.square").
+_NAMESPACES = ("math", "nn", "linalg", "bitwise", "")
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class TFFunction(keras.Operation):
+    """Calls the TensorFlow function with public name `function` (a path
+    under `tf`, such as `"math.square"` or `"reshape"`) on its arguments."""
+
+    def __init__(self, function, name=None):
+        super().__init__(name=name)
+        self.function = function
+        self._tf_callable = tf_function_named(function)
+
+    def call(self, *args, **kwargs):
+        return self._tf_callable(*args, **kwargs)
+
+    def get_config(self):
+        return {"function": self.function, "name": self.name}
+
+
+def tf_function_named(name):
+    """The TensorFlow function at public path `name` under `tf`.
+
+    Example:
+        >>> tf_function_named("math.square") is tf.math.square
+        True
+    """
+    try:
+        return functools.reduce(getattr, name.split("."), tf)
+    except AttributeError:
+        raise ValueError(f"TensorFlow has no public function `tf.{name}`") from None
+
+
+def public_name_of(function):
+    """The public path under `tf` of `function` (or of a function it wraps),
+    or None when TensorFlow does not export it.
+
+    Example:
+        >>> public_name_of(tf.square)
+        'math.square'
+    """
+    return _public_names().get(id(function))
+
+
+@functools.lru_cache(maxsize=None)
+def _public_names():
+    names = {}
+    for namespace in _NAMESPACES:
+        module = tf_function_named(namespace) if namespace else tf
+        for attribute in sorted(dir(module)):
+            value = getattr(module, attribute, None)
+            if attribute.startswith("_") or not callable(value) or inspect.isclass(value):
+                continue
+            path = f"{namespace}.{attribute}" if namespace else attribute
+            # TensorFlow wraps its ops (dispatch, weak types): the function
+            # handed to a dispatcher is one of the layers inside.
+            for layer in _wrapped_chain(value):
+                names.setdefault(id(layer), path)
+    return names
+
+
+def _wrapped_chain(function):
+    seen = []
+    while function is not None and all(function is not s for s in seen):
+        seen.append(function)
+        function = getattr(function, "__wrapped__", None)
+    return seen
+
+
+__all__ = ["TFFunction", "public_name_of", "tf_function_named"]
