@@ -939,15 +939,16 @@ def test_tracing_through_views_leaves_every_layer_attribute_as_it_was():
 
 
 class TensorFlowOpsBlock(keras.layers.Layer):
-    """`call` uses a TensorFlow op that is not recorded as a graph operation
-    (tests/test_tracing_idioms.py lists those that are)."""
+    """`call` uses a TensorFlow op that is not recorded as a graph operation,
+    a random one (tests/test_tracing_idioms.py shows those that are)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.dense = keras.layers.Dense(4)
 
     def call(self, x):
-        return tf.math.cumprod(self.dense(x), axis=-1)
+        h = self.dense(x)
+        return h + tf.random.stateless_uniform(tf.shape(h), seed=(1, 2))
 
 
 class WithTensorFlowOpsBlock(keras.Model):
@@ -961,7 +962,7 @@ class WithTensorFlowOpsBlock(keras.Model):
 
 
 def test_block_that_only_runs_on_real_tensors_is_still_one_node():
-    # The inline trace fails on `tf.math.cumprod(KerasTensor)`; Keras's own
+    # The inline trace fails on `tf.random.stateless_uniform`; Keras's own
     # output-shape trace (a scratch TF graph) still gives the block's shape.
     model = WithTensorFlowOpsBlock()
     x = np.random.rand(4, 3).astype("float32")

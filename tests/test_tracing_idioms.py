@@ -303,3 +303,29 @@ def test_a_tensorflow_random_function_leaves_its_layer_whole_saying_where():
     reason = passed.kip_report.opaque["block"]
     assert "TensorFlow function" in reason and "tf.random.stateless_uniform" in reason
     assert_equivalent(model, passed, x)
+
+
+class TensorFlowMultiOutput(layers.Layer):
+    """TensorFlow functions with several outputs (`tf.split`, `tf.nn.moments`)
+    and with a weight among their inputs (`tf.nn.bias_add`, `tf.matmul`)."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 8), name="kernel")
+        self.bias = self.add_weight(shape=(8,), initializer="ones", name="bias")
+
+    def call(self, x):
+        h = tf.nn.bias_add(tf.matmul(x, self.kernel), self.bias)
+        left, right = tf.split(h, 2, axis=-1)
+        mean, variance = tf.nn.moments(h, axes=[-1], keepdims=True)
+        return tf.concat([left * mean, right + variance], axis=-1)
+
+
+def test_tensorflow_functions_with_several_outputs_or_weights_expand_and_train(tmp_path):
+    block = TensorFlowMultiOutput(name="block")
+    passed = expands_exactly_at_any_batch_size(block, tmp_path)
+    recorded = {node.operation.function for node in passed.kip_graph.nodes
+                if isinstance(node.operation, TFFunction)}
+    assert {"split", "nn.moments", "nn.bias_add", "linalg.matmul"} <= recorded
+    # The weights are graph reads, shared with the block, not constants.
+    assert {id(v) for v in block.trainable_variables} <= {
+        id(v) for v in passed.trainable_variables}

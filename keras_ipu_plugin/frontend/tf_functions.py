@@ -43,19 +43,34 @@ from keras_ipu_plugin.runtime.tf_function import tf_function_named
 # make a call on a symbolic tensor (one of them must be one; a list
 # parameter, a list of them).
 _FUNCTIONS = {
+    # reductions and scans
     "math.reduce_sum": ("input_tensor",), "math.reduce_mean": ("input_tensor",),
     "math.reduce_max": ("input_tensor",), "math.reduce_min": ("input_tensor",),
     "math.reduce_prod": ("input_tensor",), "math.reduce_logsumexp": ("input_tensor",),
     "math.reduce_std": ("input_tensor",), "math.reduce_variance": ("input_tensor",),
     "math.reduce_any": ("input_tensor",), "math.reduce_all": ("input_tensor",),
-    "math.argmax": ("input",), "math.argmin": ("input",), "math.cumsum": ("x",),
-    "math.l2_normalize": ("x",), "norm": ("tensor",),
+    "math.reduce_euclidean_norm": ("input_tensor",), "norm": ("tensor",),
+    "math.argmax": ("input",), "math.argmin": ("input",), "math.top_k": ("input",),
+    "math.cumsum": ("x",), "math.cumprod": ("x",), "nn.moments": ("x",),
+    "math.l2_normalize": ("x",), "clip_by_norm": ("t",),
+    "math.unsorted_segment_sum": ("data", "segment_ids", "num_segments"),
+    "math.segment_sum": ("data", "segment_ids"), "math.segment_mean": ("data", "segment_ids"),
+    "math.segment_max": ("data", "segment_ids"),
+    # neural network functions
     "nn.softmax": ("logits",), "nn.log_softmax": ("logits",),
-    "linalg.matmul": ("a", "b"), "reshape": ("tensor",), "transpose": ("a",),
-    "expand_dims": ("input",), "squeeze": ("input",), "tile": ("input",),
-    "gather": ("params", "indices"), "one_hot": ("indices",), "pad": ("tensor",),
-    "shape": ("input",), "where": ("condition", "x", "y"),
-    "concat": ("*values",), "stack": ("*values",),
+    "nn.bias_add": ("value", "bias"), "nn.conv1d": ("input", "filters"),
+    "nn.conv2d": ("input", "filters"), "nn.depth_to_space": ("input",),
+    "nn.space_to_depth": ("input",), "linalg.matmul": ("a", "b"),
+    "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
+    "image.resize": ("images",), "image.extract_patches": ("images",),
+    # shapes, indexing, joining
+    "reshape": ("tensor", "shape"), "transpose": ("a",), "expand_dims": ("input",),
+    "squeeze": ("input",), "tile": ("input", "multiples"), "broadcast_to": ("input", "shape"),
+    "pad": ("tensor",), "shape": ("input",), "size": ("input",), "slice": ("input_",),
+    "gather": ("params", "indices"), "gather_nd": ("params", "indices"),
+    "one_hot": ("indices",), "where": ("condition", "x", "y"),
+    "split": ("value",), "unstack": ("value",),
+    "concat": ("*values",), "stack": ("*values",), "math.add_n": ("*inputs",),
 }
 _LIST_PARAMETER = "*"
 
