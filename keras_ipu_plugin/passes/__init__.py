@@ -15,10 +15,11 @@ from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import registered_passes
 from keras_ipu_plugin.passes.expand import Expand
+from keras_ipu_plugin.passes.patterns import Chain
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 
 __all__ = [
     "ALL", "EQUAL", "RUNS", "Pass", "Expand", "Replace", "Replacement", "Outline",
-    "Recompute", "PipelineStages", "register_pass", "registered_passes",
+    "Recompute", "PipelineStages", "Chain", "register_pass", "registered_passes",
 ]

@@ -22,6 +22,7 @@ from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import config_value
 from keras_ipu_plugin.passes.base import describe
+from keras_ipu_plugin.passes.base import block_label
 from keras_ipu_plugin.passes.base import matched_nodes_and_blocks
 from keras_ipu_plugin.passes.base import matches
 from keras_ipu_plugin.passes.base import register_pass
@@ -101,7 +102,7 @@ class Outline(Pass):
                     node.annotations["outline"] = dict(self.outline_kwargs)
                     action, entry = _outline_entry(node, detail)
                     report.add(self.step, node.name, action,
-                               _joined(f"layer of expanded `{block.path}`", entry))
+                               _joined(f"layer of {block_label(block)}", entry))
         return graph
 
 
@@ -177,7 +178,7 @@ class Recompute(Pass):
             last = block_nodes[-1]
             last.annotations["recompute"] = True
             report.add(self.step, last.name, "checkpoint after",
-                       f"end of expanded `{block.path}`")
+                       f"end of {block_label(block)}")
         return graph
 
 

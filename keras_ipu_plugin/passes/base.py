@@ -2,7 +2,9 @@
 registry that makes a pass known to configs and saving.
 
 A target is a layer name (the layer's own name, or its node path such as
-`"block_1.dense"`), a layer class (subclasses match too), or `"all"`.
+`"block_1.dense"`), a layer class (subclasses match too), a `Chain` of
+layers and `keras.ops` calls (`patterns.py`: each run it matches is one
+unit, as an expanded block is), or `"all"`.
 A name or class target also matches a block that Expand inlined (its path,
 its layer's name or its class): the block's nodes, which the annotation
 passes treat as one (a checkpoint after its last node, say).
@@ -17,6 +19,8 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.passes.layer_class_names import class_named
 from keras_ipu_plugin.passes.layer_class_names import name_of_class
+from keras_ipu_plugin.passes.patterns import Chain
+from keras_ipu_plugin.passes.patterns import Match
 
 ALL = "all"
 
@@ -97,16 +101,19 @@ def as_targets(targets):
     else:
         targets = (targets,)
     for target in targets:
-        if not (isinstance(target, str) or _is_layer_class(target)):
+        if not (isinstance(target, (str, Chain)) or _is_layer_class(target)):
             raise PassError(
-                f"A target must be a layer name, a layer class or 'all'; got "
-                f"{target!r}."
+                f"A target must be a layer name, a layer class, a kip.passes.Chain "
+                f"or 'all'; got {target!r}."
             )
     return targets
 
 
 def matches(node, target):
-    """Whether graph `node` is matched by one `target`."""
+    """Whether graph `node` is matched by one `target` (a chain matches runs
+    of nodes, not one: `matched_blocks`)."""
+    if isinstance(target, Chain):
+        return False
     if target == ALL:
         return node.is_layer
     if isinstance(target, str):
@@ -150,7 +157,7 @@ def matched_nodes(graph, targets, step):
 def matches_block(block, target):
     """Whether `target` names the inlined `block` (its path or its layer's
     name) or is its class; `"all"` matches layers, not blocks."""
-    if target == ALL:
+    if target == ALL or isinstance(target, Chain):
         return False
     if isinstance(target, str):
         return target in (block.path, block.layer.name)
@@ -159,7 +166,10 @@ def matches_block(block, target):
 
 def matched_blocks(graph, target):
     """`[(block, nodes)]`: each block Expand inlined that `target` matches,
-    with its nodes in graph order; blocks in the order they start."""
+    with its nodes in graph order; blocks in the order they start. For a
+    `Chain`, each run of nodes it matches, as a `patterns.Match`."""
+    if isinstance(target, Chain):
+        return [(Match(run), run) for run in target.matches(graph)]
     found = {}
     for node in graph.nodes:
         for block in node.from_blocks:
@@ -189,7 +199,17 @@ def matched_nodes_and_blocks(graph, targets, step):
     return [node for node in graph.nodes if id(node) in nodes], blocks
 
 
+def block_label(block):
+    """How the report names a unit of nodes a target matched: an expanded
+    block or a chain's match."""
+    if isinstance(block, Match):
+        return f"chain match `{block.path}`"
+    return f"expanded `{block.path}`"
+
+
 def describe(target):
+    if isinstance(target, Chain):
+        return target.describe()
     if isinstance(target, str):
         return repr(target)
     return f"class {target.__name__}"
@@ -305,7 +325,9 @@ def saved_config(config, owner, required, optional=()):
 def targets_config(targets, owner):
     """Targets as JSON-able data: a name stays a string, a class becomes
     `{"class": name}` (an error names `owner` if the class has no name)."""
-    return [target if isinstance(target, str) else {"class": name_of_class(target, owner)}
+    return [target if isinstance(target, str)
+            else target.get_config(owner) if isinstance(target, Chain)
+            else {"class": name_of_class(target, owner)}
             for target in targets]
 
 
@@ -322,6 +344,8 @@ def targets_from_config(value, owner):
 def _target_from_config(value, owner):
     if isinstance(value, str):
         return value
+    if isinstance(value, dict) and set(value) == {"chain"}:
+        return Chain.from_config(value, owner)
     if isinstance(value, dict) and set(value) == {"class"} and isinstance(value["class"], str):
         cls = class_named(value["class"])
         if cls is None:

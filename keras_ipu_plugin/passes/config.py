@@ -47,6 +47,7 @@ from keras_ipu_plugin.passes.base import registered_passes
 from keras_ipu_plugin.passes.layer_class_names import class_named
 from keras_ipu_plugin.passes.layer_class_names import is_layer_class
 from keras_ipu_plugin.passes.layer_class_names import register_layer
+from keras_ipu_plugin.passes.patterns import Chain
 
 try:  # libyaml's parser, several times faster than PyYAML's Python one
     from yaml.cyaml import CParser as _YamlParser
@@ -374,12 +375,34 @@ class ConfigReader:
         return tuple(self.target(item, config_path(path, i)) for i, item in enumerate(value))
 
     def target(self, value, path):
+        if isinstance(value, dict) and set(value) == {"chain"}:
+            return self._chain(value["chain"], f"{path}.chain")
         if not isinstance(value, str):
-            raise ConfigError(path, f"a target must be a string; got {type(value).__name__}")
+            raise ConfigError(path, "a target must be a string or {chain: [steps]}; got "
+                                    f"{type(value).__name__}")
         if value == ALL:
             return value
         cls = self._find(value, path)
         return cls if cls is not None else value
+
+    def _chain(self, steps, path):
+        """`{chain: [Dense, {op: gelu}]}`: a string step names a layer class
+        if it names one, else a layer; `{op: ...}`, `{tf: ...}` name
+        functions (see `passes.patterns`)."""
+        if not isinstance(steps, list):
+            raise ConfigError(path, f"expected a list of steps; got {short_repr(steps)}")
+        resolved = []
+        for i, step in enumerate(steps):
+            where = config_path(path, i)
+            try:
+                resolved.append(self.target(step, where) if isinstance(step, str)
+                                else Chain.step_from_config(step, "chain"))
+            except PassError as error:
+                raise ConfigError(where, str(error)) from None
+        try:
+            return Chain(*resolved)
+        except PassError as error:
+            raise ConfigError(path, str(error)) from None
 
     def layer_class(self, name, path):
         """The class `name` names (an error if it names none)."""

@@ -22,6 +22,7 @@ from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
 from keras_ipu_plugin.passes.inline import inline_call
+from keras_ipu_plugin.passes.patterns import Chain
 from keras_ipu_plugin.runtime.layer_kinds import is_expandable
 from keras_ipu_plugin.runtime.reads import ReadLayers
 
@@ -40,6 +41,9 @@ class Expand(Pass):
 
     def __init__(self, targets=ALL):
         self.targets = as_targets(targets)
+        if any(isinstance(target, Chain) for target in self.targets):
+            raise PassError("Expand takes layers to expand (names, classes or 'all'), "
+                            "not a Chain: a chain's nodes are already nodes of the graph.")
 
     # -- configs and saving ------------------------------------------------------
     def get_config(self):
@@ -102,6 +106,15 @@ def expand_to_reach(graph, target, report, step):
     wherever it sits. Raises `PassError` naming the layer when one that
     holds it cannot be expanded. `"all"` needs nothing."""
     if target == ALL:
+        return
+    if isinstance(target, Chain):
+        # Its layer steps are reached as targets of their own; an operation
+        # step is found wherever Expand has made one a node.
+        for lead in target.lead_steps():
+            expand_graph(graph, lambda node, lead=lead: (
+                is_expandable(node.operation) and not node.opaque_reason
+                and not matches(node, lead) and contains(node, lead)
+            ), report, step, recursive=True)
         return
 
     def holds_target(node):

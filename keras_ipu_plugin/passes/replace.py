@@ -24,6 +24,7 @@ from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
 from keras_ipu_plugin.passes.expand import expand_to_reach
+from keras_ipu_plugin.passes.patterns import Chain
 from keras_ipu_plugin.passes.replacement import Replacement
 from keras_ipu_plugin.passes.replacement import config_equivalent
 from keras_ipu_plugin.passes.replacement import copy_weights_by_name  # noqa: F401 (re-exported)
@@ -106,6 +107,9 @@ class Replace(Pass):
     def run(self, graph, report):
         for target, replacement in self.mapping.items():
             expand_to_reach(graph, target, report, self.step)
+            if isinstance(target, Chain):
+                self._replace_runs(graph, target, replacement, report)
+                continue
             nodes = nodes_matching(graph, target)
             if not nodes:
                 raise PassError(f"replace: target {describe(target)} matches no layer of "
@@ -124,6 +128,38 @@ class Replace(Pass):
                 node.operation = new_layers[id(old)]
                 node.made_by_pass = True  # ours: keeps the name it was given
         return graph
+
+    def _replace_runs(self, graph, chain, replacement, report):
+        """Each run of nodes `chain` matches becomes one node calling a new
+        layer made from the run's first layer (one per first layer: sharing
+        is kept), reading the run's inputs; the rest of the run is erased."""
+        runs = chain.matches(graph)
+        if not runs:
+            raise PassError(f"replace: target {describe(chain)} matches nothing in "
+                            f"the model `{graph.name}`.")
+        replaced = {id(node) for run in runs for node in run}
+        names = Namespace(getattr(node.operation, "name", None)
+                          for node in graph.nodes if id(node) not in replaced)
+        new_layers = {}
+        for run in runs:
+            first, last = run[0], run[-1]
+            old = first.operation
+            if id(old) not in new_layers:
+                name = names.create(replacement.params.get("name", first.name))
+                new, detail = new_layer_for(first, replacement, name, run=run)
+                new_layers[id(old)] = new
+                graph.replaced.append((old, new))
+                report.add(self.step, first.name, "replaced",
+                           f"{chain.describe()} ({', '.join(n.name for n in run)}): {detail}")
+            else:
+                report.add(self.step, first.name, "replaced",
+                           f"{chain.describe()}, sharing the layer made for `{old.name}`")
+            first.operation = new_layers[id(old)]
+            first.made_by_pass = True
+            first.outputs[0].spec = last.outputs[0].spec
+            graph.replace_all_uses_with(last.outputs[0], first.outputs[0])
+            for node in reversed(run[1:]):
+                graph.erase_node(node)
 
     def _new_layer(self, graph, node, replacement, names, report):
         old, reused = node.operation, graph.reusable.get(id(node.operation))

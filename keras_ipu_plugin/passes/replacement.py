@@ -7,6 +7,7 @@ for Dense, LayerNormalization, Embedding and Conv layers; `copy_weights_fn`
 for anything else), and the two are compared on random inputs.
 """
 
+import functools
 import inspect
 
 import keras
@@ -142,13 +143,21 @@ class Replacement:
         return self.new_class.from_config(config)
 
 
-def new_layer_for(node, replacement, name=None):
+def new_layer_for(node, replacement, name=None, run=None):
     """The layer replacing the one of graph `node`, built (under the
     strategy owning the old one's variables) on random inputs of the
     node's shapes, weights copied and compared if asked: `(layer, what the
     report says)`. Raises `PassError` when copied weights do not give the
-    same outputs although the config is kept."""
+    same outputs although the config is kept.
+
+    `run`: the nodes of a `Chain` match that the new layer replaces as a
+    whole (`node` first); the new layer is then compared with the run."""
     old = node.operation
+    if not isinstance(old, keras.layers.Layer):
+        raise PassError(
+            f"replace: `{node.name}` ({type(old).__name__}) is not a layer; a chain "
+            "is replaced by a layer made from its first layer, so it must start with one."
+        )
     strategy = strategy_owning(old.weights)
     with strategy.scope():
         new = replacement.make_layer(old, name)
@@ -164,7 +173,8 @@ def new_layer_for(node, replacement, name=None):
     if replacement.copy_weights:
         copy = replacement.copy_weights_fn or _default_copier(old, new)
         copy(old, new)
-        difference, scale = _max_difference(old, new, args, kwargs)
+        reference = old if run is None else functools.partial(_run_nodes, run)
+        difference, scale = _max_difference(reference, new, args, kwargs)
         detail += f", weights copied, max output difference {difference:.2e}"
         if config_equivalent(replacement) and difference > 1e-5 * max(scale, 1.0):
             raise PassError(
@@ -212,6 +222,18 @@ def _random_like(spec):
     if spec.dtype == "string":
         return tf.fill(shape, "")
     return tf.constant(rng.randn(*shape), dtype=spec.dtype)
+
+
+def _run_nodes(run, *args, **kwargs):
+    """What the run of nodes (a `Chain` match) computes from `args` given to
+    its first node; each later node reads the one before it, and nothing else."""
+    outputs = run[0].operation(*args, **kwargs)
+    for node in run[1:]:
+        node_args = map_values(lambda value, tensor=outputs: tensor, node.args)
+        node_kwargs = map_values(lambda value, tensor=outputs: tensor, node.kwargs)
+        node_kwargs.pop("training", None)
+        outputs = node.operation(*node_args, **node_kwargs)
+    return outputs
 
 
 def _max_difference(old, new, args, kwargs):
