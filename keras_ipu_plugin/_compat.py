@@ -559,6 +559,33 @@ def _getitem(self, key):
     return _idioms_originals[KerasTensor](self, key)
 
 
+# A NumPy scalar met by a symbolic tensor (`x * np.float64(p)`, `np.float64(p)
+# * x`, a rate from `np.linspace`): TensorFlow's tensors convert it to their own
+# dtype (and NumPy defers to them, `__array_priority__`), so the layer computes
+# in float32; Keras's symbolic ops promote to float64, or NumPy raises on the
+# left. While tracing, the scalar is given as the Python number it holds, which
+# Keras treats as TensorFlow does (weakly typed).
+_SCALAR_OPERATORS = (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+    "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+    "__rmod__", "__pow__", "__rpow__", "__lt__", "__le__", "__gt__", "__ge__",
+)
+_ARRAY_PRIORITY = "__array_priority__"
+_NOT_SET = object()
+
+
+def _python_scalar_operator(name):
+    def operator(self, other):
+        import numpy as np
+
+        if _in_traced_idioms() and isinstance(other, np.generic):
+            other = other.item()
+        return _idioms_originals[name](self, other)
+
+    operator.__name__ = name
+    return operator
+
+
 @contextlib.contextmanager
 def traced_idioms(record_draw=None):
     """Follow `ops.tile` with the batch size in its repeats and indexing
@@ -585,6 +612,12 @@ def traced_idioms(record_draw=None):
             _idioms_originals[KerasTensor] = KerasTensor.__getitem__
             Tile.compute_output_spec = _tile_output_spec
             KerasTensor.__getitem__ = _getitem
+            for name in _SCALAR_OPERATORS:
+                _idioms_originals[name] = getattr(KerasTensor, name)
+                _idioms_originals["own", name] = name in vars(KerasTensor)
+                setattr(KerasTensor, name, _python_scalar_operator(name))
+            _idioms_originals[_ARRAY_PRIORITY] = vars(KerasTensor).get(_ARRAY_PRIORITY, _NOT_SET)
+            KerasTensor.__array_priority__ = 100  # as tf.Tensor: NumPy defers
             for kind in _DRAWS:
                 _idioms_originals[kind] = getattr(backend_random, kind)
                 setattr(backend_random, kind, _intercepted_draw(kind))
@@ -607,6 +640,17 @@ def traced_idioms(record_draw=None):
                     delattr(backend.Variable, _VARIABLE_INIT)
                 Tile.compute_output_spec = _idioms_originals.pop(Tile)
                 KerasTensor.__getitem__ = _idioms_originals.pop(KerasTensor)
+                for name in _SCALAR_OPERATORS:
+                    original = _idioms_originals.pop(name)
+                    if _idioms_originals.pop(("own", name)):
+                        setattr(KerasTensor, name, original)
+                    else:  # inherited: the class is left as it was
+                        delattr(KerasTensor, name)
+                priority = _idioms_originals.pop(_ARRAY_PRIORITY)
+                if priority is _NOT_SET:
+                    delattr(KerasTensor, _ARRAY_PRIORITY)
+                else:
+                    KerasTensor.__array_priority__ = priority
                 for kind in _DRAWS:
                     setattr(backend_random, kind, _idioms_originals.pop(kind))
 

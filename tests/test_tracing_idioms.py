@@ -199,23 +199,25 @@ def test_two_draws_from_one_generator_stay_whole_and_say_why():
 
 
 class NumpyRate(layers.Layer):
-    """A drop-path rate taken from `np.linspace`: a NumPy float on the left."""
+    """A drop-path rate taken from `np.linspace`: NumPy floats on both sides
+    of the tensor, which TensorFlow converts to the tensor's float32 (Keras's
+    symbolic ops would promote to float64, or NumPy raise on the left)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.keep = 1 - np.linspace(0, 0.1, 3)[1]
 
     def call(self, x):
-        return self.keep * x
+        return self.keep * x + x / self.keep - np.float64(0.5) ** x
 
 
-def test_a_numpy_scalar_on_the_left_of_a_tensor_stays_whole_saying_to_write_float():
-    x = _rand(4, 5, 3)
-    model = Wrapper(NumpyRate(name="block"), name="wrapper")
-    model(x)
-    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
-    assert custom_layers_left(passed) == ["block"]
-    assert "write `float(p)`" in passed.kip_report.opaque["block"]
+def test_numpy_scalars_around_a_tensor_expand_computing_in_the_tensors_dtype(tmp_path):
+    passed = expands_exactly_at_any_batch_size(NumpyRate(name="block"), tmp_path)
+    assert {value.spec.dtype for node in passed.kip_graph.nodes
+            for value in node.outputs} == {"float32"}
+    assert passed(_rand(2, 5, 3)).dtype == "float32"
+    with pytest.raises(ValueError, match="KerasTensor is symbolic"):
+        np.float64(0.5) * keras.KerasTensor((None, 4))  # Keras as it was, after
 
 
 class GrowsASeededHead(keras.Model):

@@ -620,3 +620,20 @@ def test_rows_whose_original_outputs_are_nan_are_left_out_and_named(rows):
     assert (f"rows {nan_row} left out: the original's output `output` holds NaN or Inf "
             "there") in row.detail
     assert row.action == "outputs and gradients equal"
+
+
+class Float64Dense(keras.layers.Dense):
+    """Computes what Dense does, to float32 precision, but hands on float64."""
+
+    def call(self, x):
+        return keras.ops.cast(super().call(x), "float64")
+
+
+def test_a_pass_changing_an_output_dtype_is_refused_even_with_equal_values():
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="dense")(inputs))
+    x = np.random.RandomState(0).normal(size=(4, 3)).astype("float32")
+    converted = kip.convert_to_functional(model, x)
+    replace = kip.passes.Replace({"dense": kip.passes.Replacement(Float64Dense, copy_weights=True)})
+    with pytest.raises(kip.PassError, match="dtype float64 in the passed model and float32"):
+        kip.apply_passes(converted, [replace])

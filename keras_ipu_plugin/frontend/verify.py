@@ -644,8 +644,11 @@ def _compare(label, expected, actual, rtol, atol, what):
             f"{label} has shape {actual.shape} in the {what} model and "
             f"{expected.shape} in the original."
         )
-    if (expected.dtype.kind in "fc") != (actual.dtype.kind in "fc") or (
-            expected.dtype.kind in "bOSU") != (actual.dtype.kind in "bOSU"):
+    # The dtype itself, not only its kind: a graph computing in float64
+    # where the original computed in float32 (`x * np.float64(p)`, which
+    # Keras promotes and TensorFlow does not) agrees to float32 precision,
+    # and would silently hand float64 tensors to whatever comes next.
+    if expected.dtype != actual.dtype:
         raise ConversionError(
             f"{label} has dtype {actual.dtype} in the {what} model and "
             f"{expected.dtype} in the original."
