@@ -559,12 +559,13 @@ def _getitem(self, key):
     return _idioms_originals[KerasTensor](self, key)
 
 
-# A NumPy scalar met by a symbolic tensor (`x * np.float64(p)`, `np.float64(p)
-# * x`, a rate from `np.linspace`): TensorFlow's tensors convert it to their own
-# dtype (and NumPy defers to them, `__array_priority__`), so the layer computes
-# in float32; Keras's symbolic ops promote to float64, or NumPy raises on the
-# left. While tracing, the scalar is given as the Python number it holds, which
-# Keras treats as TensorFlow does (weakly typed).
+# A NumPy value met by a symbolic tensor (`x * np.float64(p)`, `np.float64(p)
+# * x`, a rate from `np.linspace`, `np.ones(n) * x`): TensorFlow's tensors
+# convert it to their own dtype (and NumPy defers to them, `__array_priority__`),
+# so the layer computes in float32; Keras's symbolic ops promote to float64, or
+# NumPy raises on the left. While tracing, a scalar is given as the Python
+# number it holds, which Keras treats as TensorFlow does (weakly typed), and an
+# array as TensorFlow converts it (an error where TensorFlow would raise).
 _SCALAR_OPERATORS = (
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
     "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
@@ -578,8 +579,11 @@ def _python_scalar_operator(name):
     def operator(self, other):
         import numpy as np
 
-        if _in_traced_idioms() and isinstance(other, np.generic):
-            other = other.item()
+        if _in_traced_idioms():
+            if isinstance(other, np.generic):
+                other = other.item()
+            elif isinstance(other, np.ndarray) and self.dtype is not None:
+                other = np.asarray(tf.convert_to_tensor(other, dtype=self.dtype))
         return _idioms_originals[name](self, other)
 
     operator.__name__ = name

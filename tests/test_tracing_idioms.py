@@ -208,7 +208,8 @@ class NumpyRate(layers.Layer):
         self.keep = 1 - np.linspace(0, 0.1, 3)[1]
 
     def call(self, x):
-        return self.keep * x + x / self.keep - np.float64(0.5) ** x
+        scale = np.linspace(1.0, 2.0, 8)  # float64, as TensorFlow converts it: float32
+        return self.keep * x + x / self.keep - np.float64(0.5) ** x + scale * x - x * scale
 
 
 def test_numpy_scalars_around_a_tensor_expand_computing_in_the_tensors_dtype(tmp_path):

@@ -1136,9 +1136,10 @@ def _user_source_line(error):
 _TO_NUMPY = re.compile(r"KerasTensor is symbolic.*NumPy array")
 
 NUMPY_OPERAND_HINT = (
-    "a NumPy value on the left of an operator (`np.float64(p) + x`, e.g. a "
-    "rate taken from `np.linspace`) turns the tensor into a NumPy array, "
-    "which a traced tensor cannot be: write `float(p)`"
+    "a NumPy array on the left of an operator (`np.ones(n) * x`) or given to a "
+    "NumPy function (`np.exp(x)`) turns the tensor into a NumPy array, which a "
+    "traced tensor cannot be (NumPy scalars are followed): write it with "
+    "`keras.ops` (`ops.convert_to_tensor(array) * x`)"
 )
 
 
