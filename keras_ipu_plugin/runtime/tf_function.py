@@ -75,8 +75,13 @@ def _public_names():
     for namespace in _NAMESPACES:
         module = tf_function_named(namespace) if namespace else tf
         for attribute in sorted(dir(module)):
-            value = getattr(module, attribute, None)
-            if attribute.startswith("_") or not callable(value) or inspect.isclass(value):
+            if attribute.startswith("_"):
+                continue
+            try:
+                value = getattr(module, attribute)
+            except Exception:  # a lazily loaded module that cannot load here (tf.keras)
+                continue
+            if not callable(value) or inspect.isclass(value):
                 continue
             path = f"{namespace}.{attribute}" if namespace else attribute
             # TensorFlow wraps its ops (dispatch, weak types): the function
