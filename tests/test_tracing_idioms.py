@@ -329,3 +329,48 @@ def test_tensorflow_functions_with_several_outputs_or_weights_expand_and_train(t
     # The weights are graph reads, shared with the block, not constants.
     assert {id(v) for v in block.trainable_variables} <= {
         id(v) for v in passed.trainable_variables}
+
+
+class ImagePatches(layers.Layer):
+    """The keras.io ViT example's `Patches` + `PatchEncoder` in Keras 2
+    style: `tf.image.extract_patches`, reshaped with `tf.shape`'s batch
+    size, projected and added to a position embedding; and `tf.image.resize`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.projection = layers.Dense(8, name="projection")
+        self.position_embedding = layers.Embedding(4, 8, name="position_embedding")
+
+    def call(self, images):
+        images = tf.image.resize(images, [8, 8])
+        patches = tf.image.extract_patches(images, sizes=[1, 4, 4, 1], strides=[1, 4, 4, 1],
+                                           rates=[1, 1, 1, 1], padding="VALID")
+        patches = tf.reshape(patches, [tf.shape(patches)[0], -1, patches.shape[-1]])
+        return self.projection(patches) + self.position_embedding(tf.range(4))
+
+
+class ImageClassifier(keras.Model):
+    def __init__(self, block, **kwargs):
+        super().__init__(**kwargs)
+        self.block = block
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, images):
+        return self.head(self.block(images))
+
+
+def test_tensorflow_image_functions_expand_to_graph_operations(tmp_path):
+    x = _rand(2, 6, 6, 3)
+    model = ImageClassifier(ImagePatches(name="block"), name="classifier")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert custom_layers_left(passed) == [], passed.kip_report.opaque
+    recorded = {node.operation.function for node in passed.kip_graph.nodes
+                if isinstance(node.operation, TFFunction)}
+    assert {"image.resize", "image.extract_patches"} <= recorded
+    other = _rand(5, 6, 6, 3, seed=5)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+    path = str(tmp_path / "passed.keras")
+    passed.save(path)
+    np.testing.assert_allclose(keras.models.load_model(path)(other), model(other), atol=1e-5)
