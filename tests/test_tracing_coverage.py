@@ -850,6 +850,37 @@ def test_a_reshape_to_the_batch_size_traced_at_two_batch_sizes_follows_any_batch
         np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
 
 
+class RepeatedTable(layers.Layer):
+    """keras_hub's DeBERTa-v3 `RelativeEmbedding`: a table repeated to the
+    batch size with `ops.repeat(table, repeats=ops.shape(x)[0], axis=0)`,
+    whose `repeats` is a single dimension, not a shape."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(1, 5, shape[-1]), name="table")
+
+    def call(self, x):
+        table = ops.repeat(ops.convert_to_tensor(self.table), repeats=ops.shape(x)[0], axis=0)
+        return x + table
+
+
+def test_a_table_repeated_to_the_batch_size_expands_to_a_graph_for_any_batch(tmp_path):
+    x = _rand(4, 5, 3)
+    model = BatchModel(RepeatedTable(name="block"), name="repeated_table")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    assert any(type(n.operation).__name__ == "BatchSizedOperation"
+               for n in passed.kip_graph.nodes)
+    path = str(tmp_path / "repeated.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    for batch in (1, 3, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+        np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""

@@ -51,7 +51,7 @@ BACKBONES = {
     "Falcon": _hub("FalconBackbone", num_attention_heads=2, **TEXT),
     "OPT": _hub("OPTBackbone", num_heads=2, max_sequence_length=16, **TEXT),
     "Qwen2": _hub("Qwen2Backbone", num_query_heads=2, num_key_value_heads=1, **TEXT),
-    "GPTNeoX": _hub("GPTNeoXBackbone", num_heads=2, max_sequence_length=16, **TEXT),
+    "GPTNeoX": _hub("GPTNeoXBackbone", num_heads=2, max_sequence_length=16, rotary_percentage=0.5, **TEXT),
     "Bloom": _hub("BloomBackbone", num_heads=2, **TEXT),
     "XLNet": _hub("XLNetBackbone", num_heads=2, **TEXT),
     "Whisper": _hub("WhisperBackbone", num_heads=2, num_mels=8, max_encoder_sequence_length=16,

@@ -46,10 +46,15 @@ class BatchSizedOperation(keras.layers.Layer):
         self.built = True
 
     def with_batch_size(self, batch_size):
-        """A copy of the operation whose unknown dimensions are `batch_size`."""
+        """A copy of the operation whose unknown dimensions are `batch_size`
+        (an attribute is a shape, or one dimension such as `ops.repeat`'s
+        `repeats`)."""
         operation = copy.copy(self.operation)
         for name in self.attributes:
             shape = getattr(operation, name)
+            if shape is None:
+                setattr(operation, name, batch_size)
+                continue
             filled = [batch_size if dim is None else dim for dim in shape]
             setattr(operation, name, type(shape)(filled))
         return operation
@@ -275,6 +280,10 @@ def _general_attributes(a, b, batch_sizes, name):
             continue
         if value == other:
             continue
+        if _is_int(value) and _is_int(other):
+            # One dimension (`ops.repeat(table, ops.shape(x)[0], axis=0)`).
+            shapes[key] = _batch_dimension(value, other, batch_sizes, name)
+            continue
         if (isinstance(value, (list, tuple)) and type(value) is type(other)
                 and len(value) == len(other)
                 and all(isinstance(x, int) and isinstance(y, int) for x, y in zip(value, other))):
@@ -283,6 +292,10 @@ def _general_attributes(a, b, batch_sizes, name):
             continue
         raise NotBatchGeneral(f"`{name}` is given {value!r} and {other!r} ({key})")
     return shapes
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _rebuilt_with(operation, shapes, name):
@@ -300,9 +313,13 @@ def _rebuilt_with(operation, shapes, name):
             f"`{name}` holds the batch size in {sorted(set(shapes) - set(config))}, "
             "which its config does not rebuild")
     rebuilt = type(operation).from_config({**config, **shapes})
-    if any(tuple(getattr(rebuilt, key)) != tuple(shape) for key, shape in shapes.items()):
+    if any(_as_tuple(getattr(rebuilt, key)) != _as_tuple(shape) for key, shape in shapes.items()):
         raise NotBatchGeneral(f"`{name}` does not rebuild from its config")
     return rebuilt
+
+
+def _as_tuple(shape):
+    return tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
 
 
 def _general_spec(a, b, batch_sizes, name):
