@@ -881,6 +881,30 @@ def test_a_table_repeated_to_the_batch_size_expands_to_a_graph_for_any_batch(tmp
         np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
 
 
+class SliceToTheBatch(layers.Layer):
+    """keras_hub's XLNet `_rel_shift`: `ops.slice(x, [0, 1, 0], [batch, ...])`,
+    whose start indices are a list of ints passed on positionally."""
+
+    def call(self, x):
+        return ops.slice(x, [0, 1, 0], [ops.shape(x)[0], 3, ops.shape(x)[2]])
+
+
+def test_a_slice_to_the_batch_size_expands_to_a_graph_for_any_batch(tmp_path):
+    x = _rand(4, 5, 3)
+    model = BatchModel(SliceToTheBatch(name="block"), name="slice_to_the_batch")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    path = str(tmp_path / "sliced.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    for batch in (1, 3, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+        np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""

@@ -374,3 +374,4 @@ def test_tensorflow_image_functions_expand_to_graph_operations(tmp_path):
     path = str(tmp_path / "passed.keras")
     passed.save(path)
     np.testing.assert_allclose(keras.models.load_model(path)(other), model(other), atol=1e-5)
+

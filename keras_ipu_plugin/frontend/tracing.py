@@ -555,11 +555,30 @@ def _inline_output_spec(self, *args, **kwargs):
     except Exception as error:
         layer = viewed_layer(self)  # only views have this method
         try:
-            outputs = _autograph_output_spec(layer, args, kwargs)
+            outputs = _scratch_graph_output_spec(self, args, kwargs)
         except Exception:
-            raise error from None
-        vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
+            try:
+                outputs = _autograph_output_spec(layer, args, kwargs)
+            except Exception:
+                raise error from None
+            vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
     return _tensors_only(self, outputs)
+
+
+def _scratch_graph_output_spec(view, args, kwargs):
+    """Output KerasTensors of `view.call` run on symbolic TensorFlow tensors
+    in a scratch graph, as Keras runs a layer stating no output shape.
+
+    A class here inherits its `compute_output_spec` from a class whose `call`
+    it overrides (keras_hub's XLNet `TwoStreamRelativeAttention`, a
+    `MultiHeadAttention` called with `content_stream=...`), so that one
+    refuses the arguments; and `call` on KerasTensors can fail where a
+    sub-layer's own spec is less precise than TensorFlow's shape inference
+    (an `EinsumDense(output_shape=(None, heads, dim))` leaving the sequence
+    length unknown, which `call` then computes with)."""
+    if _states_own_output_shape(type(viewed_layer(view))):
+        raise TypeError("the class states its own output shape")
+    return _compat.Operation.compute_output_spec(view, *args, **kwargs)
 
 
 def _autograph_output_spec(layer, args, kwargs):
@@ -782,8 +801,8 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
                         f"`{prefix}{operation.name}` takes a shape with an "
                         f"unknown dimension: {STATIC_BATCH_HINT}"
                     )
+                args, kwargs = BatchSizedOperation.arguments(operation, anchor, args, kwargs)
                 operation = BatchSizedOperation(operation, unknown, name=operation.name)
-                args = (anchor,) + tuple(args)
                 batch_sized.append(operation)
         name = prefix + operation.name
         if is_read(operation):  # named after the attribute or its consumer

@@ -45,6 +45,32 @@ class BatchSizedOperation(keras.layers.Layer):
         self.attributes = tuple(attributes)
         self.built = True
 
+    @staticmethod
+    def arguments(operation, anchor, args, kwargs):
+        """`(args, kwargs)` of a call of this layer for a call of `operation`:
+        `anchor` first, then the operation's tensors; an argument that is
+        not a tensor goes by its name. A Keras layer takes only tensors
+        positionally, and a nested argument mixing both, as `*args` is,
+        not at all: `ops.slice(x, [0, 1, 0], shape)` gives its start indices
+        positionally, and the graph failed when it ran."""
+        import inspect
+
+        args = tuple(args)
+        first_data = next((i for i, arg in enumerate(args) if not _holds_tensors(arg)), len(args))
+        if first_data < len(args):
+            try:
+                bound = inspect.signature(operation.call).bind(*args, **kwargs)
+            except TypeError:
+                bound = None
+            names = list(bound.arguments)[first_data:len(args)] if bound is not None else []
+            if bound is not None and len(names) == len(args) - first_data and all(
+                bound.signature.parameters[name].kind
+                == inspect.Parameter.POSITIONAL_OR_KEYWORD for name in names
+            ):
+                kwargs = {**kwargs, **{name: bound.arguments[name] for name in names}}
+                args = args[:first_data]
+        return (anchor,) + args, kwargs
+
     def with_batch_size(self, batch_size):
         """A copy of the operation whose unknown dimensions are `batch_size`
         (an attribute is a shape, or one dimension such as `ops.repeat`'s
@@ -200,7 +226,8 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
                 operation = BatchSizedOperation(
                     _rebuilt_with(operation, shapes, node_s.name), list(shapes),
                     name=operation.name)
-                args = (anchor,) + tuple(args)
+                args, kwargs = BatchSizedOperation.arguments(
+                    operation.operation, anchor, args, kwargs)
         node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
         for value_s, value_l in zip(node_s.outputs, node_l.outputs):
             value_s.spec = _general_spec(value_s.spec, value_l.spec, batch_sizes, node_s.name)
@@ -217,6 +244,14 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     outputs = keras.tree.pack_sequence_as(
         outputs_s, [same_output(a, b) for a, b in zip(flat_s, flat_l)])
     return result, outputs
+
+
+def _holds_tensors(value):
+    """Whether `value` is, or holds only, tensors (graph Values included)."""
+    leaves = keras.tree.flatten(value)
+    return bool(leaves) and all(
+        not isinstance(leaf, (int, float, bool, str, type(None), np.ndarray, np.generic))
+        for leaf in leaves)
 
 
 class _BatchConstant:
