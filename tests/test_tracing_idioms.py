@@ -375,3 +375,40 @@ def test_tensorflow_image_functions_expand_to_graph_operations(tmp_path):
     passed.save(path)
     np.testing.assert_allclose(keras.models.load_model(path)(other), model(other), atol=1e-5)
 
+
+class ReturnsAnEmptyConstant(layers.Layer):
+    """keras_hub's `DeiTEncoder`: returns `ops.empty((0, length, dim))` for
+    the hidden states it was not asked to collect, beside its output."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, name="dense")
+
+    def call(self, x):
+        length, dim = ops.shape(x)[1], ops.shape(x)[2]
+        return self.dense(x), ops.empty((0, length, dim), dtype=x.dtype)
+
+
+class TakesTheFirstOutput(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(8, name="embed")
+        self.block = ReturnsAnEmptyConstant(name="block")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x):
+        hidden, _ = self.block(self.embed(x))
+        return self.head(hidden)
+
+
+def test_a_constant_returned_beside_the_outputs_is_held_in_the_graph():
+    x = _rand(4, 5, 3)
+    model = TakesTheFirstOutput(name="first_output")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert custom_layers_left(passed) == [], passed.kip_report.opaque
+    assert passed.kip_graph.node("block.dense").operation is model.block.dense
+    assert_equivalent(model, passed, x)
+    other = _rand(7, 5, 3, seed=7)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)

@@ -302,9 +302,21 @@ def _trace_once(trace, training, pinned, opaque_layers):
                 raise
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
+            outputs = _lifted_outputs(trace, outputs, layer)
         return _collect(outputs, trace.placeholders, trace.prefix, pinned,
                         opaque_layers, trace.read_names, trace.anchor,
                         trace.none_leaves)
+
+
+def _lifted_outputs(trace, outputs, layer):
+    """`outputs` with each concrete tensor `call` returns held by a
+    `HeldConstant` node: keras_hub's `DeiTEncoder` returns
+    `ops.empty((0, length, dim))` for the hidden states it was not asked
+    for, and the block stayed whole ("returns a EagerTensor")."""
+    leaves = keras.tree.flatten(outputs)
+    if trace.anchor is None or not any(_is_concrete(leaf) for leaf in leaves):
+        return outputs
+    return trace.lift(outputs, {}, layer, role="output")[0]
 
 
 class _Trace:
@@ -407,13 +419,13 @@ class _Trace:
         self.lift_for.add(id(layer))
         return layer
 
-    def lift(self, args, kwargs, consumer):
+    def lift(self, args, kwargs, consumer, role="input"):
         """`(args, kwargs)` with each concrete tensor replaced by the output
-        of a `HeldConstant` node holding it."""
+        of a `HeldConstant` node holding it (named `<consumer>_<role>`)."""
         def lift(leaf):
             if not _is_concrete(leaf):
                 return leaf
-            name = self._names.create(f"{self.prefix}{consumer.name}_input")
+            name = self._names.create(f"{self.prefix}{consumer.name}_{role}")
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
