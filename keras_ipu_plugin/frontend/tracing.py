@@ -44,6 +44,7 @@ import contextlib
 import functools
 import inspect
 import io
+import os
 import re
 import textwrap
 import threading
@@ -226,10 +227,14 @@ def _trace_modes(trace, training):
     nodes_t, outputs_t = _trace_once(trace, True, False, made)
     nodes_f, outputs_f = _trace_once(trace, False, False, made)
     if list(map(_identity, nodes_t)) != list(map(_identity, nodes_f)):
-        only = {n.name for n in nodes_t} ^ {n.name for n in nodes_f}
+        only = sorted({n.name for n in nodes_t} ^ {n.name for n in nodes_f})
+        lines = _training_branch_lines(type(layer).call)
+        at = f" at `{'`, `'.join(lines)}`" if lines else ""
+        listed = ", ".join(only[:3]) + (f" and {len(only) - 3} more" if len(only) > 3 else "")
         raise TraceError(
-            "`call` branches on `training` in Python (layers called in one "
-            f"mode only: {', '.join(sorted(only)) or 'order differs'})"
+            f"`call` branches on `training` in Python{at}: one graph cannot hold "
+            "both computations, so the layer runs whole (it still trains); "
+            f"called in one mode only: {listed or 'the order of the calls differs'}"
         )
     for node_t, node_f in zip(nodes_t, nodes_f):
         node_t.training = _training_mode(node_t, node_f)
@@ -249,6 +254,31 @@ def _call_mentions_training(function):
     except (OSError, TypeError, tokenize.TokenError, IndentationError):
         return True
     return any(t.type == tokenize.NAME and t.string == "training" for t in tokens)
+
+
+def _training_branch_lines(function):
+    """`file:line: source` of each line of `function` that tests `training`
+    in an `if` (a statement or an `a if training else b`), for the reason a
+    layer branching on it stays whole; [] where the source is unknown."""
+    try:
+        source_lines, first = inspect.getsourcelines(function)
+        tokens = list(tokenize.generate_tokens(
+            io.StringIO(textwrap.dedent("".join(source_lines))).readline))
+        filename = os.path.basename(inspect.getsourcefile(function) or "")
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return []
+    found, after_if = [], {}
+    for token in tokens:
+        if token.type == tokenize.NAME and token.string in ("if", "elif"):
+            after_if[token.start[0]] = True
+        elif (token.type == tokenize.NAME and token.string == "training"
+              and after_if.get(token.start[0])):
+            line = token.start[0]
+            text = source_lines[line - 1].strip()
+            entry = f"{filename}:{first + line - 1}: {text}"
+            if entry not in found:
+                found.append(entry)
+    return found
 
 
 def _same_operation(node_a, node_b):
