@@ -905,6 +905,40 @@ def test_a_slice_to_the_batch_size_expands_to_a_graph_for_any_batch(tmp_path):
         np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
 
 
+class PerPositionWindows(layers.Layer):
+    """keras_hub's Swin `window_partition` / `window_reverse`: rows of
+    `batch * windows` (`ops.reshape(x, (batch * 5, 8))`) and the batch size
+    recovered as `ops.shape(windows)[0] // 5`; both fail on the unknown
+    batch size, and the first is a multiple of it, not the batch size."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = layers.Dense(8, name="proj")
+
+    def call(self, x):
+        batch = ops.shape(x)[0]
+        windows = self.proj(ops.reshape(x, (batch * 5, 8)))
+        return ops.reshape(windows, (ops.shape(windows)[0] // 5, 5, 8))
+
+
+@pytest.mark.parametrize("block", ["PerPositionWindows", "MergedBatch"])
+def test_a_block_computing_with_a_multiple_of_the_batch_size_expands_for_any_batch(
+        block, tmp_path):
+    x = _rand(4, 5, 3)
+    model = BatchModel(globals()[block](name="block"), name="windows")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    path = str(tmp_path / "windows.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    for batch in (1, 3, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+        np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""
@@ -919,7 +953,8 @@ class BatchIndex(layers.Layer):
 
 class MergedBatch(layers.Layer):
     """Broadcasts its bias to `ops.shape(y)[0]` where `y` merged the batch
-    and the sequence: that unknown dimension is not the batch size."""
+    and the sequence: that unknown dimension is not the batch size but 5
+    times it, which the graph holds as such (`BatchMultiple`)."""
 
     def build(self, shape):
         self.bias = self.add_weight(shape=(shape[-1],), initializer="ones", name="bias")
@@ -930,7 +965,20 @@ class MergedBatch(layers.Layer):
         return ops.reshape(merged + bias, (-1,) + tuple(ops.shape(x)[1:]))
 
 
-@pytest.mark.parametrize("block", [BatchIndex, MergedBatch])
+class BatchPlusOne(layers.Layer):
+    """Broadcasts its bias to `ops.shape(y)[0]` where `y` is the batch with
+    one more row: neither the batch size nor a multiple of it."""
+
+    def build(self, shape):
+        self.bias = self.add_weight(shape=(shape[-1],), initializer="ones", name="bias")
+
+    def call(self, x):
+        extended = ops.concatenate([x, x[:1]], axis=0)
+        bias = ops.broadcast_to(self.bias, (ops.shape(extended)[0],) + tuple(ops.shape(x)[1:]))
+        return (extended + bias)[1:]
+
+
+@pytest.mark.parametrize("block", [BatchIndex, BatchPlusOne])
 def test_a_block_the_graph_cannot_follow_at_any_batch_size_stays_whole_and_says_why(block):
     x = _rand(4, 5, 3)
     model = BatchModel(block(name="block"), name="batch_model")

@@ -150,7 +150,7 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
             small, large, _TRIAL_BATCH_SIZES, runs[0][0].placeholders[id(runs[0][0].anchor)],
             _same_operation, prefix,
         )
-        _check_batch_dimensions(nodes, prefix)
+        _check_batch_dimensions(nodes, prefix, multiples=True)
     except NotBatchGeneral as mismatch:
         raise TraceError(
             f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
@@ -1031,7 +1031,7 @@ def _reject_unknown_dimensions(operation, structure, prefix):
             )
 
 
-def _check_batch_dimensions(nodes, prefix):
+def _check_batch_dimensions(nodes, prefix, multiples=False):
     """Raise `TraceError` unless every unknown dimension in `nodes` is the
     batch size of the traced call's inputs (what a `BatchSizedOperation`
     fills in when the graph runs).
@@ -1041,6 +1041,10 @@ def _check_batch_dimensions(nodes, prefix):
     size, matching the trace where it knew it) or 3 and 7 (the batch size).
     A dimension that merely stood where the batch size did (the batch times
     the sequence, after a reshape) would take a wrong value, and fails here.
+    With `multiples` (a graph made from traces at two batch sizes, whose
+    operations hold each multiple of the batch size they compute with,
+    `batch_sized.BatchMultiple`), a dimension may be a fixed multiple of
+    the batch size too (3k and 7k: Swin's `batch * windows` rows).
     The outputs' shapes are then set to what the replay showed.
     """
     shapes = [_replayed_shapes(nodes, prefix, batch_size) for batch_size in (3, 7)]
@@ -1051,6 +1055,7 @@ def _check_batch_dimensions(nodes, prefix):
             if len(small) != len(recorded) or not all(
                 (a == b and c in (None, a))  # a fixed size
                 or ((a, b) == (3, 7) and c is None)  # the batch size
+                or (multiples and a % 3 == 0 and b == a // 3 * 7 and c is None)
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))

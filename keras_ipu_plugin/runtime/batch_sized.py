@@ -35,7 +35,7 @@ class BatchSizedOperation(keras.layers.Layer):
         >>> BatchSizedOperation(reshape_op, ["newshape"])(x, y)
     """
 
-    def __init__(self, operation, attributes, **kwargs):
+    def __init__(self, operation, attributes, multiples=None, **kwargs):
         # The operation's inputs keep their dtypes, as they did in `call`.
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
@@ -43,6 +43,10 @@ class BatchSizedOperation(keras.layers.Layer):
             operation = keras.saving.deserialize_keras_object(operation)
         self.operation = operation
         self.attributes = tuple(attributes)
+        # {attribute: the batch size's multiple at each None of it (an int
+        # for a one-dimension attribute)}; absent: the batch size itself.
+        # Swin's windows are `batch * windows` rows (`window_reverse`).
+        self.multiples = dict(multiples or {})
         self.built = True
 
     @staticmethod
@@ -78,10 +82,13 @@ class BatchSizedOperation(keras.layers.Layer):
         operation = copy.copy(self.operation)
         for name in self.attributes:
             shape = getattr(operation, name)
+            multiples = self.multiples.get(name)
             if shape is None:
-                setattr(operation, name, batch_size)
+                setattr(operation, name, batch_size * (multiples or 1))
                 continue
-            filled = [batch_size if dim is None else dim for dim in shape]
+            multiples = multiples or [1] * len(shape)
+            filled = [batch_size * multiple if dim is None else dim
+                      for dim, multiple in zip(shape, multiples)]
             setattr(operation, name, type(shape)(filled))
         return operation
 
@@ -119,6 +126,8 @@ class BatchSizedOperation(keras.layers.Layer):
             operation=keras.saving.serialize_keras_object(self.operation),
             attributes=list(self.attributes),
         )
+        if self.multiples:
+            config["multiples"] = self.multiples
         return config
 
 
@@ -223,9 +232,11 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         elif not isinstance(operation, keras.layers.Layer):
             shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name)
             if shapes:
+                multiples = _multiples_of(shapes)
+                shapes = {key: _with_none(shape) for key, shape in shapes.items()}
                 operation = BatchSizedOperation(
                     _rebuilt_with(operation, shapes, node_s.name), list(shapes),
-                    name=operation.name)
+                    multiples=multiples, name=operation.name)
                 args, kwargs = BatchSizedOperation.arguments(
                     operation.operation, anchor, args, kwargs)
         node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
@@ -270,14 +281,51 @@ def _is_array(value):
     )
 
 
-def _batch_dimension(a, b, batch_sizes, name):
+class BatchMultiple:
+    """A dimension that is `multiple` times the batch size (Swin's windows:
+    `batch * windows` rows), in a shape attribute of a traced operation."""
+
+    def __init__(self, multiple):
+        self.multiple = multiple
+
+
+def _batch_dimension(a, b, batch_sizes, name, multiples=False):
     """None where `(a, b)` are the two batch sizes, the size where they are
-    equal; `NotBatchGeneral` otherwise."""
+    equal; with `multiples`, a `BatchMultiple` where they are the same
+    multiple of both; `NotBatchGeneral` otherwise."""
     if a == b:
         return a
-    if (a, b) == tuple(batch_sizes):
+    small, large = batch_sizes
+    if (a, b) == (small, large):
         return None
+    if (multiples and _is_int(a) and _is_int(b) and a > 0 and a % small == 0
+            and b == a // small * large):
+        return BatchMultiple(a // small)
     raise NotBatchGeneral(f"`{name}` has a dimension {a} at one batch size and {b} at the other")
+
+
+def _multiples_of(shapes):
+    """{attribute: multiples} for the attributes holding a `BatchMultiple`:
+    the multiple at each of its dimensions (1 where it is the batch size,
+    unused where it is fixed)."""
+    def multiple(dim):
+        return dim.multiple if isinstance(dim, BatchMultiple) else 1
+
+    found = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            if any(isinstance(dim, BatchMultiple) for dim in shape):
+                found[key] = [multiple(dim) for dim in shape]
+        elif isinstance(shape, BatchMultiple):
+            found[key] = shape.multiple
+    return found
+
+
+def _with_none(shape):
+    """`shape` with each `BatchMultiple` unknown (None)."""
+    if isinstance(shape, (list, tuple)):
+        return type(shape)(None if isinstance(dim, BatchMultiple) else dim for dim in shape)
+    return None if isinstance(shape, BatchMultiple) else shape
 
 
 def _general_constant(a, b, batch_sizes, name):
@@ -317,13 +365,14 @@ def _general_attributes(a, b, batch_sizes, name):
             continue
         if _is_int(value) and _is_int(other):
             # One dimension (`ops.repeat(table, ops.shape(x)[0], axis=0)`).
-            shapes[key] = _batch_dimension(value, other, batch_sizes, name)
+            shapes[key] = _batch_dimension(value, other, batch_sizes, name, multiples=True)
             continue
         if (isinstance(value, (list, tuple)) and type(value) is type(other)
                 and len(value) == len(other)
                 and all(isinstance(x, int) and isinstance(y, int) for x, y in zip(value, other))):
             shapes[key] = type(value)(
-                _batch_dimension(x, y, batch_sizes, name) for x, y in zip(value, other))
+                _batch_dimension(x, y, batch_sizes, name, multiples=True)
+                for x, y in zip(value, other))
             continue
         raise NotBatchGeneral(f"`{name}` is given {value!r} and {other!r} ({key})")
     return shapes
@@ -360,7 +409,9 @@ def _as_tuple(shape):
 def _general_spec(a, b, batch_sizes, name):
     if a.dtype != b.dtype or len(a.shape) != len(b.shape):
         raise NotBatchGeneral(f"`{name}` makes other outputs")
-    shape = tuple(_batch_dimension(x, y, batch_sizes, name) for x, y in zip(a.shape, b.shape))
+    # A multiple of the batch size is unknown in a spec, as the batch is.
+    shape = _with_none(tuple(_batch_dimension(x, y, batch_sizes, name, multiples=True)
+                             for x, y in zip(a.shape, b.shape)))
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 
