@@ -939,6 +939,55 @@ def test_a_block_computing_with_a_multiple_of_the_batch_size_expands_for_any_bat
         np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
 
 
+class SameShape(layers.Layer):
+    """A base layer stating one output of its input's shape (keras_hub's
+    `RotaryEmbedding`)."""
+
+    def call(self, x):
+        return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+class RotatesTwo(SameShape):
+    """keras_hub's `ESMRotaryEmbedding`: `call(q, k)` returns two tensors,
+    while the `compute_output_shape` it inherits states one."""
+
+    def call(self, q, k):
+        return q * 2.0, k - 1.0
+
+
+class HeadsThenTwoOutputs(layers.Layer):
+    """ESM's attention: heads reshaped to `ops.shape(x)[0]` (so the trace
+    checks each node's shapes at other batch sizes), then the two-output
+    rotary layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.rotary = RotatesTwo(name="rotary")
+
+    def call(self, x):
+        heads = ops.reshape(x, (ops.shape(x)[0], 5, 2, 4))
+        q, k = self.rotary(heads, heads + 1.0)
+        return ops.reshape(q * k, (ops.shape(x)[0], 5, 8))
+
+
+def test_a_sub_layer_returning_more_outputs_than_its_inherited_shape_states_expands():
+    # The replay of the shapes at other batch sizes asked the inherited
+    # `compute_output_shape`, got one output for two, and Expand crashed
+    # with a bare KeyError.
+    x = _rand(4, 5, 3)
+    model = BatchModel(HeadsThenTwoOutputs(name="block"), name="two_outputs")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    for batch in (1, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""

@@ -62,13 +62,14 @@ BACKBONES = {
                  hidden_dim=8, intermediate_dim=16),
     "SwinTransformer": _hub("SwinTransformerBackbone", image_shape=(32, 32, 3), embed_dim=8,
                             depths=[2, 2], num_heads=[2, 2], window_size=4, patch_size=4),
-    "ResNet": _hub("ResNetBackbone", input_conv_filters=[8], input_conv_kernel_sizes=[3],
-                   stackwise_num_filters=[8, 16], stackwise_num_blocks=[1, 1],
-                   stackwise_num_strides=[1, 2], block_type="bottleneck_block",
+    "ResNet": _hub("ResNetBackbone", input_conv_filters=[64], input_conv_kernel_sizes=[3],
+                   stackwise_num_filters=[64, 16], stackwise_num_blocks=[1, 1],
+                   stackwise_num_strides=[1, 2], block_type="basic_block",
                    image_shape=(IMAGE, IMAGE, 3)),
     "CSPNet": _hub("CSPNetBackbone", stem_filters=8, stem_kernel_size=3, stem_strides=2,
-                   stackwise_depth=[1, 1], stackwise_strides=[1, 2], stackwise_num_filters=[8, 16],
-                   block_type="bottleneck_block", image_shape=(IMAGE, IMAGE, 3)),
+                   stackwise_depth=[1, 1], stackwise_strides=[1, 2], stackwise_num_filters=[16, 32],
+                   block_type="bottleneck_block", stage_type="cs3", bottle_ratio=[0.5],
+                   block_ratio=[0.5], image_shape=(IMAGE, IMAGE, 3)),
     "DenseNet": _hub("DenseNetBackbone", stackwise_num_repeats=[1, 1], growth_rate=4,
                      image_shape=(IMAGE, IMAGE, 3)),
     "MiT": _hub("MiTBackbone", layerwise_depths=[1, 1], num_layers=2, layerwise_num_heads=[1, 2],
@@ -76,6 +77,11 @@ BACKBONES = {
                 layerwise_strides=[2, 2], hidden_dims=[8, 16], image_shape=(IMAGE, IMAGE, 3)),
     "VGG": _hub("VGGBackbone", stackwise_num_repeats=[1, 1], stackwise_num_filters=[4, 8],
                 image_shape=(IMAGE, IMAGE, 3)),
+    "RoformerV2": _hub("RoformerV2Backbone", num_heads=2, head_size=4, **TEXT),
+    "ESM": _hub("ESMBackbone", num_heads=2, max_sequence_length=16, **TEXT),
+    "DINOV2": _hub("DINOV2Backbone", patch_size=4, num_layers=2, hidden_dim=8, num_heads=2,
+                   intermediate_dim=16, image_shape=(16, 16, 3),
+                   position_embedding_shape=(16, 16, 3), drop_path_rate=0.1),
 }
 
 
@@ -93,7 +99,7 @@ APPLICATIONS = {
     "app.MobileNetV2": _application("MobileNetV2", alpha=0.35),
     "app.EfficientNetV2B0": _application("EfficientNetV2B0"),
     "app.NASNetMobile": _application("NASNetMobile"),
-    "app.RegNetX002": _application("RegNetX002"),
+    "app.MobileNet": _application("MobileNet", alpha=0.25),
 }
 
 

@@ -1089,9 +1089,11 @@ def _replayed_shapes(nodes, prefix, batch_size):
         compute_output_spec = operation.compute_output_spec
         if isinstance(operation, keras.layers.Layer) and not _states_own_output_shape(
             type(operation)
-        ):  # Keras's own way: its `call` run in a scratch graph
+        ):  # its `call` run in a scratch graph; not `Layer.compute_output_spec`,
+            # which asks an inherited `compute_output_shape` (one output, where
+            # keras_hub's `ESMRotaryEmbedding.call` returns two)
             compute_output_spec = functools.partial(
-                keras.layers.Layer.compute_output_spec, operation)
+                _compat.Operation.compute_output_spec, operation)
         try:
             # A None among a layer's outputs (T5's attention without a cache)
             # is no Value of its node (`Node.output_structure` keeps it).
@@ -1108,6 +1110,11 @@ def _replayed_shapes(nodes, prefix, batch_size):
         # (None, f))` leaves the sequence out) is asked TensorFlow's shape
         # inference, or the replay could not tell that dimension is fixed.
         outputs = _precise_specs(operation, args, kwargs, outputs)
+        if len(outputs) != len(node.outputs):
+            raise TraceError(
+                f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the shapes "
+                f"of `{node.name}` cannot be checked to follow it: it makes "
+                f"{len(outputs)} outputs at another batch size, {len(node.outputs)} in the trace)")
         for value, tensor in zip(node.outputs, outputs):
             replayed[id(value)] = tensor
             shapes[id(value)] = tuple(tensor.shape)
