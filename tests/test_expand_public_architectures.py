@@ -422,3 +422,46 @@ def test_a_layer_output_returned_as_none_but_read_stays_whole_saying_so():
     passed = kip.apply_passes(converted, [Expand("encoder")], verify=False)
     reason = passed.kip_report.opaque["encoder"]
     assert "returns None as output 1" in reason and "`add` reads it" in reason
+
+
+# -- keras_hub's DINOv2 embedding: its own output spec takes no `training` ----------
+class OwnSpecEmbedding(layers.Layer):
+    """keras_hub's `DINOV2Embedding`: `call(inputs, training=None)` and a
+    `compute_output_spec(inputs)` of its own, without `training`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, name="dense")
+        self.dropout = layers.Dropout(0.5, name="dropout")
+
+    def call(self, inputs, training=None):
+        return self.dropout(self.dense(inputs), training=training)
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs.shape[:-1] + (8,), dtype=self.compute_dtype)
+
+
+class OwnSpecNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = OwnSpecEmbedding(name="embedding")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.embedding(x))
+
+
+def test_a_layer_whose_own_output_spec_takes_no_training_argument_traces():
+    # Traced under a training mode, Keras handed the layer's own
+    # `compute_output_spec` a `training` argument it does not take, and the
+    # whole model stayed one opaque node.
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    model = OwnSpecNet(name="own_spec")
+    model(x)
+    passed = _expand_all(model, x)
+    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+    assert {"OwnSpecNet", "OwnSpecEmbedding"}.isdisjoint(_classes(passed))
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
+    for got, want in zip(_gradients(passed, x, model.trainable_variables),
+                         _gradients(model, x, model.trainable_variables)):
+        np.testing.assert_allclose(got, want, atol=1e-5)

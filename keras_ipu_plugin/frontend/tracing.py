@@ -541,8 +541,22 @@ def _tensors_only(view, outputs):
 
 def _own_output_spec(self, *args, **kwargs):
     """The class's own `compute_output_spec`, with None outputs kept aside
-    (`_tensors_only`)."""
-    return _tensors_only(self, super(type(self), self).compute_output_spec(*args, **kwargs))
+    (`_tensors_only`), handed `training` only if it takes it: Keras passes
+    the mode of the trace on to every layer whose `call` takes it, and
+    keras_hub's `DINOV2Embedding.compute_output_spec(inputs)` does not."""
+    compute_output_spec = super(type(self), self).compute_output_spec
+    if "training" in kwargs and not _takes_argument(compute_output_spec, "training"):
+        kwargs = {key: value for key, value in kwargs.items() if key != "training"}
+    return _tensors_only(self, compute_output_spec(*args, **kwargs))
+
+
+def _takes_argument(function, name):
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _states_own_output_shape(cls):
