@@ -1186,6 +1186,18 @@ def _describe_failure(error, default=None):
             "then depends on the data, which a Keras graph cannot hold; give it "
             "a Python number or a static dimension for the layer to expand"
         )
+    if _TENSOR_AS_BOOL in str(error):
+        # Python control flow on a tensor's value: one graph cannot hold both
+        # branches. Say which line branches (keras_hub's RoFormer-v2
+        # positional embedding) rather than only Keras's words.
+        line = _user_source_line(error)
+        at = f" (`{line}`)" if line else ""
+        return (
+            f"`call` uses a tensor's value as a boolean in Python control flow (`if`, `while`, "
+            f"`and`/`or`){at}{f' in `{where}`' if where else ''}: the branch taken "
+            "depends on the data, which one graph cannot hold; the layer runs whole "
+            "(it still trains); computing both results and choosing with `ops.where` lets it expand"
+        )
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
@@ -1198,6 +1210,7 @@ def _describe_failure(error, default=None):
 
 _NONE_VALUE = re.compile(r"value \(None\)|NoneType")
 _TF_ON_SYMBOL = "A KerasTensor cannot be used as input to a TensorFlow function"
+_TENSOR_AS_BOOL = "A symbolic KerasTensor cannot be used as a boolean"
 _SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DOTALL)
 _LIBRARY_PATHS = re.compile(r"[/\\](tensorflow|keras|keras_ipu_plugin|optree)[/\\]")
 
