@@ -258,11 +258,11 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
 
 
 def _holds_tensors(value):
-    """Whether `value` is, or holds only, tensors (graph Values included)."""
-    leaves = keras.tree.flatten(value)
-    return bool(leaves) and all(
-        not isinstance(leaf, (int, float, bool, str, type(None), np.ndarray, np.generic))
-        for leaf in leaves)
+    """Whether `value` is, or holds only, tensors (graph Values included) or
+    None, which Keras takes positionally."""
+    return all(
+        not isinstance(leaf, (int, float, bool, str, np.ndarray, np.generic))
+        for leaf in keras.tree.flatten(value))
 
 
 class _BatchConstant:
