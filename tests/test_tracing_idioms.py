@@ -412,3 +412,24 @@ def test_a_constant_returned_beside_the_outputs_is_held_in_the_graph():
     assert_equivalent(model, passed, x)
     other = _rand(7, 5, 3, seed=7)
     np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class RankFromOps(layers.Layer):
+    """keras_hub's RoFormer-v2 positional embedding: `ndim = ops.ndim(x)`,
+    then Python on it (`ndim or max(axes) + 1`, `[None] * ndim`). On a
+    TensorFlow tensor `ops.ndim` is a Python int; on a symbolic one, Keras
+    gives a tensor, which Python cannot branch on."""
+
+    def call(self, x):
+        ndim = ops.ndim(x)
+        ndim = ndim or 3
+        index = [None] * (ndim - 1) + [slice(None)]
+        return x + ops.arange(8, dtype=x.dtype)[tuple(index)]
+
+
+def test_the_rank_of_a_symbolic_tensor_is_a_python_int_while_tracing(tmp_path):
+    expands_exactly_at_any_batch_size(RankFromOps(name="block"), tmp_path)
+    # Keras gives its symbolic tensor again outside a trace.
+    assert isinstance(ops.ndim(keras.KerasTensor((None, 4))), keras.KerasTensor)
+    from keras.src.ops.numpy import Ndim
+    assert "symbolic_call" not in vars(Ndim)
