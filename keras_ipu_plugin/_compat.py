@@ -590,10 +590,24 @@ def _python_scalar_operator(name):
     return operator
 
 
+def _ndim_symbolic_call(self, x):
+    """`ops.ndim` of a symbolic tensor while tracing: its static rank, a
+    Python int, as TensorFlow's backend gives for a tensor (`x.shape.rank`);
+    Keras's symbolic call gives a KerasTensor instead, which code such as
+    keras_hub RoFormer-v2's `ndim = ndim or max(axes) + 1` cannot branch on."""
+    from keras.src.ops.numpy import Ndim
+
+    if _in_traced_idioms() and getattr(x, "shape", None) is not None:
+        return len(x.shape)
+    return _idioms_originals[Ndim](self, x)
+
+
 @contextlib.contextmanager
 def traced_idioms(record_draw=None):
-    """Follow `ops.tile` with the batch size in its repeats and indexing
-    with a bare None / Ellipsis / slice on symbolic tensors, on this thread,
+    """Follow `ops.tile` with the batch size in its repeats, indexing
+    with a bare None / Ellipsis / slice, `ops.ndim` (a Python int, as on
+    a TensorFlow tensor) and NumPy values met by operators (converted as
+    TensorFlow converts them) on symbolic tensors, on this thread,
     while the context lasts, and hand `keras.random` draws to
     `record_draw(distribution, arguments)` (see above).
 
@@ -604,6 +618,7 @@ def traced_idioms(record_draw=None):
     """
     from keras.src import backend
     from keras.src.backend.common.keras_tensor import KerasTensor
+    from keras.src.ops.numpy import Ndim
     from keras.src.ops.numpy import Tile
 
     backend_random = _backend_random()
@@ -622,6 +637,9 @@ def traced_idioms(record_draw=None):
                 setattr(KerasTensor, name, _python_scalar_operator(name))
             _idioms_originals[_ARRAY_PRIORITY] = vars(KerasTensor).get(_ARRAY_PRIORITY, _NOT_SET)
             KerasTensor.__array_priority__ = 100  # as tf.Tensor: NumPy defers
+            _idioms_originals[Ndim] = Ndim.symbolic_call
+            _idioms_originals["own ndim"] = "symbolic_call" in vars(Ndim)
+            Ndim.symbolic_call = _ndim_symbolic_call
             for kind in _DRAWS:
                 _idioms_originals[kind] = getattr(backend_random, kind)
                 setattr(backend_random, kind, _intercepted_draw(kind))
@@ -655,6 +673,11 @@ def traced_idioms(record_draw=None):
                     delattr(KerasTensor, _ARRAY_PRIORITY)
                 else:
                     KerasTensor.__array_priority__ = priority
+                original = _idioms_originals.pop(Ndim)
+                if _idioms_originals.pop("own ndim"):
+                    Ndim.symbolic_call = original
+                else:  # inherited: the class is left as it was
+                    del Ndim.symbolic_call
                 for kind in _DRAWS:
                     setattr(backend_random, kind, _idioms_originals.pop(kind))
 

@@ -537,6 +537,19 @@ def test_dynamic_branch_model_becomes_opaque_and_matches_both_branches():
                            model.dense_layer(np.full((4, 1), 0.02, "float32")))
 
 
+def test_a_branch_on_a_tensor_value_is_reported_with_the_line_that_branches():
+    # The reason was Keras's "A symbolic KerasTensor cannot be used as a
+    # boolean" alone: which line, and what to do, was left to guess.
+    import inspect
+
+    model, x = zoo.make_dynamic(value=0.2)
+    reason = kip.convert_to_functional(model, x).kip_report.opaque[model.name]
+    source, first = inspect.getsourcelines(zoo.DynamicBranchModel.call)
+    line = first + next(i for i, text in enumerate(source) if "if inputs[0] > 0.1:" in text)
+    assert f"models.py:{line}: if inputs[0] > 0.1:" in reason, reason
+    assert "Python control flow" in reason and "ops.where" in reason
+
+
 def _fit_dynamic(converted, model):
     x = np.concatenate(
         [np.full((4, 1), 0.5), np.full((4, 1), 0.02)] * 3

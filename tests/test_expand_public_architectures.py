@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
+from keras import ops
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.runtime.layer_kinds import is_expandable
 
@@ -333,3 +334,134 @@ def test_a_batch_sized_block_around_a_sub_layer_returning_none_first_expands():
     for batch in (2, 3):
         other = _rng().normal(size=(batch, 5, 4)).astype("float32")
         np.testing.assert_allclose(passed(other), model(other), atol=1e-6)
+
+
+# -- keras_hub's XLNet: a two-stream encoder -------------------------------------------
+class TwoStreamAttention(layers.MultiHeadAttention):
+    """keras_hub's XLNet `TwoStreamRelativeAttention`: a `MultiHeadAttention`
+    subclass with a `call` of its own (`content_stream=`, ...), so the
+    `compute_output_spec` it inherits refuses its arguments; its queries
+    come from an `EinsumDense(output_shape=(None, heads, dim))`, whose spec
+    leaves the sequence length unknown, and `call` computes with that
+    length (`_rel_shift`'s `ops.shape(x)[1] - 1`)."""
+
+    def build(self, shape):
+        self.stream_query = layers.EinsumDense(
+            "btd,dnh->btnh", output_shape=(None, 2, 2), name="stream_query")
+        self.stream_query.build(shape)
+        self.built = True
+
+    def call(self, content_stream, query_stream=None):
+        query = self.stream_query(content_stream)
+        length = ops.shape(query)[1]
+        shifted = ops.reshape(query, (-1, length * 4))[:, : (length - 1) * 4]
+        content = ops.reshape(ops.pad(shifted, [[0, 0], [0, 4]]), (-1, length, 4))
+        return content, None if query_stream is None else query_stream + content
+
+
+class TwoStreamEncoder(layers.Layer):
+    """keras_hub's `XLNetEncoder`: returns `(content, query)`, the query
+    None when no query stream is given, while its `compute_output_shape`
+    states two outputs, so a functional model has a second output that
+    its `call` returns as None (and that the model never reads)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = TwoStreamAttention(num_heads=2, key_dim=2, name="attention")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, content, query=None):
+        content_out, query_out = self.attention(content_stream=content, query_stream=query)
+        content_out = self.norm(content + content_out)
+        if query_out is None:
+            return content_out, None
+        return content_out, self.norm(query + query_out)
+
+    def compute_output_shape(self, content_shape, query_shape=None):
+        return content_shape, content_shape
+
+
+def _two_stream_model():
+    inputs = keras.Input((5, 4))
+    content, _ = TwoStreamEncoder(name="encoder")(inputs)
+    return keras.Model(inputs, layers.Dense(3, name="head")(content), name="xlnet_like")
+
+
+def test_an_attention_subclass_with_its_own_call_signature_expands_inside_its_block():
+    # The block calling it stayed whole: `MultiHeadAttention.compute_output_spec()
+    # got an unexpected keyword argument 'content_stream'`.
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    model = _two_stream_model()
+    passed = _expand_all(model, x)
+    assert {"TwoStreamEncoder", "TwoStreamAttention"}.isdisjoint(_classes(passed)), \
+        passed.kip_report.opaque
+    for batch in (2, 3):
+        other = _rng().normal(size=(batch, 5, 4)).astype("float32")
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+    for got, want in zip(_gradients(passed, x, model.trainable_variables),
+                         _gradients(model, x, model.trainable_variables)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_layer_output_returned_as_none_and_never_read_expands():
+    # The encoder's node has two outputs; its `call` returns one tensor and
+    # None: "`call` traced to 1 outputs but the layer produced 2".
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    model = _two_stream_model()
+    passed = kip.apply_passes(kip.convert_to_functional(model, (x,)), [Expand("encoder")])
+    assert "TwoStreamEncoder" not in _classes(passed), passed.kip_report.opaque
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-5)
+
+
+def test_a_layer_output_returned_as_none_but_read_stays_whole_saying_so():
+    inputs = keras.Input((5, 4))
+    content, query = TwoStreamEncoder(name="encoder")(inputs)
+    model = keras.Model(inputs, layers.Add(name="add")([content, query]))
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    converted = kip.convert_to_functional(model, (x,), verify=False)
+    passed = kip.apply_passes(converted, [Expand("encoder")], verify=False)
+    reason = passed.kip_report.opaque["encoder"]
+    assert "returns None as output 1" in reason and "`add` reads it" in reason
+
+
+# -- keras_hub's DINOv2 embedding: its own output spec takes no `training` ----------
+class OwnSpecEmbedding(layers.Layer):
+    """keras_hub's `DINOV2Embedding`: `call(inputs, training=None)` and a
+    `compute_output_spec(inputs)` of its own, without `training`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, name="dense")
+        self.dropout = layers.Dropout(0.5, name="dropout")
+
+    def call(self, inputs, training=None):
+        return self.dropout(self.dense(inputs), training=training)
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs.shape[:-1] + (8,), dtype=self.compute_dtype)
+
+
+class OwnSpecNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = OwnSpecEmbedding(name="embedding")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.embedding(x))
+
+
+def test_a_layer_whose_own_output_spec_takes_no_training_argument_traces():
+    # Traced under a training mode, Keras handed the layer's own
+    # `compute_output_spec` a `training` argument it does not take, and the
+    # whole model stayed one opaque node.
+    x = _rng().normal(size=(2, 5, 4)).astype("float32")
+    model = OwnSpecNet(name="own_spec")
+    model(x)
+    passed = _expand_all(model, x)
+    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+    assert {"OwnSpecNet", "OwnSpecEmbedding"}.isdisjoint(_classes(passed))
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
+    for got, want in zip(_gradients(passed, x, model.trainable_variables),
+                         _gradients(model, x, model.trainable_variables)):
+        np.testing.assert_allclose(got, want, atol=1e-5)

@@ -579,6 +579,21 @@ def test_untraceable_layers_stay_opaque_and_are_reported():
         )
 
 
+def test_a_layer_branching_on_training_stays_whole_naming_the_line_that_branches():
+    # The reason listed the operations called in one mode only, not the
+    # line of the user's code to look at (keras_hub's DropPath in Swin / MiT).
+    import inspect
+
+    model, x = WithOpaqueParts(name="parts"), _rand(2, 3)
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+    reason = passed.kip_report.opaque["branch"]
+    source, first = inspect.getsourcelines(TrainingBranch.call)
+    line = first + next(i for i, text in enumerate(source) if "if training:" in text)
+    assert f"test_passes.py:{line}: if training:" in reason, reason
+    assert "runs whole" in reason
+
+
 class PositionAdd(layers.Layer):
     """Adds a learned position embedding looked up with constant position
     ids: traced, that lookup runs eagerly and would be frozen into the graph."""

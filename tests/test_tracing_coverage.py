@@ -850,6 +850,144 @@ def test_a_reshape_to_the_batch_size_traced_at_two_batch_sizes_follows_any_batch
         np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
 
 
+class RepeatedTable(layers.Layer):
+    """keras_hub's DeBERTa-v3 `RelativeEmbedding`: a table repeated to the
+    batch size with `ops.repeat(table, repeats=ops.shape(x)[0], axis=0)`,
+    whose `repeats` is a single dimension, not a shape."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(1, 5, shape[-1]), name="table")
+
+    def call(self, x):
+        table = ops.repeat(ops.convert_to_tensor(self.table), repeats=ops.shape(x)[0], axis=0)
+        return x + table
+
+
+def test_a_table_repeated_to_the_batch_size_expands_to_a_graph_for_any_batch(tmp_path):
+    x = _rand(4, 5, 3)
+    model = BatchModel(RepeatedTable(name="block"), name="repeated_table")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    assert any(type(n.operation).__name__ == "BatchSizedOperation"
+               for n in passed.kip_graph.nodes)
+    path = str(tmp_path / "repeated.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    for batch in (1, 3, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+        np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
+class SliceToTheBatch(layers.Layer):
+    """keras_hub's XLNet `_rel_shift`: `ops.slice(x, [0, 1, 0], [batch, ...])`,
+    whose start indices are a list of ints passed on positionally."""
+
+    def call(self, x):
+        return ops.slice(x, [0, 1, 0], [ops.shape(x)[0], 3, ops.shape(x)[2]])
+
+
+def test_a_slice_to_the_batch_size_expands_to_a_graph_for_any_batch(tmp_path):
+    x = _rand(4, 5, 3)
+    model = BatchModel(SliceToTheBatch(name="block"), name="slice_to_the_batch")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    path = str(tmp_path / "sliced.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    for batch in (1, 3, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+        np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
+class PerPositionWindows(layers.Layer):
+    """keras_hub's Swin `window_partition` / `window_reverse`: rows of
+    `batch * windows` (`ops.reshape(x, (batch * 5, 8))`) and the batch size
+    recovered as `ops.shape(windows)[0] // 5`; both fail on the unknown
+    batch size, and the first is a multiple of it, not the batch size."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = layers.Dense(8, name="proj")
+
+    def call(self, x):
+        batch = ops.shape(x)[0]
+        windows = self.proj(ops.reshape(x, (batch * 5, 8)))
+        return ops.reshape(windows, (ops.shape(windows)[0] // 5, 5, 8))
+
+
+@pytest.mark.parametrize("block", ["PerPositionWindows", "MergedBatch"])
+def test_a_block_computing_with_a_multiple_of_the_batch_size_expands_for_any_batch(
+        block, tmp_path):
+    x = _rand(4, 5, 3)
+    model = BatchModel(globals()[block](name="block"), name="windows")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    path = str(tmp_path / "windows.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    for batch in (1, 3, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+        np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
+class SameShape(layers.Layer):
+    """A base layer stating one output of its input's shape (keras_hub's
+    `RotaryEmbedding`)."""
+
+    def call(self, x):
+        return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+class RotatesTwo(SameShape):
+    """keras_hub's `ESMRotaryEmbedding`: `call(q, k)` returns two tensors,
+    while the `compute_output_shape` it inherits states one."""
+
+    def call(self, q, k):
+        return q * 2.0, k - 1.0
+
+
+class HeadsThenTwoOutputs(layers.Layer):
+    """ESM's attention: heads reshaped to `ops.shape(x)[0]` (so the trace
+    checks each node's shapes at other batch sizes), then the two-output
+    rotary layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.rotary = RotatesTwo(name="rotary")
+
+    def call(self, x):
+        heads = ops.reshape(x, (ops.shape(x)[0], 5, 2, 4))
+        q, k = self.rotary(heads, heads + 1.0)
+        return ops.reshape(q * k, (ops.shape(x)[0], 5, 8))
+
+
+def test_a_sub_layer_returning_more_outputs_than_its_inherited_shape_states_expands():
+    # The replay of the shapes at other batch sizes asked the inherited
+    # `compute_output_shape`, got one output for two, and Expand crashed
+    # with a bare KeyError.
+    x = _rand(4, 5, 3)
+    model = BatchModel(HeadsThenTwoOutputs(name="block"), name="two_outputs")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = expand_all(model, converted, x)
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    for batch in (1, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
 class BatchIndex(layers.Layer):
     """Embeds each example's position in the batch: the graph would need a
     tensor as long as the batch, which no constant can be."""
@@ -864,7 +1002,8 @@ class BatchIndex(layers.Layer):
 
 class MergedBatch(layers.Layer):
     """Broadcasts its bias to `ops.shape(y)[0]` where `y` merged the batch
-    and the sequence: that unknown dimension is not the batch size."""
+    and the sequence: that unknown dimension is not the batch size but 5
+    times it, which the graph holds as such (`BatchMultiple`)."""
 
     def build(self, shape):
         self.bias = self.add_weight(shape=(shape[-1],), initializer="ones", name="bias")
@@ -875,7 +1014,20 @@ class MergedBatch(layers.Layer):
         return ops.reshape(merged + bias, (-1,) + tuple(ops.shape(x)[1:]))
 
 
-@pytest.mark.parametrize("block", [BatchIndex, MergedBatch])
+class BatchPlusOne(layers.Layer):
+    """Broadcasts its bias to `ops.shape(y)[0]` where `y` is the batch with
+    one more row: neither the batch size nor a multiple of it."""
+
+    def build(self, shape):
+        self.bias = self.add_weight(shape=(shape[-1],), initializer="ones", name="bias")
+
+    def call(self, x):
+        extended = ops.concatenate([x, x[:1]], axis=0)
+        bias = ops.broadcast_to(self.bias, (ops.shape(extended)[0],) + tuple(ops.shape(x)[1:]))
+        return (extended + bias)[1:]
+
+
+@pytest.mark.parametrize("block", [BatchIndex, BatchPlusOne])
 def test_a_block_the_graph_cannot_follow_at_any_batch_size_stays_whole_and_says_why(block):
     x = _rand(4, 5, 3)
     model = BatchModel(block(name="block"), name="batch_model")

@@ -332,3 +332,107 @@ def test_tensorflow_functions_with_several_outputs_or_weights_expand_and_train(t
     # The weights are graph reads, shared with the block, not constants.
     assert {id(v) for v in block.trainable_variables} <= {
         id(v) for v in passed.trainable_variables}
+
+
+class ImagePatches(layers.Layer):
+    """The keras.io ViT example's `Patches` + `PatchEncoder` in Keras 2
+    style: `tf.image.extract_patches`, reshaped with `tf.shape`'s batch
+    size, projected and added to a position embedding; and `tf.image.resize`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.projection = layers.Dense(8, name="projection")
+        self.position_embedding = layers.Embedding(4, 8, name="position_embedding")
+
+    def call(self, images):
+        images = tf.image.resize(images, [8, 8])
+        patches = tf.image.extract_patches(images, sizes=[1, 4, 4, 1], strides=[1, 4, 4, 1],
+                                           rates=[1, 1, 1, 1], padding="VALID")
+        patches = tf.reshape(patches, [tf.shape(patches)[0], -1, patches.shape[-1]])
+        return self.projection(patches) + self.position_embedding(tf.range(4))
+
+
+class ImageClassifier(keras.Model):
+    def __init__(self, block, **kwargs):
+        super().__init__(**kwargs)
+        self.block = block
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, images):
+        return self.head(self.block(images))
+
+
+def test_tensorflow_image_functions_expand_to_graph_operations(tmp_path):
+    x = _rand(2, 6, 6, 3)
+    model = ImageClassifier(ImagePatches(name="block"), name="classifier")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert custom_layers_left(passed) == [], passed.kip_report.opaque
+    recorded = {node.operation.function for node in passed.kip_graph.nodes
+                if isinstance(node.operation, TFFunction)}
+    assert {"image.resize", "image.extract_patches"} <= recorded
+    other = _rand(5, 6, 6, 3, seed=5)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+    path = str(tmp_path / "passed.keras")
+    passed.save(path)
+    np.testing.assert_allclose(keras.models.load_model(path)(other), model(other), atol=1e-5)
+
+
+class ReturnsAnEmptyConstant(layers.Layer):
+    """keras_hub's `DeiTEncoder`: returns `ops.empty((0, length, dim))` for
+    the hidden states it was not asked to collect, beside its output."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, name="dense")
+
+    def call(self, x):
+        length, dim = ops.shape(x)[1], ops.shape(x)[2]
+        return self.dense(x), ops.empty((0, length, dim), dtype=x.dtype)
+
+
+class TakesTheFirstOutput(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(8, name="embed")
+        self.block = ReturnsAnEmptyConstant(name="block")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x):
+        hidden, _ = self.block(self.embed(x))
+        return self.head(hidden)
+
+
+def test_a_constant_returned_beside_the_outputs_is_held_in_the_graph():
+    x = _rand(4, 5, 3)
+    model = TakesTheFirstOutput(name="first_output")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert custom_layers_left(passed) == [], passed.kip_report.opaque
+    assert passed.kip_graph.node("block.dense").operation is model.block.dense
+    assert_equivalent(model, passed, x)
+    other = _rand(7, 5, 3, seed=7)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class RankFromOps(layers.Layer):
+    """keras_hub's RoFormer-v2 positional embedding: `ndim = ops.ndim(x)`,
+    then Python on it (`ndim or max(axes) + 1`, `[None] * ndim`). On a
+    TensorFlow tensor `ops.ndim` is a Python int; on a symbolic one, Keras
+    gives a tensor, which Python cannot branch on."""
+
+    def call(self, x):
+        ndim = ops.ndim(x)
+        ndim = ndim or 3
+        index = [None] * (ndim - 1) + [slice(None)]
+        return x + ops.arange(8, dtype=x.dtype)[tuple(index)]
+
+
+def test_the_rank_of_a_symbolic_tensor_is_a_python_int_while_tracing(tmp_path):
+    expands_exactly_at_any_batch_size(RankFromOps(name="block"), tmp_path)
+    # Keras gives its symbolic tensor again outside a trace.
+    assert isinstance(ops.ndim(keras.KerasTensor((None, 4))), keras.KerasTensor)
+    from keras.src.ops.numpy import Ndim
+    assert "symbolic_call" not in vars(Ndim)

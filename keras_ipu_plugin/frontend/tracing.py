@@ -44,6 +44,7 @@ import contextlib
 import functools
 import inspect
 import io
+import os
 import re
 import textwrap
 import threading
@@ -149,7 +150,7 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
             small, large, _TRIAL_BATCH_SIZES, runs[0][0].placeholders[id(runs[0][0].anchor)],
             _same_operation, prefix,
         )
-        _check_batch_dimensions(nodes, prefix)
+        _check_batch_dimensions(nodes, prefix, multiples=True)
     except NotBatchGeneral as mismatch:
         raise TraceError(
             f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
@@ -226,10 +227,14 @@ def _trace_modes(trace, training):
     nodes_t, outputs_t = _trace_once(trace, True, False, made)
     nodes_f, outputs_f = _trace_once(trace, False, False, made)
     if list(map(_identity, nodes_t)) != list(map(_identity, nodes_f)):
-        only = {n.name for n in nodes_t} ^ {n.name for n in nodes_f}
+        only = sorted({n.name for n in nodes_t} ^ {n.name for n in nodes_f})
+        lines = _training_branch_lines(type(layer).call)
+        at = f" at `{'`, `'.join(lines)}`" if lines else ""
+        listed = ", ".join(only[:3]) + (f" and {len(only) - 3} more" if len(only) > 3 else "")
         raise TraceError(
-            "`call` branches on `training` in Python (layers called in one "
-            f"mode only: {', '.join(sorted(only)) or 'order differs'})"
+            f"`call` branches on `training` in Python{at}: one graph cannot hold "
+            "both computations, so the layer runs whole (it still trains); "
+            f"called in one mode only: {listed or 'the order of the calls differs'}"
         )
     for node_t, node_f in zip(nodes_t, nodes_f):
         node_t.training = _training_mode(node_t, node_f)
@@ -249,6 +254,31 @@ def _call_mentions_training(function):
     except (OSError, TypeError, tokenize.TokenError, IndentationError):
         return True
     return any(t.type == tokenize.NAME and t.string == "training" for t in tokens)
+
+
+def _training_branch_lines(function):
+    """`file:line: source` of each line of `function` that tests `training`
+    in an `if` (a statement or an `a if training else b`), for the reason a
+    layer branching on it stays whole; [] where the source is unknown."""
+    try:
+        source_lines, first = inspect.getsourcelines(function)
+        tokens = list(tokenize.generate_tokens(
+            io.StringIO(textwrap.dedent("".join(source_lines))).readline))
+        filename = os.path.basename(inspect.getsourcefile(function) or "")
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return []
+    found, after_if = [], {}
+    for token in tokens:
+        if token.type == tokenize.NAME and token.string in ("if", "elif"):
+            after_if[token.start[0]] = True
+        elif (token.type == tokenize.NAME and token.string == "training"
+              and after_if.get(token.start[0])):
+            line = token.start[0]
+            text = source_lines[line - 1].strip()
+            entry = f"{filename}:{first + line - 1}: {text}"
+            if entry not in found:
+                found.append(entry)
+    return found
 
 
 def _same_operation(node_a, node_b):
@@ -302,9 +332,21 @@ def _trace_once(trace, training, pinned, opaque_layers):
                 raise
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
+            outputs = _lifted_outputs(trace, outputs, layer)
         return _collect(outputs, trace.placeholders, trace.prefix, pinned,
                         opaque_layers, trace.read_names, trace.anchor,
                         trace.none_leaves)
+
+
+def _lifted_outputs(trace, outputs, layer):
+    """`outputs` with each concrete tensor `call` returns held by a
+    `HeldConstant` node: keras_hub's `DeiTEncoder` returns
+    `ops.empty((0, length, dim))` for the hidden states it was not asked
+    for, and the block stayed whole ("returns a EagerTensor")."""
+    leaves = keras.tree.flatten(outputs)
+    if trace.anchor is None or not any(_is_concrete(leaf) for leaf in leaves):
+        return outputs
+    return trace.lift(outputs, {}, layer, role="output")[0]
 
 
 class _Trace:
@@ -407,13 +449,13 @@ class _Trace:
         self.lift_for.add(id(layer))
         return layer
 
-    def lift(self, args, kwargs, consumer):
+    def lift(self, args, kwargs, consumer, role="input"):
         """`(args, kwargs)` with each concrete tensor replaced by the output
-        of a `HeldConstant` node holding it."""
+        of a `HeldConstant` node holding it (named `<consumer>_<role>`)."""
         def lift(leaf):
             if not _is_concrete(leaf):
                 return leaf
-            name = self._names.create(f"{self.prefix}{consumer.name}_input")
+            name = self._names.create(f"{self.prefix}{consumer.name}_{role}")
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
@@ -499,8 +541,22 @@ def _tensors_only(view, outputs):
 
 def _own_output_spec(self, *args, **kwargs):
     """The class's own `compute_output_spec`, with None outputs kept aside
-    (`_tensors_only`)."""
-    return _tensors_only(self, super(type(self), self).compute_output_spec(*args, **kwargs))
+    (`_tensors_only`), handed `training` only if it takes it: Keras passes
+    the mode of the trace on to every layer whose `call` takes it, and
+    keras_hub's `DINOV2Embedding.compute_output_spec(inputs)` does not."""
+    compute_output_spec = super(type(self), self).compute_output_spec
+    if "training" in kwargs and not _takes_argument(compute_output_spec, "training"):
+        kwargs = {key: value for key, value in kwargs.items() if key != "training"}
+    return _tensors_only(self, compute_output_spec(*args, **kwargs))
+
+
+def _takes_argument(function, name):
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _states_own_output_shape(cls):
@@ -555,11 +611,30 @@ def _inline_output_spec(self, *args, **kwargs):
     except Exception as error:
         layer = viewed_layer(self)  # only views have this method
         try:
-            outputs = _autograph_output_spec(layer, args, kwargs)
+            outputs = _scratch_graph_output_spec(self, args, kwargs)
         except Exception:
-            raise error from None
-        vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
+            try:
+                outputs = _autograph_output_spec(layer, args, kwargs)
+            except Exception:
+                raise error from None
+            vars(self)[_OPAQUE] = (_describe_failure(error, default=layer.name), outputs)
     return _tensors_only(self, outputs)
+
+
+def _scratch_graph_output_spec(view, args, kwargs):
+    """Output KerasTensors of `view.call` run on symbolic TensorFlow tensors
+    in a scratch graph, as Keras runs a layer stating no output shape.
+
+    A class here inherits its `compute_output_spec` from a class whose `call`
+    it overrides (keras_hub's XLNet `TwoStreamRelativeAttention`, a
+    `MultiHeadAttention` called with `content_stream=...`), so that one
+    refuses the arguments; and `call` on KerasTensors can fail where a
+    sub-layer's own spec is less precise than TensorFlow's shape inference
+    (an `EinsumDense(output_shape=(None, heads, dim))` leaving the sequence
+    length unknown, which `call` then computes with)."""
+    if _states_own_output_shape(type(viewed_layer(view))):
+        raise TypeError("the class states its own output shape")
+    return _compat.Operation.compute_output_spec(view, *args, **kwargs)
 
 
 def _autograph_output_spec(layer, args, kwargs):
@@ -782,8 +857,8 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
                         f"`{prefix}{operation.name}` takes a shape with an "
                         f"unknown dimension: {STATIC_BATCH_HINT}"
                     )
+                args, kwargs = BatchSizedOperation.arguments(operation, anchor, args, kwargs)
                 operation = BatchSizedOperation(operation, unknown, name=operation.name)
-                args = (anchor,) + tuple(args)
                 batch_sized.append(operation)
         name = prefix + operation.name
         if is_read(operation):  # named after the attribute or its consumer
@@ -970,7 +1045,7 @@ def _reject_unknown_dimensions(operation, structure, prefix):
             )
 
 
-def _check_batch_dimensions(nodes, prefix):
+def _check_batch_dimensions(nodes, prefix, multiples=False):
     """Raise `TraceError` unless every unknown dimension in `nodes` is the
     batch size of the traced call's inputs (what a `BatchSizedOperation`
     fills in when the graph runs).
@@ -980,6 +1055,10 @@ def _check_batch_dimensions(nodes, prefix):
     size, matching the trace where it knew it) or 3 and 7 (the batch size).
     A dimension that merely stood where the batch size did (the batch times
     the sequence, after a reshape) would take a wrong value, and fails here.
+    With `multiples` (a graph made from traces at two batch sizes, whose
+    operations hold each multiple of the batch size they compute with,
+    `batch_sized.BatchMultiple`), a dimension may be a fixed multiple of
+    the batch size too (3k and 7k: Swin's `batch * windows` rows).
     The outputs' shapes are then set to what the replay showed.
     """
     shapes = [_replayed_shapes(nodes, prefix, batch_size) for batch_size in (3, 7)]
@@ -990,6 +1069,7 @@ def _check_batch_dimensions(nodes, prefix):
             if len(small) != len(recorded) or not all(
                 (a == b and c in (None, a))  # a fixed size
                 or ((a, b) == (3, 7) and c is None)  # the batch size
+                or (multiples and a % 3 == 0 and b == a // 3 * 7 and c is None)
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))
@@ -1023,9 +1103,11 @@ def _replayed_shapes(nodes, prefix, batch_size):
         compute_output_spec = operation.compute_output_spec
         if isinstance(operation, keras.layers.Layer) and not _states_own_output_shape(
             type(operation)
-        ):  # Keras's own way: its `call` run in a scratch graph
+        ):  # its `call` run in a scratch graph; not `Layer.compute_output_spec`,
+            # which asks an inherited `compute_output_shape` (one output, where
+            # keras_hub's `ESMRotaryEmbedding.call` returns two)
             compute_output_spec = functools.partial(
-                keras.layers.Layer.compute_output_spec, operation)
+                _compat.Operation.compute_output_spec, operation)
         try:
             # A None among a layer's outputs (T5's attention without a cache)
             # is no Value of its node (`Node.output_structure` keeps it).
@@ -1042,6 +1124,11 @@ def _replayed_shapes(nodes, prefix, batch_size):
         # (None, f))` leaves the sequence out) is asked TensorFlow's shape
         # inference, or the replay could not tell that dimension is fixed.
         outputs = _precise_specs(operation, args, kwargs, outputs)
+        if len(outputs) != len(node.outputs):
+            raise TraceError(
+                f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the shapes "
+                f"of `{node.name}` cannot be checked to follow it: it makes "
+                f"{len(outputs)} outputs at another batch size, {len(node.outputs)} in the trace)")
         for value, tensor in zip(node.outputs, outputs):
             replayed[id(value)] = tensor
             shapes[id(value)] = tuple(tensor.shape)
@@ -1099,6 +1186,18 @@ def _describe_failure(error, default=None):
             "then depends on the data, which a Keras graph cannot hold; give it "
             "a Python number or a static dimension for the layer to expand"
         )
+    if _TENSOR_AS_BOOL in str(error):
+        # Python control flow on a tensor's value: one graph cannot hold both
+        # branches. Say which line branches (keras_hub's RoFormer-v2
+        # positional embedding) rather than only Keras's words.
+        line = _user_source_line(error)
+        at = f" (`{line}`)" if line else ""
+        return (
+            f"`call` uses a tensor's value as a boolean in Python control flow (`if`, `while`, "
+            f"`and`/`or`){at}{f' in `{where}`' if where else ''}: the branch taken "
+            "depends on the data, which one graph cannot hold; the layer runs whole "
+            "(it still trains); computing both results and choosing with `ops.where` lets it expand"
+        )
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
@@ -1111,6 +1210,7 @@ def _describe_failure(error, default=None):
 
 _NONE_VALUE = re.compile(r"value \(None\)|NoneType")
 _TF_ON_SYMBOL = "A KerasTensor cannot be used as input to a TensorFlow function"
+_TENSOR_AS_BOOL = "A symbolic KerasTensor cannot be used as a boolean"
 _SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DOTALL)
 _LIBRARY_PATHS = re.compile(r"[/\\](tensorflow|keras|keras_ipu_plugin|optree)[/\\]")
 

@@ -64,7 +64,7 @@ def inline_call(graph, node, report, reads, templates):
     # so one following the block's `training` gets the block's pinned value.
     training = node.training if node.training in (True, False) else None
     agnostic = training is None and training_agnostic(layer)
-    traced = templates.replay(node) or _trace(node, report, reads, templates, agnostic)
+    traced = templates.replay(node) or _trace(graph, node, report, reads, templates, agnostic)
     if traced is None:
         return None
     new_nodes, outputs = traced
@@ -84,7 +84,8 @@ def inline_call(graph, node, report, reads, templates):
             # auto-generated name (`add_17`) depends on what ran before.
             new.operation.name = new.name
     for old, replacement in zip(node.outputs, outputs):
-        graph.replace_all_uses_with(old, replacement)
+        if replacement is not None:  # else unread (`_unread_none_outputs`)
+            graph.replace_all_uses_with(old, replacement)
     graph.erase_node(node)
     return new_nodes + attach_nodes
 
@@ -121,7 +122,7 @@ def _describe_value(value, node):
     return f"an input of `{node.name}` (from `{where}`)"
 
 
-def _trace(node, report, reads, templates, agnostic):
+def _trace(graph, node, report, reads, templates, agnostic):
     """`(new nodes, flat outputs)` of tracing the layer at `node`, or None."""
     placeholders, tensors = {}, {}
 
@@ -151,8 +152,15 @@ def _trace(node, report, reads, templates, agnostic):
         )
     except tracing.TraceError as error:
         return _stay_opaque(node, error.reason, report)
-    # None leaves (a cache not given) are no Values: the node had none.
-    outputs = [leaf for leaf in keras.tree.flatten(outputs) if leaf is not None]
+    leaves = keras.tree.flatten(outputs)
+    if len(leaves) == len(node.outputs) and None in leaves:
+        reason = _unread_none_outputs(graph, node, leaves)
+        if reason:
+            return _stay_opaque(node, reason, report)
+        outputs = leaves
+    else:
+        # None leaves (a cache not given) are no Values: the node had none.
+        outputs = [leaf for leaf in leaves if leaf is not None]
     if len(outputs) != len(node.outputs):
         return _stay_opaque(node, (
             f"`call` traced to {len(outputs)} outputs but the layer "
@@ -160,6 +168,26 @@ def _trace(node, report, reads, templates, agnostic):
         ), report)
     templates.record(node, new_nodes, outputs)
     return new_nodes, outputs
+
+
+def _unread_none_outputs(graph, node, leaves):
+    """Why the call at `node` cannot return None where the node has an
+    output Value, or '' when nothing reads those outputs.
+
+    A layer stating its output shape (`compute_output_shape`) gives a
+    functional model an output that its `call` returns as None (keras_hub's
+    XLNet encoder: `(content, None)` with no query stream); Keras's own
+    model never reads it, nor may the expanded graph."""
+    graph_outputs = set(values_in(graph.outputs))
+    for index, (leaf, value) in enumerate(zip(leaves, node.outputs)):
+        if leaf is not None:
+            continue
+        readers = [user.name for user in value.users]
+        if readers or value in graph_outputs or value.masked:
+            where = f"`{readers[0]}` reads it" if readers else "the model returns it"
+            return (f"`call` returns None as output {index}, which the graph has as a "
+                    f"tensor: {where}")
+    return ""
 
 
 def _stay_opaque(node, reason, report):

@@ -35,7 +35,7 @@ class BatchSizedOperation(keras.layers.Layer):
         >>> BatchSizedOperation(reshape_op, ["newshape"])(x, y)
     """
 
-    def __init__(self, operation, attributes, **kwargs):
+    def __init__(self, operation, attributes, multiples=None, **kwargs):
         # The operation's inputs keep their dtypes, as they did in `call`.
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
@@ -43,14 +43,52 @@ class BatchSizedOperation(keras.layers.Layer):
             operation = keras.saving.deserialize_keras_object(operation)
         self.operation = operation
         self.attributes = tuple(attributes)
+        # {attribute: the batch size's multiple at each None of it (an int
+        # for a one-dimension attribute)}; absent: the batch size itself.
+        # Swin's windows are `batch * windows` rows (`window_reverse`).
+        self.multiples = dict(multiples or {})
         self.built = True
 
+    @staticmethod
+    def arguments(operation, anchor, args, kwargs):
+        """`(args, kwargs)` of a call of this layer for a call of `operation`:
+        `anchor` first, then the operation's tensors; an argument that is
+        not a tensor goes by its name. A Keras layer takes only tensors
+        positionally, and a nested argument mixing both, as `*args` is,
+        not at all: `ops.slice(x, [0, 1, 0], shape)` gives its start indices
+        positionally, and the graph failed when it ran."""
+        import inspect
+
+        args = tuple(args)
+        first_data = next((i for i, arg in enumerate(args) if not _holds_tensors(arg)), len(args))
+        if first_data < len(args):
+            try:
+                bound = inspect.signature(operation.call).bind(*args, **kwargs)
+            except TypeError:
+                bound = None
+            names = list(bound.arguments)[first_data:len(args)] if bound is not None else []
+            if bound is not None and len(names) == len(args) - first_data and all(
+                bound.signature.parameters[name].kind
+                == inspect.Parameter.POSITIONAL_OR_KEYWORD for name in names
+            ):
+                kwargs = {**kwargs, **{name: bound.arguments[name] for name in names}}
+                args = args[:first_data]
+        return (anchor,) + args, kwargs
+
     def with_batch_size(self, batch_size):
-        """A copy of the operation whose unknown dimensions are `batch_size`."""
+        """A copy of the operation whose unknown dimensions are `batch_size`
+        (an attribute is a shape, or one dimension such as `ops.repeat`'s
+        `repeats`)."""
         operation = copy.copy(self.operation)
         for name in self.attributes:
             shape = getattr(operation, name)
-            filled = [batch_size if dim is None else dim for dim in shape]
+            multiples = self.multiples.get(name)
+            if shape is None:
+                setattr(operation, name, batch_size * (multiples or 1))
+                continue
+            multiples = multiples or [1] * len(shape)
+            filled = [batch_size * multiple if dim is None else dim
+                      for dim, multiple in zip(shape, multiples)]
             setattr(operation, name, type(shape)(filled))
         return operation
 
@@ -88,6 +126,8 @@ class BatchSizedOperation(keras.layers.Layer):
             operation=keras.saving.serialize_keras_object(self.operation),
             attributes=list(self.attributes),
         )
+        if self.multiples:
+            config["multiples"] = self.multiples
         return config
 
 
@@ -192,10 +232,13 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         elif not isinstance(operation, keras.layers.Layer):
             shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name)
             if shapes:
+                multiples = _multiples_of(shapes)
+                shapes = {key: _with_none(shape) for key, shape in shapes.items()}
                 operation = BatchSizedOperation(
                     _rebuilt_with(operation, shapes, node_s.name), list(shapes),
-                    name=operation.name)
-                args = (anchor,) + tuple(args)
+                    multiples=multiples, name=operation.name)
+                args, kwargs = BatchSizedOperation.arguments(
+                    operation.operation, anchor, args, kwargs)
         node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
         for value_s, value_l in zip(node_s.outputs, node_l.outputs):
             value_s.spec = _general_spec(value_s.spec, value_l.spec, batch_sizes, node_s.name)
@@ -214,6 +257,14 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     return result, outputs
 
 
+def _holds_tensors(value):
+    """Whether `value` is, or holds only, tensors (graph Values included) or
+    None, which Keras takes positionally."""
+    return all(
+        not isinstance(leaf, (int, float, bool, str, np.ndarray, np.generic))
+        for leaf in keras.tree.flatten(value))
+
+
 class _BatchConstant:
     """A constant repeated along its batch dimensions: `slice` (size 1
     there) broadcast to `shape` (None there)."""
@@ -230,14 +281,51 @@ def _is_array(value):
     )
 
 
-def _batch_dimension(a, b, batch_sizes, name):
+class BatchMultiple:
+    """A dimension that is `multiple` times the batch size (Swin's windows:
+    `batch * windows` rows), in a shape attribute of a traced operation."""
+
+    def __init__(self, multiple):
+        self.multiple = multiple
+
+
+def _batch_dimension(a, b, batch_sizes, name, multiples=False):
     """None where `(a, b)` are the two batch sizes, the size where they are
-    equal; `NotBatchGeneral` otherwise."""
+    equal; with `multiples`, a `BatchMultiple` where they are the same
+    multiple of both; `NotBatchGeneral` otherwise."""
     if a == b:
         return a
-    if (a, b) == tuple(batch_sizes):
+    small, large = batch_sizes
+    if (a, b) == (small, large):
         return None
+    if (multiples and _is_int(a) and _is_int(b) and a > 0 and a % small == 0
+            and b == a // small * large):
+        return BatchMultiple(a // small)
     raise NotBatchGeneral(f"`{name}` has a dimension {a} at one batch size and {b} at the other")
+
+
+def _multiples_of(shapes):
+    """{attribute: multiples} for the attributes holding a `BatchMultiple`:
+    the multiple at each of its dimensions (1 where it is the batch size,
+    unused where it is fixed)."""
+    def multiple(dim):
+        return dim.multiple if isinstance(dim, BatchMultiple) else 1
+
+    found = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            if any(isinstance(dim, BatchMultiple) for dim in shape):
+                found[key] = [multiple(dim) for dim in shape]
+        elif isinstance(shape, BatchMultiple):
+            found[key] = shape.multiple
+    return found
+
+
+def _with_none(shape):
+    """`shape` with each `BatchMultiple` unknown (None)."""
+    if isinstance(shape, (list, tuple)):
+        return type(shape)(None if isinstance(dim, BatchMultiple) else dim for dim in shape)
+    return None if isinstance(shape, BatchMultiple) else shape
 
 
 def _general_constant(a, b, batch_sizes, name):
@@ -275,14 +363,23 @@ def _general_attributes(a, b, batch_sizes, name):
             continue
         if value == other:
             continue
+        if _is_int(value) and _is_int(other):
+            # One dimension (`ops.repeat(table, ops.shape(x)[0], axis=0)`).
+            shapes[key] = _batch_dimension(value, other, batch_sizes, name, multiples=True)
+            continue
         if (isinstance(value, (list, tuple)) and type(value) is type(other)
                 and len(value) == len(other)
                 and all(isinstance(x, int) and isinstance(y, int) for x, y in zip(value, other))):
             shapes[key] = type(value)(
-                _batch_dimension(x, y, batch_sizes, name) for x, y in zip(value, other))
+                _batch_dimension(x, y, batch_sizes, name, multiples=True)
+                for x, y in zip(value, other))
             continue
         raise NotBatchGeneral(f"`{name}` is given {value!r} and {other!r} ({key})")
     return shapes
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _rebuilt_with(operation, shapes, name):
@@ -300,15 +397,21 @@ def _rebuilt_with(operation, shapes, name):
             f"`{name}` holds the batch size in {sorted(set(shapes) - set(config))}, "
             "which its config does not rebuild")
     rebuilt = type(operation).from_config({**config, **shapes})
-    if any(tuple(getattr(rebuilt, key)) != tuple(shape) for key, shape in shapes.items()):
+    if any(_as_tuple(getattr(rebuilt, key)) != _as_tuple(shape) for key, shape in shapes.items()):
         raise NotBatchGeneral(f"`{name}` does not rebuild from its config")
     return rebuilt
+
+
+def _as_tuple(shape):
+    return tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
 
 
 def _general_spec(a, b, batch_sizes, name):
     if a.dtype != b.dtype or len(a.shape) != len(b.shape):
         raise NotBatchGeneral(f"`{name}` makes other outputs")
-    shape = tuple(_batch_dimension(x, y, batch_sizes, name) for x, y in zip(a.shape, b.shape))
+    # A multiple of the batch size is unknown in a spec, as the batch is.
+    shape = _with_none(tuple(_batch_dimension(x, y, batch_sizes, name, multiples=True)
+                             for x, y in zip(a.shape, b.shape)))
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 

@@ -24,8 +24,11 @@ import keras
 import tensorflow as tf
 
 # The public namespaces a function is saved by, in the order its name is
-# looked for (`tf.square` is saved as "math.square").
-_NAMESPACES = ("math", "nn", "linalg", "bitwise", "")
+# looked for (`tf.square` is saved as "math.square"). "image" comes after
+# the top level, so a function exported at both keeps its shorter name; a
+# namespace missing here made every function in it unrecordable
+# (`tf.image.extract_patches` in keras.io's ViT left its layer whole).
+_NAMESPACES = ("math", "nn", "linalg", "bitwise", "", "image")
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
