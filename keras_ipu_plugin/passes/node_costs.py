@@ -46,6 +46,7 @@ class NodeProfile:
     output_elements: int = 0  # per example, as the executor counts them
     params: int = 0  # weights of its layer, counted at its first node
     grad_bytes: int = 0  # gradients of its trainable weights, at its first node
+    weight_bytes: int = 0  # all its layer's weights, at its first node
     fixed: bool = False  # forward state: never recomputed
     note: str = ""  # why the figures are only shape estimates, when they are
     key: object = None  # equal keys: identical layer on identical inputs
@@ -138,6 +139,8 @@ def profile_nodes(graph, batch):
             profile.params = int(sum(np.prod(v.shape) for v in operation.weights))
             profile.grad_bytes = int(sum(
                 np.prod(v.shape) * _itemsize(v.dtype) for v in operation.trainable_weights))
+            profile.weight_bytes = int(sum(
+                np.prod(v.shape) * _itemsize(v.dtype) for v in operation.weights))
         profile.fixed = _has_forward_state(operation)
         profiles.append(profile)
     return profiles

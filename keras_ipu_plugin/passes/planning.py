@@ -17,8 +17,9 @@ from keras_ipu_plugin.report import PlanTable
 
 BALANCES = ("params", "activations", "time")
 
-ESTIMATE_COVERS = ("activations the backward pass reads and the gradients, at the "
-                   "first batch; weights and optimizer state are not included")
+ESTIMATE_COVERS = ("activations the backward pass reads, the copies a recomputation runs "
+                   "on and the weight gradients, at the first batch; weights and optimizer "
+                   "state are not included")
 
 
 def planning_batch(graph, owner):
@@ -94,6 +95,7 @@ def recompute_costs(graph, order, profiles, batch):
             name=node.name, kept=kept, kept_output=profile.kept_output,
             kept_by_consumer=by_next, boundary=boundary, flops=profile.flops,
             grads=profile.grad_bytes, output=profile.output_bytes,
+            weights=profile.weight_bytes,
             elements=profile.output_elements, fixed=profile.fixed,
             can_checkpoint=calls[id(node.operation)] == 1,
         ))
@@ -165,6 +167,14 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
          else _mib(plan.peak)),
         ("memory budget", _budget_text(memory_budget, budget) if budget is not None
          else "none: the smallest peak, then the least recomputation"),
+        # The plan assumes each weight gradient is applied and freed as it
+        # is produced (measured so for Keras's optimizers on one device);
+        # an optimizer that needs them all at once holds them: say what
+        # that would cost, rather than hide it.
+        ("if all weight gradients are held",
+         f"{_mib(recompute_plan.estimate_peak(costs, plan.checkpoints, held_gradients=True))}"
+         " with the plan (clipping by global norm, gradient accumulation and loss scaling "
+         "hold them until the last; the plan assumes each is freed once applied)"),
         ("estimated extra compute",
          f"{plan.extra_fraction:.2f} of a forward pass (about "
          f"+{plan.extra_fraction / 3:.0%} of a training step)"),
@@ -177,6 +187,8 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         "batch": batch, "checkpoints": [order[i].name for i in plan.checkpoints],
         "segments": [(order[first].name, order[last].name) for first, last in plan.segments],
         "peak": plan.peak, "baseline_peak": plan.baseline_peak, "budget": budget,
+        "peak_if_gradients_held": recompute_plan.estimate_peak(costs, plan.checkpoints,
+                                                               held_gradients=True),
         "extra_fraction": plan.extra_fraction,
     }
     return PlanTable(f"Recompute plan of {graph.name!r}", ("quantity", "value"), tuple(rows),
