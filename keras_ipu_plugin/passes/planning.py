@@ -13,9 +13,13 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.passes import node_costs
 from keras_ipu_plugin.passes import recompute_plan
 from keras_ipu_plugin.passes import stage_balance
+from keras_ipu_plugin.passes import stage_timing
 from keras_ipu_plugin.report import PlanTable
 
 BALANCES = ("params", "activations", "time")
+
+#: How many times `balance="time"` re-plans from whole-stage timings.
+STAGE_TIMING_ROUNDS = 3
 
 ESTIMATE_COVERS = ("activations the backward pass reads, the copies a recomputation runs "
                    "on and the weight gradients, at the first batch; weights and optimizer "
@@ -214,16 +218,20 @@ def plan_stages(graph, num_stages, balance, report, step):
     if balance == "params":
         _count_params_once(profiles)
     costs, unit, notes = _stage_costs(graph, profiles, balance, batch)
+    allowed = _allowed_cuts(nodes)
     try:
-        stages = stage_balance.balanced_partition(costs, num_stages, _allowed_cuts(nodes))
+        stages = stage_balance.balanced_partition(costs, num_stages, allowed)
     except stage_balance.CannotPartition as error:
         raise PassError(f"{step}: cannot cut `{graph.name}` into {num_stages} stages: {error} "
                         "(a layer called at several nodes keeps them in one stage).") from None
+    sums = stage_balance.stage_sums(costs, stages)
+    if balance == "time" and num_stages > 1:
+        stages, sums, note = _replan_on_stage_times(graph, batch, costs, stages, allowed)
+        notes.append(note)
     for index, (first, last) in enumerate(stages):
         for node in nodes[first:last + 1]:
             node.annotations["stage"] = index
             report.add(step, node.name, f"stage {index}", f"planned (balance={balance!r})")
-    sums = stage_balance.stage_sums(costs, stages)
     rows = [
         (str(index), f"{nodes[first].name} .. {nodes[last].name}", str(last - first + 1),
          _cost_text(cost, unit), f"{cost / sum(sums):.0%}" if sum(sums) else "-")
@@ -240,6 +248,40 @@ def plan_stages(graph, num_stages, balance, report, step):
                               ("stage", "layers", "nodes", "cost", "share"), tuple(rows),
                               figures))
     return stages
+
+
+def _replan_on_stage_times(graph, batch, costs, stages, allowed,
+                           rounds=STAGE_TIMING_ROUNDS):
+    """(stages, their measured seconds, a note): the partition balanced on
+    node times, then re-planned on whole-stage times.
+
+    Nodes timed alone do not add up to their stage's time (see
+    `stage_timing`), so each round times the stages of the current plan,
+    scales the node times of each stage by its measured / summed time, and
+    plans again; the candidates met are timed side by side and the one with
+    the smallest largest / mean kept."""
+    candidates, scaled = [stages], list(costs)
+    try:
+        for _ in range(rounds):
+            measured = stage_timing.time_stages(graph, batch, [stages])[0]
+            for (first, last), seconds in zip(stages, measured):
+                predicted = sum(scaled[first:last + 1])
+                if predicted > 0:
+                    for index in range(first, last + 1):
+                        scaled[index] *= seconds / predicted
+            stages = stage_balance.balanced_partition(scaled, len(stages), allowed)
+            if stages in candidates:
+                break
+            candidates.append(stages)
+        timed = stage_timing.time_stages(graph, batch, candidates)
+    except Exception as error:  # noqa: BLE001 - a stage that cannot run alone
+        return (candidates[0], stage_balance.stage_sums(costs, candidates[0]),
+                f"stages not timed whole ({type(error).__name__}: {error}); "
+                "balanced on node times alone")
+    best = min(range(len(candidates)), key=lambda k: stage_balance.imbalance(timed[k]))
+    return (candidates[best], timed[best],
+            f"stage costs are whole stages timed (forward and backward); their nodes timed "
+            f"alone sum to {sum(costs) * 1e3:.2f} ms; {len(candidates)} plan(s) compared")
 
 
 def _params_profile(node):
