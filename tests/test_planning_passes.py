@@ -169,7 +169,7 @@ def test_a_memory_budget_in_bytes_is_met_by_the_estimate():
     passed = kip.apply_passes(converted, [Expand(), Recompute(auto=True, memory_budget=budget)])
     figures = _plan(passed, "Recompute plan").figures
     assert figures["budget"] == budget and figures["peak"] <= budget
-    assert "(0.7" not in str(passed.kip_report)  # bytes, not a fraction
+    assert "of the estimated peak)" not in str(passed.kip_report)  # bytes, not a fraction
 
 
 def test_an_unmeetable_budget_is_a_pass_error_with_the_smallest_estimate():
@@ -528,3 +528,19 @@ def test_the_planned_order_is_the_order_the_rebuilt_model_runs(example, shape):
     planned = [passed.kip_layer_paths.get(node.name, node.name)
                for node in node_costs.execution_order(graph_of(passed))]
     assert planned == [node.operation.name for node in _compat.functional_nodes(passed)]
+
+
+def test_the_backward_working_memory_of_attention_is_counted():
+    # An attention layer's backward holds gradients of its (batch, heads,
+    # query, key) scores; left out of the estimate, the planned segments on
+    # the gallery transformer measured 1.5x their estimate and the plan
+    # held more than the hand plan.
+    batch, length, dim, heads = 8, 32, 16, 4
+    inputs = keras.Input((length, dim))
+    outputs = layers.MultiHeadAttention(heads, dim // heads, name="attention")(inputs, inputs)
+    x = np.random.default_rng(0).normal(size=(batch, length, dim)).astype("float32")
+    graph = graph_of(kip.convert_to_functional(keras.Model(inputs, outputs), x))
+    (profile,) = [p for p in node_costs.profile_nodes(graph, batch)
+                  if p.node.name == "attention"]
+    scores = batch * heads * length * length * 4
+    assert profile.backward_bytes >= scores, (profile.backward_bytes, scores)

@@ -98,7 +98,8 @@ def recompute_costs(graph, order, profiles, batch):
         costs.append(recompute_plan.NodeCost(
             name=node.name, kept=kept, kept_output=profile.kept_output,
             kept_by_consumer=by_next, boundary=boundary, flops=profile.flops,
-            grads=profile.grad_bytes, output=profile.output_bytes,
+            grads=profile.grad_bytes,
+            output=profile.output_bytes + profile.backward_bytes,
             weights=profile.weight_bytes,
             elements=profile.output_elements, fixed=profile.fixed,
             can_checkpoint=calls[id(node.operation)] == 1,

@@ -60,7 +60,9 @@ class NodeCost:
         keeps these.
     flops: its forward cost (what recomputing it costs).
     grads: bytes of the gradients its backward pass produces.
-    output: bytes of its outputs (the working memory of its backward).
+    output: the working memory of its backward: its incoming gradient (the
+        bytes of its outputs) and the most its backward's temporaries hold
+        at once.
     weights: bytes of its layer's weights (at its layer's first node): a
         recomputed segment copies its inputs and weights while it recomputes
         (`recompute_grad` ties each to the incoming gradient).
