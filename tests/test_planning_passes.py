@@ -248,7 +248,9 @@ def test_planning_without_a_known_batch_is_a_clear_error():
         kip.apply_passes(model, [Recompute(auto=True)])
 
 
-def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_alike(mirrored):
+@pytest.mark.parametrize("budget", [None, 0.6], ids=["smallest_peak", "budget"])
+def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_alike(
+        mirrored, budget):
     x, y = _data(4 * BATCH)
 
     def train(passes):
@@ -262,7 +264,7 @@ def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_
         return history.history["loss"], trained
 
     expected, _ = train(None)
-    actual, trained = train([Expand(), Recompute(auto=True)])
+    actual, trained = train([Expand(), Recompute(auto=True, memory_budget=budget)])
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
     figures = _plan(trained.converted, "Recompute plan").figures
     assert figures["batch"] == BATCH  # 2 * BATCH rows over 2 replicas
@@ -435,7 +437,8 @@ def test_planned_stages_on_devices_give_the_gradients_of_the_unplanned_model(jit
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_planned_stages_under_mirrored_strategy_train_alike(mirrored):
+@pytest.mark.parametrize("balance", ["activations", "time"])
+def test_planned_stages_under_mirrored_strategy_train_alike(mirrored, balance):
     x, y = _data(BATCH)
 
     def train(passes):
@@ -449,7 +452,7 @@ def test_planned_stages_under_mirrored_strategy_train_alike(mirrored):
         return history.history["loss"], trained
 
     expected, _ = train(None)
-    actual, trained = train([Expand(), PipelineStages(num_stages=3, balance="activations")])
+    actual, trained = train([Expand(), PipelineStages(num_stages=3, balance=balance)])
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
     assert set(trained.converted.kip_stages.values()) == {0, 1, 2}
 
