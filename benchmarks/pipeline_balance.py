@@ -15,10 +15,18 @@ Splits, each contiguous over the graph's nodes in topological order:
 - `params`: `PipelineStages(num_stages=N, balance="params")`, the weights
   balanced (what a user balancing by parameter count writes);
 - `time`: `PipelineStages(num_stages=N, balance="time")`, each node's
-  forward and backward timed alone on the first batch's shapes.
+  forward and backward timed alone on the first batch's shapes, then the
+  plan re-planned on its whole stages timed (on random inputs).
+The "planned" column is the pass's own figure: for `time`, the imbalance of
+the stages it timed.
 
-How a stage's step time is measured (independently of the planner's
-per-node times): the stage's nodes form one sub-graph, the inputs it reads
+A stage's time is not the sum of its nodes' times: on the ResNet, nodes timed
+alone summed to 2.5x their stage, and unevenly (neighbouring ops fuse, per-call
+costs are paid once per stage); a split balanced on node times alone measured
+1.25 for 2 stages.
+
+How a stage's step time is measured (independently of the planner: in
+this script's own rounds, on real activations): the stage's nodes form one sub-graph, the inputs it reads
 from earlier stages and the outputs later stages read (or the model's); one
 `tf.function` runs its forward pass under a `GradientTape` on the
 activations the first batch really gives at its inputs (the whole model run

@@ -70,6 +70,34 @@ def tower():
     return model, converted, x, y
 
 
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_a_recomputed_segment_passing_a_mask_on_has_gradients(jit_compile):
+    # A segment ending in an expanded block also hands its Keras mask (a
+    # boolean tensor) to the next: its incoming "gradient" is boolean, and
+    # the anchor tying the recomputation to the backward pass was taken
+    # from it (the gallery transformer without dropout failed to train).
+    from keras_ipu_plugin.runtime.recompute_grad import recompute_grad
+
+    w = tf.Variable(np.random.default_rng(0).normal(size=(3, 3)).astype("float32"))
+
+    def segment(x, kernel):
+        return [x > 0.5, tf.tanh(x @ kernel)]
+
+    def gradient_of(function):
+        @tf.function(jit_compile=jit_compile)
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                mask, y = function(x, w.read_value())
+                loss = tf.reduce_sum(tf.where(mask, y, 0.0) ** 2)
+            return tape.gradient(loss, x)
+
+        return step(tf.constant([[0.7, 0.2, 0.9], [0.6, 0.8, 0.1]]))
+
+    np.testing.assert_allclose(gradient_of(recompute_grad(segment)), gradient_of(segment),
+                               rtol=1e-6)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_recompute_gradients_equal_in_graph_mode(tower, jit_compile):
     model, converted, x, y = tower

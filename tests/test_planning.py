@@ -19,44 +19,101 @@ def _random_chain(rng, n):
             f"n{i}", kept=rng.choice([0, 1, 2, 3, 5, 8]), kept_output=rng.choice([0, 0, 2, 4]),
             kept_by_consumer=rng.choice([0, 2, 4]), boundary=rng.choice([1, 2, 4, 6]),
             flops=rng.choice([0, 1, 2, 5]), grads=rng.choice([0, 1, 3]),
-            output=rng.choice([1, 2, 4]), elements=rng.choice([0, 1, 2, 4, 8]),
-            fixed=rng.random() < 0.15, can_checkpoint=rng.random() < 0.85,
+            output=rng.choice([1, 2, 4]), weights=rng.choice([0, 1, 3]),
+            elements=rng.choice([0, 1, 2, 4, 8]), fixed=rng.random() < 0.15, can_checkpoint=rng.random() < 0.85,
         )
         for i in range(n)
     ]
 
 
-def _every_plan(costs):
+def _every_plan(costs, held):
     """(peak, recomputed flops) of every set of checkpoints."""
     candidates = [i for i, c in enumerate(costs) if c.can_checkpoint and not c.fixed]
     plans = []
     for count in range(len(candidates) + 1):
         for checkpoints in itertools.combinations(candidates, count):
-            plan = recompute_plan.describe_plan(costs, checkpoints)
+            plan = recompute_plan.describe_plan(costs, checkpoints, held_gradients=held)
             plans.append((plan.peak, plan.extra_flops))
     return plans
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["gradients_freed", "gradients_held"])
 @pytest.mark.parametrize("seed", range(3))
-def test_recompute_dynamic_program_finds_what_brute_force_finds(seed):
+def test_recompute_dynamic_program_finds_what_brute_force_finds(seed, held):
     rng = random.Random(seed)
     for _ in range(120):
         costs = _random_chain(rng, rng.randint(1, 8))
-        plans = _every_plan(costs)
+        plans = _every_plan(costs, held)
         smallest = min(peak for peak, _ in plans)
-        assert recompute_plan.smallest_peak(costs) == pytest.approx(smallest)
+        assert recompute_plan.smallest_peak(costs, held) == pytest.approx(smallest)
         for budget in sorted({peak for peak, _ in plans}) + [smallest - 0.5]:
             feasible = [flops for peak, flops in plans if peak <= budget]
             if not feasible:
                 with pytest.raises(recompute_plan.UnmeetableBudget) as raised:
-                    recompute_plan.plan_for_budget(costs, budget)
+                    recompute_plan.plan_for_budget(costs, budget, held)
                 assert raised.value.smallest == pytest.approx(smallest)
                 continue
-            plan = recompute_plan.plan_for_budget(costs, budget)
+            plan = recompute_plan.plan_for_budget(costs, budget, held)
             assert plan.peak <= budget
             assert plan.extra_flops == pytest.approx(min(feasible))
             # The plan's figures are those of its checkpoints as the executor runs them.
-            assert recompute_plan.estimate_peak(costs, plan.checkpoints) == pytest.approx(plan.peak)
+            assert recompute_plan.estimate_peak(costs, plan.checkpoints, held) == pytest.approx(
+                plan.peak)
+
+
+def _gelu_mlp(depth=48):
+    """The costs `planning.recompute_costs` gives the benchmark's 48-layer,
+    1024-wide GELU MLP at batch 1024, in MiB: each layer keeps 12 MiB of
+    intermediates and its 4 MiB input; its kernel and gradient are 4 MiB."""
+    return [NodeCost(f"h{i}", kept=12, kept_by_consumer=4, boundary=4, flops=1, grads=4,
+                     output=4, weights=4, elements=1024) for i in range(depth)]
+
+
+def _every(k, depth=48):
+    return list(range(k - 1, depth - 1, k))
+
+
+def test_weight_gradients_applied_as_produced_do_not_make_a_checkpoint_per_layer_best():
+    # Measured step peaks of that MLP (benchmarks/recompute_memory.py, CPU,
+    # BFC counts): a checkpoint every layer 240 MiB, every 2-4 layers 164,
+    # every 6 184, every 8 216. Counting every later weight gradient as held
+    # made every layer look best (the plan measured 240 MiB, above the hand
+    # plan's 184).
+    costs = _gelu_mlp()
+    peaks = {k: recompute_plan.estimate_peak(costs, _every(k)) for k in (1, 2, 3, 4, 6, 8)}
+    assert min(peaks, key=peaks.get) in (2, 3, 4), peaks
+    assert peaks[1] > peaks[6] > peaks[3] and peaks[8] > peaks[6], peaks
+    plan = recompute_plan.plan_smallest_peak(costs)
+    assert 8 <= len(plan.checkpoints) <= 24, plan.checkpoints
+    assert plan.peak <= peaks[3]
+
+
+def test_held_gradients_count_every_later_gradient():
+    costs = _gelu_mlp(8)
+    freed = recompute_plan.estimate_peak(costs)
+    # At the first layer's backward the 7 later layers' gradients are held.
+    assert recompute_plan.estimate_peak(costs, (), held_gradients=True) == freed
+    everywhere = _every(1, 8)
+    assert (recompute_plan.estimate_peak(costs, everywhere, held_gradients=True)
+            > recompute_plan.estimate_peak(costs, everywhere))
+
+
+def test_a_recomputed_segment_counts_the_copies_of_its_inputs_and_weights():
+    # recompute_grad runs the recomputation on copies of the segment's
+    # inputs and weights (tied to the incoming gradient): 4 MiB per layer of
+    # a segment, the difference measured between the executor's segments
+    # and tf.recompute_grad's on the MLP.
+    light = [NodeCost(f"h{i}", kept=12, kept_by_consumer=4, boundary=4, output=4,
+                      elements=1024) for i in range(12)]
+    heavy = [NodeCost(f"h{i}", kept=12, kept_by_consumer=4, boundary=4, output=4,
+                      weights=4, elements=1024) for i in range(12)]
+    checkpoints = [1, 7]  # recomputed: h0..h1 and h2..h7 (6 layers), then h8..h11
+    # At h7's backward: the checkpoint h1's output (4) and its copy (4),
+    # h2..h6's activations (5 x 16), h7's own (12) and its output's size (4).
+    assert recompute_plan.estimate_peak(light, checkpoints) == 4 + 4 + 5 * 16 + 12 + 4
+    # ... and the copies of the segment's six kernels.
+    assert (recompute_plan.estimate_peak(heavy, checkpoints)
+            == recompute_plan.estimate_peak(light, checkpoints) + 6 * 4)
 
 
 def _uniform_chain(n, grads=0.0):
@@ -68,9 +125,11 @@ def test_smallest_peak_of_a_uniform_chain_checkpoints_about_every_sqrt_n_layers(
     costs = _uniform_chain(36)
     plan = recompute_plan.plan_smallest_peak(costs)
     baseline = recompute_plan.estimate_peak(costs)
-    # O(sqrt n) memory: checkpoints and one segment's activations
+    # O(sqrt n) memory: checkpoints and one segment's activations (segments
+    # shorten where more checkpoints are kept before them; with the copy
+    # of its input each recomputation holds, 13 checkpoints here)
     assert plan.peak < 0.3 * baseline, (plan.peak, baseline)
-    assert math.sqrt(36) / 2 <= len(plan.checkpoints) <= 2 * math.sqrt(36), plan.checkpoints
+    assert math.sqrt(36) / 2 <= len(plan.checkpoints) <= 2.5 * math.sqrt(36), plan.checkpoints
     # at most one extra forward pass
     assert plan.extra_flops <= plan.forward_flops
 

@@ -27,6 +27,7 @@ from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import Recompute
 from keras_ipu_plugin.passes import node_costs
+from keras_ipu_plugin.passes import stage_timing
 
 layers = keras.layers
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -168,7 +169,7 @@ def test_a_memory_budget_in_bytes_is_met_by_the_estimate():
     passed = kip.apply_passes(converted, [Expand(), Recompute(auto=True, memory_budget=budget)])
     figures = _plan(passed, "Recompute plan").figures
     assert figures["budget"] == budget and figures["peak"] <= budget
-    assert "(0.7" not in str(passed.kip_report)  # bytes, not a fraction
+    assert "of the estimated peak)" not in str(passed.kip_report)  # bytes, not a fraction
 
 
 def test_an_unmeetable_budget_is_a_pass_error_with_the_smallest_estimate():
@@ -247,7 +248,9 @@ def test_planning_without_a_known_batch_is_a_clear_error():
         kip.apply_passes(model, [Recompute(auto=True)])
 
 
-def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_alike(mirrored):
+@pytest.mark.parametrize("budget", [None, 0.6], ids=["smallest_peak", "budget"])
+def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_alike(
+        mirrored, budget):
     x, y = _data(4 * BATCH)
 
     def train(passes):
@@ -261,7 +264,7 @@ def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_
         return history.history["loss"], trained
 
     expected, _ = train(None)
-    actual, trained = train([Expand(), Recompute(auto=True)])
+    actual, trained = train([Expand(), Recompute(auto=True, memory_budget=budget)])
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
     figures = _plan(trained.converted, "Recompute plan").figures
     assert figures["batch"] == BATCH  # 2 * BATCH rows over 2 replicas
@@ -311,11 +314,58 @@ def test_stages_balanced_by_time_follow_the_measured_times(monkeypatch):
     given = dict(zip(names, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0]))
     monkeypatch.setattr(node_costs, "time_nodes",
                         lambda graph, batch, profiles=None: [given[n.name] for n in graph.nodes])
+    # Whole stages timed as the sums of their nodes: the plan stands.
+    monkeypatch.setattr(stage_timing, "time_stages", lambda graph, batch, partitions: [
+        [sum(given[n.name] for n in graph.nodes[first:last + 1]) for first, last in partition]
+        for partition in partitions])
     passed = kip.apply_passes(_converted(Uneven(name="uneven")),
                               [PipelineStages(num_stages=2, balance="time")])
     figures = _plan(passed, "Pipeline stages").figures
     assert figures["stages"] == [names[:6], ["head"]]
     assert figures["imbalance"] == 1.0
+
+
+def test_stages_balanced_by_time_are_replanned_on_whole_stage_times(monkeypatch):
+    # Nodes timed alone do not add up to their stage (fused ops, per-call
+    # costs): on the gallery ResNet a split balanced on node times measured
+    # 1.25 largest / mean for 2 stages. Here the first four nodes run four
+    # times faster together than alone; the plan moves the cut to balance
+    # the stages as they run.
+    names = ["d0", "d1", "d2", "d3", "d4", "d5", "head"]
+    alone = dict(zip(names, [1.0] * 7))
+    together = dict(zip(names, [0.25] * 4 + [1.0] * 3))
+    monkeypatch.setattr(node_costs, "time_nodes",
+                        lambda graph, batch, profiles=None: [alone[n.name] for n in graph.nodes])
+    timed = []
+
+    def stage_times(graph, batch, partitions):
+        timed.append(partitions)
+        return [[sum(together[n.name] for n in graph.nodes[first:last + 1])
+                 for first, last in partition] for partition in partitions]
+
+    monkeypatch.setattr(stage_timing, "time_stages", stage_times)
+    passed = kip.apply_passes(_converted(Uneven(name="uneven")),
+                              [PipelineStages(num_stages=2, balance="time")])
+    figures = _plan(passed, "Pipeline stages").figures
+    # On node times alone: d0..d3 | d4..head (4 against 3); as they run:
+    # 1.0 against 3.0. Re-planned: d0..d4 | d5, head (2.0 against 2.0).
+    assert figures["stages"] == [names[:5], names[5:]], figures
+    assert figures["costs"] == [2.0, 2.0] and figures["imbalance"] == 1.0
+    assert timed, "whole stages were never timed"
+    assert "whole stages timed" in str(passed.kip_report)
+
+
+def test_whole_stage_times_are_measured_for_each_stage():
+    passed = kip.apply_passes(_converted(Uneven(name="uneven")), [Expand()], verify=False)
+    graph = graph_of(passed)
+    last = len(graph.nodes) - 1
+    before = [v.numpy().copy() for v in passed.weights]
+    halves, whole = stage_timing.time_stages(graph, BATCH, [[(0, 2), (3, last)], [(0, last)]])
+    assert len(halves) == 2 and len(whole) == 1
+    assert all(seconds > 0 for seconds in halves + whole), (halves, whole)
+    # random weights come in as arguments: the model's are neither read nor written
+    for variable, value in zip(passed.weights, before):
+        np.testing.assert_array_equal(variable.numpy(), value)
 
 
 def test_node_times_are_measured_and_a_heavier_node_takes_longer():
@@ -387,7 +437,8 @@ def test_planned_stages_on_devices_give_the_gradients_of_the_unplanned_model(jit
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_planned_stages_under_mirrored_strategy_train_alike(mirrored):
+@pytest.mark.parametrize("balance", ["activations", "time"])
+def test_planned_stages_under_mirrored_strategy_train_alike(mirrored, balance):
     x, y = _data(BATCH)
 
     def train(passes):
@@ -401,7 +452,7 @@ def test_planned_stages_under_mirrored_strategy_train_alike(mirrored):
         return history.history["loss"], trained
 
     expected, _ = train(None)
-    actual, trained = train([Expand(), PipelineStages(num_stages=3, balance="activations")])
+    actual, trained = train([Expand(), PipelineStages(num_stages=3, balance=balance)])
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
     assert set(trained.converted.kip_stages.values()) == {0, 1, 2}
 
@@ -480,3 +531,19 @@ def test_the_planned_order_is_the_order_the_rebuilt_model_runs(example, shape):
     planned = [passed.kip_layer_paths.get(node.name, node.name)
                for node in node_costs.execution_order(graph_of(passed))]
     assert planned == [node.operation.name for node in _compat.functional_nodes(passed)]
+
+
+def test_the_backward_working_memory_of_attention_is_counted():
+    # An attention layer's backward holds gradients of its (batch, heads,
+    # query, key) scores; left out of the estimate, the planned segments on
+    # the gallery transformer measured 1.5x their estimate and the plan
+    # held more than the hand plan.
+    batch, length, dim, heads = 8, 32, 16, 4
+    inputs = keras.Input((length, dim))
+    outputs = layers.MultiHeadAttention(heads, dim // heads, name="attention")(inputs, inputs)
+    x = np.random.default_rng(0).normal(size=(batch, length, dim)).astype("float32")
+    graph = graph_of(kip.convert_to_functional(keras.Model(inputs, outputs), x))
+    (profile,) = [p for p in node_costs.profile_nodes(graph, batch)
+                  if p.node.name == "attention"]
+    scores = batch * heads * length * length * 4
+    assert profile.backward_bytes >= scores, (profile.backward_bytes, scores)

@@ -46,6 +46,8 @@ class NodeProfile:
     output_elements: int = 0  # per example, as the executor counts them
     params: int = 0  # weights of its layer, counted at its first node
     grad_bytes: int = 0  # gradients of its trainable weights, at its first node
+    weight_bytes: int = 0  # all its layer's weights, at its first node
+    backward_bytes: int = 0  # the most its backward's temporaries hold at once
     fixed: bool = False  # forward state: never recomputed
     note: str = ""  # why the figures are only shape estimates, when they are
     key: object = None  # equal keys: identical layer on identical inputs
@@ -138,6 +140,8 @@ def profile_nodes(graph, batch):
             profile.params = int(sum(np.prod(v.shape) for v in operation.weights))
             profile.grad_bytes = int(sum(
                 np.prod(v.shape) * _itemsize(v.dtype) for v in operation.trainable_weights))
+            profile.weight_bytes = int(sum(
+                np.prod(v.shape) * _itemsize(v.dtype) for v in operation.weights))
         profile.fixed = _has_forward_state(operation)
         profiles.append(profile)
     return profiles
@@ -166,6 +170,7 @@ def _profile(node, batch, traced):
     return NodeProfile(
         node=node, internal=result.internal, kept_output=result.kept_output,
         kept_inputs=list(result.kept_inputs), flops=result.flops,
+        backward_bytes=result.backward_bytes,
         output_bytes=output_bytes, output_elements=elements, note=result.note, key=key,
     )
 
@@ -179,6 +184,7 @@ class _Traced:
     note: str
     function: object = None  # the concrete function (for timing)
     specs: tuple = ()
+    backward_bytes: int = 0
 
 
 def _ShapeEstimate(node, batch, reason):
@@ -260,7 +266,8 @@ def _trace(node, batch):
     concrete = function.get_concrete_function(input_specs, weight_specs, upstream_specs)
     kept_inputs, kept_output, internal, flops = _read_trace(concrete.graph, seen)
     return _Traced(internal, kept_output, kept_inputs, flops, "", concrete,
-                   (input_specs, weight_specs, upstream_specs))
+                   (input_specs, weight_specs, upstream_specs),
+                   _backward_peak(concrete.graph, seen["first_backward"]))
 
 
 def _read_trace(graph, seen):
@@ -292,6 +299,39 @@ def _read_trace(graph, seen):
             internal += size
     flops = sum(_op_flops(op) for op in forward if op.type != "Placeholder")
     return kept_inputs, kept_output, internal, float(flops)
+
+
+def _backward_peak(graph, first_backward):
+    """The most bytes the backward ops' own results hold at once, run in
+    graph order, each freed after its last reader: the working memory of a
+    node's backward beyond what its forward kept. An attention layer's
+    backward holds gradients of its (batch, heads, query, key) scores; left
+    out, planned segments around it measured half as much again as
+    estimated on the gallery transformer."""
+    operations = graph.get_operations()[first_backward:]
+    last_read = {}
+    for index, op in enumerate(operations):
+        for tensor in op.inputs:
+            last_read[tensor.ref()] = index
+    live, peak, frees = 0, 0, {}
+    for index, op in enumerate(operations):
+        for tensor in op.outputs:
+            # Results no backward op reads are the gradients it returns,
+            # counted already (its weight gradients, the next node's
+            # incoming gradient); aliases hold no memory of their own.
+            if (tensor.ref() not in last_read or op.type in _ALIASES
+                    or tensor.dtype in (tf.resource, tf.variant)):
+                continue
+            size = _bytes(tensor.shape, tensor.dtype)
+            live += size
+            frees.setdefault(last_read[tensor.ref()], []).append(size)
+        peak = max(peak, live)
+        live -= sum(frees.pop(index, []))
+    return peak
+
+
+_ALIASES = {"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
+            "Shape", "ShapeN", "Const"}
 
 
 def _from_weights_only(tensor, weights):

@@ -13,12 +13,17 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.passes import node_costs
 from keras_ipu_plugin.passes import recompute_plan
 from keras_ipu_plugin.passes import stage_balance
+from keras_ipu_plugin.passes import stage_timing
 from keras_ipu_plugin.report import PlanTable
 
 BALANCES = ("params", "activations", "time")
 
-ESTIMATE_COVERS = ("activations the backward pass reads and the gradients, at the "
-                   "first batch; weights and optimizer state are not included")
+#: How many times `balance="time"` re-plans from whole-stage timings.
+STAGE_TIMING_ROUNDS = 3
+
+ESTIMATE_COVERS = ("activations the backward pass reads, the copies a recomputation runs "
+                   "on and the weight gradients, at the first batch; weights and optimizer "
+                   "state are not included")
 
 
 def planning_batch(graph, owner):
@@ -93,7 +98,9 @@ def recompute_costs(graph, order, profiles, batch):
         costs.append(recompute_plan.NodeCost(
             name=node.name, kept=kept, kept_output=profile.kept_output,
             kept_by_consumer=by_next, boundary=boundary, flops=profile.flops,
-            grads=profile.grad_bytes, output=profile.output_bytes,
+            grads=profile.grad_bytes,
+            output=profile.output_bytes + profile.backward_bytes,
+            weights=profile.weight_bytes,
             elements=profile.output_elements, fixed=profile.fixed,
             can_checkpoint=calls[id(node.operation)] == 1,
         ))
@@ -165,6 +172,14 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
          else _mib(plan.peak)),
         ("memory budget", _budget_text(memory_budget, budget) if budget is not None
          else "none: the smallest peak, then the least recomputation"),
+        # The plan assumes each weight gradient is applied and freed as it
+        # is produced (measured so for Keras's optimizers on one device);
+        # an optimizer that needs them all at once holds them: say what
+        # that would cost, rather than hide it.
+        ("if all weight gradients are held",
+         f"{_mib(recompute_plan.estimate_peak(costs, plan.checkpoints, held_gradients=True))}"
+         " with the plan (clipping by global norm, gradient accumulation and loss scaling "
+         "hold them until the last; the plan assumes each is freed once applied)"),
         ("estimated extra compute",
          f"{plan.extra_fraction:.2f} of a forward pass (about "
          f"+{plan.extra_fraction / 3:.0%} of a training step)"),
@@ -177,6 +192,8 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         "batch": batch, "checkpoints": [order[i].name for i in plan.checkpoints],
         "segments": [(order[first].name, order[last].name) for first, last in plan.segments],
         "peak": plan.peak, "baseline_peak": plan.baseline_peak, "budget": budget,
+        "peak_if_gradients_held": recompute_plan.estimate_peak(costs, plan.checkpoints,
+                                                               held_gradients=True),
         "extra_fraction": plan.extra_fraction,
     }
     return PlanTable(f"Recompute plan of {graph.name!r}", ("quantity", "value"), tuple(rows),
@@ -202,16 +219,20 @@ def plan_stages(graph, num_stages, balance, report, step):
     if balance == "params":
         _count_params_once(profiles)
     costs, unit, notes = _stage_costs(graph, profiles, balance, batch)
+    allowed = _allowed_cuts(nodes)
     try:
-        stages = stage_balance.balanced_partition(costs, num_stages, _allowed_cuts(nodes))
+        stages = stage_balance.balanced_partition(costs, num_stages, allowed)
     except stage_balance.CannotPartition as error:
         raise PassError(f"{step}: cannot cut `{graph.name}` into {num_stages} stages: {error} "
                         "(a layer called at several nodes keeps them in one stage).") from None
+    sums = stage_balance.stage_sums(costs, stages)
+    if balance == "time" and num_stages > 1:
+        stages, sums, note = _replan_on_stage_times(graph, batch, costs, stages, allowed)
+        notes.append(note)
     for index, (first, last) in enumerate(stages):
         for node in nodes[first:last + 1]:
             node.annotations["stage"] = index
             report.add(step, node.name, f"stage {index}", f"planned (balance={balance!r})")
-    sums = stage_balance.stage_sums(costs, stages)
     rows = [
         (str(index), f"{nodes[first].name} .. {nodes[last].name}", str(last - first + 1),
          _cost_text(cost, unit), f"{cost / sum(sums):.0%}" if sum(sums) else "-")
@@ -228,6 +249,40 @@ def plan_stages(graph, num_stages, balance, report, step):
                               ("stage", "layers", "nodes", "cost", "share"), tuple(rows),
                               figures))
     return stages
+
+
+def _replan_on_stage_times(graph, batch, costs, stages, allowed,
+                           rounds=STAGE_TIMING_ROUNDS):
+    """(stages, their measured seconds, a note): the partition balanced on
+    node times, then re-planned on whole-stage times.
+
+    Nodes timed alone do not add up to their stage's time (see
+    `stage_timing`), so each round times the stages of the current plan,
+    scales the node times of each stage by its measured / summed time, and
+    plans again; the candidates met are timed side by side and the one with
+    the smallest largest / mean kept."""
+    candidates, scaled = [stages], list(costs)
+    try:
+        for _ in range(rounds):
+            measured = stage_timing.time_stages(graph, batch, [stages])[0]
+            for (first, last), seconds in zip(stages, measured):
+                predicted = sum(scaled[first:last + 1])
+                if predicted > 0:
+                    for index in range(first, last + 1):
+                        scaled[index] *= seconds / predicted
+            stages = stage_balance.balanced_partition(scaled, len(stages), allowed)
+            if stages in candidates:
+                break
+            candidates.append(stages)
+        timed = stage_timing.time_stages(graph, batch, candidates)
+    except Exception as error:  # noqa: BLE001 - a stage that cannot run alone
+        return (candidates[0], stage_balance.stage_sums(costs, candidates[0]),
+                f"stages not timed whole ({type(error).__name__}: {error}); "
+                "balanced on node times alone")
+    best = min(range(len(candidates)), key=lambda k: stage_balance.imbalance(timed[k]))
+    return (candidates[best], timed[best],
+            f"stage costs are whole stages timed (forward and backward); their nodes timed "
+            f"alone sum to {sum(costs) * 1e3:.2f} ms; {len(candidates)} plan(s) compared")
 
 
 def _params_profile(node):

@@ -14,8 +14,14 @@ executor's own rules (`executor.make_plan`):
 
 Memory is estimated for the whole training step the way the backward pass
 frees it: at the backward of node `t`, what the forward pass kept for the
-nodes before `t`, what `t` keeps, the gradients of the nodes after `t` and
-`t`'s own output. A recomputed segment keeps only its inputs (the
+nodes before `t`, what `t` keeps, its weight gradients and its output's
+size (the working memory of its backward). Weight gradients of the nodes
+after `t` count too only when they are held until the backward pass ends
+(`held_gradients=True`: gradients all-reduced or clipped together);
+otherwise each is applied and freed as soon as it is produced, which is what
+a single-device optimizer step does (measured on a 48-layer MLP: counting
+them all made a checkpoint after every layer look best, and it held 1.5x
+the memory of a checkpoint every 3 layers). A recomputed segment keeps only its inputs (the
 checkpoint) in the forward pass and holds all its activations again while
 its backward runs. `estimate_peak` computes that for a plan; the planners
 find plans by a dynamic program over the node order that computes the very
@@ -54,7 +60,12 @@ class NodeCost:
         keeps these.
     flops: its forward cost (what recomputing it costs).
     grads: bytes of the gradients its backward pass produces.
-    output: bytes of its outputs (the working memory of its backward).
+    output: the working memory of its backward: its incoming gradient (the
+        bytes of its outputs) and the most its backward's temporaries hold
+        at once.
+    weights: bytes of its layer's weights (at its layer's first node): a
+        recomputed segment copies its inputs and weights while it recomputes
+        (`recompute_grad` ties each to the incoming gradient).
     elements: elements per example of its outputs (what the executor
         compares to keep the last segment; see `executor._keep_last_segment`).
     fixed: it has forward state and never sits in a recomputed segment.
@@ -69,6 +80,7 @@ class NodeCost:
     flops: float = 0
     grads: float = 0
     output: float = 0
+    weights: float = 0
     elements: float = 0
     fixed: bool = False
     can_checkpoint: bool = True
@@ -131,27 +143,28 @@ def segments_of(costs, checkpoints):
     return [tuple(segment) for segment in segments]
 
 
-def estimate_peak(costs, checkpoints=()):
-    """The estimated peak bytes of a training step with `checkpoints`."""
-    return _evaluate(costs, segments_of(costs, checkpoints))[0]
+def estimate_peak(costs, checkpoints=(), held_gradients=False):
+    """The estimated peak bytes of a training step with `checkpoints`
+    (`held_gradients`: see the module docstring)."""
+    return _evaluate(costs, segments_of(costs, checkpoints), held_gradients)[0]
 
 
-def describe_plan(costs, checkpoints):
+def describe_plan(costs, checkpoints, held_gradients=False):
     """The `RecomputePlan` of `checkpoints`, as the executor would run it."""
     segments = segments_of(costs, checkpoints)
-    peak, extra = _evaluate(costs, segments)
+    peak, extra = _evaluate(costs, segments, held_gradients)
     recomputed = tuple((first, last) for first, last, again in segments if again)
     return RecomputePlan(
         checkpoints=tuple(sorted(set(checkpoints))), segments=recomputed, peak=peak,
-        baseline_peak=estimate_peak(costs), extra_flops=extra,
+        baseline_peak=estimate_peak(costs, (), held_gradients), extra_flops=extra,
         forward_flops=float(sum(cost.flops for cost in costs)),
     )
 
 
-def _evaluate(costs, segments):
+def _evaluate(costs, segments, held_gradients):
     """(peak, recomputed flops) of `segments`: the figures the dynamic
     program computes transition by transition."""
-    after = _gradients_after(costs)
+    after = _gradients_after(costs, held_gradients)
     kept, peak, extra, previous = 0.0, 0.0, 0.0, _START
     for first, last, recomputed in segments:
         if recomputed:
@@ -176,10 +189,13 @@ _START, _NORMAL, _FIXED, _RECOMPUTED = 0, 1, 2, 3
 _SEGMENT_MAY_FOLLOW = (_START, _FIXED, _RECOMPUTED)
 
 
-def _gradients_after(costs):
-    """`after[i]`: gradient bytes of the nodes after node i (produced
-    before node i's backward runs)."""
+def _gradients_after(costs, held_gradients):
+    """`after[i]`: gradient bytes of the nodes after node i still held
+    when node i's backward runs: all of them when `held_gradients`, else
+    none (each was applied and freed when produced)."""
     after, total = [0.0] * len(costs), 0.0
+    if not held_gradients:
+        return after
     for index in range(len(costs) - 1, -1, -1):
         after[index] = total
         total += costs[index].grads
@@ -205,22 +221,25 @@ def _checkpoint_bytes(costs, first):
 
 def _node_local_peak(costs, after, index):
     """Memory at node `index`'s backward on top of what the nodes before it
-    keep (the cut before it included in `kept` already)."""
+    keep (the cut before it included in `kept` already): what it keeps, the
+    gradients held, its own weight gradients and its output's size."""
     cost = costs[index]
-    return cost.kept + cost.kept_output + after[index] + cost.output
+    return cost.kept + cost.kept_output + after[index] + cost.grads + cost.output
 
 
 def _segment_local_peak(costs, after, first, last):
     """The largest memory while segment `[first, last]` runs its backward
     (all its activations recomputed), on top of what the forward pass keeps
-    before it (its checkpoint included)."""
+    before it (its checkpoint included): the copies of its inputs and
+    weights the recomputation runs on, and its activations."""
     inside, peak = 0.0, 0.0
     for index in range(first, last + 1):
         if index > first:
             inside += max(costs[index - 1].kept_output, costs[index - 1].kept_by_consumer)
         peak = max(peak, inside + _node_local_peak(costs, after, index))
         inside += costs[index].kept
-    return peak
+    copies = _checkpoint_bytes(costs, first) + sum(c.weights for c in costs[first:last + 1])
+    return copies + peak
 
 
 def _runs_normally_as_last(costs, first, last):
@@ -249,11 +268,11 @@ class _Label:
 # whether the last recomputed segment is one the executor would run normally
 # were it the last (then another must follow), and whether a checkpoint was
 # spent on such a segment at the end (then none may follow).
-def _search(costs, budget, minimise):
+def _search(costs, budget, minimise, held_gradients):
     """Labels reaching the end. `minimise="flops"`: under `budget`, the
     least recomputation; `"peak"`: the smallest peak."""
     n = len(costs)
-    after = _gradients_after(costs)
+    after = _gradients_after(costs, held_gradients)
     fronts = [dict() for _ in range(n + 1)]
     fronts[0][(_START, False, False)] = [_Label(0.0, 0.0, 0.0)]
     for position in range(n):
@@ -292,7 +311,7 @@ def _segment_ends(costs, after, position, previous):
     before. The same for every label at `position`, so computed once."""
     checkpoint = _checkpoint_bytes(costs, position)
     ends = []
-    inside, local, flops = 0.0, 0.0, 0.0
+    inside, local, flops, copies = 0.0, 0.0, 0.0, checkpoint
     plain_kept, plain_local, plain_previous = 0.0, 0.0, previous
     largest, tail = 0.0, sum(cost.elements for cost in costs[position:])
     for last in range(position, len(costs)):
@@ -304,13 +323,14 @@ def _segment_ends(costs, after, position, previous):
         local = max(local, inside + _node_local_peak(costs, after, last))
         inside += cost.kept
         flops += cost.flops
+        copies += cost.weights
         plain_kept += _cut_bytes(costs, last, plain_previous)
         plain_local = max(plain_local, plain_kept + _node_local_peak(costs, after, last))
         plain_kept += cost.kept
         plain_previous = _NORMAL
         largest = max(largest, cost.elements)
         tail -= cost.elements
-        ends.append((last, checkpoint, checkpoint + local, flops, tail < largest,
+        ends.append((last, checkpoint, checkpoint + copies + local, flops, tail < largest,
                      plain_kept, plain_local, cost.can_checkpoint))
     return ends
 
@@ -362,15 +382,16 @@ def _checkpoint_list(label):
 
 
 # -- the planners -------------------------------------------------------------------
-def smallest_peak(costs):
+def smallest_peak(costs, held_gradients=False):
     """The smallest estimated peak any plan reaches."""
     if not costs:
         return 0.0
     # No plan needs more than running everything normally (a plan too).
-    return min(label.peak for label in _search(costs, estimate_peak(costs), "peak"))
+    baseline = estimate_peak(costs, (), held_gradients)
+    return min(label.peak for label in _search(costs, baseline, "peak", held_gradients))
 
 
-def plan_for_budget(costs, budget):
+def plan_for_budget(costs, budget, held_gradients=False):
     """The plan with the least recomputation whose estimated peak is at
     most `budget` bytes; `UnmeetableBudget` when none is.
 
@@ -379,15 +400,16 @@ def plan_for_budget(costs, budget):
         (5, 11, 17)
     """
     if not costs:
-        return describe_plan(costs, ())
-    labels = _search(costs, budget, "flops")
+        return describe_plan(costs, (), held_gradients)
+    labels = _search(costs, budget, "flops", held_gradients)
     if not labels:
-        raise UnmeetableBudget(budget, smallest_peak(costs), estimate_peak(costs))
+        raise UnmeetableBudget(budget, smallest_peak(costs, held_gradients),
+                               estimate_peak(costs, (), held_gradients))
     best = min(labels, key=lambda label: (label.flops, label.peak))
-    return describe_plan(costs, _checkpoint_list(best))
+    return describe_plan(costs, _checkpoint_list(best), held_gradients)
 
 
-def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE):
+def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE, held_gradients=False):
     """The plan with the least recomputation among those whose peak is
     within `tolerance` of the smallest (each node recomputed at most once:
     at most one extra forward pass).
@@ -397,6 +419,6 @@ def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE):
         (6, 13, 20, 27, 34, 41)
     """
     if not costs:
-        return describe_plan(costs, ())
-    smallest = smallest_peak(costs)
-    return plan_for_budget(costs, smallest * (1 + tolerance))
+        return describe_plan(costs, (), held_gradients)
+    smallest = smallest_peak(costs, held_gradients)
+    return plan_for_budget(costs, smallest * (1 + tolerance), held_gradients)

@@ -60,6 +60,10 @@ def recompute_grad(fn):
     return checkpointed
 
 
+def _dense(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
 def _differentiable(tensor):
     return tensor.dtype.is_floating or tensor.dtype.is_complex
 
@@ -68,11 +72,14 @@ def _after(output_gradients, args):
     """Copies of `args` that depend on the incoming gradient, so the
     recomputation runs only once the backward pass reaches the segment
     (XLA ignores control dependencies; a data dependency it must keep)."""
-    anchor = next((g for g in output_gradients if g is not None), None)
+    # The gradient of a floating output: a segment may also pass on a
+    # boolean mask or integer ids, whose incoming "gradient" is a boolean
+    # or integer tensor that reduce_max refuses (a segment ending in a
+    # Keras mask failed its backward pass so).
+    anchor = next((_dense(g) for g in output_gradients
+                   if g is not None and _differentiable(_dense(g))), None)
     if anchor is None or tf.executing_eagerly():
         return [tf.identity(x) for x in args]
-    if isinstance(anchor, tf.IndexedSlices):
-        anchor = anchor.values
     # Always zero (a NaN cast to bool is True too), but computed from the
     # gradient, as `tf.recompute_grad` does; an empty gradient gives -inf.
     first = tf.reduce_max(tf.reshape(anchor, [-1])[:1])
