@@ -23,6 +23,7 @@ from keras_ipu_plugin import cli
 from keras_ipu_plugin.passes.manager import graph_of
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.executor import make_plan
+from keras_ipu_plugin.runtime.layer_kinds import seed_states
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import Recompute
@@ -202,15 +203,21 @@ class StatefulTower(WideTower):
 
 
 def test_layers_with_forward_state_stay_outside_planned_segments():
+    # BatchNormalization's statistics would be updated twice; a Dropout's
+    # seed is replayed (the segment reads it once), so it may sit inside.
     passed = kip.apply_passes(_converted(StatefulTower(name="tower")),
                               [Expand(), Recompute(auto=True)])
     segments = [s for s in make_plan(passed, get_backend()) if s.recompute]
     assert segments, "nothing recomputed: the test could not fail"
     for segment in segments:
         for node in segment.nodes:
-            assert not getattr(node.operation, "non_trainable_variables", []), node.operation.name
+            seeds = {id(v) for v in seed_states(node.operation)} if isinstance(
+                node.operation, keras.layers.Layer) else set()
+            state = [v for v in getattr(node.operation, "non_trainable_variables", [])
+                     if id(v) not in seeds]
+            assert not state, node.operation.name
     never = dict(_plan(passed, "Recompute plan").rows)["never recomputed (forward state)"]
-    assert "block_0.bn" in never and "block_0.drop" in never
+    assert "block_0.bn" in never and "block_0.drop" not in never
 
 
 class SharedTower(keras.Model):

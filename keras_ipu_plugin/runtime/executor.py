@@ -2,10 +2,12 @@
 
 The plan is made once per model: nodes in Keras's execution order, grouped
 into recompute segments (portable backend) that end at each checkpointed
-layer. Layers that carry state updated in the forward pass (moving
-statistics, RNG seeds) never sit inside a segment: recomputing them would
-update that state twice or draw different random numbers in the backward
-pass, silently changing results.
+layer. Layers that carry other state updated in the forward pass (moving
+statistics) never sit inside a segment: recomputing them would update that
+state twice, silently changing results. The seeds of random draws (Dropout)
+may: a segment reads its seed states once, in the forward pass, with its
+weights, so the recomputation draws the very same numbers, and writes the
+advanced seeds back once.
 
 A recomputed segment reads its variables once, in the forward pass, and runs
 (also when recomputed) on those values through a `keras.StatelessScope`. Had
@@ -25,6 +27,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.runtime.variables import union_of_variables
+from keras_ipu_plugin.runtime.layer_kinds import seed_states
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
 
 
@@ -97,9 +100,12 @@ def _activation_size(nodes):
 
 
 def _has_forward_state(operation):
+    """Whether the layer updates state in its forward pass that a
+    recomputation could not replay: anything but its random seeds."""
     if not isinstance(operation, keras.layers.Layer):
         return False
-    return bool(operation.non_trainable_variables)
+    seeds = {id(state) for state in seed_states(operation)}
+    return any(id(v) not in seeds for v in operation.non_trainable_variables)
 
 
 def _wire(segments, model):
@@ -155,6 +161,10 @@ class Executor:
     def _run_recomputed(self, segment, tensors, training, context):
         count = len(segment.inputs)
         loss_owners = []
+        # Seed states (the only non-trainable variables a segment holds) come
+        # in as values like the weights; the advanced seeds go out, and are
+        # written back once: the recomputation's own advance is dropped.
+        seeds = [v for v in segment.variables if not v.trainable]
 
         def body(*flat):
             local = dict(zip(segment.inputs, flat[:count]))
@@ -168,15 +178,18 @@ class Executor:
                     self._run_nodes([node], local, training, context)
                     owners += [node.operation] * (len(scope.losses) - before)
             loss_owners[:] = owners
-            return [local[i] for i in segment.outputs] + list(scope.losses)
+            advanced = [scope.get_current_value(v) for v in seeds]
+            return [local[i] for i in segment.outputs] + advanced + list(scope.losses)
 
         results = self.backend.checkpoint_segment(body)(
             *[tensors[i] for i in segment.inputs],
             *[_compat.current_value(v) for v in segment.variables],
         )
-        outputs = len(results) - len(loss_owners)
+        outputs = len(segment.outputs)
         tensors.update(zip(segment.outputs, results[:outputs]))
-        for layer, loss in zip(loss_owners, results[outputs:]):
+        for variable, value in zip(seeds, results[outputs:outputs + len(seeds)]):
+            variable.assign(value)
+        for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):
             layer.add_loss(loss)
 
     def _run_nodes(self, nodes, tensors, training, context):

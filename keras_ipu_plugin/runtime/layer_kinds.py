@@ -98,3 +98,21 @@ def training_agnostic(layer):
         training_agnostic(sub)
         for sub in _compat.sub_layers(layer, recursive=False)
     )
+
+
+def seed_states(layer):
+    """The state variables of the seed generators that `layer` and its
+    sub-layers draw random numbers from (a Dropout's, a RandomDraw's).
+
+    Example:
+        >>> dropout = keras.layers.Dropout(0.1)
+        >>> seed_states(dropout) == [dropout.seed_generator.state]
+        True
+    """
+    states, seen = [], set()
+    for owner in [layer, *_compat.sub_layers(layer)]:
+        for value in vars(owner).values():
+            if isinstance(value, keras.random.SeedGenerator) and id(value.state) not in seen:
+                seen.add(id(value.state))
+                states.append(value.state)
+    return states
