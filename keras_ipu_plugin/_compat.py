@@ -24,6 +24,7 @@ import copy
 import inspect
 import sys
 import threading
+import types
 
 import tensorflow as tf
 from tensorflow.python.trackable import data_structures as _tf_data_structures
@@ -693,12 +694,15 @@ _WRAPPER_BOOKKEEPING = {
 }
 
 
+_NO_BOOKKEEPING = types.MappingProxyType({})
+
+
 def wrapper_bookkeeping(container):
     """Copies of what a TensorFlow tracking wrapper records about its items
     (empty for other containers), for `restore_wrapper_bookkeeping`."""
-    if type(container) in (list, dict, set):
-        return {}
-    names = _WRAPPER_BOOKKEEPING.get(type(container).__name__, ())
+    names = _WRAPPER_BOOKKEEPING.get(type(container).__name__)
+    if names is None:
+        return _NO_BOOKKEEPING  # shared: a snapshot asks for tens of thousands
     saved = {}
     for name in names:
         value = getattr(container, name, None)

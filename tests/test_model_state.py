@@ -327,12 +327,12 @@ def test_failed_conversion_of_a_model_holding_a_functional_model_raises_the_real
 
 
 def test_a_restore_step_that_fails_is_noted_on_the_original_error(monkeypatch):
-    def broken_restore(self):
+    def broken_restore(self, index):
         raise RuntimeError("injected restore failure")
 
     from keras_ipu_plugin.frontend import state as state_module
 
-    monkeypatch.setattr(state_module._ObjectState, "restore", broken_restore)
+    monkeypatch.setattr(state_module._ObjectsState, "restore_object", broken_restore)
     model, x = HoldsAFunctionalModel(), _x()
     model(x)
     with pytest.raises(kip.ConversionError, match="differs") as info:

@@ -14,6 +14,7 @@ set Python attributes. None of it may stay behind:
 """
 
 import contextlib
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -142,12 +143,13 @@ class ModelState:
 
     def __init__(self, model):
         self.model = model
-        self._objects = []
+        objects = []
         for layer in _compat.all_layers(model):
-            self._objects.append(_ObjectState(layer))
+            objects.append(layer)
             tracker = vars(layer).get("_tracker")
             if tracker is not None:
-                self._objects.append(_ObjectState(tracker))
+                objects.append(tracker)
+        self._objects = _ObjectsState(objects)
         self._values = VariableValues(_state_variables(model))
         self._new = NewVariables()
         self._attributes = {}  # id(layer) -> _PlainAttributes
@@ -178,7 +180,8 @@ class ModelState:
 
     def undo_after(self, error):
         """Put everything back after `error`; note on it what could not be."""
-        steps = [state.restore for state in self._objects]
+        steps = [functools.partial(self._objects.restore_object, index)
+                 for index in range(len(self._objects.objects))]
         steps += [self._values.restore, lambda: self._new.restore(_state_variables(self.model))]
         for step in steps:
             try:
@@ -273,16 +276,42 @@ def _is_user_class(layer):
     return module.split(".")[0] not in LIBRARY_PACKAGES
 
 
-class _ObjectState:
-    """One object's `__dict__`, and the contents of every list / dict / set
-    reachable from it through containers only."""
+class _ObjectsState:
+    """The `__dict__` of each of `objects`, and the contents of every list /
+    dict / set reachable from them through containers only (each container
+    once, however many objects reach it).
 
-    def __init__(self, obj):
-        self.obj = obj
-        self.attributes = dict(vars(obj))
-        self.containers = []  # (raw container, contents, (wrapper, bookkeeping))
+    It is all kept in a few flat lists. A snapshot of a 500-block model
+    covers about 75,000 containers, most of them empty; a copy (or a tuple)
+    per container, as the obvious snapshot makes, is 120,000 objects, and
+    every object allocated brings Python's cyclic collector closer to a
+    full collection, which walks every object of the process (TensorFlow's
+    included) and cost more than the rest of the conversion. Here a
+    container costs an entry in each of `storages` and `lengths` and its
+    items in `items` (a dict's keys, then its values).
+
+    Example:
+        >>> state = _ObjectsState([layer, vars(layer)["_tracker"]])
+        >>> state.restore_object(0)    # the layer's attributes and containers
+    """
+
+    def __init__(self, objects):
+        self.objects = list(objects)
+        self._attribute_counts, self._names, self._values = [], [], []
+        self._container_counts = []
+        self._storages = []  # the raw containers (`_compat.raw_container`)
+        self._lengths = []  # the number of items of each
+        self._items = []  # their items, flat (a dict's keys, then its values)
+        self._wrappers = {}  # index in `_storages` -> (TF wrapper, its bookkeeping)
         seen = set()
-        self._remember_all(self.attributes.values(), seen)
+        for obj in self.objects:
+            state = vars(obj)
+            self._attribute_counts.append(len(state))
+            self._names.extend(state)
+            self._values.extend(state.values())
+            before = len(self._storages)
+            self._remember_all(state.values(), seen)
+            self._container_counts.append(len(self._storages) - before)
 
     def _remember_all(self, values, seen):
         # A set lookup skips the values that are not containers (Keras's
@@ -290,40 +319,66 @@ class _ObjectState:
         # attribute of every layer, twice per conversion.
         never = _compat.NEVER_CONTAINERS
         for value in values:
-            if type(value) not in never:
-                self._remember(value, seen)
+            if type(value) in never:
+                continue
+            storage = _compat.raw_container(value)
+            if storage is None or id(storage) in seen:
+                continue
+            seen.add(id(storage))
+            bookkeeping = _compat.wrapper_bookkeeping(value)
+            if bookkeeping:
+                self._wrappers[len(self._storages)] = (value, bookkeeping)
+            self._storages.append(storage)
+            self._lengths.append(len(storage))
+            if not storage:
+                continue
+            if isinstance(storage, dict):
+                self._items.extend(dict.keys(storage))
+                self._items.extend(dict.values(storage))
+                self._remember_all(dict.values(storage), seen)
+            else:
+                self._items.extend(storage)
+                self._remember_all(storage, seen)
 
-    def _remember(self, value, seen):
-        storage = _compat.raw_container(value)
-        if storage is None or id(storage) in seen:
-            return
-        seen.add(id(storage))
-        contents = dict.copy(storage) if isinstance(storage, dict) else list(storage)
-        bookkeeping = _compat.wrapper_bookkeeping(value)
-        self.containers.append((storage, contents, (value, bookkeeping)))
-        self._remember_all(list(contents.values() if isinstance(contents, dict) else contents),
-                           seen)
-
-    def restore(self):
-        current = vars(self.obj)
-        for name in [name for name in current if name not in self.attributes]:
+    def restore_object(self, index):
+        """Put back the attributes of `objects[index]` and the containers
+        first reached from it."""
+        first_attribute = sum(self._attribute_counts[:index])
+        end = first_attribute + self._attribute_counts[index]
+        attributes = dict(zip(self._names[first_attribute:end],
+                              self._values[first_attribute:end]))
+        current = vars(self.objects[index])
+        for name in [name for name in current if name not in attributes]:
             del current[name]
-        for name, value in self.attributes.items():
+        for name, value in attributes.items():
             if current.get(name, _MISSING) is not value:
                 current[name] = value
+        first = sum(self._container_counts[:index])
+        position = sum(
+            length * (2 if isinstance(storage, dict) else 1)
+            for storage, length in zip(self._storages[:first], self._lengths[:first])
+        )
         # The base-class methods on the raw containers: Keras's and
         # TensorFlow's tracked containers would re-track (and so
         # re-register) every item put back through their own.
-        for storage, contents, (wrapper, bookkeeping) in self.containers:
-            if isinstance(storage, list):
-                list.__setitem__(storage, slice(None), contents)
-            elif isinstance(storage, dict):
+        for container in range(first, first + self._container_counts[index]):
+            storage, length = self._storages[container], self._lengths[container]
+            if isinstance(storage, dict):
+                keys = self._items[position:position + length]
+                values = self._items[position + length:position + 2 * length]
+                position += 2 * length
                 dict.clear(storage)
-                dict.update(storage, contents)
+                dict.update(storage, zip(keys, values))
             else:
-                set.clear(storage)
-                set.update(storage, contents)
-            _compat.restore_wrapper_bookkeeping(wrapper, bookkeeping)
+                items = self._items[position:position + length]
+                position += length
+                if isinstance(storage, list):
+                    list.__setitem__(storage, slice(None), items)
+                else:
+                    set.clear(storage)
+                    set.update(storage, items)
+            if container in self._wrappers:
+                _compat.restore_wrapper_bookkeeping(*self._wrappers[container])
 
 
 _MISSING = object()
