@@ -667,13 +667,14 @@ def raw_container(value):
     kind = type(value)
     if kind in NEVER_CONTAINERS:  # most values: checked first, as this runs per attribute
         return None
-    if kind in (list, dict, set):
+    if kind in OWN_STORAGE:
         return value
     if isinstance(value, _tf_data_structures._DictWrapper):
         return value.__wrapped__
     if isinstance(value, _tf_data_structures.List):
         return value._storage
     if isinstance(value, (list, dict, set)):
+        OWN_STORAGE.add(kind)
         return value
     NEVER_CONTAINERS.add(kind)
     return None
@@ -682,6 +683,9 @@ def raw_container(value):
 #: Types whose values `raw_container` found not to be containers (it learns
 #: them), so that walking a model's attributes costs a set lookup per value.
 NEVER_CONTAINERS = {bool, int, float, str, bytes, type(None), tuple}
+#: Types whose values are their own raw container, with no wrapper
+#: bookkeeping (`list`, Keras's `TrackedList`, ...; learnt likewise).
+OWN_STORAGE = {list, dict, set}
 
 
 _WRAPPER_BOOKKEEPING = {

@@ -317,17 +317,23 @@ class _ObjectsState:
         # A set lookup skips the values that are not containers (Keras's
         # node lists hold one Node per call ever made): this runs for every
         # attribute of every layer, twice per conversion.
-        never = _compat.NEVER_CONTAINERS
+        never, own = _compat.NEVER_CONTAINERS, _compat.OWN_STORAGE
         for value in values:
-            if type(value) in never:
+            kind = type(value)
+            if kind in never:
                 continue
-            storage = _compat.raw_container(value)
-            if storage is None or id(storage) in seen:
-                continue
+            if kind in own:  # Keras's tracked containers: no wrapper
+                storage = value
+                if id(storage) in seen:
+                    continue
+            else:
+                storage = _compat.raw_container(value)
+                if storage is None or id(storage) in seen:
+                    continue
+                bookkeeping = _compat.wrapper_bookkeeping(value)
+                if bookkeeping:
+                    self._wrappers[len(self._storages)] = (value, bookkeeping)
             seen.add(id(storage))
-            bookkeeping = _compat.wrapper_bookkeeping(value)
-            if bookkeeping:
-                self._wrappers[len(self._storages)] = (value, bookkeeping)
             self._storages.append(storage)
             self._lengths.append(len(storage))
             if not storage:
