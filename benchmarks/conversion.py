@@ -92,10 +92,9 @@ class GrowingStack(Stack):
         self.grown = False
 
     def build(self, input_shape):
-        # `extra` stays unbuilt until it is switched on (Keras would warn
-        # that the model has unbuilt state).
-        for block in self.blocks:
-            block.build(input_shape)
+        # The blocks build at their first call; `extra` stays unbuilt until
+        # it is switched on (Keras's default `build` would warn about it).
+        pass
 
     def call(self, x):
         x = super().call(x)
