@@ -80,6 +80,10 @@ class NewVariables:
             self._records.append([variable, value])
         return variable
 
+    def created_any(self):
+        """Whether any variable was recorded."""
+        return bool(self._records)
+
     def settle(self):
         """Read the variables created inside a graph trace, whose values
         exist only once the trace is over; call before anything runs them."""
@@ -174,7 +178,8 @@ class ModelState:
     def restore_after_success(self):
         self._new.settle()
         self._values.restore()
-        self._new.restore(_state_variables(self.model))
+        if self._new.created_any():  # (listing the model's variables is not free)
+            self._new.restore(_state_variables(self.model))
         for attributes in self._attributes.values():
             attributes.restore()
 
@@ -255,17 +260,19 @@ class _PlainAttributes:
 
 
 def _is_users(name, value):
-    if name in _compat.LAYER_BOOKKEEPING:
-        return False
-    if name.startswith(_compat.TRACKABLE_PREFIX):
-        return False
-    return _is_plain(value)
+    # The value first: most attributes of a layer are not plain.
+    return (_is_plain(value) and name not in _compat.LAYER_BOOKKEEPING
+            and not name.startswith(_compat.TRACKABLE_PREFIX))
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
+_PLAIN_TYPES = frozenset(_PLAIN[:-1])  # exactly these types: a set lookup
 
 
 def _is_plain(value):
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return True
     if isinstance(value, (tuple, frozenset)):
         return all(_is_plain(item) for item in value)
     return isinstance(value, _PLAIN)
@@ -318,6 +325,7 @@ class _ObjectsState:
         # node lists hold one Node per call ever made): this runs for every
         # attribute of every layer, twice per conversion.
         never, own = _compat.NEVER_CONTAINERS, _compat.OWN_STORAGE
+        storages, lengths, items = self._storages, self._lengths, self._items
         for value in values:
             kind = type(value)
             if kind in never:
@@ -332,18 +340,18 @@ class _ObjectsState:
                     continue
                 bookkeeping = _compat.wrapper_bookkeeping(value)
                 if bookkeeping:
-                    self._wrappers[len(self._storages)] = (value, bookkeeping)
+                    self._wrappers[len(storages)] = (value, bookkeeping)
             seen.add(id(storage))
-            self._storages.append(storage)
-            self._lengths.append(len(storage))
+            storages.append(storage)
+            lengths.append(len(storage))
             if not storage:
                 continue
             if isinstance(storage, dict):
-                self._items.extend(dict.keys(storage))
-                self._items.extend(dict.values(storage))
+                items.extend(dict.keys(storage))
+                items.extend(dict.values(storage))
                 self._remember_all(dict.values(storage), seen)
             else:
-                self._items.extend(storage)
+                items.extend(storage)
                 self._remember_all(storage, seen)
 
     def restore_object(self, index):
