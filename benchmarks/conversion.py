@@ -34,13 +34,14 @@ finds each node's position from the last one (`Graph._position`; a
 search from the start made it quadratic); and rebuilt KerasTensors are
 named without Keras's regular expressions.
 
-Measured (2-core machine shared with other jobs, load 4-7, so +-0.2 on a
-ratio between runs): before those changes 1.90 at 200 and 3.95 at 500,
-time(500)/time(50) 6-27 (the full collection came and went); after, 0.94-1.56
-at 200 and 1.27-1.41 at 500, time(500)/time(50) 6.4-10.2. The rebuild
-ratio is 0.94-1.03: a rebuild converts the model again and applies the
-passes again, the same work as the first conversion (nothing from the
-earlier conversion may be reused: the model changed). In CPU time
+Measured (2-core machine shared with other jobs, so +-0.2 on a ratio
+between runs): before those changes 1.90 at 200 and 3.95 at 500,
+time(500)/time(50) 6-27 (the full collection came and went); after, in
+six runs, 0.94-1.56 at 200 (1.14-1.53 in the three at load 2-3) and
+1.27-1.41 at 500, time(500)/time(50) 6.4-10.9. The rebuild ratio is
+0.90-1.03: a rebuild converts the model again and applies the passes
+again, the same work as the first conversion (nothing from the earlier
+conversion may be reused: the model changed). In CPU time
 (`time.process_time`, less noisy) convert + Expand of 200 blocks is about
 1.3x clone_model: about 0.09 s of 0.29 s is the trace (Keras's own
 `Layer.__call__` of each block), 0.07 s the two undo snapshots, 0.08 s
