@@ -25,6 +25,7 @@ import copy
 import inspect
 import sys
 import threading
+import types
 
 import tensorflow as tf
 from tensorflow.python.trackable import data_structures as _tf_data_structures
@@ -34,6 +35,7 @@ from keras.src.layers.layer import CallContext
 from keras.src.models.functional import Functional  # noqa: F401 (the base class of KipFunctional)
 from keras.src.ops.node import Node as KerasNode
 from keras.src.ops.operation import Operation  # noqa: F401 (the base class of keras.ops operations)
+from keras.src.utils import naming as _naming
 
 _CALL_CTX = "current_call_ctx"
 
@@ -436,15 +438,30 @@ def record_call(operation, args, kwargs, output_specs):
     scratch TensorFlow graph; the IR already knows every output shape, and
     every layer in it is built, so rebuilding needs only the node.
     """
-    import keras
-
     outputs = [
-        keras.KerasTensor(spec.shape, dtype=spec.dtype, sparse=spec.sparse,
-                          ragged=getattr(spec, "ragged", False))
+        keras_tensor_like(spec, ragged=getattr(spec, "ragged", False))
         for spec in output_specs
     ]
     KerasNode(operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
     return outputs
+
+
+def keras_tensor_like(spec, ragged=None):
+    """A new KerasTensor with `spec`'s shape, dtype, sparse and ragged
+    flags, named as Keras names one (`keras_tensor_17`).
+
+    Keras derives that name from the class name with three regular
+    expressions per tensor, two thirds of a KerasTensor's cost; a rebuilt
+    model of 2,000 layers makes one per layer output. The same counter
+    numbers it here.
+    """
+    import keras
+
+    return keras.KerasTensor(
+        spec.shape, dtype=spec.dtype, sparse=spec.sparse,
+        ragged=spec.ragged if ragged is None else ragged,
+        name=_naming.uniquify("keras_tensor"),
+    )
 
 
 def compile_arguments(model):
@@ -737,6 +754,21 @@ def current_training():
     return None if context is None else context.get_value("training")
 
 
+def variable_signature(variable):
+    """`(shape tuple, dtype name, trainable)` of a Keras variable, as stored.
+
+    The public `shape` of the TensorFlow backend's variable builds a
+    `tf.TensorShape` at every read, and `dtype` consults the autocast
+    scope: together about 6 microseconds a weight, which made comparing the
+    blocks of a model (`replay.layer_signature`) cost a quarter of a
+    conversion. The stored `_shape` (a tuple) and `_dtype` are what they
+    report outside an autocast scope."""
+    shape, dtype = getattr(variable, "_shape", None), getattr(variable, "_dtype", None)
+    if not isinstance(shape, tuple) or not isinstance(dtype, str):
+        shape, dtype = tuple(variable.shape), variable.dtype
+    return shape, dtype, variable.trainable
+
+
 def constructor_config(layer):
     """The arguments `layer` was constructed with, as Keras recorded them
     for its automatic `get_config` (a dict), or None where it did not
@@ -761,13 +793,14 @@ def raw_container(value):
     kind = type(value)
     if kind in NEVER_CONTAINERS:  # most values: checked first, as this runs per attribute
         return None
-    if kind in (list, dict, set):
+    if kind in OWN_STORAGE:
         return value
     if isinstance(value, _tf_data_structures._DictWrapper):
         return value.__wrapped__
     if isinstance(value, _tf_data_structures.List):
         return value._storage
     if isinstance(value, (list, dict, set)):
+        OWN_STORAGE.add(kind)
         return value
     NEVER_CONTAINERS.add(kind)
     return None
@@ -776,6 +809,9 @@ def raw_container(value):
 #: Types whose values `raw_container` found not to be containers (it learns
 #: them), so that walking a model's attributes costs a set lookup per value.
 NEVER_CONTAINERS = {bool, int, float, str, bytes, type(None), tuple}
+#: Types whose values are their own raw container, with no wrapper
+#: bookkeeping (`list`, Keras's `TrackedList`, ...; learnt likewise).
+OWN_STORAGE = {list, dict, set}
 
 
 _WRAPPER_BOOKKEEPING = {
@@ -788,12 +824,15 @@ _WRAPPER_BOOKKEEPING = {
 }
 
 
+_NO_BOOKKEEPING = types.MappingProxyType({})
+
+
 def wrapper_bookkeeping(container):
     """Copies of what a TensorFlow tracking wrapper records about its items
     (empty for other containers), for `restore_wrapper_bookkeeping`."""
-    if type(container) in (list, dict, set):
-        return {}
-    names = _WRAPPER_BOOKKEEPING.get(type(container).__name__, ())
+    names = _WRAPPER_BOOKKEEPING.get(type(container).__name__)
+    if names is None:
+        return _NO_BOOKKEEPING  # shared: a snapshot asks for tens of thousands
     saved = {}
     for name in names:
         value = getattr(container, name, None)

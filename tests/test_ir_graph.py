@@ -73,6 +73,23 @@ def test_insert_before_and_after_place_and_name_the_nodes():
     graph.lint()
 
 
+def test_edits_in_any_order_find_each_node_where_it_is():
+    # Positions are searched from the last one found (Expand edits front to
+    # back); edits back to front, and a list changed by hand, must still
+    # find each node at its true place.
+    graph = chain(6)
+    n0, n1, n2, n3, n4, n5 = graph.nodes
+    graph.insert_after(n4, node("late", n4.outputs[0]))
+    graph.insert_before(n1, node("early", n0.outputs[0]))
+    assert names(graph) == ["n0", "early", "n1", "n2", "n3", "n4", "late", "n5"]
+    graph.replace_all_uses_with(n5.outputs[0], n4.outputs[0])
+    graph.erase_node(n5)
+    graph.nodes[:] = [n for n in graph.nodes if n.name != "late"] + [graph.node("late")]
+    graph.insert_before(n2, node("mid", n1.outputs[0]))
+    assert names(graph) == ["n0", "early", "n1", "mid", "n2", "n3", "n4", "late"]
+    graph.lint()
+
+
 def test_a_node_is_inserted_in_one_graph_only():
     graph = chain()
     with pytest.raises(GraphError, match="already in graph `chain`"):

@@ -134,3 +134,30 @@ def test_blocks_given_a_keras_mask_keep_it_when_expanded():
     assert [n.name for n in passed.kip_graph.nodes if n.name.startswith("block_")] == [
         "block_0.dense", "block_1.dense", "block_2.dense"]
     np.testing.assert_allclose(passed(ids), model(ids), atol=1e-6)
+
+
+class ScaleBlock(layers.Layer):
+    """A weight of its own (held as an attribute), and a Dense."""
+
+    def __init__(self, size, dtype="float32", **kwargs):
+        super().__init__(**kwargs)
+        self.scale = self.add_weight(shape=(size,), initializer="ones", dtype=dtype)
+        self.dense = layers.Dense(size)
+
+    def call(self, x):
+        return self.dense(x) + keras.ops.cast(keras.ops.sum(self.scale), x.dtype)
+
+
+def test_blocks_whose_weights_differ_in_shape_or_dtype_have_other_signatures():
+    # Signatures read the shapes and dtypes Keras stores on its variables
+    # (the public properties cost too much per weight); blocks with other
+    # weights must still tell apart.
+    same, other = ScaleBlock(4), ScaleBlock(4)
+    wider, in_float64 = ScaleBlock(5), ScaleBlock(4, dtype="float64")
+    narrow_input = ScaleBlock(4)
+    for block in (same, other, wider, in_float64):
+        block(np.zeros((1, 4), "float32"))
+    narrow_input(np.zeros((1, 2), "float32"))  # a kernel of another shape
+    signatures = [layer_signature(b) for b in (same, other, wider, in_float64, narrow_input)]
+    assert None not in signatures and signatures[0] == signatures[1]
+    assert len(set(signatures[1:])) == 4

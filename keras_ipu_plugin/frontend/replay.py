@@ -45,8 +45,9 @@ class _Unknown(Exception):
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _FUNCTION_TYPES = (type(len), type(lambda: None))
 # Keras's own attributes of every layer: the same for blocks of one kind,
-# or not read by `call` (node lists, trackers, the name and path).
-_KERAS_OWN = None
+# or not read by `call` (node lists, trackers, the name and path); less
+# `_COMPARED` (see `_skipped`).
+_SKIPPED = None
 # Of those, the ones a `call` (or its recorded nodes) depends on.
 _COMPARED = ("_dtype_policy", "_trainable", "autocast", "built", "_supports_masking")
 
@@ -69,16 +70,16 @@ def _signature(layer):
     if not layer.built:
         raise _Unknown  # building it may still change it
     cls = type(layer)
-    weights = tuple((tuple(w.shape), w.dtype, w.trainable) for w in layer.weights)
+    weights = tuple(map(_compat.variable_signature, layer.weights))
     if (cls.__module__ or "").split(".")[0] in LIBRARY_PACKAGES:
         return (cls, _library_config(layer), weights, layer.dtype_policy.name,
                 layer.trainable)
-    items = []
-    for name, value in vars(layer).items():
-        if (name in _keras_own() and name not in _COMPARED) or name.startswith("_self_"):
-            continue
-        items.append((name, _value_signature(value)))
-    return (cls, tuple(items), weights)
+    skipped = _skipped()
+    items = tuple(
+        (name, _value_signature(value)) for name, value in vars(layer).items()
+        if name not in skipped and not name.startswith("_self_")
+    )
+    return (cls, items, weights)
 
 
 def _library_config(layer):
@@ -93,15 +94,17 @@ def _library_config(layer):
     raise _Unknown
 
 
-def _keras_own():
-    global _KERAS_OWN
-    if _KERAS_OWN is None:
-        _KERAS_OWN = frozenset(vars(keras.layers.Layer(name="kip_bare"))) | {
+def _skipped():
+    """The attribute names a signature leaves out: Keras's own but those
+    in `_COMPARED`."""
+    global _SKIPPED
+    if _SKIPPED is None:
+        _SKIPPED = (frozenset(vars(keras.layers.Layer(name="kip_bare"))) | {
             "_auto_config", "_build_shapes_dict", "build", "quantize",
             "_call_signature", "call_signature_parameters", "_called",
             "_convert_input_args", "_allow_non_tensor_positional_args",
-        }
-    return _KERAS_OWN
+        }) - frozenset(_COMPARED)
+    return _SKIPPED
 
 
 def _value_signature(value):
@@ -110,7 +113,7 @@ def _value_signature(value):
     if isinstance(value, keras.layers.Layer):
         return ("layer", _signature(value))
     if isinstance(value, keras.Variable):
-        return ("variable", tuple(value.shape), value.dtype, value.trainable)
+        return ("variable", *_compat.variable_signature(value))
     if isinstance(value, keras.DTypePolicy):
         return ("policy", value.name)
     if isinstance(value, dict):

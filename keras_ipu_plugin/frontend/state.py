@@ -14,6 +14,7 @@ set Python attributes. None of it may stay behind:
 """
 
 import contextlib
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -79,6 +80,10 @@ class NewVariables:
             self._records.append([variable, value])
         return variable
 
+    def created_any(self):
+        """Whether any variable was recorded."""
+        return bool(self._records)
+
     def settle(self):
         """Read the variables created inside a graph trace, whose values
         exist only once the trace is over; call before anything runs them."""
@@ -142,12 +147,13 @@ class ModelState:
 
     def __init__(self, model):
         self.model = model
-        self._objects = []
+        objects = []
         for layer in _compat.all_layers(model):
-            self._objects.append(_ObjectState(layer))
+            objects.append(layer)
             tracker = vars(layer).get("_tracker")
             if tracker is not None:
-                self._objects.append(_ObjectState(tracker))
+                objects.append(tracker)
+        self._objects = _ObjectsState(objects)
         self._values = VariableValues(_state_variables(model))
         self._new = NewVariables()
         self._attributes = {}  # id(layer) -> _PlainAttributes
@@ -172,13 +178,15 @@ class ModelState:
     def restore_after_success(self):
         self._new.settle()
         self._values.restore()
-        self._new.restore(_state_variables(self.model))
+        if self._new.created_any():  # (listing the model's variables is not free)
+            self._new.restore(_state_variables(self.model))
         for attributes in self._attributes.values():
             attributes.restore()
 
     def undo_after(self, error):
         """Put everything back after `error`; note on it what could not be."""
-        steps = [state.restore for state in self._objects]
+        steps = [functools.partial(self._objects.restore_object, index)
+                 for index in range(len(self._objects.objects))]
         steps += [self._values.restore, lambda: self._new.restore(_state_variables(self.model))]
         for step in steps:
             try:
@@ -252,17 +260,19 @@ class _PlainAttributes:
 
 
 def _is_users(name, value):
-    if name in _compat.LAYER_BOOKKEEPING:
-        return False
-    if name.startswith(_compat.TRACKABLE_PREFIX):
-        return False
-    return _is_plain(value)
+    # The value first: most attributes of a layer are not plain.
+    return (_is_plain(value) and name not in _compat.LAYER_BOOKKEEPING
+            and not name.startswith(_compat.TRACKABLE_PREFIX))
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
+_PLAIN_TYPES = frozenset(_PLAIN[:-1])  # exactly these types: a set lookup
 
 
 def _is_plain(value):
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return True
     if isinstance(value, (tuple, frozenset)):
         return all(_is_plain(item) for item in value)
     return isinstance(value, _PLAIN)
@@ -273,57 +283,116 @@ def _is_user_class(layer):
     return module.split(".")[0] not in LIBRARY_PACKAGES
 
 
-class _ObjectState:
-    """One object's `__dict__`, and the contents of every list / dict / set
-    reachable from it through containers only."""
+class _ObjectsState:
+    """The `__dict__` of each of `objects`, and the contents of every list /
+    dict / set reachable from them through containers only (each container
+    once, however many objects reach it).
 
-    def __init__(self, obj):
-        self.obj = obj
-        self.attributes = dict(vars(obj))
-        self.containers = []  # (raw container, contents, (wrapper, bookkeeping))
+    It is all kept in a few flat lists. A snapshot of a 500-block model
+    covers about 75,000 containers, most of them empty; a copy (or a tuple)
+    per container, as the obvious snapshot makes, is 120,000 objects, and
+    every object allocated brings Python's cyclic collector closer to a
+    full collection, which walks every object of the process (TensorFlow's
+    included) and cost more than the rest of the conversion. Here a
+    container costs an entry in each of `storages` and `lengths` and its
+    items in `items` (a dict's keys, then its values).
+
+    Example:
+        >>> state = _ObjectsState([layer, vars(layer)["_tracker"]])
+        >>> state.restore_object(0)    # the layer's attributes and containers
+    """
+
+    def __init__(self, objects):
+        self.objects = list(objects)
+        self._attribute_counts, self._names, self._values = [], [], []
+        self._container_counts = []
+        self._storages = []  # the raw containers (`_compat.raw_container`)
+        self._lengths = []  # the number of items of each
+        self._items = []  # their items, flat (a dict's keys, then its values)
+        self._wrappers = {}  # index in `_storages` -> (TF wrapper, its bookkeeping)
         seen = set()
-        self._remember_all(self.attributes.values(), seen)
+        for obj in self.objects:
+            state = vars(obj)
+            self._attribute_counts.append(len(state))
+            self._names.extend(state)
+            self._values.extend(state.values())
+            before = len(self._storages)
+            self._remember_all(state.values(), seen)
+            self._container_counts.append(len(self._storages) - before)
 
     def _remember_all(self, values, seen):
         # A set lookup skips the values that are not containers (Keras's
         # node lists hold one Node per call ever made): this runs for every
         # attribute of every layer, twice per conversion.
-        never = _compat.NEVER_CONTAINERS
+        never, own = _compat.NEVER_CONTAINERS, _compat.OWN_STORAGE
+        storages, lengths, items = self._storages, self._lengths, self._items
         for value in values:
-            if type(value) not in never:
-                self._remember(value, seen)
+            kind = type(value)
+            if kind in never:
+                continue
+            if kind in own:  # Keras's tracked containers: no wrapper
+                storage = value
+                if id(storage) in seen:
+                    continue
+            else:
+                storage = _compat.raw_container(value)
+                if storage is None or id(storage) in seen:
+                    continue
+                bookkeeping = _compat.wrapper_bookkeeping(value)
+                if bookkeeping:
+                    self._wrappers[len(storages)] = (value, bookkeeping)
+            seen.add(id(storage))
+            storages.append(storage)
+            lengths.append(len(storage))
+            if not storage:
+                continue
+            if isinstance(storage, dict):
+                items.extend(dict.keys(storage))
+                items.extend(dict.values(storage))
+                self._remember_all(dict.values(storage), seen)
+            else:
+                items.extend(storage)
+                self._remember_all(storage, seen)
 
-    def _remember(self, value, seen):
-        storage = _compat.raw_container(value)
-        if storage is None or id(storage) in seen:
-            return
-        seen.add(id(storage))
-        contents = dict.copy(storage) if isinstance(storage, dict) else list(storage)
-        bookkeeping = _compat.wrapper_bookkeeping(value)
-        self.containers.append((storage, contents, (value, bookkeeping)))
-        self._remember_all(list(contents.values() if isinstance(contents, dict) else contents),
-                           seen)
-
-    def restore(self):
-        current = vars(self.obj)
-        for name in [name for name in current if name not in self.attributes]:
+    def restore_object(self, index):
+        """Put back the attributes of `objects[index]` and the containers
+        first reached from it."""
+        first_attribute = sum(self._attribute_counts[:index])
+        end = first_attribute + self._attribute_counts[index]
+        attributes = dict(zip(self._names[first_attribute:end],
+                              self._values[first_attribute:end]))
+        current = vars(self.objects[index])
+        for name in [name for name in current if name not in attributes]:
             del current[name]
-        for name, value in self.attributes.items():
+        for name, value in attributes.items():
             if current.get(name, _MISSING) is not value:
                 current[name] = value
+        first = sum(self._container_counts[:index])
+        position = sum(
+            length * (2 if isinstance(storage, dict) else 1)
+            for storage, length in zip(self._storages[:first], self._lengths[:first])
+        )
         # The base-class methods on the raw containers: Keras's and
         # TensorFlow's tracked containers would re-track (and so
         # re-register) every item put back through their own.
-        for storage, contents, (wrapper, bookkeeping) in self.containers:
-            if isinstance(storage, list):
-                list.__setitem__(storage, slice(None), contents)
-            elif isinstance(storage, dict):
+        for container in range(first, first + self._container_counts[index]):
+            storage, length = self._storages[container], self._lengths[container]
+            if isinstance(storage, dict):
+                keys = self._items[position:position + length]
+                values = self._items[position + length:position + 2 * length]
+                position += 2 * length
                 dict.clear(storage)
-                dict.update(storage, contents)
+                dict.update(storage, zip(keys, values))
             else:
-                set.clear(storage)
-                set.update(storage, contents)
-            _compat.restore_wrapper_bookkeeping(wrapper, bookkeeping)
+                items = self._items[position:position + length]
+                position += length
+                if isinstance(storage, list):
+                    list.__setitem__(storage, slice(None), items)
+                else:
+                    set.clear(storage)
+                    set.update(storage, items)
+            if container in self._wrappers:
+                _compat.restore_wrapper_bookkeeping(*self._wrappers[container])
 
 
 _MISSING = object()

@@ -800,8 +800,7 @@ def _fresh_keras_tensor(tensor):
         return None
     if not isinstance(tensor, keras.KerasTensor):
         raise TypeError(f"`call` returned a {type(tensor).__name__}")
-    return keras.KerasTensor(tensor.shape, dtype=tensor.dtype, sparse=tensor.sparse,
-                             ragged=tensor.ragged)
+    return _compat.keras_tensor_like(tensor)
 
 
 def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_names=None,

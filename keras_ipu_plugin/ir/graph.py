@@ -264,6 +264,7 @@ class Graph:
         self.input_values = input_values  # same nest, of Values
         self.name = name
         self._nodes = []
+        self._last_position = 0  # where `_position` found a node last (a hint)
         self.names = Namespace()  # the names of the nodes, one namespace
         self.nodes = nodes
         self.outputs = outputs  # nest of Values
@@ -313,9 +314,24 @@ class Graph:
         node.graph = None
 
     def _position(self, node):
+        self._check_in_graph(node)
+        # Edits come in order (Expand walks the graph front to back, each
+        # inlining next to the last): searching from the last position found
+        # keeps an expansion of N blocks linear, where `index` from the
+        # start made it quadratic. The position is always the list's own.
+        nodes, start = self._nodes, self._last_position
+        if start < len(nodes) and nodes[start] is node:
+            return start
+        try:
+            index = nodes.index(node, start)
+        except ValueError:
+            index = nodes.index(node)
+        self._last_position = index
+        return index
+
+    def _check_in_graph(self, node):
         if node.graph is not self:
             raise GraphError(f"Node `{node.name}` is not in graph `{self.name}`.")
-        return self._nodes.index(node)
 
     # -- editing -------------------------------------------------------------
     def insert_before(self, anchor, nodes):
@@ -362,7 +378,7 @@ class Graph:
     def erase_node(self, node):
         """Remove `node`, which nothing may read any more (replace its uses
         first): erasing a node still read would leave a dangling input."""
-        self._position(node)
+        position = self._position(node)
         users = node.users
         if users:
             raise GraphError(
@@ -387,7 +403,7 @@ class Graph:
                     "(replace_all_uses_with first)."
                 )
         self._detach(node)
-        self._nodes.remove(node)
+        del self._nodes[position]
         self.names.discard(node.name)
         for value in node.outputs:  # its masks no longer refer to it
             value.mask = None
@@ -396,7 +412,7 @@ class Graph:
         """Give nodes new names at once (`{node: name}`; names may swap):
         the names must stay unique."""
         for node, name in names.items():
-            self._position(node)
+            self._check_in_graph(node)
             node.name = name
         taken = Namespace()
         for node in self._nodes:

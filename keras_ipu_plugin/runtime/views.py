@@ -25,6 +25,12 @@ LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
 
 _VIEWED = "_kip_viewed_layer"  # in a view's own dict: the layer it views
 
+# Types whose values are neither layers nor containers (learnt as views are
+# made): a view of a model copies every attribute of every layer, most of
+# them Keras's bookkeeping, and a set lookup is cheaper than four isinstance
+# checks each.
+_HOLDS_NO_LAYER = {bool, int, float, str, bytes, type(None)}
+
 
 def layer_view(layer, view_class, memo=None):
     """A view of `layer` whose class is `view_class(type(layer), user_call)`;
@@ -42,6 +48,9 @@ def layer_view(layer, view_class, memo=None):
     memo[id(layer)] = view
 
     def views_in(value):
+        kind = type(value)
+        if kind in _HOLDS_NO_LAYER:
+            return value
         if isinstance(value, keras.layers.Layer):
             return layer_view(value, view_class, memo)
         if isinstance(value, (list, tuple)) and any(isinstance(v, keras.layers.Layer) for v in value):
@@ -49,6 +58,8 @@ def layer_view(layer, view_class, memo=None):
             return tuple(views) if isinstance(value, tuple) else views
         if isinstance(value, dict) and any(isinstance(v, keras.layers.Layer) for v in value.values()):
             return {k: views_in(v) for k, v in value.items()}
+        if not isinstance(value, (list, tuple, dict)):
+            _HOLDS_NO_LAYER.add(kind)
         return value
 
     state = {name: views_in(value) for name, value in vars(layer).items()}
