@@ -181,8 +181,8 @@ def _stage_function(graph, names, values):
     import numpy as np
     import tensorflow as tf
 
-    from keras_ipu_plugin import _compat
     from keras_ipu_plugin.passes import node_costs
+    from keras_ipu_plugin.passes.stage_timing import stage_forward_and_backward
 
     wanted = set(names)
     nodes = [node for node in graph.nodes if node.name in wanted]
@@ -206,23 +206,8 @@ def _stage_function(graph, names, values):
     upstream = [tf.constant(rng.normal(size=values[id(v)].shape) * 0.1, values[id(v)].dtype)
                 for v in outputs]
 
-    def forward_and_backward(input_tensors, weight_values, seeds):
-        tensors = {id(value): tensor for value, tensor in zip(inputs, input_tensors)}
-        sources = [t for t in input_tensors if t.dtype.is_floating] + [
-            w for v, w in zip(weights, weight_values) if id(v) in trainable]
-        with tf.GradientTape() as tape:
-            tape.watch(sources)
-            with _compat.stateless_scope(list(zip(weights, weight_values)),
-                                         collect_losses=True):
-                for node in nodes:
-                    args, kwargs = node_costs._call_arguments(node, tensors)
-                    results = keras.tree.flatten(node.operation(*args, **kwargs))
-                    tensors.update(zip((id(v) for v in node.outputs), results))
-        ends = [tensors[id(v)] for v in outputs]
-        gradients = tape.gradient(ends, sources, output_gradients=list(seeds),
-                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
-        return [g.values if isinstance(g, tf.IndexedSlices) else g
-                for g in gradients if g is not None] + ends
+    # The same forward and backward pass the planner times its stages with.
+    forward_and_backward = stage_forward_and_backward(nodes, inputs, weights, trainable, outputs)
 
     arguments = ([values[id(v)] for v in inputs], [v.value for v in weights], upstream)
     return tf.function(forward_and_backward, autograph=False), arguments

@@ -55,6 +55,37 @@ def time_stages(graph, batch, partitions, repeats=5):
             for partition in partitions]
 
 
+def stage_forward_and_backward(nodes, inputs, weights, trainable, outputs):
+    """`f(input_tensors, weight_values, upstream)`: the forward pass of
+    `nodes` under a tape on `input_tensors` (for the Values `inputs`) and
+    `weight_values` (for the variables `weights`, through a StatelessScope),
+    then the backward pass from `upstream` (gradients of the Values
+    `outputs`) to the floating inputs and the `trainable` weights (ids).
+    Returns the gradients and the outputs, for a caller to wait on."""
+
+    def forward_and_backward(input_tensors, weight_values, upstream):
+        tensors = {id(value): tensor for value, tensor in zip(inputs, input_tensors)}
+        sources = [t for t in input_tensors if node_costs._floating(t.dtype)] + [
+            w for v, w in zip(weights, weight_values) if id(v) in trainable]
+        with tf.GradientTape() as tape:
+            tape.watch(sources)
+            with _compat.stateless_scope(list(zip(weights, weight_values)),
+                                         collect_losses=True):
+                for node in nodes:
+                    args, kwargs = node_costs._call_arguments(node, tensors)
+                    results = keras.tree.flatten(node.operation(*args, **kwargs))
+                    tensors.update(zip((id(v) for v in node.outputs), results))
+        ends = [tensors[id(value)] for value in outputs]
+        if not sources or not ends:
+            return ends or [tf.zeros(())]
+        gradients = tape.gradient(ends, sources, output_gradients=list(upstream),
+                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
+        return [g.values if isinstance(g, tf.IndexedSlices) else g
+                for g in gradients if g is not None] + ends
+
+    return forward_and_backward
+
+
 def _stage_function(graph, first, last, batch, rng):
     """(a traced forward-and-backward of `graph.nodes[first:last + 1]`, its
     random arguments)."""
@@ -78,25 +109,7 @@ def _stage_function(graph, first, last, batch, rng):
                 weights.append(variable)
         trainable |= {id(v) for v in getattr(operation, "trainable_weights", [])}
 
-    def forward_and_backward(input_tensors, weight_values, upstream):
-        tensors = {id(value): tensor for value, tensor in zip(inputs, input_tensors)}
-        sources = [t for t in input_tensors if node_costs._floating(t.dtype)] + [
-            w for v, w in zip(weights, weight_values) if id(v) in trainable]
-        with tf.GradientTape() as tape:
-            tape.watch(sources)
-            with _compat.stateless_scope(list(zip(weights, weight_values)),
-                                         collect_losses=True):
-                for node in nodes:
-                    args, kwargs = node_costs._call_arguments(node, tensors)
-                    results = keras.tree.flatten(node.operation(*args, **kwargs))
-                    tensors.update(zip((id(v) for v in node.outputs), results))
-        ends = [tensors[id(value)] for value in outputs]
-        if not sources or not ends:
-            return ends or [tf.zeros(())]
-        gradients = tape.gradient(ends, sources, output_gradients=list(upstream),
-                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
-        return [g.values if isinstance(g, tf.IndexedSlices) else g
-                for g in gradients if g is not None] + ends
+    forward_and_backward = stage_forward_and_backward(nodes, inputs, weights, trainable, outputs)
 
     specs = (
         [tf.TensorSpec(*node_costs._shape_and_dtype(v.spec, batch)) for v in inputs],
