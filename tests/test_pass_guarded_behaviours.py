@@ -167,10 +167,10 @@ class NoisyBlock(layers.Layer):
 
 
 class NoisyNet(keras.Model):
-    def __init__(self, **kwargs):
+    def __init__(self, block=None, **kwargs):
         super().__init__(**kwargs)
         self.stem = layers.Dense(16, name="stem")
-        self.blocks = [NoisyBlock(name=f"block_{i}") for i in range(3)]
+        self.blocks = [(block or NoisyBlock)(name=f"block_{i}") for i in range(3)]
         self.head = layers.Dense(1, name="head")
 
     def call(self, x, training=None):
@@ -256,23 +256,9 @@ class DropBlock(layers.Layer):
         return x + self.out(self.dropout(self.dense(x), training=training))
 
 
-class DropNet(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.stem = layers.Dense(16, name="stem")
-        self.blocks = [DropBlock(name=f"block_{i}") for i in range(3)]
-        self.head = layers.Dense(1, name="head")
-
-    def call(self, x, training=None):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x, training=training)
-        return self.head(x)
-
-
 def _drop_twin():
     keras.utils.set_random_seed(12)
-    model = DropNet(name="drop_net")
+    model = NoisyNet(DropBlock, name="drop_net")
     model(_rand(2, 8))
     return model
 
