@@ -1163,25 +1163,28 @@ def _sequences_in(structure):
     return found
 
 
+def _at(error, where):
+    """` (`file:line: source`) in `layer`` for a reason: the user's line
+    that failed (when found) and the layer it failed in."""
+    line = _user_source_line(error)
+    return (f" (`{line}`)" if line else "") + (f" in `{where}`" if where else "")
+
+
 def _describe_failure(error, default=None):
     where = _failing_layer(error) or default
     if _TF_ON_SYMBOL in str(error):
         # Keras's message lists what a KerasTensor is; say which line of the
         # user's code did it, and what to write instead.
-        line = _user_source_line(error)
-        at = f" (`{line}`)" if line else ""
         return (
-            f"`call` applies a TensorFlow function to a symbolic tensor{at}"
-            f"{f' in `{where}`' if where else ''}: only `keras.ops` and Keras "
+            f"`call` applies a TensorFlow function to a symbolic tensor{_at(error, where)}"
+            ": only `keras.ops` and Keras "
             "layers trace into a graph; write it with `keras.ops` (e.g. "
             "`ops.square` for `tf.square`) for the layer to expand"
         )
     if _SYMBOLIC_SHAPE.search(str(error)):
-        line = _user_source_line(error)
-        at = f" (`{line}`)" if line else ""
         return (
             f"`call` gives an operation a shape or size computed from tensor "
-            f"values{at}{f' in `{where}`' if where else ''}: the output's shape "
+            f"values{_at(error, where)}: the output's shape "
             "then depends on the data, which a Keras graph cannot hold; give it "
             "a Python number or a static dimension for the layer to expand"
         )
@@ -1189,11 +1192,9 @@ def _describe_failure(error, default=None):
         # Python control flow on a tensor's value: one graph cannot hold both
         # branches. Say which line branches (keras_hub's RoFormer-v2
         # positional embedding) rather than only Keras's words.
-        line = _user_source_line(error)
-        at = f" (`{line}`)" if line else ""
         return (
             f"`call` uses a tensor's value as a boolean in Python control flow (`if`, `while`, "
-            f"`and`/`or`){at}{f' in `{where}`' if where else ''}: the branch taken "
+            f"`and`/`or`){_at(error, where)}: the branch taken "
             "depends on the data, which one graph cannot hold; the layer runs whole "
             "(it still trains); computing both results and choosing with `ops.where` lets it expand"
         )
