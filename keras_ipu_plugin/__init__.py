@@ -15,6 +15,7 @@ from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
 from keras_ipu_plugin.errors import IpuError
+from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.convert import Converter
 from keras_ipu_plugin.frontend.convert import convert_to_functional
@@ -36,7 +37,7 @@ from keras_ipu_plugin.training.scope import scope_report
 
 __all__ = [
     "ConfigError", "ConversionError", "Converter", "InputDataError", "InputTypeError",
-    "IpuError", "KipFunctional", "LayerAlias", "NewVariablesError", "OpaqueLayer", "PassError",
+    "IpuError", "KipFunctional", "LayerAlias", "LoadError", "NewVariablesError", "OpaqueLayer", "PassError",
     "PluginCallback", "PluginModel", "Report", "apply_passes", "backend",
     "convert_to_functional", "ipu_replacements", "passes", "passes_from_config",
     "register_layer", "scope", "scope_report", "summary",

@@ -959,3 +959,10 @@ def masks_keras_would_pass(layer, args, kwargs):
             if mask_name in call_spec.argument_names and call_spec.arguments_dict[mask_name] is None:
                 added[mask_name] = tree.map_structure(keras_mask, value)
     return added
+
+
+#: Where Keras defines its `keras.ops` operation classes (what a saved
+#: `BatchSizedOperation` may hold; Keras saves them by this module).
+KERAS_OPERATION_MODULES = ("keras.src.ops",)
+#: Where a saved `keras.random.SeedGenerator` says it is from.
+SEED_GENERATOR_MODULES = ("keras.random", "keras.src.random")

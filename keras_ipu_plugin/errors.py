@@ -55,6 +55,20 @@ class PassError(ValueError):
     """A pass cannot be applied (a target matches nothing, a bad parameter)."""
 
 
+class LoadError(ValueError):
+    """A saved model names something kip will not load: a TensorFlow
+    function outside the table its tracer records, a value of the wrong
+    type, an unknown key. Nothing the file names has run when it is raised;
+    the message names the layer and the entry.
+
+    Example:
+        >>> try:
+        ...     keras.models.load_model("untrusted.keras")
+        ... except kip.LoadError as e:
+        ...     print(e)   # TFFunction `evil`: refusing `tf.io.write_file` ...
+    """
+
+
 class IpuError(ValueError):
     """The IPU backend cannot do what was asked with Graphcore's SDK; the
     message names the model, layer or option and says what to do instead.

@@ -10,10 +10,11 @@ tf_function.py`), through TensorFlow's public dispatch for custom types
 (`tf.experimental.dispatch_for_api`).
 
 Covered: TensorFlow's elementwise functions (unary and binary: `tf.math.*`,
-`tf.nn.relu`, ...) and the common non-elementwise ones in `_FUNCTIONS`.
+`tf.nn.relu`, ...) and the common non-elementwise ones: exactly the table
+`runtime/tf_function_table.py`, which is also all a saved model may name.
 Random functions are never recorded (the graph would not keep their seeds),
-nor is anything TensorFlow does not export publicly: those still raise, and
-the layer stays whole with that reason, as before.
+nor is anything outside the table: those still raise, and the layer stays
+whole with that reason, as before.
 
 The dispatch targets are registered once, on the first trace, and decline
 (`NotImplemented`, TensorFlow's own behaviour follows) on every call made
@@ -37,41 +38,10 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.tf_function import TFFunction
 from keras_ipu_plugin.runtime.tf_function import public_name_of
-from keras_ipu_plugin.runtime.tf_function import tf_function_named
+from keras_ipu_plugin.runtime.tf_function_table import ELEMENTWISE
+from keras_ipu_plugin.runtime.tf_function_table import TENSOR_PARAMETERS
+from keras_ipu_plugin.runtime.tf_function_table import function_at
 
-# Non-elementwise TensorFlow functions recorded, with the parameters that
-# make a call on a symbolic tensor (one of them must be one; a list
-# parameter, a list of them).
-_FUNCTIONS = {
-    # reductions and scans
-    "math.reduce_sum": ("input_tensor",), "math.reduce_mean": ("input_tensor",),
-    "math.reduce_max": ("input_tensor",), "math.reduce_min": ("input_tensor",),
-    "math.reduce_prod": ("input_tensor",), "math.reduce_logsumexp": ("input_tensor",),
-    "math.reduce_std": ("input_tensor",), "math.reduce_variance": ("input_tensor",),
-    "math.reduce_any": ("input_tensor",), "math.reduce_all": ("input_tensor",),
-    "math.reduce_euclidean_norm": ("input_tensor",), "norm": ("tensor",),
-    "math.argmax": ("input",), "math.argmin": ("input",), "math.top_k": ("input",),
-    "math.cumsum": ("x",), "math.cumprod": ("x",), "nn.moments": ("x",),
-    "math.l2_normalize": ("x",), "clip_by_norm": ("t",),
-    "math.unsorted_segment_sum": ("data", "segment_ids", "num_segments"),
-    "math.segment_sum": ("data", "segment_ids"), "math.segment_mean": ("data", "segment_ids"),
-    "math.segment_max": ("data", "segment_ids"),
-    # neural network functions
-    "nn.softmax": ("logits",), "nn.log_softmax": ("logits",),
-    "nn.bias_add": ("value", "bias"), "nn.conv1d": ("input", "filters"),
-    "nn.conv2d": ("input", "filters"), "nn.depth_to_space": ("input",),
-    "nn.space_to_depth": ("input",), "linalg.matmul": ("a", "b"),
-    "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
-    "image.resize": ("images",), "image.extract_patches": ("images",),
-    # shapes, indexing, joining
-    "reshape": ("tensor", "shape"), "transpose": ("a",), "expand_dims": ("input",),
-    "squeeze": ("input",), "tile": ("input", "multiples"), "broadcast_to": ("input", "shape"),
-    "pad": ("tensor",), "shape": ("input",), "size": ("input",), "slice": ("input_",),
-    "gather": ("params", "indices"), "gather_nd": ("params", "indices"),
-    "one_hot": ("indices",), "where": ("condition", "x", "y"),
-    "split": ("value",), "unstack": ("value",),
-    "concat": ("*values",), "stack": ("*values",), "math.add_n": ("*inputs",),
-}
 _LIST_PARAMETER = "*"
 
 _state = threading.local()
@@ -106,8 +76,8 @@ def _register_once():
             _register(function, lambda names: [{names[0]: symbolic}])
         for function in binary:
             _register(function, lambda names: [{names[0]: symbolic}, {names[1]: symbolic}])
-        for path, parameters in _FUNCTIONS.items():
-            function = tf_function_named(path)
+        for path, parameters in TENSOR_PARAMETERS.items():
+            function = function_at(path, "tracing")
             _register(function, lambda names, parameters=parameters: [
                 {name.lstrip(_LIST_PARAMETER): typing.List[symbolic]
                  if name.startswith(_LIST_PARAMETER) else symbolic}
@@ -118,8 +88,8 @@ def _register_once():
 
 def _register(function, signatures_for):
     path = public_name_of(function)
-    if path is None or "random" in path:
-        return  # not public (it could not be saved), or random (no seed kept)
+    if path is None or (path not in ELEMENTWISE and path not in TENSOR_PARAMETERS):
+        return  # outside the table: it could not be loaded (random: no seed kept)
     signature = inspect.signature(function)
     signatures = signatures_for(list(signature.parameters))
     if not signatures:

@@ -10,10 +10,12 @@ its layer's name or its class): the block's nodes, which the annotation
 passes treat as one (a checkpoint after its last node, say).
 """
 
+import difflib
 import inspect
 
 import keras
 
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
@@ -94,12 +96,26 @@ class Pass:
         return cls.from_config(value)
 
 
+class LayerName(str):
+    """A target string that is a layer name or path even when it spells a
+    layer class (what a saved pass holds: classes are saved as
+    `{"class": name}`)."""
+
+
 def as_targets(targets):
-    """A tuple of targets from one target or a list of them."""
+    """A tuple of targets from one target or a list of them. A string that
+    names a layer class (`"LayerNormalization"`, `"keras_hub>LlamaLayerNorm"`)
+    is that class, as in configs.
+
+    Example:
+        >>> as_targets("LayerNormalization")
+        (<class 'keras.src.layers.normalization.layer_normalization.LayerNormalization'>,)
+    """
     if isinstance(targets, (list, tuple, set, frozenset)):
         targets = tuple(targets)
     else:
         targets = (targets,)
+    targets = tuple(_class_or_name(target) for target in targets)
     for target in targets:
         if not (isinstance(target, (str, Chain)) or _is_layer_class(target)):
             raise PassError(
@@ -107,6 +123,14 @@ def as_targets(targets):
                 f"or 'all'; got {target!r}."
             )
     return targets
+
+
+def _class_or_name(target):
+    if type(target) is str and target != ALL:
+        cls = class_named(target)
+        if cls is not None:
+            return cls
+    return target
 
 
 def matches(node, target):
@@ -146,10 +170,7 @@ def matched_nodes(graph, targets, step):
     for target in targets:
         hits = nodes_matching(graph, target)
         if not hits:
-            raise PassError(
-                f"{step}: target {describe(target)} matches no layer of the "
-                f"model `{graph.name}` (layers: {_layer_names(graph)})."
-            )
+            raise unmatched_target(step, target, graph)
         found.extend(node for node in hits if node not in found)
     return [node for node in graph.nodes if node in found]
 
@@ -187,10 +208,7 @@ def matched_nodes_and_blocks(graph, targets, step):
         hits = nodes_matching(graph, target)
         inlined = matched_blocks(graph, target)
         if not hits and not inlined:
-            raise PassError(
-                f"{step}: target {describe(target)} matches no layer of the "
-                f"model `{graph.name}` (layers: {_layer_names(graph)})."
-            )
+            raise unmatched_target(step, target, graph)
         nodes.update(id(node) for node in hits)
         for block, block_nodes in inlined:
             if id(block) not in seen:
@@ -215,10 +233,33 @@ def describe(target):
     return f"class {target.__name__}"
 
 
-def _layer_names(graph):
-    names = [node.name for node in graph.nodes if node.is_layer]
-    text = ", ".join(names[:12])
-    return text + (", ..." if len(names) > 12 else "")
+def unmatched_target(step, target, graph):
+    """The error for a target matching nothing: the layers' paths (nested
+    layers of blocks not expanded too) and classes nearest to it, or the
+    first of them."""
+    paths, classes = [], []
+    for node in graph.nodes:
+        if not node.is_layer:
+            continue
+        paths.append(node.name)
+        classes.append(type(node.operation).__name__)
+        for layer in _compat.sub_layers(node.operation):
+            paths.append(f"{node.name}.{layer.name}")
+            classes.append(type(layer).__name__)
+    classes = list(dict.fromkeys(classes))
+    wanted = target if isinstance(target, str) else getattr(target, "__name__", "")
+    near_paths = difflib.get_close_matches(wanted, paths, n=5, cutoff=0.5)
+    near_classes = difflib.get_close_matches(wanted, classes, n=3, cutoff=0.5)
+    if near_paths or near_classes:
+        hint = "nearest: " + ", ".join([*near_paths, *(f"class {c}" for c in near_classes)])
+    else:
+        hint = "layers: " + ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
+        hint += "; classes: " + ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+    return PassError(
+        f"{step}: target {describe(target)} matches no layer of the model `{graph.name}` "
+        f"({hint}). A target is a layer's path or name, a layer class (or its name), "
+        "or a kip.passes.Chain."
+    )
 
 
 def _is_layer_class(target):
@@ -343,7 +384,7 @@ def targets_from_config(value, owner):
 
 def _target_from_config(value, owner):
     if isinstance(value, str):
-        return value
+        return value if value == ALL else LayerName(value)
     if isinstance(value, dict) and set(value) == {"chain"}:
         return Chain.from_config(value, owner)
     if isinstance(value, dict) and set(value) == {"class"} and isinstance(value["class"], str):

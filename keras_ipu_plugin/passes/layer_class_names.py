@@ -39,9 +39,14 @@ def register_layer(cls, name=None):
 
 def class_named(name):
     """The layer class `name` names, or None when it names none."""
+    if not isinstance(name, str):
+        return None
     if name in _registry:
         return _registry[name]
-    for candidate in (getattr(keras.layers, name, None), keras.saving.get_registered_object(name)):
+    # A public name of keras.layers only: never a private or dunder attribute.
+    builtin = getattr(keras.layers, name, None) if name.isidentifier() and not name.startswith(
+        "_") else None
+    for candidate in (builtin, keras.saving.get_registered_object(name)):
         if is_layer_class(candidate):
             return candidate
     return None

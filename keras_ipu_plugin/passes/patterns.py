@@ -19,6 +19,7 @@ Example:
     [['dense_1', 'gelu'], ['dense_3', 'gelu_1']]
 """
 
+import functools
 import re
 
 import keras
@@ -28,8 +29,10 @@ from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.passes.layer_class_names import class_named
 from keras_ipu_plugin.passes.layer_class_names import name_of_class
 from keras_ipu_plugin.runtime.tf_function import TFFunction
+from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.runtime.tf_function import public_name_of
-from keras_ipu_plugin.runtime.tf_function import tf_function_named
+from keras_ipu_plugin.runtime.tf_function_table import RECORDED
+from keras_ipu_plugin.runtime.tf_function_table import function_at
 
 
 class Chain:
@@ -189,8 +192,13 @@ def _step(step):
         if name and getattr(keras.ops, name, None) is step:
             return _OperationStep("op", name)
         path = public_name_of(step)
-        if path is not None:
+        if path is not None and path in RECORDED:
             return _OperationStep("tf", path)
+        if path is not None:
+            raise PassError(
+                f"A chain step `tf.{path}` never matches: kip records only the TensorFlow "
+                "functions of its table (keras_ipu_plugin.runtime.tf_function_table.RECORDED)."
+            )
     raise PassError(
         f"A chain step is a layer class, a layer name, a keras.ops function or a "
         f"TensorFlow function; got {short_repr(step)}."
@@ -207,18 +215,29 @@ def _step_from_config(item, owner):
             if cls is None:
                 raise PassError(f"{owner}: unknown layer class {short_repr(name)} in a chain.")
             return _LayerStep(cls)
-        if kind == "op" and isinstance(name, str) and callable(getattr(keras.ops, name, None)):
+        if kind == "op" and isinstance(name, str):
+            if name not in _keras_ops_names():
+                raise PassError(f"{owner}: {short_repr(name)} is not a public keras.ops "
+                                "function (a chain step {'op': name}).")
             return _OperationStep("op", name)
         if kind == "tf" and isinstance(name, str):
             try:
-                tf_function_named(name)
-            except ValueError as error:
-                raise PassError(f"{owner}: {error}.") from None
+                function_at(name, f"{owner} chain step")
+            except LoadError as error:
+                raise PassError(str(error)) from None
             return _OperationStep("tf", name)
     raise PassError(
         f"{owner}: a chain step is a layer name, {{'class': name}}, {{'op': keras.ops name}} "
         f"or {{'tf': TensorFlow path}}; got {short_repr(item)}."
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _keras_ops_names():
+    """The public `keras.ops` function names: what a config's `{op: name}`
+    may name (looked up in this set, never as an attribute of the text)."""
+    return frozenset(name for name in dir(keras.ops)
+                     if not name.startswith("_") and callable(getattr(keras.ops, name)))
 
 
 def _snake(name):

@@ -19,6 +19,7 @@ from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import nodes_matching
+from keras_ipu_plugin.passes.base import unmatched_target
 from keras_ipu_plugin.passes.base import register_pass
 from keras_ipu_plugin.passes.base import saved_config
 from keras_ipu_plugin.passes.base import targets_config
@@ -112,8 +113,7 @@ class Replace(Pass):
                 continue
             nodes = nodes_matching(graph, target)
             if not nodes:
-                raise PassError(f"replace: target {describe(target)} matches no layer of "
-                                f"the model `{graph.name}`.")
+                raise unmatched_target("replace", target, graph)
             # The new layers are ours to name: after their node's path
             # (`block_1.conv1`) unless `params` names them, each name once.
             chosen = set(nodes)

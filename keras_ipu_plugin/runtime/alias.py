@@ -17,6 +17,7 @@ import inspect
 import keras
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime import saved_values
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -75,5 +76,14 @@ class LayerAlias(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        config["layer"] = keras.saving.deserialize_keras_object(config["layer"])
+        entry = f"LayerAlias `{config.get('name')}`"
+        saved_values.saved_bool(config.get("tensor_outputs_only", False), entry,
+                                "tensor_outputs_only")
+        layer = config.get("layer")
+        if not isinstance(layer, dict):
+            saved_values.refuse(entry, "layer", "a saved layer", layer)
+        # The aliased layer is the user's: Keras makes it, under its safe mode.
+        config["layer"] = keras.saving.deserialize_keras_object(layer)
+        if not isinstance(config["layer"], keras.layers.Layer):
+            saved_values.refuse(entry, "layer", "a saved layer", type(config["layer"]).__name__)
         return cls(**config)

@@ -23,6 +23,7 @@ import keras
 import numpy as np
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime import saved_values
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -39,7 +40,7 @@ class BatchSizedOperation(keras.layers.Layer):
         # The operation's inputs keep their dtypes, as they did in `call`.
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
-        if isinstance(operation, dict):
+        if isinstance(operation, dict):  # loaded: checked by from_config
             operation = keras.saving.deserialize_keras_object(operation)
         self.operation = operation
         self.attributes = tuple(attributes)
@@ -129,6 +130,39 @@ class BatchSizedOperation(keras.layers.Layer):
         if self.multiples:
             config["multiples"] = self.multiples
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        entry = f"BatchSizedOperation `{config.get('name')}`"
+        operation = saved_values.saved_keras_object(
+            config.get("operation"), entry, "operation", keras.Operation,
+            modules=_compat.KERAS_OPERATION_MODULES)
+        if isinstance(operation, keras.layers.Layer):
+            saved_values.refuse(entry, "operation", "a keras.ops operation",
+                                type(operation).__name__)
+        shapes = operation.get_config()
+        attributes = config.get("attributes")
+        if not isinstance(attributes, list) or not all(
+                isinstance(name, str) and name in shapes and not name.startswith("_")
+                and name != "name" for name in attributes):
+            saved_values.refuse(entry, "attributes",
+                                f"a list of {type(operation).__name__}'s shape arguments",
+                                attributes)
+        multiples = config.get("multiples") or {}
+        if not isinstance(multiples, dict):
+            saved_values.refuse(entry, "multiples", "a mapping", multiples)
+        for name, multiple in multiples.items():
+            if name not in attributes or not (
+                    _is_size(multiple) or (isinstance(multiple, list)
+                                           and all(_is_size(m) for m in multiple))):
+                saved_values.refuse(entry, f"multiples.{name}",
+                                    "a positive int (or a list of them) for an attribute",
+                                    multiple)
+        return cls(**{**config, "operation": operation})
+
+
+def _is_size(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def unknown_dimension_attributes(operation):

@@ -30,6 +30,7 @@ import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
+from keras_ipu_plugin.runtime import saved_values
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
 MASK_ON_INPUTS = "inputs"
@@ -222,3 +223,50 @@ class KipFunctional(_compat.Functional):
         config["kip_stage_devices"] = list(self.kip_stage_devices)
         config["kip_layer_paths"] = dict(self.kip_layer_paths)
         return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        _check_saved_kip_entries(config, f"KipFunctional `{config.get('name')}`")
+        return super().from_config(config, custom_objects=custom_objects)
+
+
+def _check_saved_kip_entries(config, entry):
+    """The kip entries of a saved config are data of the kinds `get_config`
+    writes (`kip.LoadError` naming the key otherwise), checked before any
+    layer is made."""
+    mask = config.get("kip_original_mask", MASK_ON_INPUTS)
+    if mask not in (MASK_ON_INPUTS, MASK_ABSENT, MASK_ARGUMENT):
+        saved_values.refuse(entry, "kip_original_mask",
+                            f"one of {MASK_ON_INPUTS}, {MASK_ABSENT}, {MASK_ARGUMENT}", mask)
+    pinned = config.get("kip_pinned_training") or {}
+    if not (isinstance(pinned, dict) and all(isinstance(v, bool) for v in pinned.values())):
+        saved_values.refuse(entry, "kip_pinned_training", "a mapping of layer names to true / "
+                            "false", pinned)
+    devices = config.get("kip_stage_devices") or []
+    if not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
+        saved_values.refuse(entry, "kip_stage_devices", "a list of device names", devices)
+    paths = config.get("kip_layer_paths") or {}
+    if not (isinstance(paths, dict) and all(isinstance(v, str) for v in paths.values())):
+        saved_values.refuse(entry, "kip_layer_paths", "a mapping of paths to layer names", paths)
+    annotations = config.get("kip_annotations") or {}
+    if not (isinstance(annotations, dict)
+            and all(isinstance(notes, dict) for notes in annotations.values())):
+        saved_values.refuse(entry, "kip_annotations", "a mapping of layer names to mappings",
+                            annotations)
+    for name, notes in annotations.items():
+        where = f"kip_annotations.{name}"
+        if "stage" in notes and not (isinstance(notes["stage"], int)
+                                     and not isinstance(notes["stage"], bool)
+                                     and notes["stage"] >= 0):
+            saved_values.refuse(entry, f"{where}.stage", "a non-negative int", notes["stage"])
+        if "outline" in notes:
+            from keras_ipu_plugin.errors import PassError
+            from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
+
+            options = notes["outline"]
+            try:
+                if not isinstance(options, dict):
+                    raise PassError("a mapping of ipu.outlined_function's arguments")
+                check_outline_kwargs(options)
+            except PassError as error:
+                saved_values.refuse(entry, f"{where}.outline", str(error), options)

@@ -22,6 +22,7 @@ import inspect
 import keras
 import tensorflow as tf
 
+from keras_ipu_plugin.runtime import saved_values
 from keras_ipu_plugin.runtime.views import layer_view
 
 
@@ -66,8 +67,16 @@ class OpaqueLayer(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        config["layer"] = keras.saving.deserialize_keras_object(config["layer"])
-        config["output_specs"] = _specs_from_config(config["output_specs"])
+        entry = f"OpaqueLayer `{config.get('name')}`"
+        saved_values.saved_str(config.get("reason", ""), entry, "reason")
+        config["output_specs"] = _specs_from_config(config.get("output_specs"), entry)
+        # The wrapped layer is the user's: Keras makes it, under its safe mode.
+        layer = config.get("layer")
+        if not isinstance(layer, dict):
+            saved_values.refuse(entry, "layer", "a saved layer", layer)
+        config["layer"] = keras.saving.deserialize_keras_object(layer)
+        if not isinstance(config["layer"], keras.layers.Layer):
+            saved_values.refuse(entry, "layer", "a saved layer", type(config["layer"]).__name__)
         return cls(**config)
 
 
@@ -118,13 +127,19 @@ def _specs_to_config(specs):
     return {"list": [_specs_to_config(v) for v in specs], "tuple": isinstance(specs, tuple)}
 
 
-def _specs_from_config(config):
-    if "shape" in config:
-        return _Spec((tuple(config["shape"]), config["dtype"]))
-    if "dict" in config:
-        return {k: _specs_from_config(v) for k, v in config["dict"].items()}
-    items = [_specs_from_config(v) for v in config["list"]]
-    return tuple(items) if config["tuple"] else items
+def _specs_from_config(config, entry, depth=0):
+    key = "output_specs"
+    if not isinstance(config, dict) or depth > 32:
+        saved_values.refuse(entry, key, "nested {shape, dtype} specs", config)
+    if set(config) == {"shape", "dtype"}:
+        return _Spec((saved_values.saved_shape(config["shape"], entry, key),
+                      saved_values.saved_dtype(config["dtype"], entry, key)))
+    if set(config) == {"dict"} and isinstance(config["dict"], dict):
+        return {k: _specs_from_config(v, entry, depth + 1) for k, v in config["dict"].items()}
+    if set(config) == {"list", "tuple"} and isinstance(config["list"], list):
+        items = [_specs_from_config(v, entry, depth + 1) for v in config["list"]]
+        return tuple(items) if saved_values.saved_bool(config["tuple"], entry, key) else items
+    saved_values.refuse(entry, key, "nested {shape, dtype} specs", config)
 
 
 def _call_parameters(layer):

@@ -18,6 +18,9 @@ Example:
 
 import keras
 
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.runtime import saved_values
+
 # The `keras.random` functions a draw can be, and the keyword arguments
 # (besides `shape`, `dtype` and `seed`) each takes.
 DISTRIBUTIONS = {
@@ -47,8 +50,14 @@ class RandomDraw(keras.layers.Layer):
         super().__init__(**kwargs)
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"Unknown distribution {distribution!r}: one of {list(DISTRIBUTIONS)}")
+        for key in arguments:
+            if key not in DISTRIBUTIONS[distribution]:
+                raise ValueError(f"keras.random.{distribution} takes no argument {key!r} "
+                                 f"(it takes {', '.join(DISTRIBUTIONS[distribution])}).")
         if isinstance(seed, dict):  # loaded: the saved state fills it
-            seed = keras.saving.deserialize_keras_object(seed)
+            seed = saved_values.saved_keras_object(
+                seed, f"RandomDraw `{kwargs.get('name')}`", "seed", keras.random.SeedGenerator,
+                modules=_compat.SEED_GENERATOR_MODULES)
         self.distribution = distribution
         self.draw_shape = tuple(shape)
         self.arguments = dict(arguments)
@@ -79,6 +88,29 @@ class RandomDraw(keras.layers.Layer):
             arguments=self.arguments, seed=seed, draw_dtype=self.draw_dtype,
         )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        entry = f"RandomDraw `{config.get('name')}`"
+        distribution = config.get("distribution")
+        if distribution not in DISTRIBUTIONS:
+            saved_values.refuse(entry, "distribution", f"one of {', '.join(DISTRIBUTIONS)}",
+                                distribution)
+        saved_values.saved_shape(config.get("shape"), entry, "shape")
+        arguments = config.get("arguments")
+        if not isinstance(arguments, dict):
+            saved_values.refuse(entry, "arguments", "a mapping", arguments)
+        for key, value in arguments.items():
+            if key not in DISTRIBUTIONS[distribution]:
+                saved_values.refuse(entry, "arguments",
+                                    f"keys of {', '.join(DISTRIBUTIONS[distribution])}", key)
+            saved_values.saved_number(value, entry, f"arguments.{key}")
+        seed = config.get("seed")
+        if not (seed is None or isinstance(seed, dict)
+                or (isinstance(seed, int) and not isinstance(seed, bool))):
+            saved_values.refuse(entry, "seed", "null, an int or a saved SeedGenerator", seed)
+        saved_values.saved_dtype(config.get("draw_dtype"), entry, "draw_dtype", allow_none=True)
+        return cls(**config)
 
 
 __all__ = ["DISTRIBUTIONS", "RandomDraw"]

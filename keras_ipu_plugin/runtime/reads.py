@@ -28,6 +28,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin.runtime import saved_values
+
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
 class VariableRead(keras.layers.Layer):
@@ -81,6 +83,16 @@ class VariableRead(keras.layers.Layer):
         )
         return config
 
+    @classmethod
+    def from_config(cls, config):
+        entry = f"VariableRead `{config.get('name')}`"
+        saved_values.saved_shape(config.get("variable_shape"), entry, "variable_shape",
+                                 allow_unknown=False)
+        saved_values.saved_dtype(config.get("variable_dtype"), entry, "variable_dtype")
+        saved_values.saved_bool(config.get("variable_trainable", True), entry,
+                                "variable_trainable")
+        return cls(**config)
+
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
 class HeldConstant(keras.layers.Layer):
@@ -110,6 +122,22 @@ class HeldConstant(keras.layers.Layer):
         config = super().get_config()
         config.update(value=self.value.tolist(), value_dtype=str(self.value.dtype))
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        entry = f"HeldConstant `{config.get('name')}`"
+        dtype = saved_values.saved_dtype(config.get("value_dtype"), entry, "value_dtype")
+        value = config.get("value")
+        try:
+            # Data only: numbers, booleans or strings, nested in lists.
+            array = np.asarray(value)
+            ok = array.dtype.kind in "biufcUS"
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            saved_values.refuse(entry, "value", f"a (nested) list of {dtype} values",
+                                value)
+        return cls(**config)
 
 
 class ReadTensor(keras.KerasTensor):

@@ -9,7 +9,9 @@ layer using one stayed a black box to Expand. While tracing, the tracer
 records such a call as this operation (`frontend/tf_functions.py`), which
 calls the very same TensorFlow function when the graph runs: its gradient
 is TensorFlow's, its output shapes are TensorFlow's shape inference, and it
-saves by the function's public name (`"math.square"`).
+saves by the function's public name (`"math.square"`). A name is resolved
+only from the table of functions the tracer records (`tf_function_table`):
+a saved model naming anything else fails to load, before anything runs.
 
 Example:
     >>> square = TFFunction("math.square")
@@ -23,6 +25,10 @@ import inspect
 import keras
 import tensorflow as tf
 
+from keras_ipu_plugin.errors import LoadError
+from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.runtime.tf_function_table import function_at
+
 # The public namespaces a function is saved by, in the order its name is
 # looked for (`tf.square` is saved as "math.square"). "image" comes after
 # the top level, so a function exported at both keeps its shorter name; a
@@ -34,12 +40,17 @@ _NAMESPACES = ("math", "nn", "linalg", "bitwise", "", "image")
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
 class TFFunction(keras.Operation):
     """Calls the TensorFlow function with public name `function` (a path
-    under `tf`, such as `"math.square"` or `"reshape"`) on its arguments."""
+    under `tf`, such as `"math.square"` or `"reshape"`, one of the table
+    `tf_function_table.RECORDED`) on its arguments."""
 
     def __init__(self, function, name=None):
+        if name is not None and not isinstance(name, str):
+            raise LoadError(f"TFFunction: a name is a string; got {short_repr(name)}.")
+        # Checked before the operation exists: nothing named runs otherwise.
+        callable_ = function_at(function, name or "(unnamed)")
         super().__init__(name=name)
         self.function = function
-        self._tf_callable = tf_function_named(function)
+        self._tf_callable = callable_
 
     def call(self, *args, **kwargs):
         return self._tf_callable(*args, **kwargs)
@@ -47,18 +58,15 @@ class TFFunction(keras.Operation):
     def get_config(self):
         return {"function": self.function, "name": self.name}
 
-
-def tf_function_named(name):
-    """The TensorFlow function at public path `name` under `tf`.
-
-    Example:
-        >>> tf_function_named("math.square") is tf.math.square
-        True
-    """
-    try:
-        return functools.reduce(getattr, name.split("."), tf)
-    except AttributeError:
-        raise ValueError(f"TensorFlow has no public function `tf.{name}`") from None
+    @classmethod
+    def from_config(cls, config):
+        if not isinstance(config, dict) or set(config) - {"function", "name"} or (
+                "function" not in config):
+            raise LoadError(
+                f"TFFunction: a saved config is {{'function': path, 'name': name}}; got "
+                f"{short_repr(config)}."
+            )
+        return cls(config["function"], name=config.get("name"))
 
 
 def public_name_of(function):
@@ -76,7 +84,7 @@ def public_name_of(function):
 def _public_names():
     names = {}
     for namespace in _NAMESPACES:
-        module = tf_function_named(namespace) if namespace else tf
+        module = getattr(tf, namespace) if namespace else tf
         for attribute in sorted(dir(module)):
             if attribute.startswith("_"):
                 continue
@@ -102,4 +110,4 @@ def _wrapped_chain(function):
     return seen
 
 
-__all__ = ["TFFunction", "public_name_of", "tf_function_named"]
+__all__ = ["TFFunction", "public_name_of"]

@@ -1,0 +1,87 @@
+"""Checks on the values a saved kip layer's config holds.
+
+A `.keras` file is data someone else may have written. Each kip layer's
+`from_config` checks every value it reads before using it, and a value of
+the wrong kind is a `kip.LoadError` naming the layer and the key
+(`"RandomDraw `noise`: arguments.stddev ..."`), raised before the layer
+exists, so nothing a file names runs. Keras objects inside a config (a
+wrapped layer, a seed generator, a `keras.ops` operation) are deserialized
+by Keras itself, under its `safe_mode`.
+
+Example:
+    >>> saved_shape([None, 4], "read `scale`", "variable_shape")
+    (None, 4)
+    >>> saved_shape(["4"], "read `scale`", "variable_shape")
+    Traceback (most recent call last):
+    keras_ipu_plugin.errors.LoadError: read `scale`: variable_shape ...
+"""
+
+import keras
+
+from keras_ipu_plugin.errors import LoadError
+from keras_ipu_plugin.errors import short_repr
+
+
+def refuse(entry, key, expected, value):
+    raise LoadError(f"{entry}: {key} must be {expected}; the file has {short_repr(value)}.")
+
+
+def saved_bool(value, entry, key):
+    if not isinstance(value, bool):
+        refuse(entry, key, "true or false", value)
+    return value
+
+
+def saved_str(value, entry, key):
+    if not isinstance(value, str):
+        refuse(entry, key, "a string", value)
+    return value
+
+
+def saved_number(value, entry, key):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        refuse(entry, key, "a number", value)
+    return value
+
+
+def saved_shape(value, entry, key, allow_unknown=True):
+    """A shape: a list of non-negative ints (and None where allowed)."""
+    if not isinstance(value, (list, tuple)) or not all(
+        (dim is None and allow_unknown)
+        or (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0)
+        for dim in value
+    ):
+        refuse(entry, key, "a list of sizes (non-negative ints" +
+               (" or null)" if allow_unknown else ")"), value)
+    return tuple(value)
+
+
+def saved_dtype(value, entry, key, allow_none=False):
+    """A Keras dtype name (`"float32"`); never an object dtype."""
+    if value is None and allow_none:
+        return None
+    try:
+        standard = keras.backend.standardize_dtype(value) if isinstance(value, str) else None
+    except (ValueError, TypeError):
+        standard = None
+    if standard is None or standard == "object":
+        refuse(entry, key, "a dtype name such as 'float32'", value)
+    return value
+
+
+def saved_keras_object(value, entry, key, kind, modules):
+    """`value` deserialized by Keras (under its safe mode) when the file
+    says it is a class of one of `modules` (checked before anything is
+    made), then checked to be an instance of `kind`."""
+    module = value.get("module") if isinstance(value, dict) else None
+    if not (isinstance(module, str) and any(
+            module == m or module.startswith(m + ".") for m in modules)):
+        refuse(entry, key, f"a saved {kind.__name__} (of {', '.join(modules)})", value)
+    obj = keras.saving.deserialize_keras_object(value)
+    if not isinstance(obj, kind):
+        refuse(entry, key, f"a saved {kind.__name__}", type(obj).__name__)
+    return obj
+
+
+__all__ = ["refuse", "saved_bool", "saved_dtype", "saved_keras_object", "saved_number",
+           "saved_shape", "saved_str"]

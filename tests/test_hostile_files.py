@@ -1,0 +1,395 @@
+"""Hostile `.keras` files: loading runs nothing a file names.
+
+A real model holding every kind of kip layer (a TensorFlow function, a
+random draw, a batch-sized operation, an opaque layer, an alias, a variable
+read, a held constant) and a `PluginModel` with passes are saved once; each
+case edits one entry of `config.json` the way an attacker would (a path to
+`os.system`, `eval`, file writes, native libraries; private names; unknown
+names; values of the wrong type) and loads it with Keras's defaults. Each
+must fail with an error naming the entry, and nothing may run: no file is
+written, no module is imported.
+"""
+
+import copy
+import json
+import sys
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+import keras_ipu_plugin as kip
+
+PACKAGE = "kip_hostile_test"
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Features(keras.layers.Layer):
+    """Reads its own weight, a position table, a token broadcast to the
+    batch, a random draw, and calls TensorFlow functions."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(4, name="proj")
+        self.positions = keras.layers.Embedding(3, 4, name="positions")
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(4,), initializer="ones", name="scale")
+        self.token = self.add_weight(shape=(1, 1, 4), initializer="ones", name="token")
+
+    def call(self, x, training=None):
+        h = self.proj(x) * self.scale  # a variable read
+        h = h[:, None, :] + self.positions(ops.arange(3))[None]  # a held constant
+        token = ops.broadcast_to(self.token, (ops.shape(x)[0], 1, 4))  # batch-sized
+        h = ops.concatenate([token, h], axis=1)
+        noise = keras.random.normal((ops.shape(x)[0], 1, 4), stddev=0.0,
+                                    seed=self.seed_generator)  # a random draw
+        return tf.reduce_sum(tf.square(h + noise), axis=1)  # TensorFlow functions
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Dynamic(keras.layers.Layer):
+    """Branches in Python on a tensor's value: stays one opaque node."""
+
+    def call(self, x):
+        if float(ops.sum(x)) > 1e9:
+            return x * 2.0
+        return x
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(4, name="proj")  # the name of Features.proj
+
+    def call(self, x):
+        return self.proj(x)
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Hostile(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.features, self.dynamic, self.block = Features(), Dynamic(), Block()
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        return self.head(self.block(self.dynamic(self.features(x))))
+
+
+X = np.random.default_rng(0).random((4, 5)).astype("float32")
+
+
+def _save(model, path):
+    model.save(path)
+    with zipfile.ZipFile(path) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(files of the saved expanded model, files of a saved PluginModel)."""
+    folder = tmp_path_factory.mktemp("saved")
+    model = Hostile()
+    converted = kip.convert_to_functional(model, X)
+    passed = kip.apply_passes(converted, [kip.passes.Expand()])
+    graph_files = _save(passed, folder / "graph.keras")
+    config = json.loads(graph_files["config.json"])
+    for kind in ("TFFunction", "RandomDraw", "BatchSizedOperation", "OpaqueLayer", "LayerAlias",
+                 "VariableRead", "HeldConstant"):
+        assert _entries(config, kind), kind
+    plugin = kip.PluginModel(Hostile(), passes=[
+        kip.passes.Expand(), kip.passes.Recompute(kip.passes.Chain(keras.layers.Dense, keras.layers.Dense)),
+    ])
+    plugin(X)
+    plugin_files = _save(plugin, folder / "plugin.keras")
+    # Load each once, clean: later loads must import nothing new.
+    for files in (graph_files, plugin_files):
+        _load(files, folder / "clean.keras")
+    return graph_files, plugin_files, passed
+
+
+def _write(files, config, path):
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, json.dumps(config) if name == "config.json" else data)
+
+
+def _load(files, path, config=None):
+    _write(files, json.loads(files["config.json"]) if config is None else config, path)
+    return keras.models.load_model(path)
+
+
+def _entries(config, class_name):
+    """Every serialized object of `class_name` in a config, anywhere."""
+    found = []
+
+    def walk(value):
+        if isinstance(value, dict):
+            if value.get("class_name") == class_name:
+                found.append(value)
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(config)
+    return found
+
+
+def test_the_untouched_files_load_and_compute_as_saved(saved, tmp_path):
+    graph_files, plugin_files, passed = saved
+    loaded = _load(graph_files, tmp_path / "graph.keras")
+    np.testing.assert_allclose(loaded(X), passed(X), rtol=1e-5)
+    plugin = _load(plugin_files, tmp_path / "plugin.keras")
+    assert [type(p).__name__ for p in plugin._kip_runtime.passes] == ["Expand", "Recompute"]
+
+
+# -- TensorFlow functions ------------------------------------------------------
+# Each of these was reachable by walking attributes from `tf`, and ran inside
+# `load_model` with safe_mode=True.
+EFFECTFUL_PATHS = [
+    ("_os.system", ["touch {out}/shell"]),
+    ("__builtins__.eval", ["open('{out}/eval', 'w')"]),
+    ("__builtins__.exec", ["open('{out}/exec', 'w')"]),
+    ("__builtins__.__import__", ["this"]),
+    ("compat.v1.resource_loader.importlib.import_module", ["this"]),
+    ("load_library", ["{out}/lib.so"]),
+    ("load_op_library", ["{out}/lib.so"]),
+    ("io.write_file", ["{out}/write_file", "x"]),
+    ("io.gfile.remove", ["{out}/existing"]),
+    ("raw_ops.WriteFile", []),
+    ("print", ["x"]),
+    ("compat.v1.gfile.Copy", ["{out}/existing", "{out}/copy"]),
+    ("py_function", []),
+    ("numpy_function", []),
+    ("saved_model.save", []),
+    ("summary.scalar", ["x", 1.0]),
+    ("debugging.assert_equal", [1, 2]),
+    ("random.normal", [[2]]),
+    ("math._private", [1.0]),
+    ("math.nosuch", [1.0]),
+    ("strings.format", ["{{}}", [1]]),  # pure, but not recorded: not in the table
+    ("math", [1.0]),  # a module, not a function
+    ("", [1.0]),
+    ("math..square", [1.0]),
+    ("math.square ", [1.0]),
+]
+
+
+@pytest.mark.parametrize("path,args", EFFECTFUL_PATHS, ids=[p or "empty" for p, _ in EFFECTFUL_PATHS])
+def test_a_tf_function_outside_the_table_is_refused_and_nothing_runs(saved, tmp_path, path, args):
+    graph_files = saved[0]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "existing").write_text("keep")
+    config = json.loads(graph_files["config.json"])
+    layers = config["config"]["layers"]
+    layers.append({
+        "module": "keras_ipu_plugin.runtime.tf_function", "class_name": "TFFunction",
+        "config": {"function": path, "name": "evil"},
+        "registered_name": "keras_ipu_plugin>TFFunction", "name": "evil",
+        "inbound_nodes": [{"args": json.loads(json.dumps(args).replace("{out}", str(out))),
+                           "kwargs": {}}],
+    })
+    modules = set(sys.modules)
+    with pytest.raises(kip.LoadError, match="TFFunction `evil`") as raised:
+        _load(graph_files, tmp_path / "evil.keras", config)
+    assert repr(f"tf.{path}")[1:-1] in str(raised.value) or path == ""
+    assert sorted(p.name for p in out.iterdir()) == ["existing"]
+    assert (out / "existing").read_text() == "keep"
+    assert set(sys.modules) - modules == set()
+
+
+@pytest.mark.parametrize("config_edit,match", [
+    (lambda c: c.update(function=42), "a function path is a string"),
+    (lambda c: c.update(function=["math", "square"]), "a function path is a string"),
+    (lambda c: c.pop("function"), "a saved config is"),
+    (lambda c: c.update(extra="x"), "a saved config is"),
+    (lambda c: c.update(name=7), "a name is a string"),
+])
+def test_a_tf_function_entry_of_the_wrong_shape_is_refused(saved, tmp_path, config_edit, match):
+    config = json.loads(saved[0]["config.json"])
+    config_edit(_entries(config, "TFFunction")[0]["config"])
+    with pytest.raises(kip.LoadError, match=match):
+        _load(saved[0], tmp_path / "evil.keras", config)
+
+
+def test_every_table_entry_is_a_public_function_and_every_recorded_function_loads():
+    from keras_ipu_plugin.runtime import tf_function_table as table
+
+    for path in table.RECORDED:
+        assert table.refused_reason(path) is None, path
+        assert callable(table.function_at(path, "test")), path
+        assert "random" not in path and not any(p.startswith("_") for p in path.split("."))
+
+
+# -- every other kip layer a file can name --------------------------------------
+HOSTILE_ENTRIES = [
+    # RandomDraw: the distribution is looked up in keras.random
+    ("RandomDraw", lambda c: c.update(distribution="__class__"), "distribution"),
+    ("RandomDraw", lambda c: c.update(distribution="shuffle"), "distribution"),
+    ("RandomDraw", lambda c: c["arguments"].update(__init__=1), "arguments"),
+    ("RandomDraw", lambda c: c["arguments"].update(stddev="__import__('os')"), "arguments.stddev"),
+    ("RandomDraw", lambda c: c.update(arguments=["x"]), "arguments"),
+    ("RandomDraw", lambda c: c.update(seed={"module": "os", "class_name": "system",
+                                            "config": {}, "registered_name": None}), "seed"),
+    ("RandomDraw", lambda c: c.update(seed={"module": "keras.layers", "class_name": "Lambda",
+                                            "config": {}, "registered_name": None}), "seed"),
+    ("RandomDraw", lambda c: c.update(seed="os.system"), "seed"),
+    ("RandomDraw", lambda c: c.update(draw_dtype="object"), "draw_dtype"),
+    ("RandomDraw", lambda c: c.update(shape=["x"]), "shape"),
+    # BatchSizedOperation: the operation is a Keras object, its attributes set by name
+    ("BatchSizedOperation", lambda c: c.update(operation={
+        "module": "keras_ipu_plugin.runtime.tf_function", "class_name": "TFFunction",
+        "config": {"function": "_os.system"}, "registered_name": "keras_ipu_plugin>TFFunction"}),
+     "operation"),
+    ("BatchSizedOperation", lambda c: c.update(operation={
+        "module": "keras.src.utils.io_utils", "class_name": "print_msg", "config": {},
+        "registered_name": None}), "operation"),
+    ("BatchSizedOperation", lambda c: c.update(operation="os.system"), "operation"),
+    ("BatchSizedOperation", lambda c: c.update(attributes=["call"]), "attributes"),
+    ("BatchSizedOperation", lambda c: c.update(attributes=["__class__"]), "attributes"),
+    ("BatchSizedOperation", lambda c: c.update(attributes="shape"), "attributes"),
+    ("BatchSizedOperation", lambda c: c.update(multiples={"shape": "x"}), "multiples"),
+    ("BatchSizedOperation", lambda c: c.update(multiples={"call": 2}), "multiples"),
+    # OpaqueLayer / LayerAlias: the wrapped layer is Keras's to make
+    ("OpaqueLayer", lambda c: c.update(layer="os.system"), "layer"),
+    ("OpaqueLayer", lambda c: c.update(reason=5), "reason"),
+    ("OpaqueLayer", lambda c: c.update(output_specs={"shape": [None, "x"], "dtype": "float32"}),
+     "output_specs"),
+    ("OpaqueLayer", lambda c: c.update(output_specs={"shape": [None], "dtype": "object"}),
+     "output_specs"),
+    ("OpaqueLayer", lambda c: c.update(output_specs={"list": "x", "tuple": False}),
+     "output_specs"),
+    ("LayerAlias", lambda c: c.update(layer=["x"]), "layer"),
+    ("LayerAlias", lambda c: c.update(tensor_outputs_only="yes"), "tensor_outputs_only"),
+    # variable reads and constants
+    ("VariableRead", lambda c: c.update(variable_shape=[-1]), "variable_shape"),
+    ("VariableRead", lambda c: c.update(variable_shape=[None]), "variable_shape"),
+    ("VariableRead", lambda c: c.update(variable_dtype="object"), "variable_dtype"),
+    ("VariableRead", lambda c: c.update(variable_trainable="no"), "variable_trainable"),
+    ("HeldConstant", lambda c: c.update(value_dtype="object"), "value_dtype"),
+    ("HeldConstant", lambda c: c.update(value=[{"a": 1}]), "value"),
+    # the functional model's own entries
+    ("KipFunctional", lambda c: c.update(kip_original_mask="eval"), "kip_original_mask"),
+    ("KipFunctional", lambda c: c.update(kip_pinned_training={"x": "no"}), "kip_pinned_training"),
+    ("KipFunctional", lambda c: c.update(kip_stage_devices=[1]), "kip_stage_devices"),
+    ("KipFunctional", lambda c: c.update(kip_layer_paths=["x"]), "kip_layer_paths"),
+    ("KipFunctional", lambda c: c.update(kip_annotations={"head": {"stage": -1}}),
+     "kip_annotations.head.stage"),
+    ("KipFunctional", lambda c: c.update(kip_annotations={"head": {"outline": {"__init__": 1}}}),
+     "kip_annotations.head.outline"),
+]
+
+
+@pytest.mark.parametrize("class_name,config_edit,key", HOSTILE_ENTRIES,
+                         ids=[f"{c}-{k}-{i}" for i, (c, _, k) in enumerate(HOSTILE_ENTRIES)])
+def test_a_hostile_entry_of_a_kip_layer_is_refused_naming_layer_and_key(
+        saved, tmp_path, class_name, config_edit, key):
+    config = json.loads(saved[0]["config.json"])
+    entry = _entries(config, class_name)[0]
+    config_edit(entry["config"])
+    modules = set(sys.modules)
+    with pytest.raises(kip.LoadError) as raised:
+        _load(saved[0], tmp_path / "evil.keras", config)
+    message = str(raised.value)
+    assert f"{class_name} `" in message and key in message, message
+    assert set(sys.modules) - modules == set()
+
+
+def test_a_wrapped_lambda_is_refused_by_keras_safe_mode_and_loads_when_unsafe_is_asked(
+        saved, tmp_path):
+    """The layer an OpaqueLayer wraps is the user's: Keras makes it, under
+    its own safe_mode (a Lambda's bytecode is code)."""
+    config = json.loads(saved[0]["config.json"])
+    opaque = _entries(config, "OpaqueLayer")[0]["config"]
+    marker = tmp_path / "lambda_ran"
+    lambda_layer = keras.layers.Lambda(lambda x: x)
+    opaque["layer"] = keras.saving.serialize_keras_object(lambda_layer)
+    _write(saved[0], config, tmp_path / "lambda.keras")
+    with pytest.raises(ValueError, match="safe_mode"):
+        keras.models.load_model(tmp_path / "lambda.keras")
+    assert not marker.exists()
+    loaded = keras.models.load_model(tmp_path / "lambda.keras", safe_mode=False)
+    assert any(type(layer).__name__ == "OpaqueLayer" for layer in loaded.layers)
+
+
+# -- passes saved with a PluginModel -----------------------------------------------
+def _first_pass(config):
+    return _entries(config, "PluginModel")[0]["config"]["passes"]
+
+
+PASS_EDITS = [
+    (lambda p: p.__setitem__(0, {"pass": "os.system", "config": {}}), "Unknown pass"),
+    (lambda p: p.__setitem__(0, {"pass": "expand", "config": {"targets": [{"class": "__class__"}]}}),
+     "unknown layer class"),
+    (lambda p: p.__setitem__(0, {"pass": "expand", "config": {
+        "targets": [{"class": "__subclasses__"}]}}), "unknown layer class"),
+    (lambda p: p[1]["config"]["targets"][0]["chain"].append({"op": "__import__"}),
+     "not a public keras.ops function"),
+    (lambda p: p[1]["config"]["targets"][0]["chain"].append({"op": "_impl"}),
+     "not a public keras.ops function"),
+    (lambda p: p[1]["config"]["targets"][0]["chain"].append({"tf": "_os.system"}),
+     "refusing `tf._os.system`"),
+    (lambda p: p[1]["config"]["targets"][0]["chain"].append({"tf": "io.write_file"}),
+     "refusing `tf.io.write_file`"),
+    (lambda p: p[1]["config"]["targets"][0]["chain"].append({"class": "os:system"}),
+     "unknown layer class"),
+    (lambda p: p[1]["config"]["targets"][0]["chain"].append({"tf": 3}), "a chain step is"),
+]
+
+
+@pytest.mark.parametrize("edit,match", PASS_EDITS, ids=[str(i) for i in range(len(PASS_EDITS))])
+def test_a_hostile_saved_pass_is_refused_and_nothing_is_imported(saved, tmp_path, edit, match):
+    config = json.loads(saved[1]["config.json"])
+    edit(_first_pass(config))
+    modules = set(sys.modules)
+    with pytest.raises(ValueError, match=match):
+        _load(saved[1], tmp_path / "evil.keras", config)
+    assert set(sys.modules) - modules == set()
+
+
+# -- chain steps in configs -------------------------------------------------------
+@pytest.mark.parametrize("step,match", [
+    ({"tf": "io.write_file"}, "refusing `tf.io.write_file`"),
+    ({"tf": "_os.system"}, "private part"),
+    ({"tf": "math.nosuch"}, "not one of the TensorFlow functions kip records"),
+    ({"op": "__import__"}, "not a public keras.ops function"),
+    ({"op": "image"}, "not a public keras.ops function"),  # a namespace, not a function
+    ({"class": "__class__"}, "unknown layer class"),
+    ("__class__", None),  # a string step is a layer name: it only ever matches names
+])
+def test_config_chain_steps_are_checked_against_the_tables_when_read(step, match):
+    config = {"recompute": [{"chain": ["Dense", step]}]}
+    if match is None:
+        (one,) = kip.passes_from_config(config)
+        assert one.targets[0].steps[1].target == "__class__"
+        return
+    with pytest.raises(kip.ConfigError, match=match) as raised:
+        kip.passes_from_config(config)
+    assert raised.value.path.startswith("recompute"), raised.value.path
+
+
+def test_a_chain_step_naming_a_tf_function_outside_the_table_is_refused_in_python():
+    with pytest.raises(kip.PassError, match="chain step"):
+        kip.passes.Chain(keras.layers.Dense, tf.io.write_file)
+    with pytest.raises(kip.PassError, match="never matches"):
+        kip.passes.Chain(keras.layers.Dense, tf.math.bincount)
+    assert kip.passes.Chain(keras.layers.Dense, tf.nn.relu)
+
+
+def test_an_edited_file_is_refused_whole_and_the_same_clean_file_still_loads(saved, tmp_path):
+    config = json.loads(saved[0]["config.json"])
+    hostile = copy.deepcopy(config)
+    _entries(hostile, "TFFunction")[0]["config"]["function"] = "_os.system"
+    with pytest.raises(kip.LoadError):
+        _load(saved[0], tmp_path / "evil.keras", hostile)
+    np.testing.assert_allclose(_load(saved[0], tmp_path / "ok.keras", config)(X), saved[2](X),
+                               rtol=1e-5)
