@@ -373,11 +373,14 @@ def test_every_registered_pass_saves_every_constructor_argument():
 
 
 def test_a_name_target_that_names_a_class_stays_a_name_when_saved():
-    # In a user's config "Dense" is the class; a saved target that was the
-    # string "Dense" (a layer named so) must come back as that string.
-    saved = Recompute(["Dense", keras.layers.Dense])
+    # In a user's config and in Python "Dense" is the class; a layer named
+    # so is `LayerName("Dense")`, and a saved target that was that name must
+    # come back as that name.
+    assert Recompute(["Dense"]).targets == (keras.layers.Dense,)
+    saved = Recompute([kip.passes.LayerName("Dense"), keras.layers.Dense])
     loaded = Recompute.from_config(json.loads(json.dumps(saved.get_config())))
     assert loaded.targets == ("Dense", keras.layers.Dense)
+    assert type(loaded.targets[0]) is kip.passes.LayerName
 
 
 def test_a_layer_class_with_no_name_is_an_error_at_save_naming_it():

@@ -10,6 +10,7 @@ from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.annotate import Recompute
 from keras_ipu_plugin.passes.base import ALL
 from keras_ipu_plugin.passes.base import EQUAL
+from keras_ipu_plugin.passes.base import LayerName
 from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import register_pass
@@ -20,6 +21,6 @@ from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 
 __all__ = [
-    "ALL", "EQUAL", "RUNS", "Pass", "Expand", "Replace", "Replacement", "Outline",
+    "ALL", "EQUAL", "LayerName", "RUNS", "Pass", "Expand", "Replace", "Replacement", "Outline",
     "Recompute", "PipelineStages", "Chain", "register_pass", "registered_passes",
 ]

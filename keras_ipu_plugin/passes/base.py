@@ -99,7 +99,11 @@ class Pass:
 class LayerName(str):
     """A target string that is a layer name or path even when it spells a
     layer class (what a saved pass holds: classes are saved as
-    `{"class": name}`)."""
+    `{"class": name}`).
+
+    Example:
+        >>> kip.passes.Recompute(kip.passes.LayerName("Dense"))  # the layer named "Dense"
+    """
 
 
 def as_targets(targets):
