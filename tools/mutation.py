@@ -10,10 +10,14 @@ the behaviour is not one the library promises, or a test is missing.
     python tools/mutation.py                     # every mutation, one at a time
     python tools/mutation.py --only verify-tolerance-100x --only recompute-no-checkpoint
     python tools/mutation.py --list              # names, places, stale snippets
+    python tools/mutation.py --check             # fails on a stale / ambiguous one
     python tools/mutation.py --jobs 2 --json results.json
 
-A snippet that no longer occurs in its file is reported "stale" (the code
-moved on: update the mutation), one that occurs more than once "ambiguous".
+A snippet that no longer occurs in its file is "stale" (the code moved on:
+update the mutation), one that occurs more than once "ambiguous". Either
+fails the tool before any test runs (exit status 1, naming each): a mutation
+that cannot apply tests nothing. `--check` does only that check (fast; the
+test suite runs it: tests/test_mutation_guards.py).
 A test that fails without the mutation too cannot be said to catch it: the
 tests that caught something are run once more on the unmutated copy, and a
 mutation they "caught" that way is reported "caught by a failing test".
@@ -125,7 +129,8 @@ MUTATIONS = [
       "        for attributes in self._attributes.values():\n            pass",
       "plain Python attributes a conversion changed stay changed", MODEL_STATE),
     M("state-undo-keeps-objects", "frontend/state.py",
-      "        steps = [state.restore for state in self._objects]",
+      "        steps = [functools.partial(self._objects.restore_object, index)\n"
+      "                 for index in range(len(self._objects.objects))]",
       "        steps = []",
       "a failed conversion keeps the layers it built and the nodes it recorded", MODEL_STATE),
     M("state-no-replay", "frontend/state.py",
@@ -161,8 +166,10 @@ MUTATIONS = [
       "            pass",
       "an outlined BatchNormalization never updates its statistics", GUARDED, EQUIVALENCE),
     M("executor-recompute-drops-losses", "runtime/executor.py",
-      "        for layer, loss in zip(loss_owners, results[outputs:]):\n            layer.add_loss(loss)",
-      "        for layer, loss in zip(loss_owners, results[outputs:]):\n            pass",
+      "        for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):\n"
+      "            layer.add_loss(loss)",
+      "        for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):\n"
+      "            pass",
       "losses added inside a recompute segment are lost", EQUIVALENCE, GUARDED),
     M("recompute-no-checkpoint", "runtime/executor.py",
       "            segments.append(Segment(current, recompute=True))",
@@ -197,7 +204,7 @@ MUTATIONS = [
       "                if _differentiable(output):",
       "an output with no incoming gradient is differentiated as if it had one", EQUIVALENCE),
     # -- passes ---------------------------------------------------------------------
-    M("replace-copies-kernel-only", "passes/replace.py",
+    M("replace-copies-kernel-only", "passes/replacement.py",
       "    for variable in new.weights:\n        source = sources.get(variable.name)",
       "    for variable in new.weights[:1]:\n        source = sources.get(variable.name)",
       "Replace copies the kernel but not the bias / BatchNormalization statistics",
@@ -207,8 +214,8 @@ MUTATIONS = [
       "                if True:",
       "a layer shared by several call sites gets one replacement per site", PASSES, BLOCKS),
     M("replace-no-reuse", "passes/replace.py",
-      "                    reused = graph.reusable.get(id(old))",
-      "                    reused = None",
+      "        old, reused = node.operation, graph.reusable.get(id(node.operation))",
+      "        old, reused = node.operation, None",
       "a rebuild replaces layers anew, from their untrained originals", REPLACE_STATE),
     M("targets-exact-class", "passes/base.py",
       "    return isinstance(node.operation, target)",
@@ -222,9 +229,9 @@ MUTATIONS = [
       "            last = block_nodes[-1]",
       "            last = block_nodes[0]",
       "Recompute of an expanded block checkpoints after its first node", BLOCKS),
-    M("expand-drops-pinned-training", "passes/expand.py",
-      "    training = node.training if node.training in (True, False) else None",
-      "    training = None",
+    M("expand-drops-pinned-training", "passes/inline.py",
+      "    training = node.training if node.training in (True, False) else None\n    try:",
+      "    training = None\n    try:",
       "a block called with a pinned training does not pass it on through Expand", GUARDED),
     M("expand-agnostic-ignores-training-arg", "runtime/layer_kinds.py",
       "    if not is_expandable(layer) or accepts_training(layer):\n        return False",
@@ -281,6 +288,21 @@ def locate(mutation, root):
     if count > 1:
         return 0, "ambiguous"
     return text[: text.index(mutation.snippet)].count("\n") + 1, ""
+
+
+def check(mutations, root=ROOT):
+    """0 when every mutation applies (its snippet occurs once in its file);
+    else print each that does not, with why, and return 1."""
+    unusable = [(m, status) for m in mutations for _, status in [locate(m, root)] if status]
+    for mutation, status in unusable:
+        print(f"[{status:>9}] {mutation.name}: its snippet occurs "
+              f"{'nowhere' if status == 'stale' else 'more than once'} in "
+              f"{PACKAGE}/{mutation.file}; update the mutation", flush=True)
+    if unusable:
+        print(f"{len(unusable)} of {len(mutations)} mutation(s) cannot apply: "
+              + ", ".join(m.name for m, _ in unusable))
+        return 1
+    return 0
 
 
 def copy_repository(destination):
@@ -385,6 +407,9 @@ def main(argv=None):
     parser.add_argument("--only", action="append", default=[],
                         help="run this mutation (repeatable; a comma-separated list too)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every mutation applies (exit 1 naming those "
+                             "that do not)")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds for the tests of one mutation (default 900)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -405,7 +430,11 @@ def main(argv=None):
             line, status = locate(mutation, ROOT)
             where = f"{mutation.file}:{line}" if line else f"{mutation.file} ({status})"
             print(f"{mutation.name:40} {where:34} {mutation.description}")
-        return 0
+        return check(chosen, ROOT)
+    # A mutation that cannot apply tests nothing: never a pass.
+    unusable = check(chosen, ROOT)
+    if unusable or args.check:
+        return unusable
 
     jobs = max(1, min(args.jobs, len(chosen)))
     with tempfile.TemporaryDirectory(prefix="kip-mutation-") as scratch:
