@@ -1,11 +1,8 @@
 """Behaviours whose breaking would be a silent wrong result, each guarded by a
 test that fails when it breaks (issue 20, 2.5). Each has a mutation in
-`tools/mutation.py` naming this file; `test_every_mutation_applies` checks
-that every mutation there still applies to the code (one exact occurrence).
+`tools/mutation.py` naming this file (tests/test_mutation_tool.py checks
+that every mutation there still applies to the code).
 """
-
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +20,6 @@ from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import node_costs
 from keras_ipu_plugin.passes import stage_timing
 from keras_ipu_plugin.passes.manager import graph_of
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _rand(*shape, seed=0):
     return np.random.RandomState(seed).normal(size=shape).astype("float32")
@@ -348,31 +342,3 @@ def test_a_successful_conversion_leaves_a_sub_layers_python_counter_unchanged(ve
     assert model.block.calls == calls
     model(x)
     assert model.block.calls == calls + 1  # the user's own calls count
-
-
-# -- tools/mutation.py: every mutation applies to the current code -------------------
-def _mutation_tool():
-    spec = importlib.util.spec_from_file_location("kip_mutation_tool", ROOT / "tools" / "mutation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_every_mutation_applies_to_exactly_one_place_of_the_code():
-    tool = _mutation_tool()
-    problems = {m.name: status for m in tool.MUTATIONS
-                for _, status in [tool.locate(m, ROOT)] if status}
-    assert problems == {}, f"stale or ambiguous mutations (update them): {problems}"
-    for mutation in tool.MUTATIONS:
-        for test in mutation.tests:
-            assert (ROOT / test).is_file(), (mutation.name, test)
-    names = [m.name for m in tool.MUTATIONS]
-    assert len(names) == len(set(names))
-
-
-def test_the_mutation_tool_check_fails_naming_a_stale_mutation(capsys):
-    tool = _mutation_tool()
-    stale = tool.Mutation("gone", "frontend/verify.py", "no such snippet #$%", "", "stale", ())
-    assert tool.check([stale], ROOT) == 1
-    assert "gone" in capsys.readouterr().out
-    assert tool.check(tool.MUTATIONS, ROOT) == 0

@@ -65,6 +65,7 @@ EQUIVALENCE = "tests/test_pass_training_equivalence.py"
 BLOCKS = "tests/test_pass_targets_reach_blocks.py"
 DYNAMIC = "tests/test_dynamic.py"
 REPLACE_STATE = "tests/test_replace_training_state.py"
+GUARDS = "tests/test_mutation_guards.py"
 
 MUTATIONS = [
     # -- verify.py: verification compares what it says it compares -----------
@@ -260,6 +261,55 @@ MUTATIONS = [
       "        kept = [v for v in model.trainable_variables if id(v) not in replaced]",
       "        kept = []",
       "apply_passes compares outputs only", PASSES, VERIFICATION),
+    # -- silent wrong results, each guarded in tests/test_mutation_guards.py ------------
+    M("chain-second-reader", "passes/patterns.py",
+      "    if len(readers) != 1 or readers[0].input_values != [value]:",
+      "    if not readers or readers[0].input_values != [value]:",
+      "a Chain matches a node whose output has a second reader", GUARDS),
+    M("chain-through-outputs", "passes/patterns.py",
+      "    if len(node.outputs) != 1 or id(node.outputs[0]) in graph_outputs:",
+      "    if len(node.outputs) != 1:",
+      "a Chain runs through a model output", GUARDS),
+    M("costs-four-bytes", "passes/node_costs.py",
+      "    return dtype.size",
+      "    return 4",
+      "the planner counts every element as 4 bytes (float16 at double size)", GUARDS),
+    M("time-balance-keeps-last", "passes/planning.py",
+      "    best = min(range(len(candidates)), key=lambda k: stage_balance.imbalance(timed[k]))",
+      "    best = len(candidates) - 1",
+      "balance='time' keeps the last re-plan, though it measured worse", GUARDS),
+    M("inline-unread-output-unmasked", "passes/inline.py",
+      "        if new.mask is not None or old.mask is None:",
+      "        if new.mask is not None or old.mask is None or not old.users:",
+      "an expanded block's output no layer reads (a model output) loses its Keras mask",
+      GUARDS),
+    M("attach-mask-drops-mask", "runtime/masks.py",
+      "    def compute_mask(self, inputs, mask=None):\n        return mask",
+      "    def compute_mask(self, inputs, mask=None):\n        return None",
+      "AttachMask attaches no mask: an expanded block's output loses it", GUARDS),
+    M("plugin-class-attribute-on-wrapper", "training/model.py",
+      "        if name not in vars(wrapped) and not hasattr(type(wrapped), name):",
+      "        if name not in vars(wrapped):",
+      "an attribute the wrapped class defines, set on PluginModel, stays on the wrapper",
+      GUARDS),
+    M("verify-one-row", "frontend/verify.py",
+      "MIN_ROWS = 2\n",
+      "MIN_ROWS = 1\n",
+      "verification on 1 row of 8: a graph mixing rows passes", GUARDS),
+    M("verify-first-rows", "frontend/verify.py",
+      "    positions = np.unique(np.linspace(0, len(candidates) - 1, wanted).round().astype(int))",
+      "    positions = np.arange(wanted)",
+      "verification on the first rows instead of rows spread over the batch", GUARDS),
+    M("replay-ignores-pinned-training", "frontend/replay.py",
+      "        return (signature, arguments, node.training)",
+      "        return (signature, arguments)",
+      "a block's trace is replayed for a call with another pinned training", GUARDS),
+    M("state-model-attributes-only", "frontend/state.py",
+      "        for layer in _compat.all_layers(self.model):\n"
+      "            if id(layer) not in self._attributes",
+      "        for layer in [self.model]:\n"
+      "            if id(layer) not in self._attributes",
+      "a successful conversion leaves a sub-layer's Python counter changed", GUARDS),
 ]
 
 
@@ -324,8 +374,11 @@ def copy_repository(destination):
 
 def run_tests(root, tests, timeout, select=()):
     """`(returncode, output, seconds)` of pytest on `tests` in `root`."""
+    # One process per mutation (`--jobs` runs several): under pytest-xdist
+    # (the project's `-n 2`) `-x` ends in exit status 2, "interrupted", which
+    # would read as broken.
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               "-rf", *tests, *select]
+               "-n", "0", "-rf", *tests, *select]
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
     try:
