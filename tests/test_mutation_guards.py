@@ -342,3 +342,62 @@ def test_a_successful_conversion_leaves_a_sub_layers_python_counter_unchanged(ve
     assert model.block.calls == calls
     model(x)
     assert model.block.calls == calls + 1  # the user's own calls count
+
+
+# -- losses added inside a recompute segment keep their value and gradient ----------
+class RegularizedBlock(layers.Layer):
+    """An activity regularizer (added by `__call__`) and an `add_loss` in `call`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8, activation="tanh", name="dense",
+                                  activity_regularizer=keras.regularizers.L2(0.1))
+
+    def call(self, x):
+        h = self.dense(x)
+        self.add_loss(0.01 * ops.mean(h ** 2))
+        return x + h
+
+
+class RegularizedTower(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [RegularizedBlock(name=f"block_{i}") for i in range(4)]
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_losses_added_inside_a_recompute_segment_keep_their_value_and_gradient():
+    from keras_ipu_plugin.passes import Recompute
+    from keras_ipu_plugin.runtime.backends import get_backend
+    from keras_ipu_plugin.runtime.executor import make_plan
+
+    x = _rand(8, 8)
+    model = RegularizedTower(name="regularized")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    recomputed = kip.apply_passes(converted, [Recompute(["block_1", "block_3"])])
+    segments = [[n.operation.name for n in s.nodes]
+                for s in make_plan(recomputed, get_backend()) if s.recompute]
+    assert any("block_0" in names or "block_2" in names for names in segments), segments
+
+    def loss_and_gradients(net):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                prediction = net(x, training=True)
+                regularization = tf.add_n(net.losses)
+                loss = tf.reduce_mean(prediction ** 2) + regularization
+            return regularization, tape.gradient(loss, model.trainable_variables)
+
+        return step()
+
+    expected_loss, expected = loss_and_gradients(converted)
+    actual_loss, actual = loss_and_gradients(recomputed)
+    np.testing.assert_allclose(actual_loss, expected_loss, rtol=1e-6)
+    for variable, e, a in zip(model.trainable_variables, expected, actual):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=variable.path)

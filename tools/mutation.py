@@ -171,7 +171,7 @@ MUTATIONS = [
       "            layer.add_loss(loss)",
       "        for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):\n"
       "            pass",
-      "losses added inside a recompute segment are lost", EQUIVALENCE, GUARDED),
+      "losses added inside a recompute segment are lost", GUARDS, EQUIVALENCE, GUARDED),
     M("recompute-no-checkpoint", "runtime/executor.py",
       "            segments.append(Segment(current, recompute=True))",
       "            segments.append(Segment(current, recompute=False))",
