@@ -66,6 +66,7 @@ BLOCKS = "tests/test_pass_targets_reach_blocks.py"
 DYNAMIC = "tests/test_dynamic.py"
 REPLACE_STATE = "tests/test_replace_training_state.py"
 GUARDS = "tests/test_mutation_guards.py"
+THREADS = "tests/test_thread_confinement.py"
 
 MUTATIONS = [
     # -- verify.py: verification compares what it says it compares -----------
@@ -310,6 +311,33 @@ MUTATIONS = [
       "        for layer in [self.model]:\n"
       "            if id(layer) not in self._attributes",
       "a successful conversion leaves a sub-layer's Python counter changed", GUARDS),
+    # -- trace-time changes stay on the tracing thread ---------------------------------
+    M("idioms-priority-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms():\n            return self._traced",
+      "        if True:\n            return self._traced",
+      "KerasTensor.__array_priority__ on every thread while a trace runs (NumPy defers)",
+      THREADS),
+    M("idioms-bare-index-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms() and (key is None or key is Ellipsis or isinstance(key, slice)):",
+      "        if key is None or key is Ellipsis or isinstance(key, slice):",
+      "`x[None]` on a symbolic tensor is accepted on every thread while a trace runs", THREADS),
+    M("idioms-tile-on-every-thread", "_compat.py",
+      "        if not _in_traced_idioms() or isinstance(repeats, int) or None not in list(repeats):",
+      "        if isinstance(repeats, int) or None not in list(repeats):",
+      "`ops.tile` takes a None repeat on every thread while a trace runs", THREADS),
+    M("idioms-ndim-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms() and getattr(x, \"shape\", None) is not None:",
+      "        if getattr(x, \"shape\", None) is not None:",
+      "`ops.ndim` of a symbolic tensor is an int on every thread while a trace runs", THREADS),
+    M("idioms-numpy-scalars-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms():\n            if isinstance(other, np.generic):",
+      "        if True:\n            if isinstance(other, np.generic):",
+      "NumPy values met by symbolic tensors are converted on every thread while a trace runs",
+      THREADS),
+    M("tf-dispatch-on-every-thread", "frontend/tf_functions.py",
+      "        if not _recording():\n            return NotImplemented",
+      "        if not _registered:\n            return NotImplemented",
+      "TensorFlow functions on symbolic tensors are recorded on every thread", THREADS),
 ]
 
 
