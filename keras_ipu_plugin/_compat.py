@@ -653,8 +653,9 @@ def _patch(owner, name, make):
     """Put `make(original)` in place of `owner.name`, to be undone by `_unpatch_all`."""
     original = getattr(owner, name, _NOT_SET)
     own = isinstance(owner, types.ModuleType) or name in vars(owner)
+    replacement = make(original)
     _idioms_patches.append((owner, name, original, own))
-    setattr(owner, name, make(original))
+    setattr(owner, name, replacement)
 
 
 def _unpatch_all():
@@ -698,17 +699,21 @@ def traced_idioms(record_draw=None):
     backend_random = _backend_random()
     with _idioms_lock:
         if _idioms_users[0] == 0:
-            _patch(backend.Variable, _VARIABLE_INIT, _initialize_without_recording)
-            _patch(Tile, "compute_output_spec", _tile_output_spec)
-            _patch(KerasTensor, "__getitem__", _getitem)
-            for name in _SCALAR_OPERATORS:
-                _patch(KerasTensor, name, _python_scalar_operator)
-            # As tf.Tensor's: NumPy defers to the tensor's operators.
-            _patch(KerasTensor, _ARRAY_PRIORITY,
-                   lambda original: _OnTracingThreads(_ARRAY_PRIORITY, 100, original))
-            _patch(Ndim, "symbolic_call", _ndim_symbolic_call)
-            for kind in _DRAWS:
-                _patch(backend_random, kind, _named_draw(kind))
+            try:
+                _patch(backend.Variable, _VARIABLE_INIT, _initialize_without_recording)
+                _patch(Tile, "compute_output_spec", _tile_output_spec)
+                _patch(KerasTensor, "__getitem__", _getitem)
+                for name in _SCALAR_OPERATORS:
+                    _patch(KerasTensor, name, _python_scalar_operator)
+                # As tf.Tensor's: NumPy defers to the tensor's operators.
+                _patch(KerasTensor, _ARRAY_PRIORITY,
+                       lambda original: _OnTracingThreads(_ARRAY_PRIORITY, 100, original))
+                _patch(Ndim, "symbolic_call", _ndim_symbolic_call)
+                for kind in _DRAWS:
+                    _patch(backend_random, kind, _named_draw(kind))
+            except BaseException:
+                _unpatch_all()  # Keras exactly as it was, not half-changed
+                raise
         _idioms_users[0] += 1
     _idioms_state.depth = getattr(_idioms_state, "depth", 0) + 1
     recorders = _idioms_state.__dict__.setdefault("recorders", [])

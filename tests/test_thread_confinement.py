@@ -252,3 +252,25 @@ def test_a_keras_method_looked_up_during_a_trace_still_works_after_it():
     assert mul(x, 2.0).shape == (2, 3)
     assert tile_spec(Tile((2, 1)), x).shape == (4, 3)
     assert outcome(lambda: ndim_call(Ndim(), x)) == outcome(lambda: ops.ndim(x))
+
+
+def test_a_failure_while_installing_the_idioms_leaves_keras_as_it_was(monkeypatch):
+    from keras.src.ops.numpy import Tile
+
+    originals = (keras.KerasTensor.__getitem__, keras.KerasTensor.__mul__,
+                 Tile.compute_output_spec)
+
+    def fails(original):
+        raise RuntimeError("installing failed")
+
+    monkeypatch.setattr(_compat, "_ndim_symbolic_call", fails)  # one of the last installed
+    with pytest.raises(RuntimeError, match="installing failed"):
+        with _compat.traced_idioms():
+            pass
+    assert (keras.KerasTensor.__getitem__, keras.KerasTensor.__mul__,
+            Tile.compute_output_spec) == originals
+    assert not hasattr(keras.KerasTensor, "__array_priority__")
+    monkeypatch.undo()
+    with _compat.traced_idioms():  # and the next trace installs them afresh
+        assert keras.KerasTensor((5, 8))[None].shape == (1, 5, 8)
+    assert keras.KerasTensor.__getitem__ is originals[0]
