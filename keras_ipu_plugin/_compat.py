@@ -502,32 +502,56 @@ def broadcast_to_operation(shape):
 # tracer's `record_draw` (which records it as a graph node, or returns None
 # to let it run as Keras runs it): run eagerly, it would draw once, freeze
 # the numbers into the graph and advance the layer's seed generator.
+# Every change is thread-confined: the wrappers put on Keras's classes while
+# any thread is inside the context consult this thread-local state and do
+# exactly what Keras does on every other thread; a class attribute (NumPy's
+# `__array_priority__`) is a descriptor that has the traced value on a tracing
+# thread only. Each wrapper holds the original it replaced, so a call another
+# thread started just before the last trace ended still runs Keras's code.
 _idioms_state = threading.local()
 _idioms_lock = threading.Lock()
 _idioms_users = [0]
-_idioms_originals = {}
+_idioms_patches = []  # (owner, name, original, owner had its own) to restore
 
 
 def _in_traced_idioms():
     return getattr(_idioms_state, "depth", 0) > 0
 
 
-def _tile_output_spec(self, x):
-    from keras.src.ops.numpy import Tile
+class _OnTracingThreads:
+    """A class attribute with `traced` as its value on a thread inside
+    `traced_idioms()` and the class's own value elsewhere; where the class
+    had none, AttributeError, so NumPy (which looks `__array_priority__` up
+    with `getattr`) sees none."""
 
-    original = _idioms_originals[Tile]
-    repeats = self.repeats
-    if not _in_traced_idioms() or isinstance(repeats, int) or None not in list(repeats):
-        return original(self, x)
-    filled = copy.copy(self)
-    filled.repeats = type(repeats)(1 if r is None else r for r in repeats)
-    spec = original(filled, x)
-    shape = list(spec.shape)
-    # Repeats align with the output's last dimensions (numpy's rule).
-    for offset, repeat in enumerate(reversed(list(repeats))):
-        if repeat is None:
-            shape[len(shape) - 1 - offset] = None
-    return type(spec)(tuple(shape), dtype=spec.dtype)
+    def __init__(self, name, traced, original):
+        self._name, self._traced, self._original = name, traced, original
+
+    def __get__(self, instance, owner=None):
+        if _in_traced_idioms():
+            return self._traced
+        if self._original is _NOT_SET:
+            raise AttributeError(
+                f"type object {getattr(owner, '__name__', owner)!r} has no attribute {self._name!r}")
+        return self._original
+
+
+def _tile_output_spec(original):
+    def compute_output_spec(self, x):
+        repeats = self.repeats
+        if not _in_traced_idioms() or isinstance(repeats, int) or None not in list(repeats):
+            return original(self, x)
+        filled = copy.copy(self)
+        filled.repeats = type(repeats)(1 if r is None else r for r in repeats)
+        spec = original(filled, x)
+        shape = list(spec.shape)
+        # Repeats align with the output's last dimensions (numpy's rule).
+        for offset, repeat in enumerate(reversed(list(repeats))):
+            if repeat is None:
+                shape[len(shape) - 1 - offset] = None
+        return type(spec)(tuple(shape), dtype=spec.dtype)
+
+    return compute_output_spec
 
 
 _DRAWS = ("normal", "uniform", "truncated_normal")
@@ -539,15 +563,14 @@ def _backend_random():
     return random.backend.random  # the module `keras.random` calls into
 
 
-def _intercepted_draw(kind):
+def _intercepted_draw(original):
     def draw(*args, **kwargs):
-        original = _idioms_originals[kind]
         recorders = getattr(_idioms_state, "recorders", None)
         if not recorders or recorders[-1] is None or in_shape_inference():
             return original(*args, **kwargs)
         bound = inspect.signature(original).bind(*args, **kwargs)
         bound.apply_defaults()
-        recorded = recorders[-1](kind, dict(bound.arguments))
+        recorded = recorders[-1](draw.kind, dict(bound.arguments))
         return original(*args, **kwargs) if recorded is None else recorded
 
     return draw
@@ -556,24 +579,30 @@ def _intercepted_draw(kind):
 _VARIABLE_INIT = "_initialize_with_initializer"
 
 
-def _initialize_without_recording(self, initializer):
-    """A variable's initializer draws its numbers as Keras draws them: a
-    layer built while a trace runs (a sub-layer first called there) would
-    otherwise get a graph tensor for its initial value."""
-    recorders = _idioms_state.__dict__.setdefault("recorders", [])
-    recorders.append(None)
-    try:
-        return _idioms_originals[_VARIABLE_INIT](self, initializer)
-    finally:
-        recorders.pop()
+def _initialize_without_recording(original):
+    def initialize(self, initializer):
+        """A variable's initializer draws its numbers as Keras draws them: a
+        layer built while a trace runs (a sub-layer first called there) would
+        otherwise get a graph tensor for its initial value."""
+        if not _in_traced_idioms():
+            return original(self, initializer)
+        recorders = _idioms_state.__dict__.setdefault("recorders", [])
+        recorders.append(None)
+        try:
+            return original(self, initializer)
+        finally:
+            recorders.pop()
+
+    return initialize
 
 
-def _getitem(self, key):
-    from keras.src.backend.common.keras_tensor import KerasTensor
+def _getitem(original):
+    def getitem(self, key):
+        if _in_traced_idioms() and (key is None or key is Ellipsis or isinstance(key, slice)):
+            key = (key,)
+        return original(self, key)
 
-    if _in_traced_idioms() and (key is None or key is Ellipsis or isinstance(key, slice)):
-        key = (key,)
-    return _idioms_originals[KerasTensor](self, key)
+    return getitem
 
 
 # A NumPy value met by a symbolic tensor (`x * np.float64(p)`, `np.float64(p)
@@ -592,7 +621,7 @@ _ARRAY_PRIORITY = "__array_priority__"
 _NOT_SET = object()
 
 
-def _python_scalar_operator(name):
+def _python_scalar_operator(original):
     def operator(self, other):
         import numpy as np
 
@@ -601,22 +630,50 @@ def _python_scalar_operator(name):
                 other = other.item()
             elif isinstance(other, np.ndarray) and self.dtype is not None:
                 other = np.asarray(tf.convert_to_tensor(other, dtype=self.dtype))
-        return _idioms_originals[name](self, other)
+        return original(self, other)
 
-    operator.__name__ = name
+    operator.__name__ = getattr(original, "__name__", "operator")
     return operator
 
 
-def _ndim_symbolic_call(self, x):
-    """`ops.ndim` of a symbolic tensor while tracing: its static rank, a
-    Python int, as TensorFlow's backend gives for a tensor (`x.shape.rank`);
-    Keras's symbolic call gives a KerasTensor instead, which code such as
-    keras_hub RoFormer-v2's `ndim = ndim or max(axes) + 1` cannot branch on."""
-    from keras.src.ops.numpy import Ndim
+def _ndim_symbolic_call(original):
+    def symbolic_call(self, x):
+        """`ops.ndim` of a symbolic tensor while tracing: its static rank, a
+        Python int, as TensorFlow's backend gives for a tensor (`x.shape.rank`);
+        Keras's symbolic call gives a KerasTensor instead, which code such as
+        keras_hub RoFormer-v2's `ndim = ndim or max(axes) + 1` cannot branch on."""
+        if _in_traced_idioms() and getattr(x, "shape", None) is not None:
+            return len(x.shape)
+        return original(self, x)
 
-    if _in_traced_idioms() and getattr(x, "shape", None) is not None:
-        return len(x.shape)
-    return _idioms_originals[Ndim](self, x)
+    return symbolic_call
+
+
+def _patch(owner, name, make):
+    """Put `make(original)` in place of `owner.name`, to be undone by `_unpatch_all`."""
+    original = getattr(owner, name, _NOT_SET)
+    own = isinstance(owner, types.ModuleType) or name in vars(owner)
+    replacement = make(original)
+    _idioms_patches.append((owner, name, original, own))
+    setattr(owner, name, replacement)
+
+
+def _unpatch_all():
+    while _idioms_patches:
+        owner, name, original, own = _idioms_patches.pop()
+        if own:
+            setattr(owner, name, original)
+        else:  # inherited, or none: the class is left as it was
+            delattr(owner, name)
+
+
+def _named_draw(kind):
+    def make(original):
+        draw = _intercepted_draw(original)
+        draw.kind = kind
+        return draw
+
+    return make
 
 
 @contextlib.contextmanager
@@ -626,7 +683,8 @@ def traced_idioms(record_draw=None):
     a TensorFlow tensor) and NumPy values met by operators (converted as
     TensorFlow converts them) on symbolic tensors, on this thread,
     while the context lasts, and hand `keras.random` draws to
-    `record_draw(distribution, arguments)` (see above).
+    `record_draw(distribution, arguments)` (see above). Other threads
+    see Keras exactly as it is outside the context.
 
     Example:
         >>> with traced_idioms():
@@ -641,25 +699,21 @@ def traced_idioms(record_draw=None):
     backend_random = _backend_random()
     with _idioms_lock:
         if _idioms_users[0] == 0:
-            _idioms_originals[_VARIABLE_INIT] = getattr(backend.Variable, _VARIABLE_INIT)
-            _idioms_originals["own"] = _VARIABLE_INIT in vars(backend.Variable)
-            setattr(backend.Variable, _VARIABLE_INIT, _initialize_without_recording)
-            _idioms_originals[Tile] = Tile.compute_output_spec
-            _idioms_originals[KerasTensor] = KerasTensor.__getitem__
-            Tile.compute_output_spec = _tile_output_spec
-            KerasTensor.__getitem__ = _getitem
-            for name in _SCALAR_OPERATORS:
-                _idioms_originals[name] = getattr(KerasTensor, name)
-                _idioms_originals["own", name] = name in vars(KerasTensor)
-                setattr(KerasTensor, name, _python_scalar_operator(name))
-            _idioms_originals[_ARRAY_PRIORITY] = vars(KerasTensor).get(_ARRAY_PRIORITY, _NOT_SET)
-            KerasTensor.__array_priority__ = 100  # as tf.Tensor: NumPy defers
-            _idioms_originals[Ndim] = Ndim.symbolic_call
-            _idioms_originals["own ndim"] = "symbolic_call" in vars(Ndim)
-            Ndim.symbolic_call = _ndim_symbolic_call
-            for kind in _DRAWS:
-                _idioms_originals[kind] = getattr(backend_random, kind)
-                setattr(backend_random, kind, _intercepted_draw(kind))
+            try:
+                _patch(backend.Variable, _VARIABLE_INIT, _initialize_without_recording)
+                _patch(Tile, "compute_output_spec", _tile_output_spec)
+                _patch(KerasTensor, "__getitem__", _getitem)
+                for name in _SCALAR_OPERATORS:
+                    _patch(KerasTensor, name, _python_scalar_operator)
+                # As tf.Tensor's: NumPy defers to the tensor's operators.
+                _patch(KerasTensor, _ARRAY_PRIORITY,
+                       lambda original: _OnTracingThreads(_ARRAY_PRIORITY, 100, original))
+                _patch(Ndim, "symbolic_call", _ndim_symbolic_call)
+                for kind in _DRAWS:
+                    _patch(backend_random, kind, _named_draw(kind))
+            except BaseException:
+                _unpatch_all()  # Keras exactly as it was, not half-changed
+                raise
         _idioms_users[0] += 1
     _idioms_state.depth = getattr(_idioms_state, "depth", 0) + 1
     recorders = _idioms_state.__dict__.setdefault("recorders", [])
@@ -672,31 +726,7 @@ def traced_idioms(record_draw=None):
         with _idioms_lock:
             _idioms_users[0] -= 1
             if _idioms_users[0] == 0:
-                original = _idioms_originals.pop(_VARIABLE_INIT)
-                if _idioms_originals.pop("own"):
-                    setattr(backend.Variable, _VARIABLE_INIT, original)
-                else:  # inherited: the class is left as it was
-                    delattr(backend.Variable, _VARIABLE_INIT)
-                Tile.compute_output_spec = _idioms_originals.pop(Tile)
-                KerasTensor.__getitem__ = _idioms_originals.pop(KerasTensor)
-                for name in _SCALAR_OPERATORS:
-                    original = _idioms_originals.pop(name)
-                    if _idioms_originals.pop(("own", name)):
-                        setattr(KerasTensor, name, original)
-                    else:  # inherited: the class is left as it was
-                        delattr(KerasTensor, name)
-                priority = _idioms_originals.pop(_ARRAY_PRIORITY)
-                if priority is _NOT_SET:
-                    delattr(KerasTensor, _ARRAY_PRIORITY)
-                else:
-                    KerasTensor.__array_priority__ = priority
-                original = _idioms_originals.pop(Ndim)
-                if _idioms_originals.pop("own ndim"):
-                    Ndim.symbolic_call = original
-                else:  # inherited: the class is left as it was
-                    del Ndim.symbolic_call
-                for kind in _DRAWS:
-                    setattr(backend_random, kind, _idioms_originals.pop(kind))
+                _unpatch_all()
 
 
 # -- TensorFlow functions on symbolic tensors (frontend/tf_functions.py) ------

@@ -10,10 +10,14 @@ the behaviour is not one the library promises, or a test is missing.
     python tools/mutation.py                     # every mutation, one at a time
     python tools/mutation.py --only verify-tolerance-100x --only recompute-no-checkpoint
     python tools/mutation.py --list              # names, places, stale snippets
+    python tools/mutation.py --check             # fails on a stale / ambiguous one
     python tools/mutation.py --jobs 2 --json results.json
 
-A snippet that no longer occurs in its file is reported "stale" (the code
-moved on: update the mutation), one that occurs more than once "ambiguous".
+A snippet that no longer occurs in its file is "stale" (the code moved on:
+update the mutation), one that occurs more than once "ambiguous". Either
+fails the tool before any test runs (exit status 1, naming each): a mutation
+that cannot apply tests nothing. `--check` does only that check (fast; the
+test suite runs it: tests/test_mutation_guards.py).
 A test that fails without the mutation too cannot be said to catch it: the
 tests that caught something are run once more on the unmutated copy, and a
 mutation they "caught" that way is reported "caught by a failing test".
@@ -61,6 +65,8 @@ EQUIVALENCE = "tests/test_pass_training_equivalence.py"
 BLOCKS = "tests/test_pass_targets_reach_blocks.py"
 DYNAMIC = "tests/test_dynamic.py"
 REPLACE_STATE = "tests/test_replace_training_state.py"
+GUARDS = "tests/test_mutation_guards.py"
+THREADS = "tests/test_thread_confinement.py"
 
 MUTATIONS = [
     # -- verify.py: verification compares what it says it compares -----------
@@ -125,7 +131,8 @@ MUTATIONS = [
       "        for attributes in self._attributes.values():\n            pass",
       "plain Python attributes a conversion changed stay changed", MODEL_STATE),
     M("state-undo-keeps-objects", "frontend/state.py",
-      "        steps = [state.restore for state in self._objects]",
+      "        steps = [functools.partial(self._objects.restore_object, index)\n"
+      "                 for index in range(len(self._objects.objects))]",
       "        steps = []",
       "a failed conversion keeps the layers it built and the nodes it recorded", MODEL_STATE),
     M("state-no-replay", "frontend/state.py",
@@ -161,9 +168,11 @@ MUTATIONS = [
       "            pass",
       "an outlined BatchNormalization never updates its statistics", GUARDED, EQUIVALENCE),
     M("executor-recompute-drops-losses", "runtime/executor.py",
-      "        for layer, loss in zip(loss_owners, results[outputs:]):\n            layer.add_loss(loss)",
-      "        for layer, loss in zip(loss_owners, results[outputs:]):\n            pass",
-      "losses added inside a recompute segment are lost", EQUIVALENCE, GUARDED),
+      "        for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):\n"
+      "            layer.add_loss(loss)",
+      "        for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):\n"
+      "            pass",
+      "losses added inside a recompute segment are lost", GUARDS, EQUIVALENCE, GUARDED),
     M("recompute-no-checkpoint", "runtime/executor.py",
       "            segments.append(Segment(current, recompute=True))",
       "            segments.append(Segment(current, recompute=False))",
@@ -197,7 +206,7 @@ MUTATIONS = [
       "                if _differentiable(output):",
       "an output with no incoming gradient is differentiated as if it had one", EQUIVALENCE),
     # -- passes ---------------------------------------------------------------------
-    M("replace-copies-kernel-only", "passes/replace.py",
+    M("replace-copies-kernel-only", "passes/replacement.py",
       "    for variable in new.weights:\n        source = sources.get(variable.name)",
       "    for variable in new.weights[:1]:\n        source = sources.get(variable.name)",
       "Replace copies the kernel but not the bias / BatchNormalization statistics",
@@ -207,8 +216,8 @@ MUTATIONS = [
       "                if True:",
       "a layer shared by several call sites gets one replacement per site", PASSES, BLOCKS),
     M("replace-no-reuse", "passes/replace.py",
-      "                    reused = graph.reusable.get(id(old))",
-      "                    reused = None",
+      "        old, reused = node.operation, graph.reusable.get(id(node.operation))",
+      "        old, reused = node.operation, None",
       "a rebuild replaces layers anew, from their untrained originals", REPLACE_STATE),
     M("targets-exact-class", "passes/base.py",
       "    return isinstance(node.operation, target)",
@@ -222,9 +231,9 @@ MUTATIONS = [
       "            last = block_nodes[-1]",
       "            last = block_nodes[0]",
       "Recompute of an expanded block checkpoints after its first node", BLOCKS),
-    M("expand-drops-pinned-training", "passes/expand.py",
-      "    training = node.training if node.training in (True, False) else None",
-      "    training = None",
+    M("expand-drops-pinned-training", "passes/inline.py",
+      "    training = node.training if node.training in (True, False) else None\n    try:",
+      "    training = None\n    try:",
       "a block called with a pinned training does not pass it on through Expand", GUARDED),
     M("expand-agnostic-ignores-training-arg", "runtime/layer_kinds.py",
       "    if not is_expandable(layer) or accepts_training(layer):\n        return False",
@@ -253,6 +262,82 @@ MUTATIONS = [
       "        kept = [v for v in model.trainable_variables if id(v) not in replaced]",
       "        kept = []",
       "apply_passes compares outputs only", PASSES, VERIFICATION),
+    # -- silent wrong results, each guarded in tests/test_mutation_guards.py ------------
+    M("chain-second-reader", "passes/patterns.py",
+      "    if len(readers) != 1 or readers[0].input_values != [value]:",
+      "    if not readers or readers[0].input_values != [value]:",
+      "a Chain matches a node whose output has a second reader", GUARDS),
+    M("chain-through-outputs", "passes/patterns.py",
+      "    if len(node.outputs) != 1 or id(node.outputs[0]) in graph_outputs:",
+      "    if len(node.outputs) != 1:",
+      "a Chain runs through a model output", GUARDS),
+    M("costs-four-bytes", "passes/node_costs.py",
+      "    return dtype.size",
+      "    return 4",
+      "the planner counts every element as 4 bytes (float16 at double size)", GUARDS),
+    M("time-balance-keeps-last", "passes/planning.py",
+      "    best = min(range(len(candidates)), key=lambda k: stage_balance.imbalance(timed[k]))",
+      "    best = len(candidates) - 1",
+      "balance='time' keeps the last re-plan, though it measured worse", GUARDS),
+    M("inline-unread-output-unmasked", "passes/inline.py",
+      "        if new.mask is not None or old.mask is None:",
+      "        if new.mask is not None or old.mask is None or not old.users:",
+      "an expanded block's output no layer reads (a model output) loses its Keras mask",
+      GUARDS),
+    M("attach-mask-drops-mask", "runtime/masks.py",
+      "    def compute_mask(self, inputs, mask=None):\n        return mask",
+      "    def compute_mask(self, inputs, mask=None):\n        return None",
+      "AttachMask attaches no mask: an expanded block's output loses it", GUARDS),
+    M("plugin-class-attribute-on-wrapper", "training/model.py",
+      "        if name not in vars(wrapped) and not hasattr(type(wrapped), name):",
+      "        if name not in vars(wrapped):",
+      "an attribute the wrapped class defines, set on PluginModel, stays on the wrapper",
+      GUARDS),
+    M("verify-one-row", "frontend/verify.py",
+      "MIN_ROWS = 2\n",
+      "MIN_ROWS = 1\n",
+      "verification on 1 row of 8: a graph mixing rows passes", GUARDS),
+    M("verify-first-rows", "frontend/verify.py",
+      "    positions = np.unique(np.linspace(0, len(candidates) - 1, wanted).round().astype(int))",
+      "    positions = np.arange(wanted)",
+      "verification on the first rows instead of rows spread over the batch", GUARDS),
+    M("replay-ignores-pinned-training", "frontend/replay.py",
+      "        return (signature, arguments, node.training)",
+      "        return (signature, arguments)",
+      "a block's trace is replayed for a call with another pinned training", GUARDS),
+    M("state-model-attributes-only", "frontend/state.py",
+      "        for layer in _compat.all_layers(self.model):\n"
+      "            if id(layer) not in self._attributes",
+      "        for layer in [self.model]:\n"
+      "            if id(layer) not in self._attributes",
+      "a successful conversion leaves a sub-layer's Python counter changed", GUARDS),
+    # -- trace-time changes stay on the tracing thread ---------------------------------
+    M("idioms-priority-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms():\n            return self._traced",
+      "        if True:\n            return self._traced",
+      "KerasTensor.__array_priority__ on every thread while a trace runs (NumPy defers)",
+      THREADS),
+    M("idioms-bare-index-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms() and (key is None or key is Ellipsis or isinstance(key, slice)):",
+      "        if key is None or key is Ellipsis or isinstance(key, slice):",
+      "`x[None]` on a symbolic tensor is accepted on every thread while a trace runs", THREADS),
+    M("idioms-tile-on-every-thread", "_compat.py",
+      "        if not _in_traced_idioms() or isinstance(repeats, int) or None not in list(repeats):",
+      "        if isinstance(repeats, int) or None not in list(repeats):",
+      "`ops.tile` takes a None repeat on every thread while a trace runs", THREADS),
+    M("idioms-ndim-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms() and getattr(x, \"shape\", None) is not None:",
+      "        if getattr(x, \"shape\", None) is not None:",
+      "`ops.ndim` of a symbolic tensor is an int on every thread while a trace runs", THREADS),
+    M("idioms-numpy-scalars-on-every-thread", "_compat.py",
+      "        if _in_traced_idioms():\n            if isinstance(other, np.generic):",
+      "        if True:\n            if isinstance(other, np.generic):",
+      "NumPy values met by symbolic tensors are converted on every thread while a trace runs",
+      THREADS),
+    M("tf-dispatch-on-every-thread", "frontend/tf_functions.py",
+      "        if not _recording():\n            return NotImplemented",
+      "        if not _registered:\n            return NotImplemented",
+      "TensorFlow functions on symbolic tensors are recorded on every thread", THREADS),
 ]
 
 
@@ -283,6 +368,21 @@ def locate(mutation, root):
     return text[: text.index(mutation.snippet)].count("\n") + 1, ""
 
 
+def check(mutations, root=ROOT):
+    """0 when every mutation applies (its snippet occurs once in its file);
+    else print each that does not, with why, and return 1."""
+    unusable = [(m, status) for m in mutations for _, status in [locate(m, root)] if status]
+    for mutation, status in unusable:
+        print(f"[{status:>9}] {mutation.name}: its snippet occurs "
+              f"{'nowhere' if status == 'stale' else 'more than once'} in "
+              f"{PACKAGE}/{mutation.file}; update the mutation", flush=True)
+    if unusable:
+        print(f"{len(unusable)} of {len(mutations)} mutation(s) cannot apply: "
+              + ", ".join(m.name for m, _ in unusable))
+        return 1
+    return 0
+
+
 def copy_repository(destination):
     """The tracked and untracked (not ignored) files of the working tree,
     as they are now, under `destination`."""
@@ -302,8 +402,11 @@ def copy_repository(destination):
 
 def run_tests(root, tests, timeout, select=()):
     """`(returncode, output, seconds)` of pytest on `tests` in `root`."""
+    # One process per mutation (`--jobs` runs several): under pytest-xdist
+    # (the project's `-n 2`) `-x` ends in exit status 2, "interrupted", which
+    # would read as broken.
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               "-rf", *tests, *select]
+               "-n", "0", "-rf", *tests, *select]
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
     try:
@@ -385,6 +488,9 @@ def main(argv=None):
     parser.add_argument("--only", action="append", default=[],
                         help="run this mutation (repeatable; a comma-separated list too)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every mutation applies (exit 1 naming those "
+                             "that do not)")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds for the tests of one mutation (default 900)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -405,7 +511,11 @@ def main(argv=None):
             line, status = locate(mutation, ROOT)
             where = f"{mutation.file}:{line}" if line else f"{mutation.file} ({status})"
             print(f"{mutation.name:40} {where:34} {mutation.description}")
-        return 0
+        return check(chosen, ROOT)
+    # A mutation that cannot apply tests nothing: never a pass.
+    unusable = check(chosen, ROOT)
+    if unusable or args.check:
+        return unusable
 
     jobs = max(1, min(args.jobs, len(chosen)))
     with tempfile.TemporaryDirectory(prefix="kip-mutation-") as scratch:
