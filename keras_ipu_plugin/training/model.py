@@ -43,7 +43,8 @@ class PluginModel(keras.Model):
         >>> print(model.kip_report)
     """
 
-    def __init__(self, model, passes=(), rebuild_on_new_variables=True, verify=True, **kwargs):
+    def __init__(self, model, passes=(), rebuild_on_new_variables=True, verify=True, *,
+                 static_batch=False, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"PluginModel wraps a keras.Model; got {type(model).__name__}."
@@ -53,9 +54,13 @@ class PluginModel(keras.Model):
         setattr(self, _WRAPPED, model)
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify
+        # `static_batch=True`: conversions fix the batch dimension, as
+        # `convert_to_functional(..., static_batch=True)` does (a model
+        # reshaping to a batch size written as a constant).
         self._kip_runtime = Runtime(
             model, self, validate_passes(passes), verify=verify,
             rebuild_on_new_variables=rebuild_on_new_variables,
+            static_batch=bool(static_batch),
         )
 
     # -- the wrapped model's attributes are the wrapper's ---------------------
@@ -397,6 +402,7 @@ class PluginModel(keras.Model):
             "passes": passes,
             "rebuild_on_new_variables": self.rebuild_on_new_variables,
             "verify": self.verify,
+            "static_batch": self._kip_runtime.static_batch,
         }
 
     @classmethod

@@ -1,0 +1,199 @@
+"""Entry points used together, and the entry points' own options.
+
+A `PluginModel` compiled inside `kip.scope()` (the README's IPU training
+block) or fitted with a `PluginCallback` is the plugin already: it trains as
+it does alone, with one conversion. A model compiled inside the scope and
+given a callback converts once too. Passes or settings that would be
+silently dropped by such a combination are an error naming both.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin.training import steps as steps_module
+
+
+class Block(keras.layers.Layer):
+    """A layer of the user's: what `Expand` inlines."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units, activation="relu")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class Regressor(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = Block(8)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _data(n=64):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """How many conversions the entry points make (every one goes through
+    `steps.convert_call`)."""
+    made = []
+    convert_call = steps_module.convert_call
+
+    def counting(callee, *args, **kwargs):
+        made.append(callee.name)
+        return convert_call(callee, *args, **kwargs)
+
+    monkeypatch.setattr(steps_module, "convert_call", counting)
+    return made
+
+
+def _fresh_model():
+    keras.utils.set_random_seed(7)
+    model = Regressor(name="regressor")
+    model(_data()[0][:1])
+    return model
+
+
+def _train(how, passes=()):
+    """Train a fresh `Regressor` one way; return (weights, what was used)."""
+    x, y = _data()
+    model = _fresh_model()
+    callbacks = []
+    used = {}
+    if how == "plugin":
+        trainee = kip.PluginModel(model, passes=passes)
+        trainee.compile(optimizer="adam", loss="mse")
+    elif how == "plugin_in_scope":
+        with kip.scope(passes=passes):
+            trainee = kip.PluginModel(model, passes=passes)
+            trainee.compile(optimizer="adam", loss="mse")
+    elif how == "plugin_with_callback":
+        trainee = kip.PluginModel(model, passes=passes)
+        trainee.compile(optimizer="adam", loss="mse")
+        callbacks = [kip.PluginCallback()]
+    elif how == "plugin_in_scope_with_callback":
+        with kip.scope():
+            trainee = kip.PluginModel(model, passes=passes)
+            trainee.compile(optimizer="adam", loss="mse")
+        callbacks = [kip.PluginCallback(passes=passes)]
+    else:
+        raise ValueError(how)
+    keras.utils.set_random_seed(11)
+    trainee.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+    used["trainee"] = trainee
+    used["callbacks"] = callbacks
+    return [w.copy() for w in model.get_weights()], used
+
+
+@pytest.mark.parametrize(
+    "how", ["plugin_in_scope", "plugin_with_callback", "plugin_in_scope_with_callback"])
+def test_plugin_model_with_scope_or_callback_trains_as_it_does_alone(how, conversions):
+    alone, _ = _train("plugin")
+    assert conversions == ["regressor"]
+    conversions.clear()
+
+    weights, used = _train(how)  # recursed ~1000 frames deep before
+    assert conversions == ["regressor"]  # one conversion, the wrapper's own
+    for mine, theirs in zip(weights, alone):
+        np.testing.assert_array_equal(mine, theirs)
+    plugin = used["trainee"]
+    for callback in used["callbacks"]:
+        assert callback.kip_report is plugin.kip_report is not None
+        assert callback.converted is plugin.converted
+    if "scope" in how:
+        assert kip.scope_report(plugin) is plugin.kip_report
+
+
+def test_plugin_model_with_passes_inside_a_scope_with_the_same_passes(conversions):
+    """The README's IPU block gives the scope and the wrapper the same passes
+    (distinct objects): the wrapper runs them, once."""
+    x, y = _data()
+    with kip.scope(passes=[kip.passes.Expand("all")]):
+        plugin = kip.PluginModel(_fresh_model(), passes=[kip.passes.Expand("all")])
+        plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, y, batch_size=16, verbose=0)
+    assert conversions == ["regressor"]
+    assert kip.scope_report(plugin) is plugin.kip_report
+    assert [e.layer for e in plugin.kip_report.entries if e.step == "expand"] == ["block"]
+
+
+def test_callback_with_other_passes_than_the_plugin_model_is_refused():
+    x, y = _data()
+    plugin = kip.PluginModel(_fresh_model())
+    plugin.compile(optimizer="sgd", loss="mse")
+    before = [w.copy() for w in plugin.wrapped.get_weights()]
+    callback = kip.PluginCallback(passes=[kip.passes.Expand("all")])
+    with pytest.raises(ValueError, match=r"PluginCallback was given passes \[Expand\].*PluginModel `regressor_plugin`"):
+        plugin.fit(x, y, batch_size=16, verbose=0, callbacks=[callback])
+    for mine, theirs in zip(plugin.wrapped.get_weights(), before):
+        np.testing.assert_array_equal(mine, theirs)  # refused before any step
+
+
+def test_callback_with_a_setting_other_than_the_plugin_models_is_refused():
+    x, y = _data()
+    plugin = kip.PluginModel(_fresh_model())
+    plugin.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"verify=False \(it has True\)"):
+        plugin.fit(x, y, batch_size=16, verbose=0, callbacks=[kip.PluginCallback(verify=False)])
+
+
+def test_scope_with_other_passes_than_the_plugin_model_is_refused():
+    with pytest.raises(ValueError, match=r"kip.scope was given passes \[Expand\]"):
+        with kip.scope(passes=[kip.passes.Expand("all")]):
+            plugin = kip.PluginModel(_fresh_model())
+            plugin.compile(optimizer="sgd", loss="mse")
+
+
+def test_model_compiled_inside_the_scope_and_given_a_callback_converts_once(conversions):
+    x, y = _data()
+    model = _fresh_model()
+    with kip.scope():
+        model.compile(optimizer="adam", loss="mse")
+    model.evaluate(x, y, batch_size=16, verbose=0)  # the scope's conversion
+    callback = kip.PluginCallback()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[callback])
+    assert conversions == ["regressor"]  # a second, the callback's own, before
+    assert callback.kip_report is kip.scope_report(model) is not None
+
+    # ... and trains as with the scope alone.
+    twin = _fresh_model()
+    with kip.scope():
+        twin.compile(optimizer="adam", loss="mse")
+    twin.evaluate(x, y, batch_size=16, verbose=0)
+    twin.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    for mine, theirs in zip(model.get_weights(), twin.get_weights()):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+class OwnCompile(Regressor):
+    """A model with its own `compile` (as a GAN or a distiller has)."""
+
+    def compile(self, scale=1.0, **kwargs):
+        super().compile(**kwargs)
+        self.scale = scale
+
+
+def test_a_model_compiled_by_its_plugin_model_inside_the_scope_trains_through_the_wrapper():
+    x, y = _data()
+    keras.utils.set_random_seed(7)
+    wrapped = OwnCompile(name="own")
+    wrapped(x[:1])
+    with kip.scope():
+        plugin = kip.PluginModel(wrapped)
+        plugin.compile(optimizer="sgd", loss="mse", scale=2.0)
+    # Compiled inside the scope by the wrapper's `compile`: not plugged in
+    # by itself (a second runtime around a model the wrapper trains).
+    assert not isinstance(vars(wrapped).get("train_function"), steps_module.StepFunction)
+    assert kip.scope_report(wrapped) is None
+    plugin.fit(x, y, batch_size=16, verbose=0)
+    assert kip.scope_report(plugin) is plugin.kip_report is not None
