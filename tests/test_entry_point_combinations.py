@@ -197,3 +197,64 @@ def test_a_model_compiled_by_its_plugin_model_inside_the_scope_trains_through_th
     assert kip.scope_report(wrapped) is None
     plugin.fit(x, y, batch_size=16, verbose=0)
     assert kip.scope_report(plugin) is plugin.kip_report is not None
+
+
+# -- static_batch=True through PluginModel and PluginCallback -----------------
+
+BATCH = 16
+
+
+class ConstantBatch(keras.Model):
+    """Reshapes to a batch size written as a constant (as keras.io's Switch
+    Transformer does): traced with the batch left open, it cannot convert."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        h = keras.ops.reshape(self.dense(x), (BATCH, 2, 2))
+        return self.out(keras.ops.reshape(h, (BATCH, 4)))
+
+
+def _train_constant_batch(how):
+    x, y = _data()
+    keras.utils.set_random_seed(7)
+    model = ConstantBatch(name="constant_batch")
+    model(x[:BATCH])
+    trainee, callbacks = model, []
+    if how == "plugin":
+        trainee = kip.PluginModel(model, static_batch=True)
+    elif how == "callback":
+        callbacks = [kip.PluginCallback(static_batch=True)]
+    trainee.compile(optimizer="adam", loss="mse")
+    keras.utils.set_random_seed(11)
+    # Every batch is whole (64 rows in 16s), so verification runs on the
+    # whole batch of the static shape.
+    trainee.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+    converted = trainee.converted if how == "plugin" else (callbacks[0].converted if callbacks else None)
+    return model.get_weights(), converted
+
+
+@pytest.mark.parametrize("how", ["plugin", "callback"])
+def test_static_batch_trains_a_model_reshaping_to_a_constant_batch_size(how):
+    plain, _ = _train_constant_batch("keras")
+    weights, converted = _train_constant_batch(how)
+    assert [tuple(t.shape) for t in converted.inputs] == [(BATCH, 3)]  # passed to conversion
+    for mine, theirs in zip(weights, plain):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_plugin_model_saves_and_loads_its_static_batch(tmp_path):
+    x, y = _data()
+    plugin = kip.PluginModel(ConstantBatch(name="constant_batch"), static_batch=True)
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, y, batch_size=BATCH, verbose=0)
+    plugin.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(
+        tmp_path / "m.keras", custom_objects={"ConstantBatch": ConstantBatch})
+    assert loaded.get_config()["static_batch"] is True
+    np.testing.assert_allclose(loaded.predict(x, batch_size=BATCH, verbose=0),
+                               plugin.predict(x, batch_size=BATCH, verbose=0), atol=1e-6)
+    assert [tuple(t.shape) for t in loaded.converted.inputs] == [(BATCH, 3)]

@@ -19,6 +19,12 @@ class PluginCallback(keras.callbacks.Callback):
     with the forward pass through the converted graph. The user's model
     keeps its variables, updated in place.
 
+    `static_batch=True` converts with the batch dimension fixed, as
+    `convert_to_functional(..., static_batch=True)` does. On a model that
+    trains through the plugin already (a `PluginModel`, a model compiled
+    inside `kip.scope()`) the callback uses that model's conversion; passes
+    or settings other than its own are then an error, not ignored.
+
     Not on the IPU backend: Graphcore's `fit` never reads
     `model.train_function`, so the callback raises there (use PluginModel).
 

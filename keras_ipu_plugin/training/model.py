@@ -36,6 +36,12 @@ _WRAPPED = "__kip_wrapped__"
 class PluginModel(keras.Model):
     """Wrap a subclassed model; convert it at the first batch it sees.
 
+    `static_batch=True` converts with the batch dimension fixed to the first
+    batch's, as `convert_to_functional(..., static_batch=True)` does (a model
+    that reshapes to a batch size written as a constant). Compiled inside
+    `kip.scope()` or fitted with a `PluginCallback`, it trains as it does
+    alone: it is the plugin already, and keeps its one conversion.
+
     Example:
         >>> model = kip.PluginModel(MyModel(), passes=[kip.passes.Expand()])
         >>> model.compile(optimizer="adam", loss="mse")
