@@ -959,3 +959,17 @@ def masks_keras_would_pass(layer, args, kwargs):
             if mask_name in call_spec.argument_names and call_spec.arguments_dict[mask_name] is None:
                 added[mask_name] = tree.map_structure(keras_mask, value)
     return added
+
+
+def saving_to_hdf5():
+    """Whether Keras's legacy HDF5 writer (`model.save("m.h5")`,
+    `keras.saving.save_model(model, "m.h5")`) is on the stack: it reads a
+    model's config under its own names, which `load_model` cannot resolve
+    for the plugin's registered classes."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_name == "save_model_to_hdf5"
+                and frame.f_globals.get("__name__", "").startswith("keras.src.legacy.saving")):
+            return True
+        frame = frame.f_back
+    return False

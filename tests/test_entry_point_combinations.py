@@ -258,3 +258,46 @@ def test_plugin_model_saves_and_loads_its_static_batch(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, batch_size=BATCH, verbose=0),
                                plugin.predict(x, batch_size=BATCH, verbose=0), atol=1e-6)
     assert [tuple(t.shape) for t in loaded.converted.inputs] == [(BATCH, 3)]
+
+
+# -- HDF5: refused with the way to save, never a file load_model cannot read --
+
+
+def _converted_and_plugin():
+    x, y = _data()
+    converted = kip.convert_to_functional(_fresh_model(), x[:16])
+    plugin = kip.PluginModel(_fresh_model())
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, y, batch_size=16, verbose=0)
+    return {"converted": converted, "plugin": plugin}
+
+
+@pytest.fixture(scope="module")
+def saved_models():
+    return _converted_and_plugin()
+
+
+@pytest.mark.parametrize("which", ["converted", "plugin"])
+@pytest.mark.parametrize("name", ["m.h5", "m.hdf5"])
+def test_saving_as_hdf5_is_refused_with_a_pointer_to_keras_files(saved_models, which, name, tmp_path):
+    model = saved_models[which]
+    with pytest.raises(ValueError, match=r"HDF5.*\.keras"):
+        model.save(tmp_path / name)  # wrote a file load_model could not read, before
+    assert not (tmp_path / name).exists()
+    with pytest.raises(ValueError, match=r"HDF5.*\.keras"):
+        keras.saving.save_model(model, str(tmp_path / ("direct_" + name)))
+
+
+@pytest.mark.parametrize("which", ["converted", "plugin"])
+def test_keras_files_and_hdf5_weights_still_save_and_load(saved_models, which, tmp_path):
+    model = saved_models[which]
+    x, _ = _data()
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras", custom_objects={
+        "Regressor": Regressor, "Block": Block})
+    np.testing.assert_allclose(loaded.predict(x[:16], verbose=0), model.predict(x[:16], verbose=0),
+                               atol=1e-6)
+    model.save_weights(tmp_path / "m.weights.h5")
+    model.load_weights(tmp_path / "m.weights.h5")
+    # A directory save (zipped=False) is Keras's own format, not HDF5.
+    model.save(tmp_path / "dir.h5", zipped=False)

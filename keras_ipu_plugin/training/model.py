@@ -28,6 +28,7 @@ from keras_ipu_plugin.training.steps import PredictFunction
 from keras_ipu_plugin.training.steps import StepFunction
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.runtime.functional import refuse_hdf5
 
 _WRAPPED = "__kip_wrapped__"
 
@@ -124,6 +125,7 @@ class PluginModel(keras.Model):
             return super().save_weights(filepath, *args, **kwargs)
 
     def save(self, filepath, *args, **kwargs):
+        refuse_hdf5(self, filepath, kwargs.get("zipped", args[1] if len(args) > 1 else None))
         self._copy_replacements_back()
         with self._optimizer_in_saved_order():
             return super().save(filepath, *args, **kwargs)
@@ -393,6 +395,7 @@ class PluginModel(keras.Model):
 
     # -- saving ----------------------------------------------------------------
     def get_config(self):
+        refuse_hdf5(self)  # `keras.saving.save_model(plugin, "m.h5")`
         # Passes are saved as the pass objects they became (a config file's
         # path would not travel with the saved model).
         try:
