@@ -301,3 +301,104 @@ def test_keras_files_and_hdf5_weights_still_save_and_load(saved_models, which, t
     model.load_weights(tmp_path / "m.weights.h5")
     # A directory save (zipped=False) is Keras's own format, not HDF5.
     model.save(tmp_path / "dir.h5", zipped=False)
+
+
+# -- a train step asking Keras's compute_loss for the compiled loss -----------
+
+
+class SpeechTransformer(keras.Model):
+    """keras.io/examples/audio/transformer_asr's training pattern, small: a
+    dict batch, `self([source, target[:, :-1]])`, and the loss from
+    `compute_loss(x=..., y=..., y_pred=..., sample_weight=...)` in its own
+    train and test steps, tracked by its own metric."""
+
+    def __init__(self, classes=10, **kwargs):
+        super().__init__(**kwargs)
+        self.classes = classes
+        self.encoder = keras.layers.Dense(8, activation="relu")
+        self.embed = keras.layers.Embedding(classes, 8)
+        self.decoder = keras.layers.Dense(8, activation="relu")
+        self.classifier = keras.layers.Dense(classes)
+        self.loss_metric = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_metric]
+
+    def call(self, inputs):
+        source, target = inputs
+        memory = keras.ops.mean(self.encoder(source), axis=1, keepdims=True)
+        return self.classifier(self.decoder(self.embed(target) + memory))
+
+    def _loss(self, batch):
+        source, target = batch["source"], batch["target"]
+        dec_input, dec_target = target[:, :-1], target[:, 1:]
+        preds = self([source, dec_input])
+        one_hot = tf.one_hot(dec_target, depth=self.classes)
+        mask = tf.math.logical_not(tf.math.equal(dec_target, 0))
+        return self.compute_loss(x=[source, dec_input], y=one_hot, y_pred=preds, sample_weight=mask)
+
+    def train_step(self, batch):
+        with tf.GradientTape() as tape:
+            loss = self._loss(batch)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.loss_metric.update_state(loss)
+        return {"loss": self.loss_metric.result()}
+
+    def test_step(self, batch):
+        self.loss_metric.update_state(self._loss(batch))
+        return {"loss": self.loss_metric.result()}
+
+
+def _speech_data(n=32):
+    rng = np.random.default_rng(6)
+    source = rng.normal(size=(n, 6, 5)).astype("float32")
+    target = rng.integers(1, 10, size=(n, 7)).astype("int32")
+    for row in range(n):
+        target[row, 7 - row % 3:] = 0  # padding
+    return tf.data.Dataset.from_tensor_slices({"source": source, "target": target}).batch(8)
+
+
+def _train_speech(how):
+    keras.utils.set_random_seed(4)
+    model = SpeechTransformer(name="speech")
+    compile_kwargs = dict(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(
+        from_logits=True, label_smoothing=0.1))
+    callbacks = []
+    if how == "keras":
+        trainee = model
+        trainee.compile(**compile_kwargs)
+    elif how == "callback":
+        trainee = model
+        trainee.compile(**compile_kwargs)
+        callbacks = [kip.PluginCallback()]
+    elif how == "scope":
+        with kip.scope():
+            model.compile(**compile_kwargs)
+        trainee = model
+    elif how in ("plugin", "plugin_with_callback"):
+        trainee = kip.PluginModel(model)
+        trainee.compile(**compile_kwargs)
+        callbacks = [kip.PluginCallback()] if how == "plugin_with_callback" else []
+    elif how == "plugin_in_scope":
+        with kip.scope():
+            trainee = kip.PluginModel(model)
+            trainee.compile(**compile_kwargs)
+    data = _speech_data()
+    history = trainee.fit(data, validation_data=data, epochs=2, verbose=0, callbacks=callbacks)
+    return history.history, model.get_weights(), trainee
+
+
+@pytest.mark.parametrize(
+    "how", ["plugin", "callback", "scope", "plugin_in_scope", "plugin_with_callback"])
+def test_step_calling_compute_loss_trains_equal_to_plain_keras(how):
+    expected, plain, _ = _train_speech("keras")
+    history, weights, trainee = _train_speech(how)
+    assert history.keys() == expected.keys() == {"loss", "val_loss"}
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-6)
+    for mine, theirs in zip(weights, plain):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-7)
+    if isinstance(trainee, kip.PluginModel):
+        assert [tuple(t.shape) for t in trainee.converted.inputs] == [(None, 6, 5), (None, 6)]
