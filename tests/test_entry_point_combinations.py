@@ -133,7 +133,8 @@ def test_callback_with_other_passes_than_the_plugin_model_is_refused():
     plugin.compile(optimizer="sgd", loss="mse")
     before = [w.copy() for w in plugin.wrapped.get_weights()]
     callback = kip.PluginCallback(passes=[kip.passes.Expand("all")])
-    with pytest.raises(ValueError, match=r"PluginCallback was given passes \[Expand\].*PluginModel `regressor_plugin`"):
+    refused = r"PluginCallback was given passes \[Expand\].*PluginModel `regressor_plugin`"
+    with pytest.raises(ValueError, match=refused):
         plugin.fit(x, y, batch_size=16, verbose=0, callbacks=[callback])
     for mine, theirs in zip(plugin.wrapped.get_weights(), before):
         np.testing.assert_array_equal(mine, theirs)  # refused before any step
@@ -233,8 +234,9 @@ def _train_constant_batch(how):
     # Every batch is whole (64 rows in 16s), so verification runs on the
     # whole batch of the static shape.
     trainee.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
-    converted = trainee.converted if how == "plugin" else (callbacks[0].converted if callbacks else None)
-    return model.get_weights(), converted
+    if how == "plugin":
+        return model.get_weights(), trainee.converted
+    return model.get_weights(), callbacks[0].converted if callbacks else None
 
 
 @pytest.mark.parametrize("how", ["plugin", "callback"])
@@ -279,7 +281,8 @@ def saved_models():
 
 @pytest.mark.parametrize("which", ["converted", "plugin"])
 @pytest.mark.parametrize("name", ["m.h5", "m.hdf5"])
-def test_saving_as_hdf5_is_refused_with_a_pointer_to_keras_files(saved_models, which, name, tmp_path):
+def test_saving_as_hdf5_is_refused_with_a_pointer_to_keras_files(
+        saved_models, which, name, tmp_path):
     model = saved_models[which]
     with pytest.raises(ValueError, match=r"HDF5.*\.keras"):
         model.save(tmp_path / name)  # wrote a file load_model could not read, before

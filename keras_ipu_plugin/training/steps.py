@@ -128,7 +128,8 @@ class Runtime:
         """
         asked = []
         if passes and not _same_passes(passes, self.passes):
-            asked.append(f"passes {_describe_passes(passes)} (it has {_describe_passes(self.passes)})")
+            asked.append(
+                f"passes {_describe_passes(passes)} (it has {_describe_passes(self.passes)})")
         for name, value in settings.items():
             if value != self.DEFAULTS[name] and value != getattr(self, name):
                 asked.append(f"{name}={value!r} (it has {getattr(self, name)!r})")
