@@ -393,10 +393,16 @@ def _train_speech(how):
     return history.history, model.get_weights(), trainee
 
 
+@pytest.fixture(scope="module")
+def plain_speech():
+    expected, plain, _ = _train_speech("keras")
+    return expected, plain
+
+
 @pytest.mark.parametrize(
     "how", ["plugin", "callback", "scope", "plugin_in_scope", "plugin_with_callback"])
-def test_step_calling_compute_loss_trains_equal_to_plain_keras(how):
-    expected, plain, _ = _train_speech("keras")
+def test_step_calling_compute_loss_trains_equal_to_plain_keras(how, plain_speech):
+    expected, plain = plain_speech
     history, weights, trainee = _train_speech(how)
     assert history.keys() == expected.keys() == {"loss", "val_loss"}
     for key in expected:
