@@ -996,3 +996,17 @@ def masks_keras_would_pass(layer, args, kwargs):
 KERAS_OPERATION_MODULES = ("keras.src.ops",)
 #: Where a saved `keras.random.SeedGenerator` says it is from.
 SEED_GENERATOR_MODULES = ("keras.random", "keras.src.random")
+
+
+def saving_to_hdf5():
+    """Whether Keras's legacy HDF5 writer (`model.save("m.h5")`,
+    `keras.saving.save_model(model, "m.h5")`) is on the stack: it reads a
+    model's config under its own names, which `load_model` cannot resolve
+    for the plugin's registered classes."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_name == "save_model_to_hdf5"
+                and frame.f_globals.get("__name__", "").startswith("keras.src.legacy.saving")):
+            return True
+        frame = frame.f_back
+    return False

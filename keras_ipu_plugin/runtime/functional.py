@@ -25,6 +25,7 @@ a float batch to an int input silently.
 """
 
 import inspect
+import os
 
 import keras
 
@@ -56,6 +57,39 @@ def mask_semantics(model):
     if "mask" in inspect.signature(model.call).parameters:
         return MASK_ARGUMENT
     return MASK_ABSENT
+
+
+def refuse_hdf5(model, filepath=None, zipped=None):
+    """Raise a clear error where `model` would be saved as HDF5 (`m.h5`,
+    `m.hdf5`): Keras's legacy format keeps neither the plugin's registered
+    class names nor its graph's extras, so `keras.models.load_model` could
+    not read the file back (`Unknown layer: 'KipFunctional'`). `filepath`
+    None: the HDF5 writer is already running (`keras.saving.save_model`).
+
+    Example:
+        >>> refuse_hdf5(converted, "m.keras")      # fine
+        >>> refuse_hdf5(converted, "m.h5")         # ValueError: use .keras
+    """
+    if filepath is not None:
+        path = str(os.fspath(filepath)) if hasattr(filepath, "__fspath__") else str(filepath)
+        # As Keras chooses: HDF5 for a zipped save to a `.h5` / `.hdf5` path
+        # (zipped defaults to True except on the Hugging Face Hub).
+        if zipped is None:
+            zipped = not path.startswith("hf://")
+        if not (zipped and path.endswith((".h5", ".hdf5"))):
+            return
+        shown = f"`{path}`"
+    elif _compat.saving_to_hdf5():
+        shown = "an HDF5 file"
+    else:
+        return
+    raise ValueError(
+        f"Model `{model.name}` cannot be saved to {shown}: Keras's legacy HDF5 "
+        "format does not record the plugin's registered classes (KipFunctional, "
+        "PluginModel, the kip layers), so keras.models.load_model could not read "
+        "it back. Save to a `.keras` file instead (model.save(\"m.keras\")); "
+        "save_weights(\"m.weights.h5\") saves the weights alone."
+    )
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -213,7 +247,13 @@ class KipFunctional(_compat.Functional):
             "kip.PluginModel, which converts the call with its mask."
         )
 
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        refuse_hdf5(self, filepath, zipped)
+        return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
     def get_config(self):
+        # `keras.saving.save_model(model, "m.h5")` does not go through `save`.
+        refuse_hdf5(self)
         config = super().get_config()
         config["kip_original_mask"] = self.kip_original_mask
         config["kip_pinned_training"] = dict(self.kip_pinned_training)

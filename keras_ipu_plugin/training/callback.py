@@ -4,6 +4,7 @@ import keras
 
 from keras_ipu_plugin.passes.manager import validate_passes
 from keras_ipu_plugin.training.routes import training_route
+from keras_ipu_plugin.training.scope import plugged_in
 from keras_ipu_plugin.training.steps import Runtime
 from keras_ipu_plugin.training.steps import install
 
@@ -18,6 +19,12 @@ class PluginCallback(keras.callbacks.Callback):
     with the forward pass through the converted graph. The user's model
     keeps its variables, updated in place.
 
+    `static_batch=True` converts with the batch dimension fixed, as
+    `convert_to_functional(..., static_batch=True)` does. On a model that
+    trains through the plugin already (a `PluginModel`, a model compiled
+    inside `kip.scope()`) the callback uses that model's conversion; passes
+    or settings other than its own are then an error, not ignored.
+
     Not on the IPU backend: Graphcore's `fit` never reads
     `model.train_function`, so the callback raises there (use PluginModel).
 
@@ -27,12 +34,14 @@ class PluginCallback(keras.callbacks.Callback):
         >>> print(callback.kip_report)
     """
 
-    def __init__(self, passes=(), rebuild_on_new_variables=True, verify=True):
+    def __init__(self, passes=(), rebuild_on_new_variables=True, verify=True, *,
+                 static_batch=False):
         super().__init__()
         training_route().check_train_function_route("PluginCallback")
         self.passes = validate_passes(passes)
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify
+        self.static_batch = static_batch
         self.runtime = None
 
     @property
@@ -46,9 +55,22 @@ class PluginCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if getattr(self.model, "optimizer", None) is None:
             raise ValueError(f"PluginCallback: model `{self.model.name}` is not compiled.")
+        plugged = plugged_in(self.model)
+        if plugged is not None:
+            # A PluginModel, or a model compiled inside kip.scope, trains
+            # through the plugin already: its conversion serves this fit
+            # (a second one around it recursed, or converted twice).
+            runtime, serving = plugged
+            runtime.check_serves(
+                "PluginCallback", serving, self.passes, verify=self.verify,
+                rebuild_on_new_variables=self.rebuild_on_new_variables,
+                static_batch=self.static_batch)
+            self.runtime = runtime
+            return
         if self.runtime is None or self.runtime.subject is not self.model:
             self.runtime = Runtime(
                 self.model, self.model, self.passes, verify=self.verify,
                 rebuild_on_new_variables=self.rebuild_on_new_variables,
+                static_batch=self.static_batch,
             )
         install(self.model, self.runtime)

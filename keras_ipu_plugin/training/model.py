@@ -28,6 +28,7 @@ from keras_ipu_plugin.training.steps import PredictFunction
 from keras_ipu_plugin.training.steps import StepFunction
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.runtime.functional import refuse_hdf5
 
 _WRAPPED = "__kip_wrapped__"
 
@@ -36,6 +37,12 @@ _WRAPPED = "__kip_wrapped__"
 class PluginModel(keras.Model):
     """Wrap a subclassed model; convert it at the first batch it sees.
 
+    `static_batch=True` converts with the batch dimension fixed to the first
+    batch's, as `convert_to_functional(..., static_batch=True)` does (a model
+    that reshapes to a batch size written as a constant). Compiled inside
+    `kip.scope()` or fitted with a `PluginCallback`, it trains as it does
+    alone: it is the plugin already, and keeps its one conversion.
+
     Example:
         >>> model = kip.PluginModel(MyModel(), passes=[kip.passes.Expand()])
         >>> model.compile(optimizer="adam", loss="mse")
@@ -43,7 +50,8 @@ class PluginModel(keras.Model):
         >>> print(model.kip_report)
     """
 
-    def __init__(self, model, passes=(), rebuild_on_new_variables=True, verify=True, **kwargs):
+    def __init__(self, model, passes=(), rebuild_on_new_variables=True, verify=True, *,
+                 static_batch=False, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"PluginModel wraps a keras.Model; got {type(model).__name__}."
@@ -53,9 +61,13 @@ class PluginModel(keras.Model):
         setattr(self, _WRAPPED, model)
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify
+        # `static_batch=True`: conversions fix the batch dimension, as
+        # `convert_to_functional(..., static_batch=True)` does (a model
+        # reshaping to a batch size written as a constant).
         self._kip_runtime = Runtime(
             model, self, validate_passes(passes), verify=verify,
             rebuild_on_new_variables=rebuild_on_new_variables,
+            static_batch=bool(static_batch),
         )
 
     # -- the wrapped model's attributes are the wrapper's ---------------------
@@ -113,6 +125,7 @@ class PluginModel(keras.Model):
             return super().save_weights(filepath, *args, **kwargs)
 
     def save(self, filepath, *args, **kwargs):
+        refuse_hdf5(self, filepath, kwargs.get("zipped", args[1] if len(args) > 1 else None))
         self._copy_replacements_back()
         with self._optimizer_in_saved_order():
             return super().save(filepath, *args, **kwargs)
@@ -382,6 +395,7 @@ class PluginModel(keras.Model):
 
     # -- saving ----------------------------------------------------------------
     def get_config(self):
+        refuse_hdf5(self)  # `keras.saving.save_model(plugin, "m.h5")`
         # Passes are saved as the pass objects they became (a config file's
         # path would not travel with the saved model).
         try:
@@ -397,6 +411,7 @@ class PluginModel(keras.Model):
             "passes": passes,
             "rebuild_on_new_variables": self.rebuild_on_new_variables,
             "verify": self.verify,
+            "static_batch": self._kip_runtime.static_batch,
         }
 
     @classmethod

@@ -22,6 +22,7 @@ from keras_ipu_plugin.training.model import PluginModel
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.steps import Runtime
 from keras_ipu_plugin.training.steps import install as install_functions
+from keras_ipu_plugin.training.steps import installed_runtime
 
 
 @contextlib.contextmanager
@@ -77,17 +78,58 @@ def scope(strategy=None, passes=(), verify=True, *, num_ipus=None,
     before = _compile_states()
     with strategy.scope():
         yield strategy
-    for model in _compiled_since(before):
-        if training_route().plugs_in(model, passes, PluginModel):
+    compiled = _compiled_since(before)
+    # A PluginModel's `compile` runs the wrapped model's own `compile` (a
+    # GAN's): the wrapped model trains through its wrapper, not by itself.
+    wrapped = {id(model.wrapped) for model in compiled if isinstance(model, PluginModel)}
+    for model in compiled:
+        if id(model) in wrapped:
+            continue
+        if isinstance(model, PluginModel):
+            install(model, passes, verify)  # it is the plugin already
+        elif training_route().plugs_in(model, passes, PluginModel):
             install(model, passes, verify)
 
 
 def install(model, passes=(), verify=True, rebuild_on_new_variables=True):
-    """Route `model.fit` / `evaluate` through the plugin (what the scope does)."""
-    runtime = Runtime(model, model, validate_passes(passes), verify=verify,
+    """Route `model.fit` / `evaluate` through the plugin (what the scope does).
+
+    A `PluginModel` is the plugin already: it keeps its own conversion (one
+    for the model, not a second one around it), and passes or settings
+    other than its own are an error rather than silently dropped.
+
+    Example:
+        >>> install(model, passes=[kip.passes.Expand()])
+        >>> model.fit(x, y)      # converted at the first batch
+    """
+    passes = validate_passes(passes)
+    plugged = plugged_in(model)
+    if plugged is not None:
+        runtime, serving = plugged
+        runtime.check_serves("kip.scope", serving, passes, verify=verify,
+                             rebuild_on_new_variables=rebuild_on_new_variables)
+        _runtimes[model] = runtime
+        return
+    runtime = Runtime(model, model, passes, verify=verify,
                       rebuild_on_new_variables=rebuild_on_new_variables)
     install_functions(model, runtime)
     _runtimes[model] = runtime
+
+
+def plugged_in(model):
+    """`(runtime, who)` of the plugin that already trains `model`: a
+    PluginModel's own runtime, or the one `kip.scope` gave it (while its
+    train / test functions are still the model's); else None.
+
+    Example:
+        >>> runtime, who = plugged_in(plugin)   # who: "PluginModel `p`"
+    """
+    if isinstance(model, PluginModel):
+        return model._kip_runtime, f"PluginModel `{model.name}`"
+    runtime = _runtimes.get(model)
+    if runtime is not None and installed_runtime(model) is runtime:
+        return runtime, "kip.scope"
+    return None
 
 
 def scope_report(model):

@@ -69,6 +69,8 @@ from keras_ipu_plugin.frontend.tracing import trace_model
 from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
 from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
 from keras_ipu_plugin.passes.replace import copy_weights_by_name
+from keras_ipu_plugin.passes.base import serialize_pass
+from keras_ipu_plugin.errors import PassError
 
 _MAX_REBUILDS_PER_STEP = 8
 
@@ -90,12 +92,14 @@ class Runtime:
     rather than the subject (what Keras's `compile` set on a wrapper).
     """
 
-    def __init__(self, subject, owner, passes, verify=True, rebuild_on_new_variables=True):
+    def __init__(self, subject, owner, passes, verify=True, rebuild_on_new_variables=True,
+                 static_batch=False):
         self.subject = subject
         self.owner = owner
         self.passes = passes
         self.verify = verify
         self.rebuild_on_new_variables = rebuild_on_new_variables
+        self.static_batch = static_batch
         self.watch = VariableWatch()
         self.conversions = []  # CallConversion, oldest first
         self.owner_names = frozenset()
@@ -105,6 +109,38 @@ class Runtime:
         self._fingerprint = None
         self._local = threading.local()  # per replica thread: misses, recording
         self._stand_ins = {}
+
+    #: What an entry point asks for when it is given nothing: a second entry
+    #: point given these defers to the runtime that already trains the model.
+    DEFAULTS = {"verify": True, "rebuild_on_new_variables": True, "static_batch": False}
+
+    def check_serves(self, entry_point, serving, passes=(), **settings):
+        """Raise unless this runtime (`serving`: who made it, "PluginModel
+        `p`") already gives what `entry_point` asks for, so that the model
+        converts once and trains as it does alone.
+
+        An entry point given passes, or a setting other than its default,
+        that differ from this runtime's would be silently ignored: that is
+        an error naming both, not a guess.
+
+        Example:
+            >>> plugin._kip_runtime.check_serves("PluginCallback", "PluginModel `p`")
+        """
+        asked = []
+        if passes and not _same_passes(passes, self.passes):
+            asked.append(
+                f"passes {_describe_passes(passes)} (it has {_describe_passes(self.passes)})")
+        for name, value in settings.items():
+            if value != self.DEFAULTS[name] and value != getattr(self, name):
+                asked.append(f"{name}={value!r} (it has {getattr(self, name)!r})")
+        if asked:
+            raise ValueError(
+                f"{entry_point} was given {', '.join(asked)}, but model "
+                f"`{self.owner.name}` already trains through {serving}, which "
+                "converts it once and runs its own passes and settings. Give "
+                f"them to {serving.split(' ')[0]} instead, or leave them out of "
+                f"{entry_point}."
+            )
 
     @property
     def strategy(self):
@@ -177,8 +213,9 @@ class Runtime:
         reuse = self.replaced_layers() if reuse is None else reuse
         with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
             # The IPU backend needs static shapes (static_batch=True there).
-            graph_model = convert_call(callee, call, verify=self.verify, signature=signature,
-                                       static_batch=get_backend().static_batch)
+            graph_model = convert_call(
+                callee, call, verify=self.verify, signature=signature,
+                static_batch=self.static_batch or get_backend().static_batch)
             if self.passes:
                 with _replaced_layers_in_sync(reuse):
                     model = apply_passes(graph_model, self.passes, verify=self.verify,
@@ -447,6 +484,26 @@ class Runtime:
             variables += list(model.metrics_variables)
         variables += _compat.global_seed_variables()
         return union_of_variables(variables, [])
+
+
+def _same_passes(mine, theirs):
+    """The same passes, in the same order: the same objects, or passes of
+    the same class saving the same config."""
+    if len(mine) != len(theirs):
+        return False
+    for a, b in zip(mine, theirs):
+        if a is b:
+            continue
+        try:
+            if serialize_pass(a) != serialize_pass(b):
+                return False
+        except PassError:  # an unregistered pass: the same object only
+            return False
+    return True
+
+
+def _describe_passes(passes):
+    return "[" + ", ".join(type(p).__name__ for p in passes) + "]"
 
 
 @contextlib.contextmanager
@@ -779,6 +836,16 @@ def _is_opaque(converted):
     return graph is not None and any(isinstance(n.operation, OpaqueLayer) for n in graph.nodes)
 
 
+def installed_runtime(model):
+    """The runtime whose train / test functions `model` holds now (given by
+    `kip.scope` or a callback; a later `compile` resets them), or None."""
+    for attribute in ("train_function", "test_function"):
+        function = vars(model).get(attribute)
+        if isinstance(function, StepFunction) and function.runtime.owner is model:
+            return function.runtime
+    return None
+
+
 def install(model, runtime):
     """Give `model` plugin train / test functions (what the callback and
     `kip.scope` do), keeping ones already given for the same runtime so a
@@ -789,4 +856,6 @@ def install(model, runtime):
             setattr(model, attribute, StepFunction(runtime, getattr(type(model), step)))
 
 
-__all__ = ["Runtime", "StepFunction", "PredictFunction", "NeedsConversion", "install"]
+__all__ = [
+    "Runtime", "StepFunction", "PredictFunction", "NeedsConversion", "install", "installed_runtime",
+]
