@@ -160,7 +160,7 @@ def _load_file(path):
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(
             "", f"{name!r} is larger than {MAX_CONFIG_BYTES} bytes, the limit for a "
-            "config file (kip.config.MAX_CONFIG_BYTES); is it the right file?"
+            "config file (kip.passes.config.MAX_CONFIG_BYTES); is it the right file?"
         )
     try:
         text = data.decode("utf-8")
@@ -321,14 +321,14 @@ def _bounded_copy(config):
         if count > MAX_CONFIG_VALUES:
             raise ConfigError(
                 path, f"the config holds more than {MAX_CONFIG_VALUES} values "
-                "(kip.config.MAX_CONFIG_VALUES)"
+                "(kip.passes.config.MAX_CONFIG_VALUES)"
             )
         if not isinstance(value, (dict, list, tuple)):
             return value
         if depth == MAX_CONFIG_DEPTH:
             raise ConfigError(
                 path, f"nested deeper than {MAX_CONFIG_DEPTH} mappings and lists "
-                "(kip.config.MAX_CONFIG_DEPTH); does a mapping or list contain itself?"
+                "(kip.passes.config.MAX_CONFIG_DEPTH); does a mapping or list contain itself?"
             )
         if isinstance(value, dict):
             for key in getattr(value, "repeated", ()):
