@@ -39,6 +39,7 @@ from yaml.resolver import Resolver
 
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.passes.base import ALL
@@ -140,7 +141,7 @@ def _build(key, value, path, reader):
     except ConfigError:
         raise
     except (PassError, TypeError, ValueError) as error:  # a pass's own checks
-        raise ConfigError(path, str(error)) from error
+        raise config_error(path, error) from error
     if not isinstance(built, Pass):
         raise ConfigError(
             path, f"{pass_class.__name__}.from_user_config returned {short_repr(built)}, not a pass"
