@@ -273,6 +273,8 @@ def _check_model(model):
 
 
 def as_tensors(x):
+    inputs_lib.check_dense(x)
+
     def convert(leaf):
         if isinstance(leaf, np.ndarray) and leaf.dtype == np.float64:
             leaf = leaf.astype(keras.config.floatx())
