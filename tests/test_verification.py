@@ -341,6 +341,53 @@ def test_verification_uses_the_whole_batch_when_rows_depend_on_each_other():
     assert "depend on the other rows" in row.detail
 
 
+BATCH = 16  # a module constant, as keras.io's Switch Transformer writes its batch size
+
+
+class ConstantBatchRouter(keras.layers.Layer):
+    """Flattens the batch's tokens with the batch size written as a constant:
+    runs on a batch of BATCH rows only."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, inputs):
+        tokens = keras.ops.reshape(self.dense(inputs), (BATCH * 4, 8))
+        return keras.ops.reshape(keras.ops.relu(tokens), (BATCH, -1, 8))
+
+
+class ConstantBatch(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.router = ConstantBatchRouter()
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.head(keras.ops.mean(self.router(inputs), axis=1))
+
+
+def test_a_batch_size_written_as_a_constant_is_verified_on_the_whole_batch():
+    # Was refused: "the original model fails on the batch", when it failed on
+    # the rows verification chose.
+    x = _rand(BATCH, 4, 3)
+    model = ConstantBatch()
+    converted = kip.convert_to_functional(model, x)
+    (row,) = verify_rows(converted)
+    assert row.detail.startswith(f"{BATCH} of {BATCH} rows")
+    assert "the original fails on 4 of the 16 rows" in row.detail
+    np.testing.assert_allclose(converted(x), model(x), rtol=1e-6)
+    passed = kip.apply_passes(converted, [Expand()])  # verified on the kept batch alike
+    assert verify_rows(passed)[-1].detail.startswith(f"{BATCH} of {BATCH} rows")
+
+
+def test_a_model_that_fails_on_the_whole_batch_is_still_refused_as_failing():
+    model = ConstantBatch()
+    converted = kip.convert_to_functional(model, _rand(BATCH, 4, 3))
+    with pytest.raises(kip.InputDataError, match="the original model `.*` fails on the batch"):
+        kip.frontend.verify.check_equivalent(model, converted, _rand(2 * BATCH, 4, 3))
+
+
 class DropsTheRowMixing(Recording):
     """The original mixes rows (so it is verified on the whole batch); its
     trace does not."""

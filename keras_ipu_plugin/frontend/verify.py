@@ -44,7 +44,8 @@ is used only where it is the same computation: the original's outputs on
 those rows must equal its outputs for the same rows of that larger probe
 (a model that mixes rows even in inference mode is verified on the whole
 batch, as is a probe with non-finite outputs, so that the whole batch
-tells which rows to leave out), and a model with a fixed batch size is
+tells which rows to leave out), and a model with a fixed batch size, or
+an original that fails on fewer rows (a batch size written in its code), is
 verified on the whole batch.
 
 Example:
@@ -275,13 +276,11 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
     if subset_allowed and wanted < count:
         narrowed = _narrowed_reference_run(run, original, x, variables, count, wanted,
                                            rtol=rtol, atol=atol)
-        if narrowed is not None:
+        if not isinstance(narrowed, str):
             reference, picked = narrowed
             verification.rows = len(picked)
             return reference, _take(x, picked)
-        verification.notes.append(
-            "the original's outputs for a row depend on the other rows, or some "
-            "rows' outputs are not finite: verified on the whole batch")
+        verification.notes.append(f"{narrowed}: verified on the whole batch")
         # The whole batch forward only: to find the rows whose outputs are
         # finite, and what the sub-batch must reproduce.
         whole = run(original, x, [], role="original", tape=False)
@@ -323,7 +322,8 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
 
 def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol, atol):
     """The original's run with gradients on `wanted` rows of `x`, where that
-    is the same computation as on the batch; None where it is not shown to be.
+    is the same computation as on the batch; else the reason it is not shown
+    to be (a string).
 
     The rows are checked against a forward pass (no tape) over a probe of
     `PROBE_FACTOR` times as many rows that contains them: outputs for a row
@@ -332,18 +332,32 @@ def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol,
     costs a fraction of a forward pass over the whole batch. A probe with a
     non-finite output row is not narrowed: the whole batch then tells which
     rows to leave out.
+
+    An original that fails on fewer rows than the batch's (a batch size
+    written as a constant in its code: `ops.reshape(x, (BATCH, -1, d))`) is
+    verified on the whole batch too; only failing on the whole batch says
+    that it fails on the batch.
     """
+    mixed = ("the original's outputs for a row depend on the other rows, or some "
+             "rows' outputs are not finite")
+    failed = "the original fails on {} of the {} rows (is a batch size fixed in its code?)"
     probe_rows = _spread(np.arange(count), min(count, PROBE_FACTOR * wanted))
-    probe = run(original, _take(x, probe_rows), [], role="original", tape=False)
+    try:
+        probe = run(original, _take(x, probe_rows), [], role="original", tape=False)
+    except InputDataError:
+        return failed.format(len(probe_rows), count)
     finite, _ = _finite_output_rows(probe.outputs, len(probe_rows))
     if finite is None or not finite.all():
-        return None
+        return mixed
     chosen = _spread(np.arange(len(probe_rows)), wanted)
     picked = probe_rows[chosen]
-    reference = run(original, _take(x, picked), variables, role="original")
+    try:
+        reference = run(original, _take(x, picked), variables, role="original")
+    except InputDataError:
+        return failed.format(len(picked), count)
     expected = keras.tree.map_structure(lambda o: o[chosen], probe.outputs)
     if not _outputs_close(expected, reference.outputs, rtol, atol):
-        return None
+        return mixed
     return reference, picked
 
 
