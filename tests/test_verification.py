@@ -381,6 +381,26 @@ def test_a_batch_size_written_as_a_constant_is_verified_on_the_whole_batch():
     assert verify_rows(passed)[-1].detail.startswith(f"{BATCH} of {BATCH} rows")
 
 
+@pytest.mark.parametrize("entry", ["model", "callback"])
+def test_a_batch_size_written_as_a_constant_trains_through_the_plugin_as_plain_fit(entry):
+    x, y = _rand(3 * BATCH, 4, 3), _rand(3 * BATCH, 1, seed=1)
+
+    def fit(entry):
+        keras.utils.set_random_seed(0)
+        model, callbacks = ConstantBatch(), []
+        model(x[:BATCH])
+        if entry == "model":
+            model = kip.PluginModel(model)
+        elif entry == "callback":
+            callbacks = [kip.PluginCallback()]
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+        return [v.numpy() for v in model.weights]
+
+    for actual, expected in zip(fit(entry), fit("plain")):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_model_that_fails_on_the_whole_batch_is_still_refused_as_failing():
     model = ConstantBatch()
     converted = kip.convert_to_functional(model, _rand(BATCH, 4, 3))
