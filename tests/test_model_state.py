@@ -668,11 +668,12 @@ def test_the_undo_snapshot_puts_back_nested_shared_and_self_holding_containers()
 
 # -- an interrupt (Ctrl-C) in a conversion leaves the model as it was -------------
 from test_conversion import Snapshot  # noqa: E402  (tests/ is on sys.path)
+from keras_ipu_plugin import _compat  # noqa: E402
 
 
 def _node_counts(model):
     return {layer.name: (len(layer._inbound_nodes), len(layer._outbound_nodes))
-            for layer in kip.frontend.state._compat.all_layers(model)}
+            for layer in _compat.all_layers(model)}
 
 
 _EAGER_AND_SYMBOLIC_CALLS = []  # outside the model: the undo puts its containers back
@@ -824,7 +825,6 @@ def test_node_bookkeeping_kept_on_success_also_inside_an_except_clause():
     # The snapshot once asked sys.exc_info() whether the block failed, which
     # inside an `except` clause (a rebuild after a caught error) is the
     # caught error: the nodes of a success were dropped.
-    from keras_ipu_plugin import _compat
 
     layer = keras.layers.Dense(2)
     inputs = keras.Input((3,))
