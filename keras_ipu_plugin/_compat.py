@@ -23,7 +23,6 @@ checks both), so a Keras upgrade is a change in this file.
 import contextlib
 import copy
 import inspect
-import sys
 import threading
 import types
 
@@ -96,13 +95,22 @@ def node_lists_snapshot(layers, always=False):
         (layer, len(layer._inbound_nodes), len(layer._outbound_nodes))
         for layer in layers
     ]
+
+    def restore():
+        for layer, n_in, n_out in lengths:
+            del layer._inbound_nodes[n_in:]
+            del layer._outbound_nodes[n_out:]
+
+    # Not `finally` + `sys.exc_info()`: inside a generator that sees the
+    # caller's exception too, so a block run in an `except` clause would lose
+    # the nodes of its success. BaseException: Ctrl-C must not leave nodes.
     try:
         yield
-    finally:
-        if always or sys.exc_info()[0] is not None:
-            for layer, n_in, n_out in lengths:
-                del layer._inbound_nodes[n_in:]
-                del layer._outbound_nodes[n_out:]
+    except BaseException:
+        restore()
+        raise
+    if always:
+        restore()
 
 
 _BATCHING_DATASETS = (

@@ -52,7 +52,22 @@ class ConfigError(ValueError):
 
 
 class PassError(ValueError):
-    """A pass cannot be applied (a target matches nothing, a bad parameter)."""
+    """A pass cannot be applied (a target matches nothing, a bad parameter).
+
+    `field` names the constructor argument at fault, when one is (a config
+    read of the pass reports the error at that value's path).
+
+    Example:
+        >>> try:
+        ...     kip.passes.Recompute(auto=True, memory_budget=float("nan"))
+        ... except kip.PassError as e:
+        ...     e.field
+        'memory_budget'
+    """
+
+    def __init__(self, message, field=None):
+        self.field = field
+        super().__init__(message)
 
 
 class LoadError(ValueError):
@@ -85,6 +100,14 @@ def short_repr(value):
     """`repr(value)` cut to a few items and characters: an error message must
     not print a huge value (a config of a million keys, a string of 1 MB)."""
     return _SHORT.repr(value)
+
+
+def config_error(path, error):
+    """`error` (a pass's own check failing) as a `ConfigError` at `path`, or at
+    the path of the argument it names (`PassError.field`): the path is the
+    value's, `recompute.memory_budget`, not the pass's."""
+    field = error.field if isinstance(error, PassError) else None
+    return ConfigError(config_path(path, field) if field else path, str(error))
 
 
 def config_path(path, key):

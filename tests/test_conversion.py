@@ -888,6 +888,66 @@ def test_not_a_keras_model(not_a_model):
     assert type(not_a_model).__name__ in str(info.value)
 
 
+class _TakesDictOrList(keras.Model):
+    """Uses one input of a dict or list: the others may be anything."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        if isinstance(x, dict):
+            x = x["dense"]
+        elif isinstance(x, (list, tuple)):
+            x = x[0]
+        return self.dense(x)
+
+
+def _ragged():
+    return tf.ragged.constant([[1.0, 2.0, 3.0], [4.0]])
+
+
+def _sparse():
+    return tf.sparse.from_dense(np.eye(2, 3).astype("float32"))
+
+
+@pytest.mark.parametrize("make, kind, where", [
+    (lambda: _ragged(), "RaggedTensor", "x"),
+    (lambda: {"dense": np.zeros((2, 3), "float32"), "ids": _ragged()}, "RaggedTensor", "x['ids']"),
+    (lambda: [np.zeros((2, 3), "float32"), _ragged()], "RaggedTensor", "x[1]"),
+    (lambda: (_ragged(), np.zeros((2, 2), "float32")), "RaggedTensor", "x"),
+    (lambda: tf.data.Dataset.from_tensor_slices(_ragged()).batch(2), "RaggedTensor", "x"),
+    (lambda: _sparse(), "SparseTensor", "x"),
+    (lambda: {"dense": np.zeros((2, 3), "float32"), "ids": _sparse()}, "SparseTensor", "x['ids']"),
+], ids=["ragged", "ragged_dict", "ragged_list", "ragged_xy", "ragged_dataset", "sparse",
+        "sparse_dict"])
+def test_ragged_and_sparse_inputs_are_refused_naming_the_input(make, kind, where):
+    # Before: "TypeError: object of type 'RaggedTensor' has no len()" from
+    # deep inside, or TensorFlow's "unsupported type" for a SparseTensor.
+    model = _TakesDictOrList()
+    with pytest.raises(kip.InputTypeError) as raised:
+        kip.convert_to_functional(model, make())
+    message = str(raised.value)
+    assert message.startswith(f"Input {where} is a tf.{kind}: ragged and sparse inputs are "
+                              "not supported"), message
+
+
+@pytest.mark.parametrize("entry", ["model", "callback"])
+def test_ragged_inputs_to_fit_are_refused_naming_the_input(entry):
+    data = tf.data.Dataset.from_tensor_slices(
+        ({"dense": np.zeros((2, 3), "float32"), "ids": _ragged()}, np.zeros((2, 2), "float32"))
+    ).batch(2)
+    model = _TakesDictOrList()
+    callbacks = []
+    if entry == "model":
+        model = kip.PluginModel(model)
+    else:
+        callbacks = [kip.PluginCallback()]
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(kip.InputTypeError, match=r"Input x\['ids'\] is a tf.RaggedTensor"):
+        model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
+
+
 def test_not_a_model_layer_is_left_alone():
     layer = keras.layers.Dense(3)
     layer(np.zeros((2, 6), "float32"))

@@ -664,3 +664,178 @@ def test_the_undo_snapshot_puts_back_nested_shared_and_self_holding_containers()
     assert (repr(vars(first)), repr(vars(second))) == expected
     assert second.shared is shared and first.items[0] is shared
     assert first.loop[0] is first.loop and not hasattr(first, "extra")
+
+
+# -- an interrupt (Ctrl-C) in a conversion leaves the model as it was -------------
+from test_conversion import Snapshot  # noqa: E402  (tests/ is on sys.path)
+from keras_ipu_plugin import _compat  # noqa: E402
+
+
+def _node_counts(model):
+    return {layer.name: (len(layer._inbound_nodes), len(layer._outbound_nodes))
+            for layer in _compat.all_layers(model)}
+
+
+_EAGER_AND_SYMBOLIC_CALLS = []  # outside the model: the undo puts its containers back
+
+
+class InterruptedOnCall(keras.layers.Layer):
+    """Raises KeyboardInterrupt on its `at`-th call, as Ctrl-C would."""
+
+    def __init__(self, at, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.at = at
+
+    def call(self, inputs):
+        _EAGER_AND_SYMBOLIC_CALLS.append(self.name)
+        if _EAGER_AND_SYMBOLIC_CALLS.count(self.name) == self.at:
+            raise KeyboardInterrupt
+        return self.dense(inputs)
+
+
+class WithInterruptedBlock(keras.Model):
+    def __init__(self, at, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = keras.layers.Dense(4)
+        self.block = InterruptedOnCall(at)
+        self.head = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.head(self.block(self.stem(inputs)))
+
+
+def _interrupt_after(monkeypatch, module, name, nth=1):
+    """Make `module.name` raise KeyboardInterrupt right after its `nth` call
+    returns (so what that call did is there to be undone)."""
+    original, count = getattr(module, name), [0]
+
+    def interrupted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        count[0] += 1
+        if count[0] == nth:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(module, name, interrupted)
+    return count
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 4])  # tracing both modes, then verifying
+def test_a_keyboard_interrupt_from_a_layer_leaves_the_model_as_it_was(at):
+    model, x = WithInterruptedBlock(at=0), _x()
+    model(x)
+    calls = lambda: _EAGER_AND_SYMBOLIC_CALLS.count(model.block.name)  # noqa: E731
+    model.block.at = calls() + at
+    snapshot, nodes = Snapshot(model), _node_counts(model)
+    with pytest.raises(KeyboardInterrupt):
+        kip.convert_to_functional(model, x)
+    assert calls() == model.block.at  # it did run that far
+    assert _node_counts(model) == nodes
+    snapshot.assert_unchanged()
+    model.block.at = 0
+    converted = kip.convert_to_functional(model, x)
+    np.testing.assert_allclose(converted(x), model(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("module, name, nth", [
+    ("keras_ipu_plugin.frontend.convert", "rebuild", 1),  # the converted model's nodes made
+    ("keras_ipu_plugin.frontend.verify", "_run", 2),  # in verification
+    ("keras_ipu_plugin.frontend.convert", "_verify", 1),  # all done but putting state back
+])
+def test_a_keyboard_interrupt_late_in_a_conversion_leaves_the_model_as_it_was(
+        monkeypatch, module, name, nth):
+    import importlib
+
+    model, x = zoo.make_transformer()
+    model(x)
+    snapshot, nodes = Snapshot(model), _node_counts(model)
+    count = _interrupt_after(monkeypatch, importlib.import_module(module), name, nth)
+    with pytest.raises(KeyboardInterrupt):
+        kip.convert_to_functional(model, x)
+    assert count[0] == nth
+    assert _node_counts(model) == nodes
+    snapshot.assert_unchanged()
+    monkeypatch.undo()
+    kip.convert_to_functional(model, x)
+
+
+@pytest.mark.parametrize("entry", ["model", "callback"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, kip.PassError])
+def test_an_interrupted_or_failed_pass_in_fit_leaves_no_node_on_the_model(
+        monkeypatch, entry, error):
+    # Before: the conversion fit made before its passes kept one Keras node
+    # per call on every layer of the model, each fit interrupted adding more.
+    from keras_ipu_plugin.training import steps
+
+    def failing(*args, **kwargs):
+        raise error("injected") if error is not KeyboardInterrupt else error
+
+    model, x = zoo.make_nested()
+    model(x)
+    y = np.zeros(tuple(model(x).shape), "float32")
+    snapshot, nodes = Snapshot(model), _node_counts(model)
+    monkeypatch.setattr(steps, "apply_passes", failing)
+
+    def fit():
+        fitted, callbacks = model, []
+        if entry == "model":
+            fitted = kip.PluginModel(model, passes=[kip.passes.Expand()])
+        else:
+            callbacks = [kip.PluginCallback(passes=[kip.passes.Expand()])]
+        fitted.compile(optimizer="sgd", loss="mse")
+        return fitted.fit(x, y, epochs=1, verbose=0, callbacks=callbacks)
+
+    for _ in range(2):
+        with pytest.raises(error):
+            fit()
+        assert _node_counts(model) == nodes
+    if entry == "model":
+        snapshot.assert_unchanged()  # compile changes the model itself otherwise
+    monkeypatch.undo()
+    assert fit().history["loss"]
+
+
+def test_an_interrupt_while_undoing_still_undoes_the_rest(monkeypatch):
+    # A second Ctrl-C while the first one's undo runs: the undo finishes, and
+    # the interrupt is raised after it.
+    from keras_ipu_plugin.frontend import state as state_module
+
+    original, calls = state_module._ObjectsState.restore_object, [0]
+
+    def interrupted_once(self, index):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return original(self, index)
+
+    model, x = HoldsAFunctionalModel(), _x()
+    model(x)
+    snapshot, nodes = Snapshot(model), _node_counts(model)
+    monkeypatch.setattr(state_module._ObjectsState, "restore_object", interrupted_once)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        kip.convert_to_functional(model, x)  # fails verification, then undoes
+    assert calls[0] > 1
+    assert isinstance(raised.value.__context__, kip.ConversionError)
+    assert _node_counts(model) == nodes
+    snapshot.assert_unchanged()
+
+
+def test_node_bookkeeping_kept_on_success_also_inside_an_except_clause():
+    # The snapshot once asked sys.exc_info() whether the block failed, which
+    # inside an `except` clause (a rebuild after a caught error) is the
+    # caught error: the nodes of a success were dropped.
+
+    layer = keras.layers.Dense(2)
+    inputs = keras.Input((3,))
+    try:
+        raise ValueError("caught")
+    except ValueError:
+        with _compat.node_lists_snapshot([layer]):
+            layer(inputs)
+    assert len(layer._inbound_nodes) == 1
+    with pytest.raises(KeyboardInterrupt):
+        with _compat.node_lists_snapshot([layer]):
+            layer(inputs)
+            raise KeyboardInterrupt
+    assert len(layer._inbound_nodes) == 1

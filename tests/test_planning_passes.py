@@ -485,26 +485,55 @@ def test_planning_passes_from_a_yaml_config(tmp_path):
     assert set(passed.kip_stages.values()) == {0, 1} and _executor_segments(passed)
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"auto": True, "budget": 0.5}, "unknown key"),
-    ({"auto": True, "memory_budget": 1.5}, "fraction.*in \\(0, 1\\]"),
-    ({"memory_budget": 0.5}, "needs auto=True"),
-    ({"auto": True, "targets": ["a"]}, "not both"),
+@pytest.mark.parametrize("value, message, path", [
+    ({"auto": True, "budget": 0.5}, "unknown key", "recompute.budget"),
+    ({"auto": True, "memory_budget": 1.5}, "fraction.*in \\(0, 1\\]", "recompute.memory_budget"),
+    ({"memory_budget": 0.5}, "needs auto=True", "recompute.memory_budget"),
+    ({"auto": True, "memory_budget": 0}, "positive number", "recompute.memory_budget"),
+    ({"auto": True, "memory_budget": "half"}, "bytes", "recompute.memory_budget"),
+    ({"auto": True, "memory_budget": float("nan")}, "nan is not a number", "recompute.memory_budget"),
+    ({"auto": True, "memory_budget": float("inf")}, "inf is not a number", "recompute.memory_budget"),
+    ({"auto": "yes"}, "True or False", "recompute.auto"),
+    ({"auto": True, "targets": ["a"]}, "not both", "recompute.auto"),
 ])
-def test_a_wrong_recompute_config_names_its_place(value, message):
+def test_a_wrong_recompute_config_names_the_value_at_fault(value, message, path):
+    # The README promises the path of the value at fault, not the pass's.
     with pytest.raises(kip.ConfigError, match=message) as raised:
         kip.passes_from_config({"recompute": value})
-    assert raised.value.path.startswith("recompute")
+    assert raised.value.path == path
+    with pytest.raises(kip.ConfigError, match=message) as raised:
+        kip.passes_from_config([{"expand": "all"}, {"recompute": value}])
+    assert raised.value.path == "1." + path
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"num_stages": 0}, "positive int"),
-    ({"num_stages": 2, "balance": "flops"}, "balance is one of"),
-    ({"num_stages": 2, "stages": [["a"]]}, "not both"),
+@pytest.mark.parametrize("value, message, path", [
+    ({"num_stages": 0}, "positive int", "pipeline_stages.num_stages"),
+    ({"num_stages": 2.0}, "positive int", "pipeline_stages.num_stages"),
+    ({"num_stages": 2, "balance": "flops"}, "balance is one of", "pipeline_stages.balance"),
+    ({"stages": [["a"]], "balance": "time"}, "balances num_stages", "pipeline_stages.balance"),
+    ({"num_stages": 2, "stages": [["a"]]}, "not both", "pipeline_stages.num_stages"),
 ])
-def test_a_wrong_pipeline_stages_config_names_its_place(value, message):
-    with pytest.raises(kip.ConfigError, match=message):
+def test_a_wrong_pipeline_stages_config_names_the_value_at_fault(value, message, path):
+    with pytest.raises(kip.ConfigError, match=message) as raised:
         kip.passes_from_config({"pipeline_stages": value})
+    assert raised.value.path == path
+
+
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf", ".NaN", ".Inf"])
+def test_a_non_finite_yaml_memory_budget_is_a_config_error(tmp_path, text):
+    # Before: ValueError (int(nan)) or OverflowError (int(inf)) from the message itself.
+    config = tmp_path / "passes.yaml"
+    config.write_text(f"recompute: {{auto: true, memory_budget: {text}}}\n")
+    with pytest.raises(kip.ConfigError, match="is not a number of bytes") as raised:
+        kip.passes_from_config(config)
+    assert raised.value.path == "recompute.memory_budget"
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), -float("inf"), np.float64("nan")])
+def test_a_non_finite_memory_budget_is_a_pass_error_naming_it(budget):
+    with pytest.raises(kip.PassError, match="memory_budget=.*is not a number of bytes") as raised:
+        Recompute(auto=True, memory_budget=budget)
+    assert raised.value.field == "memory_budget"
 
 
 def test_inspect_prints_the_plans(tmp_path, capsys):

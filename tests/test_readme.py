@@ -36,3 +36,35 @@ def test_architecture_writing_a_pass_example_runs_and_its_pass_reads_from_config
         annotations == {"tag": "x"} for annotations in tagged.kip_annotations.values()
     )
     assert kip.passes_from_config({"tag_dense": {"label": "y"}}) == [namespace["TagDense"]("y")]
+
+
+def _kip_names(text):
+    """Every `kip.a.b` the text names (a sentence's closing dot is not part of it)."""
+    import re
+
+    return {match.rstrip(".") for match in re.findall(r"(?<![\w.])kip\.[A-Za-z_][\w.]*", text)}
+
+
+def test_every_kip_name_the_readme_docs_examples_and_messages_mention_resolves():
+    # A name that moved (kip.config -> kip.passes.config) must not stay in the
+    # documentation or in an error message a user would follow.
+    import keras_ipu_plugin as kip
+
+    root = README.parent
+    sources = [README, *sorted((root / "docs").rglob("*.md")),
+               *sorted((root / "examples").rglob("*.py")),
+               *sorted((root / "keras_ipu_plugin").rglob("*.py"))]
+    mentioned = {}
+    for source in sources:
+        for name in _kip_names(source.read_text()):
+            mentioned.setdefault(name, source.relative_to(root))
+    assert {"kip.convert_to_functional", "kip.passes.Expand"} <= set(mentioned)  # the scan works
+    unresolved = []
+    for name, source in sorted(mentioned.items()):
+        value = kip
+        for part in name.split(".")[1:]:
+            if not hasattr(value, part):
+                unresolved.append(f"{name} ({source})")
+                break
+            value = getattr(value, part)
+    assert not unresolved, "names that do not resolve on keras_ipu_plugin: " + ", ".join(unresolved)

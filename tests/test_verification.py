@@ -341,6 +341,156 @@ def test_verification_uses_the_whole_batch_when_rows_depend_on_each_other():
     assert "depend on the other rows" in row.detail
 
 
+BATCH = 16  # a module constant, as keras.io's Switch Transformer writes its batch size
+
+
+class ConstantBatchRouter(keras.layers.Layer):
+    """Flattens the batch's tokens with the batch size written as a constant:
+    runs on a batch of BATCH rows only."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, inputs):
+        tokens = keras.ops.reshape(self.dense(inputs), (BATCH * 4, 8))
+        return keras.ops.reshape(keras.ops.relu(tokens), (BATCH, -1, 8))
+
+
+class ConstantBatch(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.router = ConstantBatchRouter()
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.head(keras.ops.mean(self.router(inputs), axis=1))
+
+
+def test_a_batch_size_written_as_a_constant_is_verified_on_the_whole_batch():
+    # Was refused: "the original model fails on the batch", when it failed on
+    # the rows verification chose.
+    x = _rand(BATCH, 4, 3)
+    model = ConstantBatch()
+    converted = kip.convert_to_functional(model, x)
+    (row,) = verify_rows(converted)
+    assert row.detail.startswith(f"{BATCH} of {BATCH} rows")
+    assert "the original fails on 4 of the 16 rows" in row.detail
+    np.testing.assert_allclose(converted(x), model(x), rtol=1e-6)
+    passed = kip.apply_passes(converted, [Expand()])  # verified on the kept batch alike
+    assert verify_rows(passed)[-1].detail.startswith(f"{BATCH} of {BATCH} rows")
+
+
+@pytest.mark.parametrize("entry", ["model", "callback"])
+def test_a_batch_size_written_as_a_constant_trains_through_the_plugin_as_plain_fit(entry):
+    x, y = _rand(3 * BATCH, 4, 3), _rand(3 * BATCH, 1, seed=1)
+
+    def fit(entry):
+        keras.utils.set_random_seed(0)
+        model, callbacks = ConstantBatch(), []
+        model(x[:BATCH])
+        if entry == "model":
+            model = kip.PluginModel(model)
+        elif entry == "callback":
+            callbacks = [kip.PluginCallback()]
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+        return [v.numpy() for v in model.weights]
+
+    for actual, expected in zip(fit(entry), fit("plain")):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_that_fails_on_the_whole_batch_is_still_refused_as_failing():
+    model = ConstantBatch()
+    converted = kip.convert_to_functional(model, _rand(BATCH, 4, 3))
+    with pytest.raises(kip.InputDataError, match="the original model `.*` fails on the batch"):
+        kip.frontend.verify.check_equivalent(model, converted, _rand(2 * BATCH, 4, 3))
+
+
+class GraphModeOnly(keras.layers.Layer):
+    """Runs in graph mode only, as an op with no eager kernel does (the
+    issue's channels-first Conv2D on a CPU; on this TensorFlow with oneDNN
+    it runs eagerly too, so the missing kernel is written out): plain `fit`
+    trains it, since it runs the step in a `tf.function`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        if tf.executing_eagerly() and not isinstance(inputs, keras.KerasTensor):
+            raise tf.errors.UnimplementedError(None, None, "no eager kernel for this op")
+        return self.dense(inputs)
+
+
+class WithGraphModeOnly(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = GraphModeOnly()
+        self.norm = keras.layers.BatchNormalization()
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs, training=None):
+        return self.head(self.norm(self.block(inputs), training=training))
+
+
+def _built_in_graph_mode(model, x):
+    tf.function(lambda t: model(t))(tf.constant(x))
+    return model
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["built", "unbuilt"])
+def test_a_model_that_runs_in_graph_mode_only_converts_verified_in_graph_mode(built):
+    # Was refused: "the original model fails on the batch" (verification ran
+    # it eagerly, fit does not).
+    x = _rand(32, 4)
+    model = WithGraphModeOnly()
+    if built:
+        _built_in_graph_mode(model, x)
+    converted = kip.convert_to_functional(model, x)
+    (row,) = verify_rows(converted)
+    assert row.detail.startswith("4 of 32 rows")  # still a few rows
+    assert "verified in graph mode, as fit runs the model: it fails eagerly" in row.detail
+    run = lambda m: tf.function(lambda t: m(t, training=False))(tf.constant(x))  # noqa: E731
+    np.testing.assert_allclose(run(converted), run(model), rtol=1e-6)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert "verified in graph mode" in verify_rows(passed)[-1].detail
+
+
+def test_a_model_that_runs_in_graph_mode_only_trains_through_the_plugin_as_plain_fit():
+    x, y = _rand(32, 4), _rand(32, 1, seed=1)
+
+    def fit(entry):
+        keras.utils.set_random_seed(0)
+        model = _built_in_graph_mode(WithGraphModeOnly(), x)
+        callbacks = []
+        if entry == "model":
+            model = kip.PluginModel(model)
+        elif entry == "callback":
+            callbacks = [kip.PluginCallback()]
+        model.compile(optimizer="sgd", loss="mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        return history.history["loss"], [v.numpy() for v in model.weights]
+
+    losses, weights = fit("plain")
+    for entry in ("model", "callback"):
+        entry_losses, entry_weights = fit(entry)
+        np.testing.assert_allclose(entry_losses, losses, rtol=1e-5, err_msg=entry)
+        for actual, expected in zip(entry_weights, weights):
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6, err_msg=entry)
+
+
+def test_a_model_compiled_to_run_eagerly_is_verified_eagerly():
+    # run_eagerly=True trains it eagerly, where it fails: so does verification.
+    x = _rand(16, 4)
+    model = _built_in_graph_mode(WithGraphModeOnly(), x)
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    with pytest.raises(kip.InputDataError, match="fails on the batch.*no eager kernel"):
+        kip.convert_to_functional(model, x)
+
+
 class DropsTheRowMixing(Recording):
     """The original mixes rows (so it is verified on the whole batch); its
     trace does not."""

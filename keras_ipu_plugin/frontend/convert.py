@@ -273,6 +273,8 @@ def _check_model(model):
 
 
 def as_tensors(x):
+    inputs_lib.check_dense(x)
+
     def convert(leaf):
         if isinstance(leaf, np.ndarray) and leaf.dtype == np.float64:
             leaf = leaf.astype(keras.config.floatx())
@@ -285,6 +287,14 @@ def _call_original(model, x):
     try:
         return model(x, training=False)
     except Exception as error:
+        if not getattr(model, "run_eagerly", False):
+            # A model that runs in graph mode only (an op with no eager
+            # kernel) trains with plain `fit`, which builds and runs it in a
+            # function: build it so too (verification then runs so as well).
+            try:
+                return tf.function(lambda x: model(x, training=False))(x)
+            except Exception:
+                pass  # fails as a function too: the eager error is the one to see
         raise InputDataError(
             f"`{model.name}.call` rejected the first batch "
             f"({_describe_structure(x)}): {type(error).__name__}: "

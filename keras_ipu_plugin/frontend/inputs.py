@@ -125,10 +125,38 @@ def _check_batch_rank(element):
             )
 
 
+def check_dense(x):
+    """Raise `InputTypeError` naming the first ragged or sparse input of `x`.
+
+    A composite tensor has no dense shape to make an input spec of, nor rows
+    to verify on; unchecked it fails deep inside ("object of type
+    'RaggedTensor' has no len()").
+
+    Example:
+        >>> check_dense({"ids": tf.ragged.constant([[1, 2], [3]])})
+        Traceback (most recent call last):
+        InputTypeError: Input x['ids'] is a tf.RaggedTensor: ragged and sparse ...
+    """
+    for path, leaf in keras.tree.flatten_with_path(x):
+        if not isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
+            continue
+        where = "x" + "".join(f"[{p!r}]" for p in path)
+        if isinstance(leaf, tf.RaggedTensor):
+            remedy = ("give it dense and padded (`.to_tensor()`, or padded_batch on a "
+                      "dataset; a mask or a Masking layer can mark the padding)")
+        else:
+            remedy = "give it dense (`tf.sparse.to_dense`, e.g. in dataset.map)"
+        raise InputTypeError(
+            f"Input {where} is a tf.{type(leaf).__name__}: ragged and sparse inputs "
+            f"are not supported; {remedy}."
+        )
+
+
 def _check_leaves(x):
     leaves = tf.nest.flatten(x)
     if not leaves:
         raise InputDataError("The first batch `x` holds no tensor.")
+    check_dense(x)
     for path, leaf in keras.tree.flatten_with_path(x):
         if not isinstance(leaf, (np.ndarray, tf.Tensor, tf.Variable)) and not (
             hasattr(leaf, "shape") and hasattr(leaf, "dtype")

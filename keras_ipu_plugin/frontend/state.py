@@ -184,20 +184,32 @@ class ModelState:
             attributes.restore()
 
     def undo_after(self, error):
-        """Put everything back after `error`; note on it what could not be."""
+        """Put everything back after `error`; note on it what could not be.
+        A KeyboardInterrupt (or other BaseException) while undoing does not
+        cut the undo short: it is raised once the rest is put back."""
         steps = [functools.partial(self._objects.restore_object, index)
                  for index in range(len(self._objects.objects))]
         steps += [self._values.restore, lambda: self._new.restore(_state_variables(self.model))]
+        interrupt = None
         for step in steps:
-            try:
-                step()
-            except Exception as failure:  # the user's error stays the one raised
-                error.add_note(
-                    f"keras_ipu_plugin: while undoing the conversion of "
-                    f"`{self.model.name}` after this error, restoring its state also "
-                    f"failed ({type(failure).__name__}: {failure}); the model may be "
-                    "left partly changed."
-                )
+            for _ in range(2):
+                try:
+                    step()
+                except BaseException as failure:  # the user's error stays the one raised
+                    if not isinstance(failure, Exception) and interrupt is None:
+                        # A second Ctrl-C while undoing the first: do that
+                        # step again and finish the undo, then stop as asked.
+                        interrupt = failure
+                        continue
+                    error.add_note(
+                        f"keras_ipu_plugin: while undoing the conversion of "
+                        f"`{self.model.name}` after this error, restoring its state also "
+                        f"failed ({type(failure).__name__}: {failure}); the model may be "
+                        "left partly changed."
+                    )
+                break
+        if interrupt is not None:
+            raise interrupt
 
 
 def _state_variables(model):

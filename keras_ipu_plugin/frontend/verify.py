@@ -44,7 +44,8 @@ is used only where it is the same computation: the original's outputs on
 those rows must equal its outputs for the same rows of that larger probe
 (a model that mixes rows even in inference mode is verified on the whole
 batch, as is a probe with non-finite outputs, so that the whole batch
-tells which rows to leave out), and a model with a fixed batch size is
+tells which rows to leave out), and a model with a fixed batch size, or
+an original that fails on fewer rows (a batch size written in its code), is
 verified on the whole batch.
 
 Example:
@@ -146,13 +147,14 @@ def check_equivalent(
     # Every run starts from the same variable state, put back afterwards: a
     # model drawing random numbers at inference (a VAE's sampling layer)
     # sees the same draws in each, and verifying moves no counter.
+    mode = RunMode(original)
     with replay_state(original, converted) as replay:
 
         def run(model, x, variables, role, tape=True):
             replay()
             if before_each_run is not None:
                 before_each_run()
-            return _run(model, x, variables, role=role, tape=tape)
+            return _run(model, x, variables, role=role, tape=tape, mode=mode)
 
         # A model with a fixed batch size cannot run on a few rows of it.
         fixed = _fixed_batch_size(original) or _fixed_batch_size(converted)
@@ -162,6 +164,8 @@ def check_equivalent(
         _refuse_untracked_variables(original, reference.watched)
         result = run(converted, x, variables, role=what)
         del x  # nothing of the batch is needed any more
+    if mode.graph:
+        verification.notes.append(mode.describe())
 
     ref_paths = keras.tree.flatten_with_path(reference.outputs)
     res_leaves = keras.tree.flatten(result.outputs)
@@ -214,7 +218,8 @@ def check_runs(model, x, *, what="passed"):
     Example:
         >>> check_runs(passed, x)
     """
-    _run(model, keras.tree.map_structure(_as_tensor, x), [], role=what, tape=False)
+    _run(model, keras.tree.map_structure(_as_tensor, x), [], role=what, tape=False,
+         mode=RunMode(model, any_role=True))
 
 
 def synthetic_batch(specs, rows=2, unknown_size=4):
@@ -275,13 +280,11 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
     if subset_allowed and wanted < count:
         narrowed = _narrowed_reference_run(run, original, x, variables, count, wanted,
                                            rtol=rtol, atol=atol)
-        if narrowed is not None:
+        if not isinstance(narrowed, str):
             reference, picked = narrowed
             verification.rows = len(picked)
             return reference, _take(x, picked)
-        verification.notes.append(
-            "the original's outputs for a row depend on the other rows, or some "
-            "rows' outputs are not finite: verified on the whole batch")
+        verification.notes.append(f"{narrowed}: verified on the whole batch")
         # The whole batch forward only: to find the rows whose outputs are
         # finite, and what the sub-batch must reproduce.
         whole = run(original, x, [], role="original", tape=False)
@@ -323,7 +326,8 @@ def _reference_run(run, original, x, variables, rows, verification, fixed, *, rt
 
 def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol, atol):
     """The original's run with gradients on `wanted` rows of `x`, where that
-    is the same computation as on the batch; None where it is not shown to be.
+    is the same computation as on the batch; else the reason it is not shown
+    to be (a string).
 
     The rows are checked against a forward pass (no tape) over a probe of
     `PROBE_FACTOR` times as many rows that contains them: outputs for a row
@@ -332,18 +336,32 @@ def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol,
     costs a fraction of a forward pass over the whole batch. A probe with a
     non-finite output row is not narrowed: the whole batch then tells which
     rows to leave out.
+
+    An original that fails on fewer rows than the batch's (a batch size
+    written as a constant in its code: `ops.reshape(x, (BATCH, -1, d))`) is
+    verified on the whole batch too; only failing on the whole batch says
+    that it fails on the batch.
     """
+    mixed = ("the original's outputs for a row depend on the other rows, or some "
+             "rows' outputs are not finite")
+    failed = "the original fails on {} of the {} rows (is a batch size fixed in its code?)"
     probe_rows = _spread(np.arange(count), min(count, PROBE_FACTOR * wanted))
-    probe = run(original, _take(x, probe_rows), [], role="original", tape=False)
+    try:
+        probe = run(original, _take(x, probe_rows), [], role="original", tape=False)
+    except InputDataError:
+        return failed.format(len(probe_rows), count)
     finite, _ = _finite_output_rows(probe.outputs, len(probe_rows))
     if finite is None or not finite.all():
-        return None
+        return mixed
     chosen = _spread(np.arange(len(probe_rows)), wanted)
     picked = probe_rows[chosen]
-    reference = run(original, _take(x, picked), variables, role="original")
+    try:
+        reference = run(original, _take(x, picked), variables, role="original")
+    except InputDataError:
+        return failed.format(len(picked), count)
     expected = keras.tree.map_structure(lambda o: o[chosen], probe.outputs)
     if not _outputs_close(expected, reference.outputs, rtol, atol):
-        return None
+        return mixed
     return reference, picked
 
 
@@ -489,37 +507,88 @@ class _Run:
     watched: list  # TensorFlow variables the forward pass read
 
 
-def _run(model, x, variables, *, role, tape=True):
+class RunMode:
+    """How verification runs the models: eagerly, as long as the original
+    runs eagerly; else, for a model that does not train eagerly (no
+    `run_eagerly=True`), in a `tf.function`, as `fit` runs it — a model
+    that only runs in graph mode (an op with no eager kernel) trains with
+    plain `fit`, so it must verify too. Eager first: tracing a function per
+    run would cost more than the training step verification stands in for.
+
+    Example:
+        >>> mode = RunMode(model)
+        >>> _run(model, x, [], role="original", tape=False, mode=mode)
+        >>> mode.graph   # True once the original failed eagerly and ran as a function
+    """
+
+    def __init__(self, original, any_role=False):
+        self.graph = False
+        self.eager_error = None
+        self.allowed = not getattr(original, "run_eagerly", False)
+        self.any_role = any_role  # check_runs: the model checked is the only one
+
+    def may_switch(self, role):
+        return (not self.graph and self.allowed
+                and (self.any_role or role == "original"))
+
+    def describe(self):
+        error = self.eager_error
+        return (f"verified in graph mode, as fit runs the model: it fails eagerly "
+                f"({type(error).__name__}: {essential_message(error, limit=160)})")
+
+
+def _run(model, x, variables, *, role, tape=True, mode=None):
     """Outputs and gradients as NumPy (nothing of the run stays on the
-    device), computed in a replica context.
+    device), computed in a replica context; in a `tf.function` when `mode`
+    (a `RunMode`) says so, or when the eager run of the original fails and
+    the model may run as `fit` runs it (the mode then stays graph).
 
     Under a `tf.distribute` strategy scope the caller is in the cross-replica
     context, where a mirrored variable has no single handle to differentiate
     against; the computation then runs as one replica's step (every replica
     sees the whole batch, so the first replica's result is the answer).
     """
+    mode = mode or RunMode(model)
     watched = []
     try:
-        strategy = tf.distribute.get_strategy()
+        outputs, gradients = _computed(model, x, variables, tape, watched, mode.graph)
+    except Exception as error:
+        if type(error).__module__.startswith("keras_ipu_plugin"):
+            raise  # already says what is wrong (a nested conversion, new variables)
+        if not mode.may_switch(role):
+            raise _call_error(model, role, error) from error
+        del watched[:]
+        try:
+            outputs, gradients = _computed(model, x, variables, tape, watched, True)
+        except Exception:
+            # Fails in graph mode too: the eager error is the one to see.
+            raise _call_error(model, role, error) from error
+        mode.graph, mode.eager_error = True, error
+    return _Run(
+        keras.tree.map_structure(_numpy, outputs), [_gradient_numpy(g) for g in gradients],
+        watched,
+    )
+
+
+def _computed(model, x, variables, tape, watched, graph):
+    """`(outputs, gradients)` of one run, eagerly or as one `tf.function`
+    (a new one each run: its trace reads the variables `watched`)."""
+    def compute(x):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            strategy = tf.distribute.get_strategy()
             outputs, gradients = strategy.run(
                 _outputs_and_gradients, args=(model, x, variables, tape, watched))
 
             def first_replica(value):
                 return None if value is None else strategy.experimental_local_results(value)[0]
 
-            outputs = keras.tree.map_structure(first_replica, outputs)
-            gradients = [first_replica(g) for g in gradients]
-        else:
-            outputs, gradients = _outputs_and_gradients(model, x, variables, tape, watched)
-    except Exception as error:
-        if type(error).__module__.startswith("keras_ipu_plugin"):
-            raise  # already says what is wrong (a nested conversion, new variables)
-        raise _call_error(model, role, error) from error
-    return _Run(
-        keras.tree.map_structure(_numpy, outputs), [_gradient_numpy(g) for g in gradients],
-        watched,
-    )
+            return (keras.tree.map_structure(first_replica, outputs),
+                    [first_replica(g) for g in gradients])
+        return _outputs_and_gradients(model, x, variables, tape, watched)
+
+    if graph:
+        return tf.function(compute)(x)
+    return compute(x)
 
 
 def _outputs_and_gradients(model, x, variables, tape, watched):

@@ -15,6 +15,7 @@ puts all of them in the stage.
 
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
@@ -132,7 +133,7 @@ class Recompute(Pass):
         self.memory_budget = check_memory_budget(memory_budget, self.auto)
         if targets is not None and self.auto:
             raise PassError("Recompute takes targets or auto=True (planned checkpoints), "
-                            "not both.")
+                            "not both.", field="auto")
         if targets is None and not self.auto:
             raise PassError("Recompute needs targets (the layers to checkpoint after), "
                             "or auto=True to plan the checkpoints.")
@@ -206,23 +207,23 @@ class PipelineStages(Pass):
     def __init__(self, stages=None, *, num_stages=None, balance="params"):
         if balance not in BALANCES:
             raise PassError(f"PipelineStages: balance is one of {', '.join(map(repr, BALANCES))}; "
-                            f"got {short_repr(balance)}.")
+                            f"got {short_repr(balance)}.", field="balance")
         self.balance = balance
         if stages is not None and num_stages is not None:
             raise PassError("PipelineStages takes a list of lists of targets or "
-                            "num_stages=N (balanced stages), not both.")
+                            "num_stages=N (balanced stages), not both.", field="num_stages")
         if stages is None and num_stages is None:
             raise PassError("PipelineStages needs stages (a list of lists of targets), "
                             "or num_stages=N to balance N stages.")
         if num_stages is not None:
             if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
                 raise PassError("PipelineStages: num_stages is a positive int; got "
-                                f"{short_repr(num_stages)}.")
+                                f"{short_repr(num_stages)}.", field="num_stages")
             self.stages, self.num_stages = None, num_stages
             return
         if balance != "params":
             raise PassError(f"PipelineStages: balance={balance!r} balances num_stages=N; "
-                            "explicit stage lists are used as given.")
+                            "explicit stage lists are used as given.", field="balance")
         if not isinstance(stages, (list, tuple)) or not stages:
             raise PassError("PipelineStages takes a non-empty list of lists of targets.")
         self.stages = tuple(as_targets(stage) for stage in stages)
@@ -313,11 +314,12 @@ def _user_arguments(value, path, known):
 
 
 def _built(cls, first, arguments, path):
-    """`cls(first, **arguments)`, its errors as `ConfigError`s at `path`."""
+    """`cls(first, **arguments)`, its errors as `ConfigError`s at the path of
+    the argument at fault (`recompute.memory_budget`), else at `path`."""
     try:
         return cls(first, **arguments)
     except PassError as error:
-        raise ConfigError(path, str(error)) from None
+        raise config_error(path, error) from None
 
 
 def _keyword_arguments(kwargs, owner):

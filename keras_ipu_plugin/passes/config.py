@@ -39,6 +39,7 @@ from yaml.resolver import Resolver
 
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.passes.base import ALL
@@ -140,7 +141,7 @@ def _build(key, value, path, reader):
     except ConfigError:
         raise
     except (PassError, TypeError, ValueError) as error:  # a pass's own checks
-        raise ConfigError(path, str(error)) from error
+        raise config_error(path, error) from error
     if not isinstance(built, Pass):
         raise ConfigError(
             path, f"{pass_class.__name__}.from_user_config returned {short_repr(built)}, not a pass"
@@ -160,7 +161,7 @@ def _load_file(path):
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(
             "", f"{name!r} is larger than {MAX_CONFIG_BYTES} bytes, the limit for a "
-            "config file (kip.config.MAX_CONFIG_BYTES); is it the right file?"
+            "config file (kip.passes.config.MAX_CONFIG_BYTES); is it the right file?"
         )
     try:
         text = data.decode("utf-8")
@@ -321,14 +322,14 @@ def _bounded_copy(config):
         if count > MAX_CONFIG_VALUES:
             raise ConfigError(
                 path, f"the config holds more than {MAX_CONFIG_VALUES} values "
-                "(kip.config.MAX_CONFIG_VALUES)"
+                "(kip.passes.config.MAX_CONFIG_VALUES)"
             )
         if not isinstance(value, (dict, list, tuple)):
             return value
         if depth == MAX_CONFIG_DEPTH:
             raise ConfigError(
                 path, f"nested deeper than {MAX_CONFIG_DEPTH} mappings and lists "
-                "(kip.config.MAX_CONFIG_DEPTH); does a mapping or list contain itself?"
+                "(kip.passes.config.MAX_CONFIG_DEPTH); does a mapping or list contain itself?"
             )
         if isinstance(value, dict):
             for key in getattr(value, "repeated", ()):

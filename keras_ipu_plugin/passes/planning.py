@@ -7,9 +7,12 @@ Example:
     >>> print(report)          # ... and a "Recompute plan" table
 """
 
+import math
+
 import keras
 
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.passes import node_costs
 from keras_ipu_plugin.passes import recompute_plan
 from keras_ipu_plugin.passes import stage_balance
@@ -40,7 +43,7 @@ def planning_batch(graph, owner):
 
 def check_auto(auto, owner):
     if not isinstance(auto, bool):
-        raise PassError(f"{owner}: auto is True or False; got {auto!r}.")
+        raise PassError(f"{owner}: auto is True or False; got {short_repr(auto)}.", field="auto")
     return auto
 
 
@@ -51,18 +54,26 @@ def check_memory_budget(memory_budget, auto):
         return None
     if not auto:
         raise PassError("Recompute: memory_budget plans the checkpoints; it needs "
-                        "auto=True (with targets the checkpoints are given).")
+                        "auto=True (with targets the checkpoints are given).",
+                        field="memory_budget")
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
         raise PassError("Recompute: memory_budget is bytes (an int) or a fraction of the "
-                        f"estimated peak (a float in (0, 1]); got {memory_budget!r}.")
+                        f"estimated peak (a float in (0, 1]); got {short_repr(memory_budget)}.",
+                        field="memory_budget")
+    if isinstance(memory_budget, float) and not math.isfinite(memory_budget):
+        # NaN compares false with every bound and inf has no int: both would
+        # otherwise fail below with a bare ValueError / OverflowError.
+        raise PassError(f"Recompute: memory_budget={memory_budget!r} is not a number of bytes "
+                        "(an int) or a fraction of the estimated peak (a float in (0, 1]).",
+                        field="memory_budget")
     if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
         raise PassError(
             f"Recompute: memory_budget={memory_budget!r} is a float, so a fraction of the "
             "estimated peak without recomputation, which must be in (0, 1]; give bytes as "
-            f"an int (memory_budget={int(memory_budget)}).")
+            f"an int (memory_budget={int(memory_budget)}).", field="memory_budget")
     if isinstance(memory_budget, int) and memory_budget < 1:
         raise PassError(f"Recompute: memory_budget is a positive number of bytes; got "
-                        f"{memory_budget}.")
+                        f"{memory_budget}.", field="memory_budget")
     return memory_budget
 
 

@@ -211,7 +211,11 @@ class Runtime:
         check_built_under(self.subject, _compat.model_strategy(self.owner))
         signature = signature or call.signature()
         reuse = self.replaced_layers() if reuse is None else reuse
-        with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
+        # A conversion keeps one Keras node per call on the model's layers
+        # (its functional model's); one given up on (its passes fail, or
+        # Ctrl-C) must not: every fit tried again would add more.
+        with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching(), \
+                _compat.node_lists_snapshot(_compat.all_layers(callee)):
             # The IPU backend needs static shapes (static_batch=True there).
             graph_model = convert_call(
                 callee, call, verify=self.verify, signature=signature,
@@ -248,10 +252,13 @@ class Runtime:
         previous, self.conversions = self.conversions, []
         reuse = self.replaced_layers(previous)
         try:
-            for conversion in previous:
-                self.add_conversion(conversion.callee, conversion.example,
-                                    conversion.signature, report_entries=entries,
-                                    reuse=reuse)
+            # Conversions made before one that fails are dropped with it:
+            # their nodes go too (see add_conversion).
+            with _compat.node_lists_snapshot(_compat.all_layers(self.subject)):
+                for conversion in previous:
+                    self.add_conversion(conversion.callee, conversion.example,
+                                        conversion.signature, report_entries=entries,
+                                        reuse=reuse)
         except InputDataError as error:
             # These arguments were accepted when first converted; if `call`
             # fails on them now, the fault is the user's code, mid-training:
