@@ -23,6 +23,7 @@ checks both), so a Keras upgrade is a change in this file.
 import contextlib
 import copy
 import inspect
+import sys
 import threading
 import types
 
