@@ -91,6 +91,8 @@ class WriteLog:
     def _seen(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not None:
             return None  # an op added to a graph (a scratch trace): nothing ran
+        if isinstance(op_type, bytes):  # as TensorFlow's eager execution names it
+            op_type = op_type.decode("utf-8", "replace")
         if op_type == "VarHandleOp":
             self._created.extend(outputs or ())
             return None
