@@ -169,3 +169,127 @@ def test_a_write_the_graph_would_lose_keeps_the_layer_whole_naming_the_variable(
         before = float(model.block.calls.numpy())
         passed(x)
         assert float(model.block.calls.numpy()) == before + 1
+
+
+# -- verification compares what a call writes ---------------------------------------
+class DecaysAfterUse(layers.Layer):
+    """Halves its Dense's kernel after using it: this call's output and
+    gradients do not show the write, the next call's would."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def call(self, x):
+        y = self.dense(x)
+        self.dense.kernel.assign(self.dense.kernel * 0.5)
+        return y
+
+
+class CountsInASubLayer(layers.Layer):
+    """Counts its calls in a non-trainable variable of a sub-layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def build(self, shape):
+        self.dense.build(shape)
+        self.tally = layers.Layer(name="tally")
+        self.tally.count = self.tally.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="count")
+
+    def call(self, x):
+        self.tally.count.assign_add(1.0)
+        return self.dense(x)
+
+
+@kip.passes.register_pass("test_drop_writes")
+class DropsTheWrite(kip.passes.Pass):
+    """A wrong pass, made for this test: runs the block's Dense in place of
+    the block, so the block's write is gone."""
+
+    step = "drop_writes"
+
+    def run(self, graph, report):
+        graph = graph.copy()
+        node = graph.node("block")
+        node.operation = node.operation.dense
+        return graph
+
+    def get_config(self):
+        return {}
+
+
+@pytest.mark.parametrize("block, variable", [
+    (DecaysAfterUse, "holder/block/dense/kernel"),
+    (CountsInASubLayer, "tally/count"),
+], ids=["trainable", "non_trainable"])
+def test_verification_refuses_a_pass_that_drops_a_write_naming_the_variable(block, variable):
+    x = np.random.RandomState(2).rand(8, 4).astype("float32")
+    model = Holder(block(name="block"), name="holder")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    assert "block" not in converted.kip_report.opaque  # the block is a node: it keeps its write
+    before = _weights(model)
+    with pytest.raises(kip.PassError, match=f"writes variable `[^`]*{variable}`"):
+        kip.apply_passes(converted, [DropsTheWrite()])
+    # Verifying put back what the runs wrote, the kernel included.
+    _assert_same_weights(_weights(model), before)
+    passed = kip.apply_passes(converted, [DropsTheWrite()], verify=False)
+    assert passed is not None
+
+
+def test_verification_compares_the_value_a_call_writes():
+    """Both models write the variable, but not the same value: refused,
+    naming it."""
+    x = np.random.RandomState(2).rand(8, 4).astype("float32")
+    model = Holder(DecaysAfterUse(name="block"), name="holder")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+
+    @kip.passes.register_pass("test_decay_more")
+    class DecaysMore(DropsTheWrite):
+        def run(self, graph, report):
+            graph = graph.copy()
+            node = graph.node("block")
+            node.operation = DecaysMoreAfterUse(node.operation)
+            return graph
+
+    with pytest.raises(kip.PassError, match="variable `holder/block/dense/kernel` after the call differs"):
+        kip.apply_passes(converted, [DecaysMore()])
+
+
+class DecaysMoreAfterUse(layers.Layer):
+    def __init__(self, block, **kwargs):
+        super().__init__(name="block", **kwargs)
+        self.block = block
+
+    def call(self, x):
+        y = self.block.dense(x)
+        self.block.dense.kernel.assign(self.block.dense.kernel * 0.25)
+        return y
+
+
+class SetsItsBiasFromItsInputs(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def call(self, x):
+        y = self.dense(x)
+        self.dense.bias.assign(ops.mean(y, axis=0))
+        return self.dense(x)
+
+
+def test_a_call_writing_a_trainable_variable_from_its_inputs_verifies_from_the_same_state():
+    """Each run starts from the same trainable values: a block writing a
+    bias from its inputs is verified (it was refused as "nondeterministic"),
+    and verifying leaves the bias as it was."""
+    x = np.random.RandomState(2).rand(8, 4).astype("float32")
+    model = Holder(SetsItsBiasFromItsInputs(name="block"), name="holder")
+    model(x)
+    before = _weights(model)
+    converted = kip.convert_to_functional(model, x)
+    assert "written by the call compared" in str(converted.kip_report)
+    _assert_same_weights(_weights(model), before)
