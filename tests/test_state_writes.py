@@ -293,3 +293,47 @@ def test_a_call_writing_a_trainable_variable_from_its_inputs_verifies_from_the_s
     converted = kip.convert_to_functional(model, x)
     assert "written by the call compared" in str(converted.kip_report)
     _assert_same_weights(_weights(model), before)
+
+
+# -- Recompute -----------------------------------------------------------------------
+@pytest.mark.parametrize("passes", [
+    lambda: [Recompute(["first", "second"])],
+    lambda: [Expand("all"), Recompute(["first", "second"])],
+], ids=["recompute", "expand_recompute"])
+def test_pixel_cnn_recomputed_trains_as_plain_keras(passes):
+    """Recompute was refused with a gradient mismatch naming no cause: the
+    masking layers ran inside a segment's stateless scope, whose write never
+    reached the kernel and whose conv was differentiated through the mask.
+    A layer seen writing runs outside segments, as BatchNormalization does."""
+    x, y = _images()
+    expected = _plain_weights(x, y)
+    model = _pixel_cnn()
+    passed = kip.apply_passes(kip.convert_to_functional(model, x[:8]), passes())
+    passed.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    passed.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _assert_same_weights(_weights(model), expected)
+
+
+class UnseenMaskedDense(layers.Layer):
+    """Masks its Dense's kernel on every call, as PixelCNN's layer does; used
+    only in a functional model, whose layers no trace runs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def build(self, shape):
+        self.dense.build(shape)
+        self.mask = np.tril(np.ones((shape[-1], 3), "float32"))
+
+    def call(self, x):
+        self.dense.kernel.assign(self.dense.kernel * self.mask)
+        return self.dense(x)
+
+
+def test_recompute_of_a_layer_writing_a_variable_names_the_write():
+    inputs = keras.Input((4,))
+    hidden = UnseenMaskedDense(name="masked")(inputs)
+    model = keras.Model(inputs, layers.Dense(1, name="head")(layers.Dense(5, name="mid")(hidden)))
+    with pytest.raises(kip.PassError, match="`masked` writes variable `[^`]*masked/dense/kernel`"):
+        kip.apply_passes(model, [Recompute(["masked", "mid"])])

@@ -58,6 +58,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tf_functions
 from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.runtime.layer_kinds import accepts_training
+from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
 from keras_ipu_plugin.runtime.batch_sized import generalize_batch
@@ -790,7 +791,11 @@ def _reject_lost_writes(layer, nodes, log):
         operation = node.operation
         kept.add(id(operation.layer if isinstance(operation, OpaqueLayer) else operation))
     lost = [write for write in log.writes if write.within is None or id(write.within) not in kept]
+    for write in log.writes:
+        if write.within is not None and id(write.within) in kept:
+            note_writes_variables(write.within)  # never recomputed
     if lost:
+        note_writes_variables(layer)
         raise TraceError(writes_reason(layer, lost))
 
 
