@@ -1019,3 +1019,23 @@ def saving_to_hdf5():
             return True
         frame = frame.f_back
     return False
+
+
+@contextlib.contextmanager
+def op_callback(callback):
+    """Within: `callback(op_type, inputs, attrs, outputs, op_name=None,
+    graph=None)` is called after every TensorFlow op this thread runs
+    eagerly (and every op it adds to a graph, with `graph` set).
+
+    Why private: nothing public observes a variable being written
+    (`tf.Variable.assign` and Keras's `Variable.assign` have no hook, and
+    patching them would reach every thread). TensorFlow keeps op callbacks
+    in its eager context's thread-local data, so other threads run as before.
+    """
+    from tensorflow.python.framework import op_callbacks
+
+    op_callbacks.add_op_callback(callback)
+    try:
+        yield
+    finally:
+        op_callbacks.remove_op_callback(callback)

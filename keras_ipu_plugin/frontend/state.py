@@ -45,6 +45,15 @@ class VariableValues:
     def changed(self):
         return [v for v, value in self._values if not _same(_read(v), value)]
 
+    def changed_values(self):
+        """`{id(variable): (variable, its value now)}` for those changed."""
+        found = {}
+        for variable, value in self._values:
+            now = _read(variable)
+            if not _same(now, value):
+                found[id(variable)] = (variable, now)
+        return found
+
     def restore(self):
         # Only what changed, under the strategy that made the variable: an
         # assignment can itself fail (a mirrored variable outside its

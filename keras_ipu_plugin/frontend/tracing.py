@@ -56,7 +56,9 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tf_functions
+from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.runtime.layer_kinds import accepts_training
+from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
 from keras_ipu_plugin.runtime.batch_sized import generalize_batch
@@ -128,10 +130,13 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
     """
     reads = ReadLayers() if reads is None else reads
     variables = _tf_variables(layer)
+    log = writes_lib.WriteLog()
     # The tape sees only eager work: a weight read outside the graph (a
     # variable reached other than as an attribute, a sub-layer called on
-    # a tensor computed from weights) would be frozen into it.
-    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+    # a tensor computed from weights) would be frozen into it. The log sees
+    # the variable writes `call` makes as it runs (see `writes.py`).
+    with log.recording(), \
+            tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
         tape.watch(variables)
         trace = _Trace(layer, args, kwargs, placeholders, prefix, reads)
         try:
@@ -142,6 +147,7 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
             )
     for trace, (nodes, _) in runs:
         _reject_frozen_variables(nodes, trace.lifted, tape, variables)
+        _reject_lost_writes(layer, nodes, log)
     if len(runs) == 1:
         return runs[0][1]
     small, large = (result for _, result in runs)
@@ -598,7 +604,8 @@ def _inline_output_spec(self, *args, **kwargs):
     # cannot order) makes this layer opaque, not the one calling it; only
     # `_tensors_only`'s refusal (a layer returning no tensor) goes up.
     try:
-        with _compat.node_lists_snapshot(layers, always=True):
+        with _compat.node_lists_snapshot(layers, always=True), \
+                writes_lib.inline(viewed_layer(self)):
             outputs = keras.tree.map_structure(_fresh_keras_tensor, self.call(*args, **kwargs))
     except Exception:
         pass
@@ -769,6 +776,38 @@ def _reject_frozen_variables(nodes, lifted, tape, variables):
                 "an operation on one before the graph starts); traced, it "
                 "would be frozen"
             )
+
+
+def _reject_lost_writes(layer, nodes, log):
+    """Raise `TraceError` when `call` wrote a variable that the graph of
+    `nodes` would not write again: a write made by `call`'s own code (run
+    once, at tracing, on the real variable), or inside a sub-layer that is
+    no node of the graph. A sub-layer that is a node runs its own `call`,
+    writes included."""
+    from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+
+    kept = set()
+    for node in nodes:
+        operation = node.operation
+        kept.add(id(operation.layer if isinstance(operation, OpaqueLayer) else operation))
+    lost = [write for write in log.writes if write.within is None or id(write.within) not in kept]
+    for write in log.writes:
+        if write.within is not None and id(write.within) in kept:
+            note_writes_variables(write.within)  # never recomputed
+    if lost:
+        note_writes_variables(layer)
+        raise TraceError(writes_reason(layer, lost))
+
+
+def writes_reason(layer, lost):
+    """Why a layer whose `call` writes variables (`lost`: `writes.Write`s)
+    is kept whole."""
+    return (
+        f"`call` of `{layer.name}` writes the variable "
+        f"{writes_lib.describe_writes(lost, layer)} itself: a graph of its "
+        "sub-layers would lose the write (it ran once, at tracing), so the "
+        "layer runs whole (it still trains)"
+    )
 
 
 def _tf_variables(layer):
@@ -1172,6 +1211,17 @@ def _at(error, where):
 
 def _describe_failure(error, default=None):
     where = _failing_layer(error) or default
+    written = _variable_written_in(error)
+    if written is not None:
+        # Keras's own words would be about a TensorFlow function on a
+        # symbolic tensor; the cause is the write.
+        variable, method = written
+        name = getattr(variable, "path", None) or variable.name
+        return (
+            f"`call` writes the variable `{name}` (`{method}`) with a value computed "
+            f"from its inputs{_at(error, where)}: a graph of Keras layers cannot hold "
+            "the write, so the layer runs whole (it still trains)"
+        )
     if _TF_ON_SYMBOL in str(error):
         # Keras's message lists what a KerasTensor is; say which line of the
         # user's code did it, and what to write instead.
@@ -1206,6 +1256,23 @@ def _describe_failure(error, default=None):
     elif _TO_NUMPY.search(text):
         text = f"{text}; {NUMPY_OPERAND_HINT}"
     return text
+
+
+_WRITE_METHODS = frozenset({"assign", "assign_add", "assign_sub", "scatter_update",
+                            "scatter_add", "scatter_sub", "scatter_nd_update"})
+
+
+def _variable_written_in(error):
+    """`(variable, method)` when `error` was raised inside a write to a
+    Keras or TensorFlow variable (`kernel.assign(symbolic)`), else None."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name in _WRITE_METHODS and isinstance(owner, (keras.Variable, tf.Variable)):
+            return owner, frame.f_code.co_name
+        tb = tb.tb_next
+    return None
 
 
 _NONE_VALUE = re.compile(r"value \(None\)|NoneType")

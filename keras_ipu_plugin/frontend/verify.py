@@ -64,6 +64,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.frontend.tracing import _failing_layer
@@ -147,11 +148,16 @@ def check_equivalent(
     # Every run starts from the same variable state, put back afterwards: a
     # model drawing random numbers at inference (a VAE's sampling layer)
     # sees the same draws in each, and verifying moves no counter.
+    # Every variable both models hold, trainable ones too (a call may write
+    # a kernel: PixelCNN's mask), starts each run as it was, so that what a
+    # call writes can be compared (`_compare_writes`).
     mode = RunMode(original)
-    with replay_state(original, converted) as replay:
+    state = VariableValues(_shared_variables(original, converted))
+    with replay_state(original, converted) as replay, _restoring(state):
 
         def run(model, x, variables, role, tape=True):
             replay()
+            state.restore()
             if before_each_run is not None:
                 before_each_run()
             return _run(model, x, variables, role=role, tape=tape, mode=mode)
@@ -162,8 +168,10 @@ def check_equivalent(
             run, original, x, variables, rows, verification, fixed, rtol=rtol, atol=atol
         )
         _refuse_untracked_variables(original, reference.watched)
+        written = state.changed_values()
         result = run(converted, x, variables, role=what)
         del x  # nothing of the batch is needed any more
+        _compare_writes(written, state.changed_values(), rtol, atol, what, verification)
     if mode.graph:
         verification.notes.append(mode.describe())
 
@@ -208,6 +216,60 @@ def check_equivalent(
     elif not variables and gradients:
         verification.notes.append("the model has no trainable variable")
     return verification
+
+
+def _shared_variables(original, converted):
+    """The variables of either model, but those of layers a pass replaced
+    and of their replacements (`kip_replaced`): each has its own state."""
+    replaced = {id(v) for pair in getattr(converted, "kip_replaced", None) or ()
+                for layer in pair for v in layer.variables}
+    found, seen = [], set()
+    for variable in list(original.variables) + list(converted.variables):
+        if id(variable) not in replaced and id(variable) not in seen:
+            seen.add(id(variable))
+            found.append(variable)
+    return found
+
+
+class _restoring:
+    """Puts `state` (a `VariableValues`) back on leaving, error or not."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __enter__(self):
+        return self.state
+
+    def __exit__(self, *exc_info):
+        try:
+            self.state.restore()
+        except Exception:  # the block's own error is the one to see
+            if exc_info[0] is None:
+                raise
+        return False
+
+
+def _compare_writes(expected, actual, rtol, atol, what, verification):
+    """Raise `ConversionError` naming the first variable that one model's
+    call changed and the other's did not, or changed to another value.
+    `expected` / `actual`: `{id: (variable, value)}` of the variables each
+    run changed, from the same state (`VariableValues.changed_values`)."""
+    for key in list(expected) + [k for k in actual if k not in expected]:
+        variable = (expected.get(key) or actual.get(key))[0]
+        name = _variable_name(variable)
+        if key not in actual or key not in expected:
+            changes, keeps = ("the original", f"the {what} model") if key not in actual else (
+                f"the {what} model", "the original")
+            raise ConversionError(
+                f"Calling {changes} writes variable `{name}`, and calling {keeps} leaves "
+                "it as it was: a write the model makes in its forward pass (an `assign` "
+                "in `call`) is lost or added. A layer whose `call` writes a variable must "
+                "run whole.")
+        _compare(f"variable `{name}` after the call", expected[key][1], actual[key][1],
+                 rtol, atol, what)
+    if expected:
+        verification.notes.append(
+            f"{len(expected)} variable(s) written by the call compared")
 
 
 def check_runs(model, x, *, what="passed"):

@@ -29,6 +29,7 @@ from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.runtime.layer_kinds import seed_states
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
+from keras_ipu_plugin.runtime.layer_kinds import writes_variables
 
 
 @dataclass
@@ -101,11 +102,32 @@ def _activation_size(nodes):
 
 def _has_forward_state(operation):
     """Whether the layer updates state in its forward pass that a
-    recomputation could not replay: anything but its random seeds."""
+    recomputation could not replay: anything but its random seeds (a
+    non-trainable variable, or any variable its `call` was seen writing:
+    PixelCNN's masked kernel)."""
     if not isinstance(operation, keras.layers.Layer):
         return False
+    if writes_variables(operation):
+        return True
     seeds = {id(state) for state in seed_states(operation)}
     return any(id(v) not in seeds for v in operation.non_trainable_variables)
+
+
+def _refuse_writes_in_segment(node, variables, given, scope):
+    """Raise when the layer at `node` wrote a variable other than a seed
+    state inside a recomputed segment: the write would stay in the
+    segment's stateless scope (never reaching the variable), and what read
+    it next would be differentiated through the write. Layers a trace saw
+    writing run outside segments; this catches one it did not see."""
+    seeds = {id(v) for v in variables if not v.trainable}
+    for variable in variables:
+        if id(variable) not in seeds and scope.get_current_value(variable) is not given[id(variable)]:
+            raise ValueError(
+                f"Layer `{getattr(node.operation, 'name', node.operation)}` writes variable "
+                f"`{variable.path}` in its forward pass, inside a recomputed segment: "
+                "recomputation cannot replay a write. Convert the model with "
+                "kip.convert_to_functional (whose trace sees the write and keeps the layer "
+                "out of recomputed segments), or leave this layer out of Recompute's targets.")
 
 
 def _wire(segments, model):
@@ -173,10 +195,12 @@ class Executor:
             # Losses added inside (activity regularizers) become outputs of
             # the segment, so that they get gradients too.
             with _compat.stateless_scope(state, collect_losses=True) as scope:
+                given = {id(v): scope.get_current_value(v) for v in segment.variables}
                 for node in segment.nodes:
                     before = len(scope.losses)
                     self._run_nodes([node], local, training, context)
                     owners += [node.operation] * (len(scope.losses) - before)
+                    _refuse_writes_in_segment(node, segment.variables, given, scope)
             loss_owners[:] = owners
             advanced = [scope.get_current_value(v) for v in seeds]
             return [local[i] for i in segment.outputs] + advanced + list(scope.losses)

@@ -7,6 +7,7 @@ Example:
 """
 
 import inspect
+import weakref
 
 import keras
 
@@ -116,3 +117,28 @@ def seed_states(layer):
                 seen.add(id(value.state))
                 states.append(value.state)
     return states
+
+
+# The classes whose `call` was seen writing a variable while traced
+# (`frontend/writes.py`): a recomputation would run the write again (or,
+# inside a segment's stateless scope, never on the variable), so such a
+# layer runs outside recomputed segments. Kept by class: blocks of one kind
+# are traced once for all of them.
+_WRITING_CLASSES = weakref.WeakSet()
+
+
+def note_writes_variables(layer):
+    """Remember that `layer`'s `call` writes variables (see `writes_variables`)."""
+    _WRITING_CLASSES.add(type(layer))
+
+
+def writes_variables(operation):
+    """Whether a trace saw the `call` of `operation`'s class (or of the
+    layer an `OpaqueLayer` runs) write a variable.
+
+    Example:
+        >>> writes_variables(pixel_cnn.first)   # assigns its masked kernel
+        True
+    """
+    layer = operation.layer if isinstance(operation, OpaqueLayer) else operation
+    return type(layer) in _WRITING_CLASSES

@@ -6,6 +6,7 @@ from keras_ipu_plugin.passes.manager import validate_passes
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.scope import plugged_in
 from keras_ipu_plugin.training.steps import Runtime
+from keras_ipu_plugin.training.steps import StepFunction
 from keras_ipu_plugin.training.steps import install
 
 
@@ -68,9 +69,47 @@ class PluginCallback(keras.callbacks.Callback):
             self.runtime = runtime
             return
         if self.runtime is None or self.runtime.subject is not self.model:
-            self.runtime = Runtime(
+            self.runtime = self._installed_runtime() or Runtime(
                 self.model, self.model, self.passes, verify=self.verify,
                 rebuild_on_new_variables=self.rebuild_on_new_variables,
                 static_batch=self.static_batch,
             )
         install(self.model, self.runtime)
+
+    def _installed_runtime(self):
+        """The runtime of the train function an earlier callback (or
+        `kip.scope`) gave the model, when it converts as this one would.
+
+        Keras keeps a model's train function until `compile` (or
+        `make_train_function(force=True)`) drops it: its traced step, with
+        the trainable variables of its trace, runs again in the next `fit`
+        (a layer set `trainable = False` in between still trains, as Keras's
+        docstring of `trainable` warns). A new callback taking over that
+        function trains as plain Keras does; a new one would trace anew."""
+        installed = getattr(self.model, "train_function", None)
+        if not isinstance(installed, StepFunction):
+            return None
+        runtime = installed.runtime
+        if (runtime.subject is not self.model or runtime.owner is not self.model
+                or runtime.verify != self.verify
+                or runtime.rebuild_on_new_variables != self.rebuild_on_new_variables
+                or not _same_passes(runtime.passes, self.passes)):
+            return None
+        return runtime
+
+
+def _same_passes(ours, theirs):
+    """Whether two pass lists are the same passes with the same configs."""
+    if len(ours) != len(theirs):
+        return False
+    for a, b in zip(ours, theirs):
+        if a is b:
+            continue
+        if type(a) is not type(b):
+            return False
+        try:
+            if a.get_config() != b.get_config():
+                return False
+        except Exception:  # a config that cannot be written: not known equal
+            return False
+    return True
