@@ -20,6 +20,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.convert import Converter
 from keras_ipu_plugin.frontend.convert import convert_to_functional
 from keras_ipu_plugin.passes.config import passes_from_config
+from keras_ipu_plugin.passes.features import create_feature_extractor
 from keras_ipu_plugin.passes.config import register_layer
 from keras_ipu_plugin.passes.manager import apply_passes
 from keras_ipu_plugin.report import Report
@@ -38,7 +39,7 @@ from keras_ipu_plugin.training.scope import scope_report
 __all__ = [
     "ConfigError", "ConversionError", "Converter", "InputDataError", "InputTypeError",
     "IpuError", "KipFunctional", "LayerAlias", "LoadError", "NewVariablesError", "OpaqueLayer", "PassError",
-    "PluginCallback", "PluginModel", "Report", "apply_passes", "backend",
+    "PluginCallback", "PluginModel", "Report", "apply_passes", "backend", "create_feature_extractor",
     "convert_to_functional", "ipu_replacements", "passes", "passes_from_config",
     "register_layer", "scope", "scope_report", "summary",
 ]

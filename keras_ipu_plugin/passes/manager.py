@@ -273,17 +273,20 @@ def validate_passes(passes):
 def graph_of(model):
     """The graph IR of a functional model, with its recorded annotations
     and the first batch's per-replica rows (what planning passes plan for)."""
-    graph = _graph_of(model)
+    graph = graph_of_model(model, "apply_passes")
     graph.batch_rows = first_batch_rows(model, graph.input_specs)
     return graph
 
 
-def _graph_of(model):
+def graph_of_model(model, caller):
+    """A graph of the functional `model` to edit (its own, copied, for a
+    converted or passed model; read from its layers otherwise). `caller`
+    names the function in errors."""
     functional = isinstance(model, keras.Model) and _compat.is_graph_model(model)
     sequential = isinstance(model, keras.Sequential)
     if not (functional or sequential):
         raise PassError(
-            f"apply_passes needs a functional model; `{getattr(model, 'name', model)}` "
+            f"{caller} needs a functional model; `{getattr(model, 'name', model)}` "
             "is not one. Convert it first: kip.convert_to_functional(model, data)."
         )
     if getattr(model, "kip_graph", None) is not None:
@@ -294,7 +297,7 @@ def _graph_of(model):
         model_inputs = model.inputs[0] if sequential else model.input
     except (AttributeError, ValueError, TypeError, IndexError) as error:
         raise PassError(
-            f"apply_passes: the sequential model `{model.name}` has no defined "
+            f"{caller}: the sequential model `{model.name}` has no defined "
             "input yet; build it with keras.Input first, or convert it: "
             "kip.convert_to_functional(model, data)."
         ) from error
