@@ -1039,3 +1039,11 @@ def op_callback(callback):
         yield
     finally:
         op_callbacks.remove_op_callback(callback)
+
+
+def print_msg(message):
+    """Print as Keras's progress bar does (`io_utils.print_msg`: to stdout,
+    or to absl logging when interactive logging is off)."""
+    from keras.src.utils import io_utils
+
+    io_utils.print_msg(message)

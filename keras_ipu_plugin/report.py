@@ -6,8 +6,10 @@ Example:
     ['block_1', 'block_2']
 """
 
+import contextlib
 import io
 import shutil
+import time
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -54,6 +56,7 @@ class Report:
     opaque: dict = field(default_factory=dict)  # layer name -> reason
     metrics: dict = field(default_factory=dict)  # e.g. graph sizes
     plans: list = field(default_factory=list)
+    timings: list = field(default_factory=list)  # (step, model or layer, seconds)
 
     def add(self, step, layer, action, detail=""):
         self.entries.append(Entry(step, layer, action, detail))
@@ -69,6 +72,25 @@ class Report:
         outputs, gradients, the largest differences): a `verify.Verification`."""
         self.add(step, layer, verification.action, verification.describe())
 
+    @contextlib.contextmanager
+    def timed(self, step, name):
+        """Time the block as `step` of `name` (kept when it succeeds).
+
+        Example:
+            >>> with report.timed("expand", "net"):
+            ...     graph = one_pass.run(graph, report)
+            >>> report.timings[-1][:2]
+            ('expand', 'net')
+        """
+        start = time.perf_counter()
+        yield
+        self.timings.append((step, name, time.perf_counter() - start))
+
+    def progress_lines(self):
+        """One line per timed step: `kip: expand `net` in 0.41 s`."""
+        return [f"kip: {step} `{name}` in {seconds:.2f} s"
+                for step, name, seconds in self.timings]
+
     def touched(self, step):
         """Names of the layers that `step` touched, in order."""
         return [entry.layer for entry in self.entries if entry.step == step]
@@ -78,9 +100,11 @@ class Report:
         self.opaque.update(other.opaque)
         self.metrics.update(other.metrics)
         self.plans.extend(other.plans)
+        self.timings.extend(other.timings)
 
     def copy(self):
-        return Report(list(self.entries), dict(self.opaque), dict(self.metrics), list(self.plans))
+        return Report(list(self.entries), dict(self.opaque), dict(self.metrics), list(self.plans),
+                      list(self.timings))
 
     def table(self):
         table = Table(title="keras_ipu_plugin report")

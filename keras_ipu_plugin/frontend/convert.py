@@ -8,6 +8,7 @@ opaque node that runs the original code.
 """
 
 import dataclasses
+import time
 
 import keras
 import numpy as np
@@ -104,12 +105,15 @@ class Converter:
         state = ModelState(model)
         try:
             with state.recording():
+                start = time.perf_counter()
                 graph, report = self.trace(model, x, specs, state)
                 state.settle()
                 converted = rebuild(graph, name=f"{model.name}_functional")
                 converted.kip_original_mask = mask_semantics(model)
+                report.timings.append(("convert", model.name, time.perf_counter() - start))
                 if self.verify:
-                    report.add_verification(model.name, _verify(model, converted, x))
+                    with report.timed("verify", model.name):
+                        report.add_verification(model.name, _verify(model, converted, x))
             state.restore_after_success()
         except BaseException as error:
             state.undo_after(error)

@@ -103,7 +103,8 @@ def _apply_passes(model, passes, verify, reuse_replacements):
     report = (getattr(model, "kip_report", None) or Report()).copy()
     _lint(graph, "before the passes")
     for one_pass in passes:
-        graph = one_pass.run(graph, report)
+        with report.timed(one_pass.step, model.name):
+            graph = one_pass.run(graph, report)
         _lint(graph, f"after pass {type(one_pass).__name__}")
     result = _rebuilt(graph, model, passes)
     if isinstance(model, KipFunctional):
@@ -111,8 +112,9 @@ def _apply_passes(model, passes, verify, reuse_replacements):
     result.kip_report = report
     first_batch = getattr(model, "kip_first_batch", None)
     if verify:
-        _verify_passed(model, result, passes, report, first_batch, input_specs,
-                       graph.reusable)
+        with report.timed("verify", result.name):
+            _verify_passed(model, result, passes, report, first_batch, input_specs,
+                           graph.reusable)
     else:
         report.add("verify", model.name, "not verified", "apply_passes(verify=False)")
     if first_batch is not None:

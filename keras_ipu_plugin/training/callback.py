@@ -67,6 +67,7 @@ class PluginCallback(keras.callbacks.Callback):
                 rebuild_on_new_variables=self.rebuild_on_new_variables,
                 static_batch=self.static_batch)
             self.runtime = runtime
+            runtime.verbose = (self.params or {}).get("verbose", 0)
             return
         if self.runtime is None or self.runtime.subject is not self.model:
             self.runtime = self._installed_runtime() or Runtime(
@@ -74,6 +75,7 @@ class PluginCallback(keras.callbacks.Callback):
                 rebuild_on_new_variables=self.rebuild_on_new_variables,
                 static_batch=self.static_batch,
             )
+        self.runtime.verbose = (self.params or {}).get("verbose", 0)
         install(self.model, self.runtime)
 
     def _installed_runtime(self):

@@ -363,6 +363,9 @@ class PluginModel(keras.Model):
     # methods (`routes.IpuRoute.run_training`): Graphcore's fit refuses a model
     # that overrides make_train_function, as this one does.
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        # fit(x, y, batch_size, epochs, verbose, ...): a conversion made for
+        # this fit prints its progress when `verbose` is on, as Keras does.
+        self._kip_runtime.verbose = kwargs.get("verbose", args[1] if len(args) > 1 else "auto")
         self._before_first_step(x, batch_size, "fit")
         return training_route().run_training(
             self, "fit", super().fit, x, batch_size, (x, y, batch_size, *args), kwargs)

@@ -104,6 +104,9 @@ class Runtime:
         self.conversions = []  # CallConversion, oldest first
         self.owner_names = frozenset()
         self.rebuilds = 0
+        # fit's `verbose` (set by PluginModel.fit and PluginCallback): a
+        # conversion made while it is on prints one line per step it timed.
+        self.verbose = 0
         self.traces = 0  # Python runs of a step: traces, in graph mode
         self._known = set()
         self._fingerprint = None
@@ -229,6 +232,9 @@ class Runtime:
         self.watch.take()
         for entry in report_entries:
             model.kip_report.add(*entry)
+        if self.verbose:
+            for line in model.kip_report.progress_lines():
+                _compat.print_msg(line)
         if model.kip_replaced:
             self._hand_over_optimizer_state(model)
         conversion = CallConversion(callee, signature, model, call, graph_model)
