@@ -37,8 +37,8 @@ import numpy as np
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 PLOT_HELP = (
-    "--plot needs pydot and graphviz: `pip install pydot` (or "
-    "`pip install keras_ipu_plugin[plot]`) and graphviz's `dot` on PATH "
+    "--plot needs pydot and graphviz: `pip install pydot` (or, from a "
+    "checkout, `pip install -e \".[plot]\"`) and graphviz's `dot` on PATH "
     "(e.g. `apt-get install graphviz`, `brew install graphviz`, "
     "`conda install graphviz`)."
 )

@@ -11,6 +11,25 @@ def _python_block_after(heading):
     return section.split("```python", 1)[1].split("```", 1)[0]
 
 
+def _python_blocks_of(heading):
+    """Every python block of the section under `heading` (to the next `## `)."""
+    text = README.read_text()
+    section = text[text.index(heading) + len(heading):]
+    section = section.split("\n## ", 1)[0]
+    return [block.split("```", 1)[0] for block in section.split("```python")[1:]]
+
+
+def test_every_how_to_snippet_runs_after_the_minimal_example(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the snippets save and export files
+    snippets = _python_blocks_of("## How to")
+    assert len(snippets) >= 6
+    for snippet in snippets:
+        namespace = {}
+        exec(compile(_python_block_after("## A minimal example"), str(README), "exec"), namespace)
+        exec(compile(snippet, str(README), "exec"), namespace)
+    assert "(64, 32) (64, 1)" in capsys.readouterr().out
+
+
 def test_readme_minimal_example_runs_twice_in_one_process():
     # Twice: a notebook re-runs cells, and Keras's auto-generated layer names
     # then change; the example must not depend on them.
