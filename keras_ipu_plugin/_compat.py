@@ -22,6 +22,7 @@ checks both), so a Keras upgrade is a change in this file.
 
 import contextlib
 import copy
+import functools
 import inspect
 import sys
 import threading
@@ -966,3 +967,12 @@ def masks_keras_would_pass(layer, args, kwargs):
 KERAS_OPERATION_MODULES = ("keras.src.ops",)
 #: Where a saved `keras.random.SeedGenerator` says it is from.
 SEED_GENERATOR_MODULES = ("keras.random", "keras.src.random")
+
+
+@functools.lru_cache(maxsize=None)
+def layer_bookkeeping_attributes():
+    """The instance attributes every Keras layer has (`_layers`, `_tracked`,
+    node lists, ...): Keras's, never a user's attribute."""
+    import keras
+
+    return frozenset(vars(keras.layers.Layer(name="kip_bare"))) | {"_tracked"}
