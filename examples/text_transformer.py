@@ -11,9 +11,9 @@ wrapped in `kip.PluginModel`, which converts it to a functional graph at the
 first batch and applies the passes:
 
 - `Expand()` inlines the custom layers into their Keras layers (nodes are
-  named `block_0.attention`, `block_0.ffn_in`, ...);
+  named by attribute path, `blocks.0.attention`, `blocks.0.ffn_in`, ...);
 - `Recompute` puts a recomputation checkpoint at the end of each block
-  (after its last LayerNormalization, `block_i.norm_2`, which exists once
+  (after its last LayerNormalization, `blocks.i.norm_2`, which exists once
   the blocks are expanded);
 - `Outline` makes the layers the two blocks repeat (same class, config and
   input signature) share one compiled body.
@@ -55,7 +55,7 @@ class TransformerBlock(keras.layers.Layer):
         super().__init__(**kwargs)
         self.dim, self.heads, self.ff_dim, self.rate = dim, heads, ff_dim, rate
         self.supports_masking = True  # the padding mask passes through
-        # Named sub-layers: after Expand they are `block_0.attention`, ...
+        # After Expand these are `blocks.0.attention`, ... (attribute paths)
         self.attention = keras.layers.MultiHeadAttention(
             heads, dim // heads, dropout=rate, name="attention")
         self.ffn_in = keras.layers.Dense(ff_dim, activation="relu", name="ffn_in")
@@ -126,10 +126,11 @@ def passes():
         # Embedding called on it would be frozen into the graph.
         kip.passes.Expand(),
         # One recomputation checkpoint per block, at its end: `norm_2` exists
-        # as `block_0.norm_2`, `block_1.norm_2` after Expand.
-        kip.passes.Recompute([f"block_{i}.norm_2" for i in range(BLOCKS)]),
-        # Outline what the blocks repeat: a target by a sub-layer's own name
-        # matches it in every block, and equal layers share one body.
+        # as `blocks.0.norm_2`, `blocks.1.norm_2` after Expand.
+        kip.passes.Recompute([f"blocks.{i}.norm_2" for i in range(BLOCKS)]),
+        # Outline what the blocks repeat: a target by a sub-layer's Keras
+        # name (no path is `ffn_in`, so it is an alias) matches it in every
+        # block, and equal layers share one body.
         # (Not `Outline(TransformerBlock)` on unexpanded blocks: a block takes
         # the padding mask as a tensor argument, and the portable outliner
         # runs such a call un-outlined.)

@@ -22,6 +22,7 @@ checks both), so a Keras upgrade is a change in this file.
 
 import contextlib
 import copy
+import functools
 import inspect
 import sys
 import threading
@@ -1047,3 +1048,12 @@ def print_msg(message):
     from keras.src.utils import io_utils
 
     io_utils.print_msg(message)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_bookkeeping_attributes():
+    """The instance attributes every Keras layer has (`_layers`, `_tracked`,
+    node lists, ...): Keras's, never a user's attribute."""
+    import keras
+
+    return frozenset(vars(keras.layers.Layer(name="kip_bare"))) | {"_tracked"}

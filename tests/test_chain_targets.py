@@ -81,20 +81,20 @@ def test_a_chain_matches_layers_followed_by_keras_ops_and_tensorflow_calls():
     graph = _expanded(model, x).kip_graph
     runs = Chain(layers.Dense, ops.gelu).matches(graph)
     assert [[n.name for n in run] for run in runs] == [
-        ["block_0.up", "block_0.gelu"], ["block_1.up", "block_1.gelu"]]
+        ["blocks.0.up", "blocks.0.gelu"], ["blocks.1.up", "blocks.1.gelu"]]
     (run,) = Chain(ops.add, tf.nn.relu).matches(graph)
     assert [type(n.operation).__name__ for n in run] == ["Add", "TFFunction"]
-    assert Chain("block_1.up", ops.gelu, layers.Dense).matches(graph)[0][-1].name == "block_1.down"
+    assert Chain("blocks.1.up", ops.gelu, layers.Dense).matches(graph)[0][-1].name == "blocks.1.down"
 
 
 def test_a_chain_does_not_match_through_a_tensor_read_twice():
-    # `embed`'s output feeds block_0 and the skip connection: a run from it
+    # `embed`'s output feeds blocks.0 and the skip connection: a run from it
     # would not compute one tensor from its first node's inputs.
     model, x = _net()
     graph = _expanded(model, x).kip_graph
     assert [run[0].name for run in Chain(layers.Dense, layers.Dense).matches(graph)] == []
     assert [[n.name for n in run] for run in Chain(ops.gelu, layers.Dense).matches(graph)] == [
-        ["block_0.gelu", "block_0.down"], ["block_1.gelu", "block_1.down"]]
+        ["blocks.0.gelu", "blocks.0.down"], ["blocks.1.gelu", "blocks.1.down"]]
 
 
 def test_replace_a_chain_by_a_fused_layer_keeps_outputs_and_erases_the_run():
@@ -103,8 +103,8 @@ def test_replace_a_chain_by_a_fused_layer_keeps_outputs_and_erases_the_run():
     passed = kip.apply_passes(converted, [
         Replace({Chain(layers.Dense, ops.gelu): Replacement(DenseGelu, copy_weights=True)})])
     names = [node.name for node in passed.kip_graph.nodes]
-    assert "block_0.gelu" not in names and "block_1.gelu" not in names
-    fused = passed.kip_layer("block_0.up")
+    assert "blocks.0.gelu" not in names and "blocks.1.gelu" not in names
+    fused = passed.kip_layer("blocks.0.up")
     assert isinstance(fused, DenseGelu)
     np.testing.assert_array_equal(fused.kernel.numpy(), model.blocks[0].up.kernel.numpy())
     np.testing.assert_allclose(passed(x), model(x), atol=1e-5)
@@ -114,7 +114,7 @@ def test_replace_a_chain_by_a_fused_layer_keeps_outputs_and_erases_the_run():
 def test_replacing_a_chain_by_a_layer_computing_something_else_is_refused():
     model, x = _net()
     converted = kip.convert_to_functional(model, x)
-    with pytest.raises(kip.PassError, match="block_0.up.*differs from the original"):
+    with pytest.raises(kip.PassError, match="blocks.0.up.*differs from the original"):
         kip.apply_passes(converted, [
             Replace({Chain(layers.Dense, ops.gelu): Replacement(DenseRelu, copy_weights=True)})])
 
@@ -122,7 +122,7 @@ def test_replacing_a_chain_by_a_layer_computing_something_else_is_refused():
 def test_a_chain_starting_with_an_operation_cannot_be_replaced_by_a_layer():
     model, x = _net()
     converted = kip.convert_to_functional(model, x)
-    with pytest.raises(kip.PassError, match="block_0.gelu.*not a layer"):
+    with pytest.raises(kip.PassError, match="blocks.0.gelu.*not a layer"):
         kip.apply_passes(converted, [
             Replace({Chain(ops.gelu, layers.Dense): Replacement(layers.Dense, copy_weights=True)})])
 
@@ -135,10 +135,10 @@ def test_recompute_and_outline_treat_each_chain_match_as_one_unit():
         Recompute(Chain(layers.Dense, ops.gelu))])  # verified: gradients equal
     graph = passed.kip_graph
     assert [n.name for n in graph.nodes if n.annotations.get("recompute")] == [
-        "block_0.gelu", "block_1.gelu"]
+        "blocks.0.gelu", "blocks.1.gelu"]
     assert [n.name for n in graph.nodes if "outline" in n.annotations] == [
-        "block_0.up", "block_1.up"]
-    assert "end of chain match `block_0.up..block_0.gelu`" in str(passed.kip_report)
+        "blocks.0.up", "blocks.1.up"]
+    assert "end of chain match `blocks.0.up..blocks.0.gelu`" in str(passed.kip_report)
 
 
 def test_a_chain_matching_nothing_is_an_error_naming_it():

@@ -21,20 +21,20 @@ def test_inspect_prints_the_report_and_the_graph_summary(capsys):
     out = capsys.readouterr().out
     assert "inputs: float32[2, 16, 16, 3]" in out
     assert "keras_ipu_plugin report" in out
-    assert "│ convert │ block_0" in out                     # the report's rows
+    assert "│ convert │ blocks.0" in out                    # the report's rows, by path
     assert 'Model: "small_res_net_functional"' in out      # the summary
     assert "block_1 (ResidualBlock)" in out and "Total params" in out
 
 
 def test_inspect_applies_a_passes_config(tmp_path, capsys):
     config = tmp_path / "passes.yaml"
-    config.write_text("expand: all\nrecompute: [block_0.bn_2]\n")
+    config.write_text("expand: all\nrecompute: [blocks.0.bn_2]\n")
     assert cli.main(["inspect", RESNET, "--data-shape", "16x16x3", "--passes", str(config)]) == 0
     out = capsys.readouterr().out
-    assert "│ expand    │ block_0" in out
-    assert "│ recompute │ block_0.bn_2" in out
+    assert "│ expand    │ blocks.0" in out
+    assert "│ recompute │ blocks.0.bn_2" in out
     summary = out.split("Model: ", 1)[1]
-    assert "block_1.conv_1 " in summary  # the passed graph's nodes, by path
+    assert "blocks.1.conv_1 " in summary  # the passed graph's nodes, by path
 
 
 def test_inspect_named_integer_inputs_make_a_dict(capsys):

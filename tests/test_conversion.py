@@ -243,8 +243,9 @@ def test_nested_layers_are_traced_as_nodes():
     model, x = zoo.make_nested()
     converted = kip.convert_to_functional(model, x)
     names = [node.name for node in converted.kip_graph.nodes]
-    assert names == [model.outer.name, model.head.name]
+    assert names == ["outer", "head"]  # the attributes, whatever Keras named the layers
     assert converted.get_layer(model.outer.name) is model.outer
+    assert converted.kip_layer("outer") is model.outer
     assert_equivalent(model, converted, x)
 
 
@@ -623,12 +624,12 @@ def test_dynamic_sub_layer_converts_and_trains_in_graph_mode():
     model = HostModel()
     x = np.full((4, 1), 0.5, "float32")
     converted = kip.convert_to_functional(model, x)
-    assert list(converted.kip_report.opaque) == ["dynamic_block"]
-    assert "Python `bool`" in converted.kip_report.opaque["dynamic_block"]
+    assert list(converted.kip_report.opaque) == ["dynamic"]  # its attribute
+    assert "Python `bool`" in converted.kip_report.opaque["dynamic"]
     dense, dynamic = converted.kip_graph.nodes
     assert dense.operation is model.dense_layer and dense.opaque_reason is None
     assert isinstance(dynamic.operation, kip.OpaqueLayer)
-    assert dynamic.operation.layer is model.dynamic and dynamic.name == "dynamic_block"
+    assert dynamic.operation.layer is model.dynamic and dynamic.name == "dynamic"
     for value in (0.5, -0.5):
         assert_equivalent(model, converted, np.full((4, 1), value, "float32"))
     snapshot_attributes = {id(l): set(vars(l)) for l in all_layers(model)}
@@ -674,8 +675,7 @@ def test_dynamic_sub_layer_has_both_branches_built_and_the_rest_traced():
     model = TwoBranchHost()
     x = np.ones((4, 2), "float32")
     converted = kip.convert_to_functional(model, x)  # never called before
-    assert [node.name for node in converted.kip_graph.nodes] == [
-        "branchy", model.stem.name, model.head.name]
+    assert [node.name for node in converted.kip_graph.nodes] == ["branchy", "stem", "head"]
     assert list(converted.kip_report.opaque) == ["branchy"]
     # `negative` was not called by the first batch, yet exists and is shared.
     assert model.branchy.negative.built
@@ -695,9 +695,9 @@ def test_frozen_batch_normalization_stays_frozen_in_fit():
     model, x = zoo.make_frozen_bn()
     converted = kip.convert_to_functional(model, x)
     bn = model.frozen_bn
-    assert converted.kip_graph.node(bn.name).training is False
-    assert converted.kip_pinned_training == {bn.name: False}
-    assert converted.kip_graph.node(model.dropout.name).training == FOLLOW
+    assert converted.kip_graph.node("frozen_bn").training is False
+    assert converted.kip_pinned_training == {bn.name: False}  # by Keras name
+    assert converted.kip_graph.node("dropout").training == FOLLOW
     mean, variance = bn.moving_mean.numpy().copy(), bn.moving_variance.numpy().copy()
     gamma, kernel = bn.gamma.numpy().copy(), model.dense.kernel.numpy().copy()
 

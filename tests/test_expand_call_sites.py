@@ -34,13 +34,14 @@ class CrossAttentionNet(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.block = CrossAttentionBlock(name="block")
-        # Takes the name `attention`: expanded, the block's attention layer
-        # keeps its own name only if free, so it is called through an alias.
-        self.pool = layers.GlobalAveragePooling1D(name="attention")
+        # Takes the name `attention` (its path is its name, so it claims it
+        # first): expanded, the block's attention layer keeps its own name
+        # only if free, so it is called through an alias.
+        self.attention = layers.GlobalAveragePooling1D(name="attention")
         self.head = layers.Dense(1, name="head")
 
     def call(self, inputs):
-        return self.head(self.pool(self.block(inputs["features"], inputs["ids"])))
+        return self.head(self.attention(self.block(inputs["features"], inputs["ids"])))
 
 
 def test_a_layer_behind_an_alias_computes_its_mask_from_its_own_arguments():

@@ -279,7 +279,7 @@ def test_masks_and_mask_zero_are_refused_by_name(standin):
     ids = np.random.default_rng(0).integers(1, 20, size=(4, 7))
     ids[:, 5:] = 0
     converted = kip.convert_to_functional(MaskedLSTM(), ids, static_batch=True)
-    with pytest.raises(kip.PassError, match="`embedding`.*mask_zero"):
+    with pytest.raises(kip.PassError, match="`embed`.*mask_zero"):
         kip.apply_passes(converted, kip.ipu_replacements())
     lstm_only = kip.passes.Replace({keras.layers.LSTM: kip.ipu_replacements()[0].mapping[keras.layers.LSTM]})
     with pytest.raises(kip.PassError, match="`lstm`.*receives a mask"):

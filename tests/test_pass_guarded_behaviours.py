@@ -182,7 +182,7 @@ class NoisyNet(keras.Model):
 
 # Checkpoints after each block's output layer: the BatchNormalization and
 # Dropout of blocks 1 and 2 lie between two checkpoints.
-NOISY_PASSES = [Expand(), Recompute(["block_0.out", "block_1.out", "block_2.out"])]
+NOISY_PASSES = [Expand(), Recompute(["blocks.0.out", "blocks.1.out", "blocks.2.out"])]
 
 
 def _noisy_twin():
@@ -263,7 +263,7 @@ def _drop_twin():
     return model
 
 
-DROP_PASSES = [Expand(), Recompute(["block_0.out", "block_1.out", "block_2.out"])]
+DROP_PASSES = [Expand(), Recompute(["blocks.0.out", "blocks.1.out", "blocks.2.out"])]
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

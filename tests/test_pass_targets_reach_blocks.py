@@ -102,7 +102,7 @@ def test_class_target_reaches_blocks_inside_another_layer(vit):
         "encoder"
     ]
     passed = kip.apply_passes(converted, [Recompute(TransformerEncoder)])
-    assert _checkpoints(passed) == [f"encoder.block_{i}" for i in range(DEPTH)]
+    assert _checkpoints(passed) == [f"encoder.blocks.{i}" for i in range(DEPTH)]
     # The encoder was expanded to reach them, and the report says so.
     assert "encoder" in passed.kip_report.touched("recompute")
     kip.frontend.verify.check_equivalent(model, passed, images)
@@ -118,11 +118,11 @@ def test_class_target_after_expand_checkpoints_at_the_end_of_each_expanded_block
     assert not any(isinstance(n.operation, TransformerEncoder) for n in graph.nodes)
     ends = []
     for i in range(DEPTH):
-        block_nodes = [n.name for n in graph.nodes if n.name.startswith(f"encoder.block_{i}.")]
+        block_nodes = [n.name for n in graph.nodes if n.name.startswith(f"encoder.blocks.{i}.")]
         ends.append(block_nodes[-1])  # the block's output (its last residual add)
     assert _checkpoints(passed) == sorted(ends)
     assert all(
-        [b.path for b in graph.node(end).from_blocks] == ["encoder", f"encoder.block_{i}"]
+        [b.path for b in graph.node(end).from_blocks] == ["encoder", f"encoder.blocks.{i}"]
         for i, end in enumerate(ends)
     )
     kip.frontend.verify.check_equivalent(model, passed, images)
@@ -133,11 +133,11 @@ def test_class_target_after_expand_checkpoints_at_the_end_of_each_expanded_block
     assert set(checkpointed) <= {passed.kip_layer_paths.get(end, end) for end in ends} and checkpointed
 
 
-@pytest.mark.parametrize("target", ["block_1", "encoder.block_1"])
+@pytest.mark.parametrize("target", ["block_1", "encoder.blocks.1"])
 def test_name_target_after_expand_means_the_expanded_block(vit, target):
     model, converted, images = vit
     passed = kip.apply_passes(converted, [Expand(), Recompute(target)])
-    block_nodes = [n.name for n in passed.kip_graph.nodes if n.name.startswith("encoder.block_1.")]
+    block_nodes = [n.name for n in passed.kip_graph.nodes if n.name.startswith("encoder.blocks.1.")]
     assert _checkpoints(passed) == [block_nodes[-1]]
     kip.frontend.verify.check_equivalent(model, passed, images)
 
@@ -148,7 +148,7 @@ def test_outline_of_an_expanded_block_class_outlines_its_layers(vit):
     outlined = sorted(path for path, name in passed.kip_layer_paths.items()
                       if "outline" in passed.kip_annotations.get(name, {}))
     expected = sorted(
-        f"encoder.block_{i}.{layer}" for i in range(DEPTH)
+        f"encoder.blocks.{i}.{layer}" for i in range(DEPTH)
         for layer in ("norm_1", "attention", "norm_2", "mlp_1", "mlp_2")
     )
     assert outlined == expected
@@ -162,14 +162,14 @@ def test_outline_of_an_expanded_block_class_outlines_its_layers(vit):
 def test_pipeline_stages_of_expanded_blocks_cover_all_their_nodes(vit):
     model, converted, images = vit
     passed = kip.apply_passes(
-        converted, [Expand(), PipelineStages([["block_0"], ["encoder.block_1", "block_2"]])]
+        converted, [Expand(), PipelineStages([["block_0"], ["encoder.blocks.1", "block_2"]])]
     )
     stages = passed.kip_stages
     for node in passed.kip_graph.nodes:
         name = passed.kip_layer_paths.get(node.name, node.name)  # stages: by layer name
-        if node.name.startswith("encoder.block_0."):
+        if node.name.startswith("encoder.blocks.0."):
             assert stages[name] == 0, node.name
-        elif node.name.startswith(("encoder.block_1.", "encoder.block_2.")):
+        elif node.name.startswith(("encoder.blocks.1.", "encoder.blocks.2.")):
             assert stages[name] == 1, node.name
     np.testing.assert_allclose(passed(images), model(images), atol=1e-5)
 
@@ -178,7 +178,7 @@ def test_expand_by_class_reaches_blocks_inside_another_layer(vit):
     model, converted, images = vit
     passed = kip.apply_passes(converted, [Expand(TransformerEncoder)])
     names = [n.name for n in passed.kip_graph.nodes]
-    assert "encoder.block_0.mlp_1" in names and "encoder.norm" in names
+    assert "encoder.blocks.0.mlp_1" in names and "encoder.norm" in names
     assert not any(isinstance(n.operation, (TransformerEncoder, Encoder))
                    for n in passed.kip_graph.nodes)
     kip.frontend.verify.check_equivalent(model, passed, images)

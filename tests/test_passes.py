@@ -296,15 +296,15 @@ def test_expand_all_leaves_builtin_layers_same_results_same_variables(name):
 def test_expand_names_nodes_parent_child_at_every_depth():
     model, passed, _ = expanded(make_nested)
     names = node_names(passed)
-    assert "l1.l2.l3.dense" in names
-    assert "l1.l2.norm" in names
+    assert "l1.inner.inner.dense" in names
+    assert "l1.inner.norm" in names
     assert "l1.proj" in names
     assert "head" in names
-    assert not any(n in names for n in ("l1", "l1.l2", "l1.l2.l3"))
+    assert not any(n in names for n in ("l1", "l1.inner", "l1.inner.inner"))
     # The user's layer keeps its own name in the Keras model (it is free);
     # its path finds it.
-    assert passed.kip_graph.node("l1.l2.l3.dense").operation.name == "dense"
-    assert passed.kip_layer("l1.l2.l3.dense") is passed.kip_graph.node("l1.l2.l3.dense").operation
+    assert passed.kip_graph.node("l1.inner.inner.dense").operation.name == "dense"
+    assert passed.kip_layer("l1.inner.inner.dense") is passed.kip_graph.node("l1.inner.inner.dense").operation
     assert "dense" in [layer.name for layer in passed.layers]
 
 
@@ -405,8 +405,8 @@ def test_expand_one_target_expands_one_level_only():
     model, conv, x = converted(make_nested)
     passed = kip.apply_passes(conv, [Expand("l1")])
     names = node_names(passed)
-    assert "l1.l2" in names and "l1.proj" in names
-    assert isinstance(passed.kip_graph.node("l1.l2").operation, Level2)
+    assert "l1.inner" in names and "l1.proj" in names
+    assert isinstance(passed.kip_graph.node("l1.inner").operation, Level2)
     assert kip.apply_passes(conv, [Expand("l1")]).kip_report.touched("expand") == ["l1"]
     kip.frontend.verify.check_equivalent(model, passed, x)
 
@@ -719,16 +719,16 @@ def test_replace_finds_target_inside_unexpanded_custom_layer():
     passed = kip.apply_passes(
         conv, [Replace({"dense": Replacement(MyDense, copy_weights=True)})]
     )
-    node = passed.kip_graph.node("l1.l2.l3.dense")
+    node = passed.kip_graph.node("l1.inner.inner.dense")
     assert isinstance(node.operation, MyDense)
     # Only the containers on the way were expanded; others stay whole.
-    assert isinstance(passed.kip_graph.node("l1.l2.norm").operation, layers.LayerNormalization)
+    assert isinstance(passed.kip_graph.node("l1.inner.norm").operation, layers.LayerNormalization)
     report = passed.kip_report
     expanded_by_replace = [
         e.layer for e in report.entries if e.step == "replace" and e.action == "expanded"
     ]
-    assert expanded_by_replace == ["l1", "l1.l2", "l1.l2.l3"]
-    assert "l1.l2.l3.dense" in report.touched("replace")
+    assert expanded_by_replace == ["l1", "l1.inner", "l1.inner.inner"]
+    assert "l1.inner.inner.dense" in report.touched("replace")
     kip.frontend.verify.check_equivalent(model, passed, x, gradients=False)
 
 

@@ -217,7 +217,7 @@ def test_layers_with_forward_state_stay_outside_planned_segments():
                      if id(v) not in seeds]
             assert not state, node.operation.name
     never = dict(_plan(passed, "Recompute plan").rows)["never recomputed (forward state)"]
-    assert "block_0.bn" in never and "block_0.drop" not in never
+    assert "blocks.0.bn" in never and "blocks.0.drop" not in never
 
 
 class SharedTower(keras.Model):
@@ -298,8 +298,8 @@ class Uneven(keras.Model):
 def test_stages_balanced_by_params_minimise_the_largest_stage():
     passed = kip.apply_passes(_converted(Uneven(name="uneven")), [PipelineStages(num_stages=3)])
     figures = _plan(passed, "Pipeline stages").figures
-    names = ["d0", "d1", "d2", "d3", "d4", "d5", "head"]
-    params = [passed.get_layer(name).count_params() for name in names]
+    names = [f"stack.{i}" for i in range(6)] + ["head"]  # by attribute path
+    params = [passed.kip_layer(name).count_params() for name in names]
     assert [name for stage in figures["stages"] for name in stage] == names
     assert figures["costs"] == [sum(params[names.index(n)] for n in stage)
                                 for stage in figures["stages"]]
@@ -309,7 +309,9 @@ def test_stages_balanced_by_params_minimise_the_largest_stage():
     assert max(figures["costs"]) == smallest
     # not the layer-count split a user might write
     assert max(figures["costs"]) < max(sum(params[:2]), sum(params[2:4]), sum(params[4:]))
-    assert passed.kip_stages == {name: index for index, names in enumerate(figures["stages"])
+    # kip_stages is keyed by the Keras model's layer names.
+    assert passed.kip_stages == {passed.kip_layer_paths[name]: index
+                                 for index, names in enumerate(figures["stages"])
                                  for name in names}
     assert "imbalance" in str(passed.kip_report)
 
@@ -317,7 +319,7 @@ def test_stages_balanced_by_params_minimise_the_largest_stage():
 def test_stages_balanced_by_time_follow_the_measured_times(monkeypatch):
     # Times are measured (noisy); here they are given, to check the plan
     # follows them rather than the parameters.
-    names = ["d0", "d1", "d2", "d3", "d4", "d5", "head"]
+    names = [f"stack.{i}" for i in range(6)] + ["head"]  # by attribute path
     given = dict(zip(names, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0]))
     monkeypatch.setattr(node_costs, "time_nodes",
                         lambda graph, batch, profiles=None: [given[n.name] for n in graph.nodes])
@@ -338,7 +340,7 @@ def test_stages_balanced_by_time_are_replanned_on_whole_stage_times(monkeypatch)
     # 1.25 largest / mean for 2 stages. Here the first four nodes run four
     # times faster together than alone; the plan moves the cut to balance
     # the stages as they run.
-    names = ["d0", "d1", "d2", "d3", "d4", "d5", "head"]
+    names = [f"stack.{i}" for i in range(6)] + ["head"]  # by attribute path
     alone = dict(zip(names, [1.0] * 7))
     together = dict(zip(names, [0.25] * 4 + [1.0] * 3))
     monkeypatch.setattr(node_costs, "time_nodes",
@@ -354,8 +356,8 @@ def test_stages_balanced_by_time_are_replanned_on_whole_stage_times(monkeypatch)
     passed = kip.apply_passes(_converted(Uneven(name="uneven")),
                               [PipelineStages(num_stages=2, balance="time")])
     figures = _plan(passed, "Pipeline stages").figures
-    # On node times alone: d0..d3 | d4..head (4 against 3); as they run:
-    # 1.0 against 3.0. Re-planned: d0..d4 | d5, head (2.0 against 2.0).
+    # On node times alone: stack.0..3 | stack.4..head (4 against 3); as they
+    # run: 1.0 against 3.0. Re-planned: stack.0..4 | stack.5, head (2.0 against 2.0).
     assert figures["stages"] == [names[:5], names[5:]], figures
     assert figures["costs"] == [2.0, 2.0] and figures["imbalance"] == 1.0
     assert timed, "whole stages were never timed"
@@ -563,8 +565,9 @@ def test_the_planned_order_is_the_order_the_rebuilt_model_runs(example, shape):
     else:
         x = rng.normal(size=shape).astype("float32")
     passed = kip.apply_passes(kip.convert_to_functional(module.build_model(), x), [Expand()])
-    # Nodes are named by path; the Keras model's layers by their own names.
-    planned = [passed.kip_layer_paths.get(node.name, node.name)
+    # Nodes are named by path; the Keras model's layers by their own names,
+    # its keras.ops operations by Keras's (the operation objects themselves).
+    planned = [passed.kip_layer_paths.get(node.name, node.operation.name)
                for node in node_costs.execution_order(graph_of(passed))]
     assert planned == [node.operation.name for node in _compat.functional_nodes(passed)]
 

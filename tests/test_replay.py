@@ -59,7 +59,7 @@ def test_expand_traces_each_kind_of_block_once():
     assert at_conversion <= 2 and at_expansion <= 2, (at_conversion, at_expansion)
     # ... and each block's nodes call its own layers.
     for i, block in enumerate(model.blocks):
-        assert passed.kip_graph.node(f"block_{i}.{block.dense.name}").operation is block.dense
+        assert passed.kip_graph.node(f"blocks.{i}.dense").operation is block.dense
     kip.frontend.verify.check_equivalent(model, passed, x)
 
 
@@ -72,8 +72,9 @@ def test_blocks_that_differ_are_not_replayed_from_each_other():
     assert len({signatures[0], signatures[1], signatures[2]}) == 3
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     names = [node.name for node in passed.kip_graph.nodes]
-    assert sum(name.startswith("twice.") for name in names) == 5  # dense, norm twice, add
-    assert sum(name.startswith("plain.") for name in names) == 3
+    # By attribute path: blocks.1 is `twice`, blocks.0 is `plain`.
+    assert sum(name.startswith("blocks.1.") for name in names) == 5  # dense, norm twice, add
+    assert sum(name.startswith("blocks.0.") for name in names) == 3
     kip.frontend.verify.check_equivalent(model, passed, x)
 
 
@@ -131,8 +132,8 @@ def test_blocks_given_a_keras_mask_keep_it_when_expanded():
     model = MaskedStack(name="masked")
     model(ids)
     passed = kip.apply_passes(kip.convert_to_functional(model, ids), [Expand()])
-    assert [n.name for n in passed.kip_graph.nodes if n.name.startswith("block_")] == [
-        "block_0.dense", "block_1.dense", "block_2.dense"]
+    assert [n.name for n in passed.kip_graph.nodes if n.name.startswith("blocks.")] == [
+        "blocks.0.dense", "blocks.1.dense", "blocks.2.dense"]
     np.testing.assert_allclose(passed(ids), model(ids), atol=1e-6)
 
 

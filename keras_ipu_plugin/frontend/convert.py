@@ -149,7 +149,8 @@ class Converter:
             report.add("convert", node.name, "traced", type(node.operation).__name__)
             if isinstance(node.operation, OpaqueLayer):
                 # The whole model, or a dynamic sub-layer kept whole.
-                report.add_opaque(node.operation.layer.name, node.opaque_reason)
+                whole = node.operation.layer is model
+                report.add_opaque(model.name if whole else node.name, node.opaque_reason)
         return graph, report
 
 

@@ -71,6 +71,8 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.attribute_paths import path_of
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.frontend.replay import output_specs_key
 from keras_ipu_plugin.runtime.reads import HeldConstant
@@ -341,7 +343,7 @@ def _trace_once(trace, training, pinned, opaque_layers):
             outputs = _lifted_outputs(trace, outputs, layer)
         return _collect(outputs, trace.placeholders, trace.prefix, pinned,
                         opaque_layers, trace.read_names, trace.anchor,
-                        trace.none_leaves)
+                        trace.none_leaves, owner=layer)
 
 
 def _lifted_outputs(trace, outputs, layer):
@@ -843,7 +845,7 @@ def _fresh_keras_tensor(tensor):
 
 
 def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_names=None,
-             anchor=None, none_leaves=None):
+             anchor=None, none_leaves=None, owner=None):
     """Walk Keras nodes back from `outputs` into Nodes in topological order,
     naming the user's layers where views were called; `opaque_layers`
     collects the OpaqueLayers made (see `_opaque_layer`). An operation with
@@ -853,8 +855,14 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
     `none_leaves` ({id(Keras node): (it, output structure)}): calls that returned
     None among their outputs; their Nodes keep that structure as
     `output_structure` (output indices, None leaves kept). None leaves of
-    `outputs` stay None in the returned structure."""
+    `outputs` stay None in the returned structure.
+
+    A layer's node is named by its attribute path from `owner`, the layer
+    traced (`attribute_paths`); a keras.ops operation by its kind, numbered
+    in call order (`add`, `add_1`): Keras's own names count every call in
+    the process, so they change each time a model is built."""
     none_leaves = {} if none_leaves is None else none_leaves
+    paths = attribute_paths(owner) if owner is not None else {}
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes, names = [], Namespace()
@@ -898,7 +906,7 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
                 args, kwargs = BatchSizedOperation.arguments(operation, anchor, args, kwargs)
                 operation = BatchSizedOperation(operation, unknown, name=operation.name)
                 batch_sized.append(operation)
-        name = prefix + operation.name
+        name = prefix + _node_name(operation, paths)
         if is_read(operation):  # named after the attribute or its consumer
             name = (read_names or {}).get(id(keras_node), operation.name)
         node = Node(
@@ -1024,6 +1032,24 @@ def _precise_specs(operation, args, kwargs, outputs):
         precise.append(keras.KerasTensor(
             shape[:1] + known[1:], dtype=recorded.dtype, sparse=recorded.sparse))
     return precise
+
+
+def _node_name(operation, paths):
+    """What a node of `operation` is called in its trace (before numbering)."""
+    from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+    from keras_ipu_plugin.runtime.random_draws import RandomDraw
+
+    if isinstance(operation, OpaqueLayer):
+        return path_of(operation.layer, paths)
+    if isinstance(operation, keras.layers.Layer) and id(operation) in paths:
+        return paths[id(operation)]
+    if isinstance(operation, keras.layers.Layer) and not isinstance(
+            operation, (BatchSizedOperation, RandomDraw)):
+        return operation.name
+    return _AUTO_SUFFIX.sub("", operation.name) or "op"
+
+
+_AUTO_SUFFIX = re.compile(r"_\d+$")
 
 
 def _opaque_layer(layer, reason, outputs, made):

@@ -19,10 +19,13 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.attribute_paths import path_of
 from keras_ipu_plugin.passes.layer_class_names import class_named
 from keras_ipu_plugin.passes.layer_class_names import name_of_class
 from keras_ipu_plugin.passes.patterns import Chain
 from keras_ipu_plugin.passes.patterns import Match
+from keras_ipu_plugin.passes.patterns import names_a_path
 
 ALL = "all"
 
@@ -137,15 +140,17 @@ def _class_or_name(target):
     return target
 
 
-def matches(node, target):
+def matches(node, target, aliases=True):
     """Whether graph `node` is matched by one `target` (a chain matches runs
-    of nodes, not one: `matched_blocks`)."""
+    of nodes, not one: `matched_blocks`). A name matches the node's path,
+    and with `aliases` its layer's Keras name (False where the name is a
+    path of the graph: `names_a_path`)."""
     if isinstance(target, Chain):
         return False
     if target == ALL:
         return node.is_layer
     if isinstance(target, str):
-        return target == node.name or target in _names_of(node.operation)
+        return target == node.name or (aliases and target in _names_of(node.operation))
     return isinstance(node.operation, target)
 
 
@@ -160,7 +165,8 @@ def nodes_matching(graph, target):
     layer shared between call sites is one layer (node paths are unique, so
     the second site of `shared.dense` is `shared_1.dense`), and a pass that
     reached only one site would silently un-share it."""
-    hits = [node for node in graph.nodes if matches(node, target)]
+    aliases = not names_a_path(graph, target)
+    hits = [node for node in graph.nodes if matches(node, target, aliases)]
     if not isinstance(target, str) or target == ALL:
         return hits
     layers = {id(node.operation) for node in hits if node.is_layer}
@@ -179,13 +185,14 @@ def matched_nodes(graph, targets, step):
     return [node for node in graph.nodes if node in found]
 
 
-def matches_block(block, target):
-    """Whether `target` names the inlined `block` (its path or its layer's
-    name) or is its class; `"all"` matches layers, not blocks."""
+def matches_block(block, target, aliases=True):
+    """Whether `target` names the inlined `block` (its path or, with
+    `aliases`, its layer's Keras name) or is its class; `"all"` matches
+    layers, not blocks."""
     if target == ALL or isinstance(target, Chain):
         return False
     if isinstance(target, str):
-        return target in (block.path, block.layer.name)
+        return target == block.path or (aliases and target == block.layer.name)
     return isinstance(block.layer, target)
 
 
@@ -195,10 +202,10 @@ def matched_blocks(graph, target):
     `Chain`, each run of nodes it matches, as a `patterns.Match`."""
     if isinstance(target, Chain):
         return [(Match(run), run) for run in target.matches(graph)]
-    found = {}
+    found, aliases = {}, not names_a_path(graph, target)
     for node in graph.nodes:
         for block in node.from_blocks:
-            if matches_block(block, target):
+            if matches_block(block, target, aliases):
                 found.setdefault(id(block), (block, []))[1].append(node)
     return list(found.values())
 
@@ -247,8 +254,9 @@ def unmatched_target(step, target, graph):
             continue
         paths.append(node.name)
         classes.append(type(node.operation).__name__)
+        inner = attribute_paths(node.operation)  # the paths a target may name
         for layer in _compat.sub_layers(node.operation):
-            paths.append(f"{node.name}.{layer.name}")
+            paths.append(f"{node.name}.{path_of(layer, inner)}")
             classes.append(type(layer).__name__)
     classes = list(dict.fromkeys(classes))
     wanted = target if isinstance(target, str) else getattr(target, "__name__", "")

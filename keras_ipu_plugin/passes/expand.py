@@ -23,6 +23,7 @@ from keras_ipu_plugin.passes.base import targets_config
 from keras_ipu_plugin.passes.base import targets_from_config
 from keras_ipu_plugin.passes.inline import inline_call
 from keras_ipu_plugin.passes.patterns import Chain
+from keras_ipu_plugin.passes.patterns import names_a_path
 from keras_ipu_plugin.runtime.layer_kinds import is_expandable
 from keras_ipu_plugin.runtime.reads import ReadLayers
 
@@ -111,16 +112,19 @@ def expand_to_reach(graph, target, report, step):
         # Its layer steps are reached as targets of their own; an operation
         # step is found wherever Expand has made one a node.
         for lead in target.lead_steps():
-            expand_graph(graph, lambda node, lead=lead: (
+            alias = not names_a_path(graph, lead)
+            expand_graph(graph, lambda node, lead=lead, alias=alias: (
                 is_expandable(node.operation) and not node.opaque_reason
-                and not matches(node, lead) and contains(node, lead)
+                and not matches(node, lead, alias) and contains(node, lead, alias)
             ), report, step, recursive=True)
         return
+    # Decided before expanding: a path stays a path as its holders expand.
+    aliases = not names_a_path(graph, target)
 
     def holds_target(node):
         return (
             is_expandable(node.operation) and not node.opaque_reason
-            and not matches(node, target) and contains(node, target)
+            and not matches(node, target, aliases) and contains(node, target, aliases)
         )
 
     opaque = expand_graph(graph, holds_target, report, step, recursive=True)
@@ -135,11 +139,13 @@ def expand_to_reach(graph, target, report, step):
     # which of its layers were not reached.
     unreached = [
         node for node in graph.nodes
-        if node.opaque_reason and not matches(node, target) and contains(node, target)
+        if node.opaque_reason and not matches(node, target, aliases)
+        and contains(node, target, aliases)
     ]
     if not unreached:
         return
-    found = any(matches(node, target) for node in graph.nodes) or matched_blocks(graph, target)
+    found = (any(matches(node, target, aliases) for node in graph.nodes)
+             or matched_blocks(graph, target))
     if not found:
         node = unreached[0]
         raise PassError(
@@ -151,14 +157,14 @@ def expand_to_reach(graph, target, report, step):
                    f"{describe(target)} inside it stays as it is: {node.opaque_reason}")
 
 
-def contains(node, target):
-    """Whether `target` (a name, a `parent.child` path or a class) is a
-    sub-layer of the layer of `node`."""
+def contains(node, target, aliases=True):
+    """Whether `target` (a `parent.child` path, with `aliases` a Keras layer
+    name, or a class) is a sub-layer of the layer of `node`."""
     if isinstance(target, str) and target.startswith(node.name + "."):
         return True
     for sub in _compat.sub_layers(node.operation):
         if isinstance(target, str):
-            if target == sub.name:
+            if aliases and target == sub.name:
                 return True
         elif isinstance(sub, target):
             return True

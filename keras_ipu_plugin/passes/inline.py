@@ -20,6 +20,8 @@ import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tracing
+from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.attribute_paths import path_of
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import InlinedBlock
 from keras_ipu_plugin.ir.graph import Node
@@ -29,6 +31,7 @@ from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
 from keras_ipu_plugin.runtime.masks import AttachMask
+from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
 
@@ -69,13 +72,14 @@ def inline_call(graph, node, report, reads, templates):
         return None
     new_nodes, outputs = traced
     block = InlinedBlock(node.name, layer)
+    paths = attribute_paths(layer)
     for new in new_nodes:
         new.from_blocks = [*node.from_blocks, block, *new.from_blocks]
-        if new.opaque_reason:  # a dynamic sub-layer, kept whole
-            report.add_opaque(f"{node.name}.{new.operation.name}", new.opaque_reason)
         if agnostic:
             new.training = None
-        new.name = _path(new, node.name)
+        new.name = _path(new, node.name, paths)
+        if new.opaque_reason:  # a dynamic sub-layer, kept whole
+            report.add_opaque(new.name, new.opaque_reason)
     attach_nodes, outputs = _with_masks_of_call(node, outputs, block)
     graph.insert_before(node, new_nodes + attach_nodes)
     for new in new_nodes + attach_nodes:
@@ -203,11 +207,13 @@ def _is_ours(operation):
         operation, (BatchSizedOperation, RandomDraw, AttachMask))
 
 
-def _path(node, parent):
+def _path(node, parent, paths):
     """The name `node` asks for (the namespace numbers it if taken).
 
-    The user's layers are named after their own name (`parent.dense`; the
-    layer itself keeps its name). A variable read keeps the name the trace
+    The user's layers are named after their attribute path in the parent
+    layer (`parent.dense`, `parent.layers.0`; `paths` from
+    `attribute_paths`), or their own name where no attribute holds them
+    (the layer itself keeps its name). A variable read keeps the name the trace
     gave it after its attribute (`parent.scale`). A keras.ops operation
     the trace made is numbered within its parent (`parent.add`), its
     auto-generated suffix dropped.
@@ -216,4 +222,7 @@ def _path(node, parent):
         return node.name
     if _is_ours(node.operation):
         return f"{parent}.{_AUTO_SUFFIX.sub('', node.operation.name) or 'op'}"
-    return f"{parent}.{node.operation.name}"
+    layer = node.operation
+    if isinstance(layer, OpaqueLayer):
+        layer = layer.layer
+    return f"{parent}.{path_of(layer, paths)}"

@@ -28,6 +28,8 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.passes.layer_class_names import class_named
 from keras_ipu_plugin.passes.layer_class_names import name_of_class
+from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
+from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.runtime.tf_function import TFFunction
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.runtime.tf_function import public_name_of
@@ -48,14 +50,15 @@ class Chain:
         """`[[node, ...]]`: each run of nodes matching the chain, in graph
         order, no node in two runs."""
         outputs = {id(value) for value in keras.tree.flatten(graph.outputs)}
+        aliases = [not names_a_path(graph, getattr(step, "target", None)) for step in self.steps]
         found, used = [], set()
         for node in graph.nodes:
-            if id(node) in used or not self.steps[0].matches(node):
+            if id(node) in used or not self.steps[0].matches(node, aliases[0]):
                 continue
             run = [node]
-            for step in self.steps[1:]:
+            for step, alias in zip(self.steps[1:], aliases[1:]):
                 following = _sole_reader(run[-1], outputs)
-                if following is None or id(following) in used or not step.matches(following):
+                if following is None or id(following) in used or not step.matches(following, alias):
                     break
                 run.append(following)
             if len(run) == len(self.steps):
@@ -109,6 +112,32 @@ class Match:
         self.layer = nodes[0].operation
 
 
+def names_a_path(graph, target):
+    """Whether the string `target` is a path of `graph`: a node's, a block's
+    Expand inlined, or a sub-layer's inside a layer not expanded (its node's
+    path, then its attribute path there). A target that is a path matches
+    by path only; a layer's Keras name is an alias for a target naming no
+    path. Else a path copied from the report (`dense`, the attribute) would
+    also match a layer Keras happened to name `dense` in this process, and
+    not in the next, where Keras's counter has moved on.
+
+    Example:
+        >>> names_a_path(converted.kip_graph, "blocks.0.dense")
+        True
+    """
+    if not isinstance(target, str):
+        return False
+    for node in graph.nodes:
+        if node.name == target or any(block.path == target for block in node.from_blocks):
+            return True
+    for node in graph.nodes:
+        if node.is_layer and target.startswith(node.name + "."):
+            layer = node.operation.layer if isinstance(node.operation, OpaqueLayer) else node.operation
+            if target[len(node.name) + 1:] in attribute_paths(layer).values():
+                return True
+    return False
+
+
 def _sole_reader(node, graph_outputs):
     """The node that alone reads `node`'s one output, reading nothing else;
     None if there is none such."""
@@ -128,9 +157,12 @@ class _LayerStep:
     def __init__(self, target):
         self.target = target
 
-    def matches(self, node):
+    def matches(self, node, aliases=True):
+        """`aliases`: whether a name matches a layer's Keras name too (see
+        `names_a_path`)."""
         if isinstance(self.target, str):
-            return self.target in (node.name, getattr(node.operation, "name", None))
+            keras_name = getattr(node.operation, "name", None) if aliases else None
+            return self.target in (node.name, keras_name)
         return isinstance(node.operation, self.target)
 
     def label(self):
@@ -158,7 +190,7 @@ class _OperationStep:
     def __init__(self, kind, name):
         self.kind, self.name = kind, name
 
-    def matches(self, node):
+    def matches(self, node, aliases=True):  # `aliases`: for names only
         operation = node.operation
         if self.kind == "tf":
             return isinstance(operation, TFFunction) and operation.function == self.name

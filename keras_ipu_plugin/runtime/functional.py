@@ -140,14 +140,15 @@ class KipFunctional(_compat.Functional):
         }
 
     def kip_layer(self, path):
-        """The layer at node path `path` (`"block_1.dense"`), whatever name
-        the Keras model shows for it (its own, `dense`, unless that name is
-        taken, then an alias named after the path); a block Expand inlined
-        is found by its path too.
+        """The layer at node path `path` (its attribute path from the model,
+        `"blocks.1.dense"`), whatever name the Keras model shows for it (its
+        own, `dense`, unless that name is taken, then an alias named after
+        the path); a block Expand inlined is found by its path too. A
+        layer's Keras name is accepted where it is no path (an alias).
 
         Example:
             >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
-            >>> passed.kip_layer("block_1.dense") is model.block_1.dense
+            >>> passed.kip_layer("blocks.1.dense") is model.blocks[1].dense
             True
         """
         name = self.kip_layer_paths.get(path, path)
@@ -155,10 +156,14 @@ class KipFunctional(_compat.Functional):
             if layer.name == name:
                 return getattr(layer, "aliased_layer", layer)
         graph = self.kip_graph
-        for node in graph.nodes if graph is not None else ():
-            for block in node.from_blocks:
-                if block.path == path:
-                    return block.layer
+        blocks = [block for node in (graph.nodes if graph is not None else ())
+                  for block in node.from_blocks]
+        for block in blocks:
+            if block.path == path:
+                return block.layer
+        for block in blocks:  # an expanded block by its Keras name
+            if block.layer.name == path:
+                return block.layer
         known = list(self.kip_layer_paths) or [layer.name for layer in self.layers]
         raise ValueError(
             f"`{self.name}` has no layer at path {path!r} (paths such as: "

@@ -1,0 +1,89 @@
+"""Attribute paths: the names of the user's layers in a graph.
+
+A node is named by the chain of attribute names from the model to its
+layer, as torch.fx names modules by their qualified names: `stem`,
+`blocks.0.dense` (lists and tuples by index, dicts by key), and the layers
+of a nested functional or Sequential model by their own names. Keras's own
+names come from a process-wide counter (`dense_7` the second time a cell
+runs); attribute paths are the same every time the same class is built, so
+a target, a config or a plan copied from one run's report works in the next.
+
+A layer reached by no attribute (made inside `call`, a module-level layer)
+keeps its Keras name. Keras's own bookkeeping attributes (`_layers`,
+`_tracked`, ...) are never part of a path.
+
+Example:
+    >>> class Net(keras.Model):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.stem = keras.layers.Dense(4)
+    ...         self.blocks = [keras.layers.Dense(4), keras.layers.Dense(4)]
+    >>> paths = attribute_paths(Net())
+    >>> sorted(paths.values())
+    ['blocks.0', 'blocks.1', 'stem']
+"""
+
+import re
+
+import keras
+
+from keras_ipu_plugin import _compat
+
+_MAX_DEPTH = 4  # containers inside containers followed
+_NOT_A_NAME = re.compile(r"[^0-9A-Za-z_]")
+
+
+def attribute_paths(root):
+    """`{id(layer): path}` of every layer inside `root`, by the shortest
+    attribute path from `root` (breadth first; the first attribute holding
+    a layer names it)."""
+    paths = {}
+    queue = [(root, "")]
+    while queue:
+        layer, prefix = queue.pop(0)
+        for path, sub in _direct_layers(layer):
+            if sub is root or id(sub) in paths:
+                continue
+            paths[id(sub)] = prefix + path
+            queue.append((sub, f"{prefix}{path}."))
+    return paths
+
+
+def path_of(layer, paths):
+    """`layer`'s path in `paths` (`attribute_paths` of its owner), or its
+    Keras name when no attribute holds it."""
+    return paths.get(id(layer), layer.name)
+
+
+def _direct_layers(layer):
+    """`[(relative path, layer)]` for the layers `layer` holds directly."""
+    if isinstance(layer, keras.Sequential) or _compat.is_graph_model(layer):
+        return [(_clean(sub.name), sub) for sub in layer.layers]
+    found = []
+    items = list(vars(layer).items())
+    bookkeeping = _compat.layer_bookkeeping_attributes()
+    # Public attributes name a layer before private ones do.
+    for name, value in sorted(items, key=lambda item: item[0].startswith("_")):
+        if name in bookkeeping or name.startswith(_compat.TRACKABLE_PREFIX):
+            continue
+        _collect(_clean(name), value, found, 0)
+    return found
+
+
+def _collect(path, value, found, depth):
+    if isinstance(value, keras.layers.Layer):
+        found.append((path, value))
+    elif depth < _MAX_DEPTH and isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _collect(f"{path}.{index}", item, found, depth + 1)
+    elif depth < _MAX_DEPTH and isinstance(value, dict):
+        for key, item in value.items():
+            _collect(f"{path}.{_clean(str(key))}", item, found, depth + 1)
+
+
+def _clean(name):
+    """A path part Keras accepts in a layer name (no `/`)."""
+    return _NOT_A_NAME.sub("_", name) or "_"
+
+
+__all__ = ["attribute_paths", "path_of"]

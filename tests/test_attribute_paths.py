@@ -1,0 +1,221 @@
+"""Node paths are attribute paths (issue 21, item 1): the chain of attribute
+names from the model to the layer, as torch.fx names modules (`stem`,
+`blocks.0.dense`; lists and tuples by index, dicts by key). Keras's own
+names come from a process-wide counter, so the same class built twice gets
+other names; its paths are the same, and a config written from the first
+run's report applies to the second. Keras's names stay accepted as aliases
+where they name no path."""
+
+import numpy as np
+import pytest
+
+import keras
+from keras import layers
+from keras import ops
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
+from keras_ipu_plugin.passes import Expand
+from keras_ipu_plugin.passes import Recompute
+from keras_ipu_plugin.passes.patterns import names_a_path
+
+
+class Block(layers.Layer):
+    """Auto-named sub-layers: Keras calls them `dense_7` the second time."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(8)
+        self.norm = layers.LayerNormalization()
+
+    def call(self, x):
+        return x + self.norm(self.dense(x))
+
+
+class Wrapper(layers.Layer):
+    """A block nested in a layer, and a keras.ops call of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = Block()
+
+    def call(self, x):
+        return ops.relu(self.block(x))
+
+
+class Net(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(8)
+        self.blocks = [Block() for _ in range(2)]
+        self.heads = {"a/b": layers.Dense(8), "main": layers.Dense(8)}
+        self.nested = Wrapper()
+        self.shared = layers.Dense(8)
+        self.out = layers.Dense(2)
+
+    def call(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        h = ops.add(self.heads["a/b"](h), self.heads["main"](h))  # a top-level keras.ops call
+        h = self.nested(h)
+        h = self.shared(self.shared(h))  # one layer, two call sites
+        return self.out(h)
+
+
+X = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+
+CONVERTED_PATHS = ["stem", "blocks.0", "blocks.1", "heads.a_b", "heads.main", "add",
+                   "nested", "shared", "shared_1", "out"]
+EXPANDED_PATHS = [
+    "stem", "blocks.0.dense", "blocks.0.norm", "blocks.0.add",
+    "blocks.1.dense", "blocks.1.norm", "blocks.1.add", "heads.a_b", "heads.main", "add",
+    "nested.block.dense", "nested.block.norm", "nested.block.add", "nested.relu",
+    "shared", "shared_1", "out",
+]
+
+
+def _build():
+    model = Net()
+    model(X)
+    return model, kip.convert_to_functional(model, X)
+
+
+def _names(model):
+    return [node.name for node in model.kip_graph.nodes]
+
+
+def _reported(report):
+    """The layers a report names, less the model's own (Keras-named) entries."""
+    return sorted({entry.layer for entry in report.entries} - {"net", "net_functional"}
+                  - {f"net_1{suffix}" for suffix in ("", "_functional")})
+
+
+def test_the_same_class_built_twice_gives_the_same_paths():
+    first, first_converted = _build()
+    second, second_converted = _build()
+    # Keras's names moved on with its counter; the paths did not.
+    assert first.blocks[0].dense.name != second.blocks[0].dense.name
+    assert first.stem.name != second.stem.name
+    assert _names(first_converted) == _names(second_converted) == CONVERTED_PATHS
+    first_passed = kip.apply_passes(first_converted, [Expand()])
+    second_passed = kip.apply_passes(second_converted, [Expand()])
+    assert _names(first_passed) == _names(second_passed) == EXPANDED_PATHS
+    assert sorted(first_passed.kip_layer_paths) == sorted(second_passed.kip_layer_paths)
+    assert _reported(first_passed.kip_report) == _reported(second_passed.kip_report)
+    # Each path is its own build's layer.
+    for model, passed in ((first, first_passed), (second, second_passed)):
+        assert passed.kip_graph.node("blocks.1.dense").operation is model.blocks[1].dense
+        assert passed.kip_graph.node("heads.a_b").operation is model.heads["a/b"]
+        assert passed.kip_graph.node("shared_1").operation is model.shared
+    np.testing.assert_allclose(second_passed(X), second(X), atol=1e-5)
+
+
+def test_a_config_written_from_the_first_runs_report_applies_to_the_second():
+    _, first_converted = _build()
+    first_passed = kip.apply_passes(first_converted, [Expand()])
+    # What a user copies from the first run: the paths of the report and graph.
+    dense_paths = [n.name for n in first_passed.kip_graph.nodes
+                   if isinstance(n.operation, layers.Dense) and n.name.startswith("blocks.")]
+    assert dense_paths == ["blocks.0.dense", "blocks.1.dense"]
+    assert {"blocks.1", "nested", "nested.block"} <= set(first_passed.kip_report.touched("expand"))
+    config = {"expand": "all", "recompute": ["blocks.1.dense", "nested.block.norm"]}
+
+    marked = []
+    for _ in range(2):
+        model, converted = _build()
+        passed = kip.apply_passes(converted, kip.passes_from_config(config))
+        recomputed = [n for n in passed.kip_graph.nodes if n.annotations.get("recompute")]
+        assert [n.operation for n in recomputed] == [model.blocks[1].dense, model.nested.block.norm]
+        marked.append(([n.name for n in recomputed], passed.kip_report.touched("recompute")))
+    assert marked[0] == marked[1] == (["blocks.1.dense", "nested.block.norm"],) * 2
+
+
+def test_kip_layer_takes_an_attribute_path_or_a_keras_name():
+    model, converted = _build()
+    assert converted.kip_layer("blocks.1") is model.blocks[1]
+    assert converted.kip_layer("heads.a_b") is model.heads["a/b"]
+    assert converted.kip_layer(model.blocks[1].name) is model.blocks[1]  # alias
+    passed = kip.apply_passes(converted, [Expand()])
+    assert passed.kip_layer("blocks.1.dense") is model.blocks[1].dense
+    assert passed.kip_layer("nested.block.norm") is model.nested.block.norm
+    assert passed.kip_layer(model.blocks[1].dense.name) is model.blocks[1].dense  # alias
+    # An expanded block, by its path and by its Keras name.
+    assert passed.kip_layer("nested.block") is model.nested.block
+    assert passed.kip_layer(model.blocks[1].name) is model.blocks[1]
+    with pytest.raises(ValueError, match="no layer at path 'blocks.9'"):
+        passed.kip_layer("blocks.9")
+
+
+def test_a_keras_layer_name_is_still_a_target():
+    model, converted = _build()
+    before = kip.apply_passes(converted, [Recompute([model.blocks[1].name])])
+    assert [n.name for n in before.kip_graph.nodes if n.annotations.get("recompute")] == [
+        "blocks.1"]
+    after = kip.apply_passes(converted, [Expand(), Recompute([model.blocks[1].dense.name])])
+    assert [n.name for n in after.kip_graph.nodes if n.annotations.get("recompute")] == [
+        "blocks.1.dense"]
+    # Reached inside a block not expanded, by its Keras name.
+    reached = kip.apply_passes(converted, [Recompute([model.nested.block.norm.name])])
+    assert [n.operation for n in reached.kip_graph.nodes if n.annotations.get("recompute")] == [
+        model.nested.block.norm]
+
+
+class Clash(keras.Model):
+    """`embed` is named `dense` by its user; `self.dense` is named `proj`;
+    `head` is auto-named (`dense` too, the first Dense of a fresh session)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(8, name="dense")
+        self.dense = layers.Dense(8, name="proj")
+        self.head = layers.Dense(2)
+
+    def call(self, x):
+        return self.head(self.dense(self.embed(x)))
+
+
+def test_a_target_that_is_a_path_never_matches_another_layer_by_its_keras_name():
+    # "dense" is the path of `self.dense`; it is also the Keras name of
+    # `embed` (and here of `head`). Matched by both, a config copied from the
+    # report recomputed three layers in this build and one in the next.
+    x = np.ones((4, 3), "float32")
+    model = Clash()
+    model(x)
+    assert model.embed.name == "dense"
+    converted = kip.convert_to_functional(model, x)
+    assert _names(converted) == ["embed", "dense", "head"]
+    passed = kip.apply_passes(converted, [Recompute(["dense"])])
+    assert [n.operation for n in passed.kip_graph.nodes if n.annotations.get("recompute")] == [
+        model.dense]
+    assert passed.kip_report.touched("recompute") == ["dense"]
+    assert converted.kip_layer("dense") is model.dense
+    # A Keras name that is no path is an alias still.
+    aliased = kip.apply_passes(converted, [Recompute(["proj"])])
+    assert [n.name for n in aliased.kip_graph.nodes if n.annotations.get("recompute")] == ["dense"]
+    chain = kip.passes.Chain("dense", layers.Dense)
+    assert [[n.name for n in run] for run in chain.matches(converted.kip_graph)] == [
+        ["dense", "head"]]
+
+
+def test_a_dict_key_that_is_not_an_identifier_becomes_a_path_part():
+    paths = attribute_paths(_build()[0])
+    assert {path for path in paths.values() if path.startswith("heads.")} == {
+        "heads.a_b", "heads.main"}
+    for path in paths.values():  # every part a Keras name accepts (no `/`), no empty part
+        assert all(part and part.replace("_", "a").isalnum() for part in path.split("."))
+    model, converted = _build()
+    passed = kip.apply_passes(converted, [Recompute(["heads.a_b"])])
+    assert [n.operation for n in passed.kip_graph.nodes if n.annotations.get("recompute")] == [
+        model.heads["a/b"]]
+
+
+def test_a_target_matching_nothing_suggests_paths_inside_blocks_not_expanded():
+    # The suggestions are paths a target may name (`blocks.0.dense`), never
+    # a Keras name after a path (`blocks.0.dense_1`) that matches nothing.
+    model, converted = _build()
+    with pytest.raises(kip.PassError, match=r"nearest: ") as raised:
+        kip.apply_passes(converted, [Recompute(["blocks.0.dens"])])
+    suggested = str(raised.value).split("nearest: ")[1].split(")")[0].split(", ")
+    assert "blocks.0.dense" in suggested
+    assert all(names_a_path(converted.kip_graph, path) for path in suggested), suggested
