@@ -23,7 +23,7 @@ def test_inspect_prints_the_report_and_the_graph_summary(capsys):
     assert "keras_ipu_plugin report" in out
     assert "│ convert │ blocks.0" in out                    # the report's rows, by path
     assert 'Model: "small_res_net_functional"' in out      # the summary
-    assert "block_1 (ResidualBlock)" in out and "Total params" in out
+    assert "blocks.1 (ResidualBlock)" in out and "Total params" in out  # by path
 
 
 def test_inspect_applies_a_passes_config(tmp_path, capsys):

@@ -130,6 +130,21 @@ class KipFunctional(_compat.Functional):
         object.__setattr__(self, "kip_replaced", ())
         self._kip_executor = None
 
+    def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
+                show_trainable=False, layer_range=None):
+        """The graph's nodes by path, with the class each really calls, its
+        output shapes and parameters (`runtime/model_summary.py`); Keras's
+        own summary where the model has no graph (a loaded model) or
+        Keras's layout options are asked for."""
+        # `line_length`: the table is as wide as the terminal, as Keras's.
+        if self.kip_graph is None or expand_nested or positions or layer_range:
+            return super().summary(line_length, positions, print_fn, expand_nested,
+                                   show_trainable, layer_range)
+        from keras_ipu_plugin.runtime.model_summary import summary_text
+
+        text = summary_text(self, self.kip_graph, show_trainable=show_trainable)
+        (print_fn or _compat.print_msg)(text)
+
     @property
     def kip_stages(self):
         """`{layer name: pipeline stage}` from the PipelineStages pass."""
