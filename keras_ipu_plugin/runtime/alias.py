@@ -79,11 +79,5 @@ class LayerAlias(keras.layers.Layer):
         entry = f"LayerAlias `{config.get('name')}`"
         saved_values.saved_bool(config.get("tensor_outputs_only", False), entry,
                                 "tensor_outputs_only")
-        layer = config.get("layer")
-        if not isinstance(layer, dict):
-            saved_values.refuse(entry, "layer", "a saved layer", layer)
-        # The aliased layer is the user's: Keras makes it, under its safe mode.
-        config["layer"] = keras.saving.deserialize_keras_object(layer)
-        if not isinstance(config["layer"], keras.layers.Layer):
-            saved_values.refuse(entry, "layer", "a saved layer", type(config["layer"]).__name__)
+        config["layer"] = saved_values.saved_user_layer(config.get("layer"), entry)
         return cls(**config)

@@ -70,13 +70,7 @@ class OpaqueLayer(keras.layers.Layer):
         entry = f"OpaqueLayer `{config.get('name')}`"
         saved_values.saved_str(config.get("reason", ""), entry, "reason")
         config["output_specs"] = _specs_from_config(config.get("output_specs"), entry)
-        # The wrapped layer is the user's: Keras makes it, under its safe mode.
-        layer = config.get("layer")
-        if not isinstance(layer, dict):
-            saved_values.refuse(entry, "layer", "a saved layer", layer)
-        config["layer"] = keras.saving.deserialize_keras_object(layer)
-        if not isinstance(config["layer"], keras.layers.Layer):
-            saved_values.refuse(entry, "layer", "a saved layer", type(config["layer"]).__name__)
+        config["layer"] = saved_values.saved_user_layer(config.get("layer"), entry)
         return cls(**config)
 
 

@@ -83,5 +83,16 @@ def saved_keras_object(value, entry, key, kind, modules):
     return obj
 
 
+def saved_user_layer(value, entry, key="layer"):
+    """A layer of the user's that a kip layer wraps, made by Keras from its
+    saved config (under Keras's safe mode: a `Lambda` needs safe_mode=False)."""
+    if not isinstance(value, dict):
+        refuse(entry, key, "a saved layer", value)
+    layer = keras.saving.deserialize_keras_object(value)
+    if not isinstance(layer, keras.layers.Layer):
+        refuse(entry, key, "a saved layer", type(layer).__name__)
+    return layer
+
+
 __all__ = ["refuse", "saved_bool", "saved_dtype", "saved_keras_object", "saved_number",
-           "saved_shape", "saved_str"]
+           "saved_shape", "saved_str", "saved_user_layer"]
