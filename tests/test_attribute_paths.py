@@ -252,3 +252,12 @@ def test_a_constant_a_layer_is_called_on_is_named_after_its_attribute():
         names.append(_names(passed))
     assert names[0] == names[1]
     assert "positions.pos_input" in names[0], names[0]
+
+
+def test_a_path_inside_blocks_not_expanded_reaches_its_layer():
+    model, converted = _build()
+    passed = kip.apply_passes(converted, [Recompute(["nested.block.norm"])])
+    assert [n.name for n in passed.kip_graph.nodes if n.annotations.get("recompute")] == [
+        "nested.block.norm"]
+    assert passed.kip_graph.node("nested.block.norm").operation is model.nested.block.norm
+    assert "blocks.0" in _names(passed)  # only the layers on the way were expanded
