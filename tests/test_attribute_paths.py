@@ -219,3 +219,45 @@ def test_a_target_matching_nothing_suggests_paths_inside_blocks_not_expanded():
     suggested = str(raised.value).split("nearest: ")[1].split(")")[0].split(", ")
     assert "blocks.0.dense" in suggested
     assert all(names_a_path(converted.kip_graph, path) for path in suggested), suggested
+
+
+class Positions(layers.Layer):
+    """Its position Embedding is called on a constant (`arange`), which the
+    trace holds in a node named after that Embedding."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pos = layers.Embedding(6, 4)
+
+    def call(self, x):
+        return x + self.pos(ops.arange(6))
+
+
+class PositionNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.positions = Positions()
+
+    def call(self, x):
+        return self.positions(x)
+
+
+def test_a_constant_a_layer_is_called_on_is_named_after_its_attribute():
+    x = np.ones((2, 6, 4), "float32")
+    names = []
+    for _ in range(2):
+        model = PositionNet()
+        model(x)
+        passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+        names.append(_names(passed))
+    assert names[0] == names[1]
+    assert "positions.pos_input" in names[0], names[0]
+
+
+def test_a_path_inside_blocks_not_expanded_reaches_its_layer():
+    model, converted = _build()
+    passed = kip.apply_passes(converted, [Recompute(["nested.block.norm"])])
+    assert [n.name for n in passed.kip_graph.nodes if n.annotations.get("recompute")] == [
+        "nested.block.norm"]
+    assert passed.kip_graph.node("nested.block.norm").operation is model.nested.block.norm
+    assert "blocks.0" in _names(passed)  # only the layers on the way were expanded

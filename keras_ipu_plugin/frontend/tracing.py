@@ -459,17 +459,31 @@ class _Trace:
 
     def lift(self, args, kwargs, consumer, role="input"):
         """`(args, kwargs)` with each concrete tensor replaced by the output
-        of a `HeldConstant` node holding it (named `<consumer>_<role>`)."""
+        of a `HeldConstant` node holding it (named `<consumer>_<role>`, the
+        consumer by its attribute path: its Keras name changes each build;
+        `<role>` alone for the traced layer's own outputs)."""
+        stem = self._path_of(consumer)
+        stem = f"{stem}_{role}" if stem else role
+
         def lift(leaf):
             if not _is_concrete(leaf):
                 return leaf
-            name = self._names.create(f"{self.prefix}{consumer.name}_{role}")
+            name = self._names.create(f"{self.prefix}{stem}")
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
             return held(self.anchor)
 
         return keras.tree.map_structure(lift, (args, kwargs))
+
+    def _path_of(self, layer):
+        """`layer`'s attribute path in the traced layer (`attribute_paths`),
+        None for the traced layer itself."""
+        owner = viewed_layer(self.layer) or self.layer
+        layer = viewed_layer(layer) or layer
+        if layer is owner or layer is self.layer:
+            return None
+        return path_of(layer, attribute_paths(owner))
 
     def record_draw(self, distribution, arguments):
         """The graph tensor of a `keras.random` draw `call` makes: the output
