@@ -284,8 +284,10 @@ def test_pipeline_stages_exposed_and_placed():
     model = Tower(depth=2)
     converted = kip.convert_to_functional(model, x)
     staged = kip.apply_passes(converted, [kip.passes.PipelineStages([["block_0"], ["block_1"]])])
-    assert staged.kip_stages["block_0"] == 0 and staged.kip_stages["block_1"] == 1
-    assert staged.kip_stages[model.head.name] == 1
+    assert staged.kip_stages["blocks.0"] == 0 and staged.kip_stages["blocks.1"] == 1
+    assert staged.kip_stages["head"] == 1  # by path
+    assert staged.kip_layer_stages["block_0"] == 0  # by Keras name, as backends assign them
+    assert staged.kip_layer_stages[model.head.name] == 1
     staged.kip_stage_devices = ["/cpu:0", "/cpu:1"]
     np.testing.assert_allclose(staged(x), model(x), atol=1e-5)
 

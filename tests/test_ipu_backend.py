@@ -312,7 +312,8 @@ def test_stage_assignment_on_a_real_apply_passes_result_then_pipelining_options(
     assert names.index("set_pipeline_stage_assignment") < names.index("set_pipelining_options")
     [(_, model_name, assigned)] = _stage_calls(standin)
     assert model_name == staged.name
-    assert [stage for _, _, stage in assigned] == [staged.kip_stages[name] for name, _, _ in assigned]
+    assert [stage for _, _, stage in assigned] == [
+        staged.kip_layer_stages[name] for name, _, _ in assigned]
     assert {stage for _, _, stage in assigned} == {0, 1}
     [(_, _, options)] = standin.recorder.named("set_pipelining_options")
     modes = standin.ipu.pipelining_ops.RecomputationMode
@@ -363,7 +364,7 @@ def test_a_nested_models_layers_take_the_stage_of_its_node(standin):
     nested = [entry for entry in assigned if isinstance(entry[2], list)]
     assert nested, assigned
     for name, _, inner_assignments in nested:
-        assert {stage for _, _, stage in inner_assignments} == {staged.kip_stages[name]} == {1}
+        assert {stage for _, _, stage in inner_assignments} == {staged.kip_layer_stages[name]} == {1}
 
 
 class SharedTwice(keras.Model):

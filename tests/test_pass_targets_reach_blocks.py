@@ -164,13 +164,12 @@ def test_pipeline_stages_of_expanded_blocks_cover_all_their_nodes(vit):
     passed = kip.apply_passes(
         converted, [Expand(), PipelineStages([["block_0"], ["encoder.blocks.1", "block_2"]])]
     )
-    stages = passed.kip_stages
+    stages = passed.kip_stages  # by node path
     for node in passed.kip_graph.nodes:
-        name = passed.kip_layer_paths.get(node.name, node.name)  # stages: by layer name
         if node.name.startswith("encoder.blocks.0."):
-            assert stages[name] == 0, node.name
+            assert stages[node.name] == 0, node.name
         elif node.name.startswith(("encoder.blocks.1.", "encoder.blocks.2.")):
-            assert stages[name] == 1, node.name
+            assert stages[node.name] == 1, node.name
     np.testing.assert_allclose(passed(images), model(images), atol=1e-5)
 
 

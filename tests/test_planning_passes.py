@@ -309,10 +309,12 @@ def test_stages_balanced_by_params_minimise_the_largest_stage():
     assert max(figures["costs"]) == smallest
     # not the layer-count split a user might write
     assert max(figures["costs"]) < max(sum(params[:2]), sum(params[2:4]), sum(params[4:]))
-    # kip_stages is keyed by the Keras model's layer names.
-    assert passed.kip_stages == {passed.kip_layer_paths[name]: index
-                                 for index, names in enumerate(figures["stages"])
+    # kip_stages is keyed by node path, kip_layer_stages by Keras layer name.
+    assert passed.kip_stages == {name: index for index, names in enumerate(figures["stages"])
                                  for name in names}
+    assert passed.kip_layer_stages == {passed.kip_layer_paths[name]: index
+                                       for index, names in enumerate(figures["stages"])
+                                       for name in names}
     assert "imbalance" in str(passed.kip_report)
 
 

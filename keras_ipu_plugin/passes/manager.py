@@ -151,8 +151,8 @@ def _rebuilt(graph, model, passes):
     stage_devices = getattr(model, "kip_stage_devices", None)
     if stage_devices and not result.kip_stage_devices:
         result.kip_stage_devices = list(stage_devices)
-    if result.kip_stages:
-        get_backend().assign_stages(result, result.kip_stages)
+    if result.kip_layer_stages:
+        get_backend().assign_stages(result, result.kip_layer_stages)
     return result
 
 

@@ -13,7 +13,7 @@ Portable (CPU / GPU / TPU):
   mode and under XLA: no keyword arguments cross the custom gradient);
 - outline: layers of identical config and input signature share one
   `tf.function` body, their weights passed in as arguments;
-- pipeline stages: a stage index per layer (`model.kip_stages`), and
+- pipeline stages: a stage index per layer (`model.kip_layer_stages`), and
   `tf.device` placement when the model is given stage devices.
 
 IPU (Graphcore's Poplar SDK, `ipu_backend.IpuBackend`): written against
@@ -59,7 +59,7 @@ class PortableBackend:
         return tf.device(devices[stage % len(devices)])
 
     def assign_stages(self, model, stages):
-        """Portable stages are the `kip_stages` mapping on the model."""
+        """Portable stages are the `kip_layer_stages` mapping on the model."""
         return stages
 
     def ipu_layers(self):

@@ -147,7 +147,22 @@ class KipFunctional(_compat.Functional):
 
     @property
     def kip_stages(self):
-        """`{layer name: pipeline stage}` from the PipelineStages pass."""
+        """`{node path: pipeline stage}` from the PipelineStages pass.
+
+        Example:
+            >>> staged.kip_stages
+            {'stem': 0, 'blocks.0': 0, 'blocks.1': 1, 'head': 1}
+        """
+        if self.kip_graph is not None:
+            return {node.name: node.annotations["stage"] for node in self.kip_graph.nodes
+                    if "stage" in node.annotations}
+        by_name = {name: path for path, name in self.kip_layer_paths.items()}
+        return {by_name.get(name, name): stage for name, stage in self.kip_layer_stages.items()}
+
+    @property
+    def kip_layer_stages(self):
+        """`{Keras layer name: pipeline stage}`: the stages as the backends
+        assign them, to the Keras model's layers."""
         return {
             name: notes["stage"]
             for name, notes in self.kip_annotations.items()

@@ -168,7 +168,7 @@ class IpuBackend:
         pipelining options; raise when that cannot be done.
 
         Example:
-            >>> backend.assign_stages(passed, passed.kip_stages)
+            >>> backend.assign_stages(passed, passed.kip_layer_stages)
         """
         if not hasattr(model, "get_pipeline_stage_assignment"):
             raise IpuError(
@@ -304,7 +304,7 @@ def _assign_stage(assignment, stages, model_name, inherited=None):
         raise IpuError(
             f"PipelineStages on the IPU: Graphcore lists layer `{name}` (call "
             f"{assignment.node_index}) of `{model_name}`, which has no stage in "
-            "kip_stages; every layer call needs one."
+            "kip_layer_stages; every layer call needs one."
         )
     assignment.pipeline_stage = stages[name]
 

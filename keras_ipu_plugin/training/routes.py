@@ -106,7 +106,7 @@ class IpuRoute:
                 f"has no Graphcore Keras extension (fit, gradient accumulation): "
                 f"{WHY_NO_KERAS_EXTENSIONS}, so it cannot be trained on the IPU."
             )
-        if converted.kip_stages:
+        if converted.kip_layer_stages:
             raise IpuError(
                 f"PluginModel `{owner.name}`: the converted model is pipelined "
                 "(PipelineStages), and Graphcore's Keras runs a pipelined functional "
