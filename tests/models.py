@@ -361,3 +361,32 @@ TRACEABLE = {
 def as_tensor(x):
     """`x` with every numpy leaf a tf.Tensor."""
     return tf.nest.map_structure(tf.convert_to_tensor, x)
+
+
+# -- losses added inside blocks ------------------------------------------------
+class RegularizedBlock(keras.layers.Layer):
+    """An activity regularizer (added by `__call__`) and an `add_loss` in `call`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, activation="tanh", name="dense",
+                                        activity_regularizer=keras.regularizers.L2(0.1))
+
+    def call(self, x):
+        h = self.dense(x)
+        self.add_loss(0.01 * keras.ops.mean(h ** 2))
+        return x + h
+
+
+class RegularizedTower(keras.Model):
+    """`depth` RegularizedBlocks (`blocks.i`, Keras names `block_i`) and a head."""
+
+    def __init__(self, depth=3, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [RegularizedBlock(name=f"block_{i}") for i in range(depth)]
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -13,6 +13,7 @@ from keras import layers
 from keras import ops
 
 import keras_ipu_plugin as kip
+from models import RegularizedTower  # tests/models.py
 from keras_ipu_plugin.frontend.verify import check_equivalent
 from keras_ipu_plugin.passes import Chain
 from keras_ipu_plugin.passes import Expand
@@ -345,39 +346,13 @@ def test_a_successful_conversion_leaves_a_sub_layers_python_counter_unchanged(ve
 
 
 # -- losses added inside a recompute segment keep their value and gradient ----------
-class RegularizedBlock(layers.Layer):
-    """An activity regularizer (added by `__call__`) and an `add_loss` in `call`."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = layers.Dense(8, activation="tanh", name="dense",
-                                  activity_regularizer=keras.regularizers.L2(0.1))
-
-    def call(self, x):
-        h = self.dense(x)
-        self.add_loss(0.01 * ops.mean(h ** 2))
-        return x + h
-
-
-class RegularizedTower(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.blocks = [RegularizedBlock(name=f"block_{i}") for i in range(4)]
-        self.head = layers.Dense(1, name="head")
-
-    def call(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def test_losses_added_inside_a_recompute_segment_keep_their_value_and_gradient():
     from keras_ipu_plugin.passes import Recompute
     from keras_ipu_plugin.runtime.backends import get_backend
     from keras_ipu_plugin.runtime.executor import make_plan
 
     x = _rand(8, 8)
-    model = RegularizedTower(name="regularized")
+    model = RegularizedTower(depth=4, name="regularized")
     model(x)
     converted = kip.convert_to_functional(model, x)
     recomputed = kip.apply_passes(converted, [Recompute(["block_1", "block_3"])])

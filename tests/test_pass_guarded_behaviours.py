@@ -28,6 +28,8 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
+from models import RegularizedBlock  # tests/models.py
+from models import RegularizedTower
 from keras_ipu_plugin.runtime import backends
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Outline
@@ -508,35 +510,9 @@ def test_model_branching_on_training_trains_through_the_plugin_as_plain_keras():
 
 
 # -- losses added inside an outlined layer ------------------------------------
-class RegularizedBlock(layers.Layer):
-    """An activity regularizer (added by `__call__`) and an `add_loss` in `call`."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = layers.Dense(8, activation="tanh", name="dense",
-                                  activity_regularizer=keras.regularizers.L2(0.1))
-
-    def call(self, x):
-        h = self.dense(x)
-        self.add_loss(0.01 * keras.ops.mean(h ** 2))
-        return x + h
-
-
-class RegularizedTower(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.blocks = [RegularizedBlock(name=f"block_{i}") for i in range(3)]
-        self.head = layers.Dense(1, name="head")
-
-    def call(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def test_losses_added_inside_outlined_layers_keep_their_value_and_gradient():
     x = _rand(8, 8)
-    model = RegularizedTower(name="regularized")
+    model = RegularizedTower(depth=3, name="regularized")
     model(x)
     converted = kip.convert_to_functional(model, x)
     outlined = kip.apply_passes(converted, [Outline(RegularizedBlock)])
