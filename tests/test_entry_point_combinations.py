@@ -124,7 +124,7 @@ def test_plugin_model_with_passes_inside_a_scope_with_the_same_passes(conversion
     plugin.fit(x, y, batch_size=16, verbose=0)
     assert conversions == ["regressor"]
     assert kip.scope_report(plugin) is plugin.kip_report
-    assert [e.layer for e in plugin.kip_report.entries if e.step == "expand"] == ["block"]
+    assert [e.layer for e in plugin.kip_report.entries if e.step == "expand"] == ["hidden"]
 
 
 def test_callback_with_other_passes_than_the_plugin_model_is_refused():

@@ -111,11 +111,11 @@ class Uneven(keras.Model):
 
 
 def test_stages_balanced_by_time_keep_the_split_that_measured_best(monkeypatch):
-    # Timed alone the head is the cost of the six small layers: d0..d5 |
+    # Timed alone the head is the cost of the six small layers: blocks.0..5 |
     # head. Timed whole, the head stage is faster (3.0), so the re-plan
     # moves the cut; but that split measures far worse as a whole than the
     # first: the first is the one kept, with its measured costs.
-    names = ["d0", "d1", "d2", "d3", "d4", "d5", "head"]
+    names = [f"blocks.{i}" for i in range(6)] + ["head"]  # node paths
     alone = dict(zip(names, [1.0] * 6 + [6.0]))
     first = [(0, 5), (6, 6)]
     timed = []
