@@ -16,6 +16,8 @@ Example:
     'Dense'
 """
 
+import functools
+
 import keras
 
 from keras_ipu_plugin.errors import PassError
@@ -43,13 +45,19 @@ def class_named(name):
         return None
     if name in _registry:
         return _registry[name]
-    # A public name of keras.layers only: never a private or dunder attribute.
-    builtin = getattr(keras.layers, name, None) if name.isidentifier() and not name.startswith(
-        "_") else None
-    for candidate in (builtin, keras.saving.get_registered_object(name)):
+    for candidate in (_builtin_layer_classes().get(name),
+                      keras.saving.get_registered_object(name)):
         if is_layer_class(candidate):
             return candidate
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_layer_classes():
+    """`{name: class}` of the public layer classes of `keras.layers`: what a
+    config's class name is looked up in (never as an attribute of its text)."""
+    return {name: getattr(keras.layers, name) for name in dir(keras.layers)
+            if not name.startswith("_") and is_layer_class(getattr(keras.layers, name))}
 
 
 def name_of_class(cls, owner):
