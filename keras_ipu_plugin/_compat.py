@@ -76,6 +76,11 @@ def node_arguments(node):
     return node.arguments.args, node.arguments.kwargs
 
 
+def node_input_tensors(node):
+    """The Keras tensors a Keras node was called on, in its arguments' order."""
+    return list(node.arguments.keras_tensors)
+
+
 def node_outputs(node):
     return list(node.outputs)
 
@@ -370,6 +375,18 @@ def symbolic_build_from_one_replica(model, iterator=None, data_batch=None):
             break
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)
+
+
+class OneReplicaSymbolicBuild:
+    """A mixin for a `keras.Model` subclass of ours whose symbolic build
+    takes one replica's batch (see `symbolic_build_from_one_replica`).
+
+    Overriding Keras's private `_maybe_symbolic_build` is private access, so
+    it lives here, in the one module allowed it.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        symbolic_build_from_one_replica(self, iterator, data_batch)
 
 
 def reduces_across_workers(strategy):

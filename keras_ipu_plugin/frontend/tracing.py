@@ -899,7 +899,7 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
             return
         visited.add(id(keras_node))
         args, kwargs = _compat.node_arguments(keras_node)
-        for tensor in keras_node.arguments.keras_tensors:
+        for tensor in _compat.node_input_tensors(keras_node):
             visit_tensor(tensor)
         operation = viewed_layer(keras_node.operation)
         if operation is None:  # not a view: a Keras layer or operation

@@ -327,7 +327,7 @@ def _outline_key(layer, node, kwargs):
     config, _ = outline_config(layer)
     config = ("alone", id(layer)) if config is None else repr(sorted(config.items()))
     signature = tuple(
-        (tuple(t.shape), t.dtype) for t in node.arguments.keras_tensors
+        (tuple(t.shape), t.dtype) for t in _compat.node_input_tensors(node)
     )
     return (type(layer), config, signature, repr(sorted(kwargs.items())))
 

@@ -33,8 +33,11 @@ from keras_ipu_plugin.runtime.functional import refuse_hdf5
 _WRAPPED = "__kip_wrapped__"
 
 
+# OneReplicaSymbolicBuild: Keras's own symbolic build fails under
+# MultiWorkerMirroredStrategy; this class is ours, so its build can take one
+# replica's batch instead.
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
-class PluginModel(keras.Model):
+class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     """Wrap a subclassed model; convert it at the first batch it sees.
 
     `static_batch=True` converts with the batch dimension fixed to the first
@@ -316,12 +319,6 @@ class PluginModel(keras.Model):
             self.predict_function = PredictFunction(
                 self._kip_runtime, self._step_method("predict_step"), function)
         return self.predict_function
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras's version fails under MultiWorkerMirroredStrategy (see
-        # `_compat.symbolic_build_from_one_replica`); this class is
-        # ours, so its build can take one replica's batch instead.
-        _compat.symbolic_build_from_one_replica(self, iterator, data_batch)
 
     def _step_method(self, name):
         """The wrapped model's override of step `name`, else Keras's own."""
