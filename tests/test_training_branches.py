@@ -12,6 +12,8 @@ weights of plain Keras on an identical twin, and the passed model saves
 and loads.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ import keras_ipu_plugin as kip
 from keras_ipu_plugin.frontend.verify import check_equivalent
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Outline
+from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import Recompute
 from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
@@ -381,9 +384,36 @@ def test_recompute_inside_a_mode():
     _outputs_in_every_mode(model, passed, x)
 
 
-def test_passes_that_do_not_reach_inside_say_so():
+def test_outline_reaches_inside_and_pipeline_stages_by_target_says_it_cannot():
     model = _built("two_ways")
     x, _ = _data()
     expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    outlined = kip.apply_passes(expanded, [Outline(layers.Dense)])
+    marked = [n.name for n in _all_nodes(outlined.kip_graph) if "outline" in n.annotations]
+    assert {"stem", "head", "two.train_path", "two.infer_path"} <= set(marked)
+    _outputs_in_every_mode(model, outlined, x)
     with pytest.raises(kip.PassError, match=r"inside `two`.*does not reach into the modes"):
-        kip.apply_passes(expanded, [Outline(["two.train_path"])])
+        kip.apply_passes(expanded, [PipelineStages([["stem"], ["two.train_path"]])])
+
+
+def test_a_loaded_switch_refuses_a_body_of_another_module(tmp_path):
+    model = _built("two_ways")
+    x, _ = _data()
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    (node,) = _switches(expanded.kip_graph)
+    # As a file holds it (JSON), a fresh copy each time (Keras's loading
+    # consumes the nested configs it reads).
+    text = json.dumps(node.operation.get_config())
+
+    def saved(**changes):
+        return dict(json.loads(text), **changes)
+
+    ModeSwitch.from_config(saved())  # the untouched config loads
+    with pytest.raises(kip.LoadError, match="ModeSwitch `two`: body"):
+        ModeSwitch.from_config(saved(body=dict(saved()["body"], module="os")))
+    with pytest.raises(kip.LoadError, match="outputs"):
+        ModeSwitch.from_config(saved(outputs={"training": [0], "inference": [7]}))
+    with pytest.raises(kip.LoadError, match="outputs"):
+        ModeSwitch.from_config(saved(outputs={"training": ["0"], "inference": [0]}))
+    with pytest.raises(kip.LoadError, match="none_means"):
+        ModeSwitch.from_config(saved(none_means="sometimes"))

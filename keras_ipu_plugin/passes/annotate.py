@@ -93,7 +93,13 @@ class Outline(Pass):
         return cls(reader.targets(value.get("targets"), f"{path}.targets"), **kwargs)
 
     def run(self, graph, report):
-        nodes, blocks = _find(graph, self.targets, report, self.step)
+        for target in self.targets:
+            expand_to_reach(graph, target, report, self.step)
+        here, inside = split_targets(graph, self.targets)
+        nodes, blocks = _find(graph, here, report, self.step) if here else ([], [])
+        # Inside a switch's modes: each mode's graph shares bodies among its own layers.
+        run_inside(graph, inside, lambda targets: lambda branch: Outline(
+            targets, **self.outline_kwargs).run(branch, report))
         detail = _kwargs_text(self.outline_kwargs)
         for node in nodes:
             node.annotations["outline"] = dict(self.outline_kwargs)

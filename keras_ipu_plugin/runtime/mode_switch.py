@@ -61,16 +61,20 @@ class ModeSwitch(keras.layers.Layer):
 
     def __init__(self, body, outputs, none_means="inference", paths=None, of_layer=None,
                  **kwargs):
+        # The body's inputs are the dtypes the call was traced with: a
+        # mixed precision policy must not cast them on the way in.
+        kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         entry = f"ModeSwitch `{self.name}`"
+        _check_outputs(outputs, None, entry)  # before any layer of the file is made
+        if none_means not in outputs:
+            saved_values.refuse(entry, "none_means", f"one of {', '.join(outputs)}", none_means)
         if isinstance(body, dict):  # loaded: a saved KipFunctional
             from keras_ipu_plugin.runtime.functional import KipFunctional
 
             body = saved_values.saved_keras_object(
                 body, entry, "body", KipFunctional, modules=("keras_ipu_plugin",))
         _check_outputs(outputs, len(body.outputs), entry)
-        if none_means not in outputs:
-            saved_values.refuse(entry, "none_means", f"one of {', '.join(outputs)}", none_means)
         self.body = body
         self.mode_outputs = {mode: list(indices) for mode, indices in outputs.items()}
         self.none_means = none_means
@@ -183,11 +187,12 @@ class ModeSwitch(keras.layers.Layer):
 def _check_outputs(outputs, count, entry):
     if not (isinstance(outputs, dict) and outputs and all(
             mode in MODES and isinstance(indices, list) and indices and all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i
+                and (count is None or i < count)
                 for i in indices)
             for mode, indices in outputs.items())):
-        saved_values.refuse(entry, "outputs", f"a mapping of modes to indices below {count}",
-                            outputs)
+        below = "" if count is None else f" below {count}"
+        saved_values.refuse(entry, "outputs", f"a mapping of modes to indices{below}", outputs)
     lengths = {len(indices) for indices in outputs.values()}
     if len(lengths) != 1:
         saved_values.refuse(entry, "outputs", "as many outputs in every mode", outputs)
