@@ -10,7 +10,8 @@ makes the final functional model.
 a sub-layer whose recorded value changes with it follows the model's
 `training`; one that does not was pinned by the code (`bn(x, training=False)`).
 If the two traces differ in which layers they call, `call` branches on
-`training` in Python and cannot be captured by one graph.
+`training` in Python: one `ModeSwitch` node holds both traces
+(`training_branches.py`).
 
 `call` runs on a view of the layer (`views.layer_view`) whose user-written
 sub-layers work out their output shapes by running their own `call` inline
@@ -56,6 +57,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tf_functions
+from keras_ipu_plugin.frontend import training_branches
 from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.runtime.layer_kinds import accepts_training
 from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
@@ -148,6 +150,7 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
                 layer, args, kwargs, placeholders, prefix, reads, training, error
             )
     for trace, (nodes, _) in runs:
+        nodes = training_branches.with_branch_nodes(nodes)
         _reject_frozen_variables(nodes, trace.lifted, tape, variables)
         _reject_lost_writes(layer, nodes, log)
     if len(runs) == 1:
@@ -234,19 +237,27 @@ def _trace_modes(trace, training):
         return nodes, outputs
     nodes_t, outputs_t = _trace_once(trace, True, False, made)
     nodes_f, outputs_f = _trace_once(trace, False, False, made)
-    if list(map(_identity, nodes_t)) != list(map(_identity, nodes_f)):
-        only = sorted({n.name for n in nodes_t} ^ {n.name for n in nodes_f})
-        lines = _training_branch_lines(type(layer).call)
-        at = f" at `{'`, `'.join(lines)}`" if lines else ""
-        listed = ", ".join(only[:3]) + (f" and {len(only) - 3} more" if len(only) > 3 else "")
-        raise TraceError(
-            f"`call` branches on `training` in Python{at}: one graph cannot hold "
-            "both computations, so the layer runs whole (it still trains); "
-            f"called in one mode only: {listed or 'the order of the calls differs'}"
-        )
+    if not _same_calls(nodes_t, nodes_f):
+        # `call` branches on `training` in Python: one node holds the graph
+        # of each mode and runs the one it is called in (`training_branches`).
+        try:
+            return training_branches.switch_node(
+                layer, trace.prefix[:-1] if trace.prefix else layer.name,
+                {"training": (nodes_t, outputs_t), "inference": (nodes_f, outputs_f)},
+                lambda: _trace_once(trace, None, False, made), _same_calls)
+        except training_branches.BranchError as error:
+            lines = _training_branch_lines(type(layer).call)
+            at = f" (at `{'`, `'.join(lines)}`)" if lines else ""
+            raise TraceError(
+                f"{error.reason}{at}: the two modes cannot be held as one node, so "
+                "the layer runs whole (it still trains)") from None
     for node_t, node_f in zip(nodes_t, nodes_f):
         node_t.training = _training_mode(node_t, node_f)
     return nodes_t, outputs_t
+
+
+def _same_calls(nodes_a, nodes_b):
+    return list(map(_identity, nodes_a)) == list(map(_identity, nodes_b))
 
 
 @functools.lru_cache(maxsize=None)

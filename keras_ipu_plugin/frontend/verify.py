@@ -69,6 +69,7 @@ from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.frontend.tracing import _failing_layer
 from keras_ipu_plugin.frontend.tracing import essential_message
+from keras_ipu_plugin.frontend.training_branches import switch_modes
 
 # The share of the batch verified, and the fewest rows: two rows at least,
 # so that a converted graph that mixes rows cannot pass.
@@ -115,7 +116,7 @@ class Verification:
 
 def check_equivalent(
     original, converted, x, *, rtol=1e-4, atol=1e-5, what="converted",
-    gradients=True, variables=None, rows="auto", before_each_run=None,
+    gradients=True, variables=None, rows="auto", before_each_run=None, training=False,
 ):
     """Compare `converted` with `original` on batch `x`; return a `Verification`.
 
@@ -133,12 +134,17 @@ def check_equivalent(
         before_each_run: called before every run of either model (e.g. to
             put seed generators back, so that every run sees the same
             random draws).
+        training: the mode both models run in. A converted model holding
+            a layer that branches on `training` (a `ModeSwitch`) is checked
+            in inference, then in training (and with None where that is a
+            mode of its own), every run from the same seeds and variables.
 
     Example:
         >>> check_equivalent(model, converted, x)   # raises when they differ
         Verification(what='converted', rows=2, total_rows=16, ...)
     """
     x = keras.tree.map_structure(_as_tensor, x)
+    whole = x  # the batch as given: each other mode narrows it again
     variables = list(original.trainable_variables if variables is None else variables)
     if not gradients:
         variables = []
@@ -160,7 +166,8 @@ def check_equivalent(
             state.restore()
             if before_each_run is not None:
                 before_each_run()
-            return _run(model, x, variables, role=role, tape=tape, mode=mode)
+            return _run(model, x, variables, role=role, tape=tape, mode=mode,
+                        training=training)
 
         # A model with a fixed batch size cannot run on a few rows of it.
         fixed = _fixed_batch_size(original) or _fixed_batch_size(converted)
@@ -215,7 +222,41 @@ def check_equivalent(
         verification.notes.append("no float output depends on a trainable variable")
     elif not variables and gradients:
         verification.notes.append("the model has no trainable variable")
+    if training is False:
+        for other in switch_modes(converted):
+            verification.notes.append(_check_mode(
+                original, converted, whole, other, rtol=rtol, atol=atol, what=what,
+                gradients=gradients, variables=variables, rows=rows,
+                before_each_run=before_each_run))
     return verification
+
+
+def _check_mode(original, converted, x, training, **options):
+    """`check_equivalent` in mode `training`, as a note; where the
+    original itself computes differently in two runs of that mode from
+    the same state (a random draw verification cannot replay), the note
+    says the mode was not compared."""
+    try:
+        checked = check_equivalent(original, converted, x, training=training, **options)
+    except ConversionError as error:
+        if _reproducible(original, x, training):
+            raise ConversionError(f"With training={training} (the model holds a layer "
+                                  f"that branches on `training`): {error}") from error
+        return (f"training={training}: not compared, the original gives other outputs "
+                "in two runs of that mode from the same state")
+    return f"training={training}: {checked.describe()}"
+
+
+def _reproducible(model, x, training):
+    try:
+        with replay_state(model) as replay:
+            first = keras.tree.map_structure(_numpy, model(x, training=training))
+            replay()
+            second = keras.tree.map_structure(_numpy, model(x, training=training))
+    except Exception:
+        return True
+    return all(_outputs_close(a, b, 1e-4, 1e-5) for a, b in zip(
+        keras.tree.flatten(first), keras.tree.flatten(second)))
 
 
 def _shared_variables(original, converted):
@@ -599,7 +640,7 @@ class RunMode:
                 f"({type(error).__name__}: {essential_message(error, limit=160)})")
 
 
-def _run(model, x, variables, *, role, tape=True, mode=None):
+def _run(model, x, variables, *, role, tape=True, mode=None, training=False):
     """Outputs and gradients as NumPy (nothing of the run stays on the
     device), computed in a replica context; in a `tf.function` when `mode`
     (a `RunMode`) says so, or when the eager run of the original fails and
@@ -613,7 +654,8 @@ def _run(model, x, variables, *, role, tape=True, mode=None):
     mode = mode or RunMode(model)
     watched = []
     try:
-        outputs, gradients = _computed(model, x, variables, tape, watched, mode.graph)
+        outputs, gradients = _computed(model, x, variables, tape, watched, mode.graph,
+                                       training)
     except Exception as error:
         if type(error).__module__.startswith("keras_ipu_plugin"):
             raise  # already says what is wrong (a nested conversion, new variables)
@@ -621,7 +663,7 @@ def _run(model, x, variables, *, role, tape=True, mode=None):
             raise _call_error(model, role, error) from error
         del watched[:]
         try:
-            outputs, gradients = _computed(model, x, variables, tape, watched, True)
+            outputs, gradients = _computed(model, x, variables, tape, watched, True, training)
         except Exception:
             # Fails in graph mode too: the eager error is the one to see.
             raise _call_error(model, role, error) from error
@@ -632,32 +674,32 @@ def _run(model, x, variables, *, role, tape=True, mode=None):
     )
 
 
-def _computed(model, x, variables, tape, watched, graph):
+def _computed(model, x, variables, tape, watched, graph, training=False):
     """`(outputs, gradients)` of one run, eagerly or as one `tf.function`
     (a new one each run: its trace reads the variables `watched`)."""
     def compute(x):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             strategy = tf.distribute.get_strategy()
             outputs, gradients = strategy.run(
-                _outputs_and_gradients, args=(model, x, variables, tape, watched))
+                _outputs_and_gradients, args=(model, x, variables, tape, watched, training))
 
             def first_replica(value):
                 return None if value is None else strategy.experimental_local_results(value)[0]
 
             return (keras.tree.map_structure(first_replica, outputs),
                     [first_replica(g) for g in gradients])
-        return _outputs_and_gradients(model, x, variables, tape, watched)
+        return _outputs_and_gradients(model, x, variables, tape, watched, training)
 
     if graph:
         return tf.function(compute)(x)
     return compute(x)
 
 
-def _outputs_and_gradients(model, x, variables, tape, watched):
+def _outputs_and_gradients(model, x, variables, tape, watched, training=False):
     if not tape:
-        return model(x, training=False), []
+        return model(x, training=training), []
     with tf.GradientTape() as gradient_tape:
-        outputs = model(x, training=False)
+        outputs = model(x, training=training)
         scalar = _projection(outputs)
     watched.extend(gradient_tape.watched_variables())
     gradients = gradient_tape.gradient(scalar, [_tf_variable(v) for v in variables])

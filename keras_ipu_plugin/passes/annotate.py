@@ -19,6 +19,9 @@ from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
+from keras_ipu_plugin.passes.branches import refuse_inside
+from keras_ipu_plugin.passes.branches import run_inside
+from keras_ipu_plugin.passes.branches import split_targets
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import config_value
@@ -90,7 +93,13 @@ class Outline(Pass):
         return cls(reader.targets(value.get("targets"), f"{path}.targets"), **kwargs)
 
     def run(self, graph, report):
-        nodes, blocks = _find(graph, self.targets, report, self.step)
+        for target in self.targets:
+            expand_to_reach(graph, target, report, self.step)
+        here, inside = split_targets(graph, self.targets)
+        nodes, blocks = _find(graph, here, report, self.step) if here else ([], [])
+        # Inside a switch's modes: each mode's graph shares bodies among its own layers.
+        run_inside(graph, inside, lambda targets: lambda branch: Outline(
+            targets, **self.outline_kwargs).run(branch, report))
         detail = _kwargs_text(self.outline_kwargs)
         for node in nodes:
             node.annotations["outline"] = dict(self.outline_kwargs)
@@ -171,7 +180,13 @@ class Recompute(Pass):
         if self.auto:
             plan_recompute(graph, self.memory_budget, report, self.step)
             return graph
-        nodes, blocks = _find(graph, self.targets, report, self.step)
+        for target in self.targets:
+            expand_to_reach(graph, target, report, self.step)
+        here, inside = split_targets(graph, self.targets)
+        nodes, blocks = _find(graph, here, report, self.step) if here else ([], [])
+        # Checkpoints inside a switch's modes: each mode's graph runs them.
+        run_inside(graph, inside, lambda targets: lambda branch: Recompute(targets).run(
+            branch, report))
         for node in nodes:
             node.annotations["recompute"] = True
             report.add(self.step, node.name, "checkpoint after")
@@ -280,6 +295,7 @@ class PipelineStages(Pass):
             for target in targets:
                 expand_to_reach(graph, target, report, self.step)
         for index, targets in enumerate(self.stages):
+            refuse_inside(graph, targets, self.step)
             nodes, blocks = matched_nodes_and_blocks(graph, targets, self.step)
             for node in nodes + [n for _, block_nodes in blocks for n in block_nodes]:
                 if id(node) in assigned and assigned[id(node)] != index:
@@ -331,9 +347,12 @@ def _keyword_arguments(kwargs, owner):
 
 
 def _find(graph, targets, report, step):
-    """Reach each target (expanding the layers that hold it), then match."""
+    """Reach each target (expanding the layers that hold it), then match.
+    A target only inside a `ModeSwitch` is an error (`refuse_inside`)
+    unless the pass reaches there itself (Recompute)."""
     for target in targets:
         expand_to_reach(graph, target, report, step)
+    refuse_inside(graph, targets, step)
     return matched_nodes_and_blocks(graph, targets, step)
 
 

@@ -11,6 +11,9 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.replay import CallTemplates
 from keras_ipu_plugin.passes.base import ALL
+from keras_ipu_plugin.passes.branches import in_branches
+from keras_ipu_plugin.passes.branches import run_inside
+from keras_ipu_plugin.passes.branches import split_targets
 from keras_ipu_plugin.passes.base import Pass
 from keras_ipu_plugin.passes.base import as_targets
 from keras_ipu_plugin.passes.base import describe
@@ -25,6 +28,7 @@ from keras_ipu_plugin.passes.inline import inline_call
 from keras_ipu_plugin.passes.patterns import Chain
 from keras_ipu_plugin.passes.patterns import names_a_path
 from keras_ipu_plugin.runtime.layer_kinds import is_expandable
+from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.runtime.reads import ReadLayers
 
 
@@ -64,15 +68,23 @@ class Expand(Pass):
         if self.targets == (ALL,):
             expand_graph(graph, lambda node: is_expandable(node.operation), report,
                          self.step, recursive=True)
+            # A layer branching on `training` became a switch: its modes' graphs too.
+            in_branches(graph, lambda branch, mode: self.run(branch, report))
         else:
             # A target inside a layer is reached by expanding that layer; a
             # block already expanded needs nothing more.
             for target in self.targets:
                 expand_to_reach(graph, target, report, self.step)
-            nodes, _ = matched_nodes_and_blocks(graph, self.targets, self.step)
-            matched = {id(node) for node in nodes}
-            expand_graph(graph, lambda node: id(node) in matched, report, self.step,
-                         recursive=False)
+            here, inside = split_targets(graph, self.targets)
+            if here:
+                nodes, _ = matched_nodes_and_blocks(graph, here, self.step)
+                # A switch is a layer's call already traced, in each mode.
+                matched = {id(node) for node in nodes
+                           if not isinstance(node.operation, ModeSwitch)}
+                expand_graph(graph, lambda node: id(node) in matched, report, self.step,
+                             recursive=False)
+            run_inside(graph, inside,
+                       lambda targets: lambda branch: Expand(targets).run(branch, report))
         return graph
 
 

@@ -22,6 +22,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tracing
 from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.attribute_paths import path_of
+from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import InlinedBlock
 from keras_ipu_plugin.ir.graph import Node
@@ -31,6 +32,7 @@ from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
 from keras_ipu_plugin.runtime.masks import AttachMask
+from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
@@ -75,6 +77,11 @@ def inline_call(graph, node, report, reads, templates):
     paths = attribute_paths(layer)
     for new in new_nodes:
         new.from_blocks = [*node.from_blocks, block, *new.from_blocks]
+        if isinstance(new.operation, ModeSwitch):
+            # The nodes of its modes come from the block too (a target
+            # naming the block's class reaches them).
+            for inner in branch_nodes(new):
+                inner.from_blocks = [*node.from_blocks, block, *inner.from_blocks]
         if agnostic:
             new.training = None
         new.name = _path(new, node.name, paths)
@@ -91,7 +98,17 @@ def inline_call(graph, node, report, reads, templates):
         if replacement is not None:  # else unread (`_unread_none_outputs`)
             graph.replace_all_uses_with(old, replacement)
     graph.erase_node(node)
+    switches = [new for new in new_nodes if isinstance(new.operation, ModeSwitch)]
+    if switches:
+        # The switch is the whole call: it takes the node's path, free now.
+        graph.rename_nodes({switches[0]: node.name})
+        switches[0].operation.name = node.name
     return new_nodes + attach_nodes
+
+
+def branch_nodes(node):
+    """The nodes of the graphs of every mode a `ModeSwitch` node holds."""
+    return with_branch_nodes([node])[1:]
 
 
 def _with_masks_of_call(node, outputs, block):
@@ -204,7 +221,7 @@ def _is_ours(operation):
     """A keras.ops operation, random draw or mask the trace or Expand made
     (not the user's layer: its name may follow its node's)."""
     return not isinstance(operation, keras.layers.Layer) or isinstance(
-        operation, (BatchSizedOperation, RandomDraw, AttachMask))
+        operation, (BatchSizedOperation, RandomDraw, AttachMask, ModeSwitch))
 
 
 def _path(node, parent, paths):
@@ -220,6 +237,8 @@ def _path(node, parent, paths):
     """
     if is_read(node.operation):
         return node.name
+    if isinstance(node.operation, ModeSwitch):
+        return parent  # the whole call, in each `training` mode
     if _is_ours(node.operation):
         return f"{parent}.{_AUTO_SUFFIX.sub('', node.operation.name) or 'op'}"
     layer = node.operation

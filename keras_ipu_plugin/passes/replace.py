@@ -13,6 +13,8 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.passes.branches import run_inside
+from keras_ipu_plugin.passes.branches import split_targets
 from keras_ipu_plugin.passes.base import EQUAL
 from keras_ipu_plugin.passes.base import RUNS
 from keras_ipu_plugin.passes.base import Pass
@@ -105,11 +107,20 @@ class Replace(Pass):
             return EQUAL
         return RUNS
 
-    def run(self, graph, report):
+    def run(self, graph, report, made=None):
+        # One new layer per old layer, in this graph and in the modes'
+        # graphs of its switches alike: both modes train the same weights.
+        made = {} if made is None else made
+        inside = {}
         for target, replacement in self.mapping.items():
             expand_to_reach(graph, target, report, self.step)
             if isinstance(target, Chain):
                 self._replace_runs(graph, target, replacement, report)
+                continue
+            here, within = split_targets(graph, [target])
+            if within:
+                inside[target] = replacement
+            if not here:
                 continue
             nodes = nodes_matching(graph, target)
             if not nodes:
@@ -119,14 +130,20 @@ class Replace(Pass):
             chosen = set(nodes)
             names = Namespace(getattr(node.operation, "name", None)
                               for node in graph.nodes if node not in chosen)
-            new_layers = {}  # one new layer per old layer: sharing is kept
-            for node in nodes:
+            for node in nodes:  # one new layer per old layer: sharing is kept
                 old = node.operation
-                if id(old) not in new_layers:
-                    new_layers[id(old)] = self._new_layer(graph, node, replacement, names, report)
-                    graph.replaced.append((old, new_layers[id(old)]))
-                node.operation = new_layers[id(old)]
+                key = (id(old), id(replacement))
+                if key not in made:
+                    made[key] = self._new_layer(graph, node, replacement, names, report)
+                    graph.replaced.append((old, made[key]))
+                elif (old, made[key]) not in graph.replaced:
+                    graph.replaced.append((old, made[key]))
+                    report.add(self.step, node.name, "replaced",
+                               f"sharing the layer `{made[key].name}` made for `{old.name}`")
+                node.operation = made[key]
                 node.made_by_pass = True  # ours: keeps the name it was given
+        run_inside(graph, list(inside), lambda targets: lambda branch: Replace(
+            {t: inside[t] for t in targets}).run(branch, report, made=made))
         return graph
 
     def _replace_runs(self, graph, chain, replacement, report):

@@ -194,6 +194,12 @@ class KipFunctional(_compat.Functional):
         for block in blocks:  # an expanded block by its Keras name
             if block.layer.name == path:
                 return block.layer
+        for layer in self.layers:  # inside a layer's `training` modes (`ModeSwitch`)
+            for mode in getattr(layer, "mode_outputs", ()):
+                try:
+                    return layer.mode_model(mode).kip_layer(path)
+                except ValueError:
+                    continue
         known = list(self.kip_layer_paths) or [layer.name for layer in self.layers]
         raise ValueError(
             f"`{self.name}` has no layer at path {path!r} (paths such as: "

@@ -1,0 +1,419 @@
+"""Layers whose `call` branches on `training` in Python (issue 22, item 1).
+
+Stochastic depth as keras.io's CCT writes it (`StochasticDepth`: in
+training, a per-sample mask drawn from the layer's seed generator; in
+inference, `return x`), a layer whose two modes call different sub-layers,
+one nested in another block, and a layer whose `training=None` is a third
+computation. Each becomes one `ModeSwitch` node holding the graph of each
+mode: it converts fully traced, `Expand("all")` reaches inside both modes,
+verification checks every mode (and catches a wrong mode planted in a
+switch), `PluginModel(passes=[Expand("all")])` trains 3 steps to the
+weights of plain Keras on an identical twin, and the passed model saves
+and loads.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin.frontend.verify import check_equivalent
+from keras_ipu_plugin.passes import Expand
+from keras_ipu_plugin.passes import Outline
+from keras_ipu_plugin.passes import PipelineStages
+from keras_ipu_plugin.passes import Recompute
+from keras_ipu_plugin.passes import Replace
+from keras_ipu_plugin.passes import Replacement
+from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
+
+layers, ops = keras.layers, keras.ops
+WIDTH = 8
+
+
+class StochasticDepth(layers.Layer):
+    """keras.io's CCT example (examples/vision/cct.py), as written there."""
+
+    def __init__(self, drop_prop, **kwargs):
+        super().__init__(**kwargs)
+        self.drop_prob = drop_prop
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, x, training=None):
+        if training:
+            keep_prob = 1 - self.drop_prob
+            shape = (ops.shape(x)[0],) + (1,) * (len(x.shape) - 1)
+            random_tensor = keep_prob + keras.random.uniform(shape, 0, 1, seed=self.seed_generator)
+            random_tensor = ops.floor(random_tensor)
+            return (x / keep_prob) * random_tensor
+        return x
+
+
+class TwoWays(layers.Layer):
+    """Calls another sub-layer in each mode (and one in both)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.train_path = layers.Dense(WIDTH, name="train_path")
+        self.infer_path = layers.Dense(WIDTH, name="infer_path")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, x, training=False):
+        if training:
+            return self.norm(self.train_path(x))
+        return self.norm(self.infer_path(x)) * 0.5
+
+
+class NoneIsItsOwnMode(layers.Layer):
+    """`training=None` computes a third thing (Keras hands `call` None
+    when no mode is given or set by an outer call)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(WIDTH, name="dense")
+
+    def call(self, x, training=None):
+        if training is None:
+            return self.dense(x) + 1.0
+        if training:
+            return self.dense(x) * 2.0
+        return self.dense(x)
+
+
+class ResidualBlock(layers.Layer):
+    """A block that does not branch, holding layers that do."""
+
+    def __init__(self, drop, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(WIDTH, activation="tanh", name="dense")
+        self.two = TwoWays(name="two")
+        self.drop_path = StochasticDepth(drop, name="drop_path")
+
+    def call(self, x, training=None):
+        h = self.two(self.dense(x), training=training)
+        return x + self.drop_path(h, training=training)
+
+
+class CCTLike(keras.Model):
+    """Residual branches dropped by stochastic depth, as in CCT."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.attention = layers.Dense(WIDTH, activation="relu", name="attention")
+        self.depth_1 = StochasticDepth(0.3)
+        self.mlp = keras.Sequential([layers.Dense(WIDTH, activation="gelu"), layers.Dropout(0.2),
+                                     layers.Dense(WIDTH)])
+        self.depth_2 = StochasticDepth(0.3)
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        x = self.stem(x)
+        x = x + self.depth_1(self.attention(x), training=training)
+        x = x + self.depth_2(self.mlp(x, training=training), training=training)
+        return self.head(x)
+
+
+class TwoWaysNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.two = TwoWays(name="two")
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.two(self.stem(x), training=training))
+
+
+class NestedNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.blocks = [ResidualBlock(0.4, name=f"block_{i}") for i in range(2)]
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(x)
+
+
+class DefaultNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.odd = NoneIsItsOwnMode(name="odd")
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.odd(self.stem(x), training=training))
+
+
+class BranchingModel(keras.Model):
+    """The model's own `call` branches on `training`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.noise = StochasticDepth(0.5)
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        x = self.stem(x)
+        if training:
+            x = self.noise(x, training=training) + 1.0
+        return self.head(x)
+
+
+MODELS = {
+    "stochastic_depth": CCTLike,
+    "two_ways": TwoWaysNet,
+    "nested": NestedNet,
+    "none_default": DefaultNet,
+    "model_branches": BranchingModel,
+}
+
+
+def _data(rows=24, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(rows, 4)).astype("float32"),
+            rng.normal(size=(rows, 1)).astype("float32"))
+
+
+def _built(name, seed=3):
+    keras.utils.set_random_seed(seed)
+    model = MODELS[name]()
+    model(_data()[0][:2])
+    return model
+
+
+def _switches(graph):
+    found = []
+    for node in graph.nodes:
+        if isinstance(node.operation, ModeSwitch):
+            found.append(node)
+            for branch in node.operation.branch_graphs.values():
+                found.extend(_switches(branch))
+    return found
+
+
+def _all_nodes(graph):
+    nodes = []
+    for node in graph.nodes:
+        nodes.append(node)
+        if isinstance(node.operation, ModeSwitch):
+            for branch in node.operation.branch_graphs.values():
+                nodes.extend(_all_nodes(branch))
+    return nodes
+
+
+def _outputs_in_every_mode(original, other, x):
+    """Outputs of both models with training True, False and None, each
+    run from the same seed and variable state."""
+    state = [(v, v.numpy()) for v in original.non_trainable_variables]
+    for training in (True, False, None):
+        results = []
+        for model in (original, other):
+            for variable, value in state:
+                variable.assign(value)
+            results.append(np.asarray(model(x, training=training)))
+        for variable, value in state:
+            variable.assign(value)
+        np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"training={training}")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_converts_traced_and_expands_inside_both_modes(name):
+    model = _built(name)
+    x, _ = _data()
+    converted = kip.convert_to_functional(model, x)
+    assert not [n.name for n in converted.kip_graph.nodes if n.opaque_reason]
+    expanded = kip.apply_passes(converted, [Expand("all")])
+    graph = expanded.kip_graph
+    switches = _switches(graph)
+    assert switches, "a layer branching on training became no ModeSwitch"
+    assert not [n.name for n in _all_nodes(graph) if n.opaque_reason]
+    for switch in switches:
+        branches = switch.operation.branch_graphs
+        assert {"training", "inference"} <= set(branches)
+        for branch in branches.values():
+            branch.lint()
+            # Expand reached inside: no custom layer is left in any mode.
+            assert not [n.name for n in branch.nodes if type(n.operation) in (
+                StochasticDepth, TwoWays, NoneIsItsOwnMode, ResidualBlock)]
+    _outputs_in_every_mode(model, expanded, x)
+    assert "training=True" in str(expanded.kip_report)
+
+
+def test_both_modes_hold_the_layers_each_calls():
+    model = _built("two_ways")
+    expanded = kip.apply_passes(kip.convert_to_functional(model, _data()[0]), [Expand("all")])
+    (switch,) = _switches(expanded.kip_graph)
+    assert switch.name == "two"
+    names = {mode: [n.name for n in graph.nodes]
+             for mode, graph in switch.operation.branch_graphs.items()}
+    assert names["training"] == ["two.train_path", "two.norm"]
+    assert names["inference"] == ["two.infer_path", "two.norm", "two.multiply"]
+    # TwoWays' signature says training=False: None runs the inference graph.
+    assert switch.operation.none_means == "inference"
+    # One set of weights: the shared norm is one layer in both modes.
+    layers_in = {mode: {id(n.operation) for n in graph.nodes}
+                 for mode, graph in switch.operation.branch_graphs.items()}
+    assert id(model.two.norm) in layers_in["training"] & layers_in["inference"]
+    assert len(expanded.trainable_variables) == len(model.trainable_variables)
+
+
+def test_none_that_computes_a_third_thing_is_a_mode_of_its_own():
+    model = _built("none_default")
+    expanded = kip.apply_passes(kip.convert_to_functional(model, _data()[0]), [Expand("all")])
+    (switch,) = _switches(expanded.kip_graph)
+    assert switch.operation.none_means == "default"
+    assert set(switch.operation.branch_graphs) == {"training", "inference", "default"}
+    assert "training=None" in str(expanded.kip_report)
+
+
+def test_stochastic_depth_draws_only_in_training_as_keras_does():
+    model = _built("stochastic_depth")
+    x, _ = _data()
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    seed = model.depth_1.seed_generator.state
+    before = seed.numpy()
+    expanded(x, training=False)
+    expanded(x)
+    np.testing.assert_array_equal(seed.numpy(), before)
+    expanded(x, training=True)
+    assert not np.array_equal(seed.numpy(), before)
+
+
+@pytest.mark.parametrize("name", ["stochastic_depth", "two_ways", "nested"])
+def test_verification_catches_a_wrong_mode(name):
+    model = _built(name)
+    x, _ = _data()
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    switch_node = _switches(expanded.kip_graph)[0]
+    switch = switch_node.operation
+    # Planted: the training mode computes the inference graph.
+    wrong = switch.with_branch_graphs({"training": switch.branch_graphs["inference"],
+                                       "inference": switch.branch_graphs["inference"]})
+    graph = expanded.kip_graph.copy()
+    graph.node(switch_node.name).operation = wrong
+    from keras_ipu_plugin.runtime.rebuild import rebuild
+
+    planted = rebuild(graph)
+    with pytest.raises(kip.ConversionError, match="training=True"):
+        check_equivalent(model, planted, x)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_plugin_model_with_expand_trains_as_plain_keras(name):
+    x, y = _data(24)
+    weights = {}
+    for how in ("plain", "plugin"):
+        model = _built(name, seed=11)
+        trained = model
+        if how == "plugin":
+            trained = kip.PluginModel(model, passes=[Expand("all")])
+            trained.convert(x[:8])
+            assert _switches(trained.converted.kip_graph)
+        trained.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        keras.utils.set_random_seed(7)
+        trained.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        # By position: Keras's names of a second build are numbered.
+        weights[how] = [(v.path, v.numpy()) for v in model.weights]
+    assert len(weights["plain"]) == len(weights["plugin"])
+    for (path, value), (_, actual) in zip(weights["plain"], weights["plugin"]):
+        np.testing.assert_allclose(actual, value, rtol=0, atol=1e-5, err_msg=f"{name}: {path}")
+    first = _built(name, seed=11)
+    moved = any(not np.allclose(v.numpy(), value) for v, (_, value) in
+                zip(first.weights, weights["plain"]) if v.trainable)
+    assert moved, "training moved no weight: the comparison shows nothing"
+
+
+@pytest.mark.parametrize("name", ["stochastic_depth", "two_ways", "none_default"])
+def test_save_and_load_keep_every_mode(name, tmp_path):
+    model = _built(name)
+    x, _ = _data()
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    path = str(tmp_path / "m.keras")
+    expanded.save(path)
+    loaded = keras.models.load_model(path)
+    assert len(loaded.trainable_variables) == len(model.trainable_variables)
+    # Keras makes a Dropout's unseeded generator anew at loading (plain
+    # Keras models too): the seeds are set as the original's to compare.
+    assert len(loaded.non_trainable_variables) == len(model.non_trainable_variables)
+    for mine, theirs in zip(loaded.non_trainable_variables, model.non_trainable_variables):
+        mine.assign(theirs)
+    _outputs_in_every_mode(model, loaded, x)
+    # A loaded switch's modes are read back as graphs passes reach into.
+    again = kip.apply_passes(loaded, [Expand("all")], verify=False)
+    assert _switches(again.kip_graph)
+
+
+def test_replace_reaches_inside_both_modes_with_one_new_layer():
+    model = _built("nested")
+    x, _ = _data()
+    converted = kip.convert_to_functional(model, x)
+
+    class MyNorm(layers.LayerNormalization):
+        pass
+
+    passed = kip.apply_passes(converted, [Replace(
+        {layers.LayerNormalization: Replacement(MyNorm, copy_weights=True)})])
+    switches = [s for s in _switches(passed.kip_graph) if s.name.endswith(".two")]
+    assert len(switches) == 2
+    for switch in switches:
+        norms = {mode: [n.operation for n in graph.nodes if isinstance(n.operation, MyNorm)]
+                 for mode, graph in switch.operation.branch_graphs.items()}
+        assert norms["training"] and norms["inference"]
+        assert norms["training"][0] is norms["inference"][0]
+    _outputs_in_every_mode(model, passed, x)
+
+
+def test_recompute_inside_a_mode():
+    model = _built("nested")
+    x, _ = _data()
+    passed = kip.apply_passes(kip.convert_to_functional(model, x),
+                              [Recompute(["blocks.0.two.norm"])])
+    marked = [n.name for n in _all_nodes(passed.kip_graph) if n.annotations.get("recompute")]
+    assert "blocks.0.two.norm" in marked
+    (switch,) = [s for s in _switches(passed.kip_graph) if s.name == "blocks.0.two"]
+    assert switch.operation.body.kip_annotations  # the mode's graph runs the checkpoint
+    _outputs_in_every_mode(model, passed, x)
+
+
+def test_outline_reaches_inside_and_pipeline_stages_by_target_says_it_cannot():
+    model = _built("two_ways")
+    x, _ = _data()
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    outlined = kip.apply_passes(expanded, [Outline(layers.Dense)])
+    marked = [n.name for n in _all_nodes(outlined.kip_graph) if "outline" in n.annotations]
+    assert {"stem", "head", "two.train_path", "two.infer_path"} <= set(marked)
+    _outputs_in_every_mode(model, outlined, x)
+    with pytest.raises(kip.PassError, match=r"inside `two`.*does not reach into the modes"):
+        kip.apply_passes(expanded, [PipelineStages([["stem"], ["two.train_path"]])])
+
+
+def test_a_loaded_switch_refuses_a_body_of_another_module(tmp_path):
+    model = _built("two_ways")
+    x, _ = _data()
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    (node,) = _switches(expanded.kip_graph)
+    # As a file holds it (JSON), a fresh copy each time (Keras's loading
+    # consumes the nested configs it reads).
+    text = json.dumps(node.operation.get_config())
+
+    def saved(**changes):
+        return dict(json.loads(text), **changes)
+
+    ModeSwitch.from_config(saved())  # the untouched config loads
+    with pytest.raises(kip.LoadError, match="ModeSwitch `two`: body"):
+        ModeSwitch.from_config(saved(body=dict(saved()["body"], module="os")))
+    with pytest.raises(kip.LoadError, match="outputs"):
+        ModeSwitch.from_config(saved(outputs={"training": [0], "inference": [7]}))
+    with pytest.raises(kip.LoadError, match="outputs"):
+        ModeSwitch.from_config(saved(outputs={"training": ["0"], "inference": [0]}))
+    with pytest.raises(kip.LoadError, match="none_means"):
+        ModeSwitch.from_config(saved(none_means="sometimes"))
