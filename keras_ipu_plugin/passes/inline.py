@@ -34,6 +34,7 @@ from keras_ipu_plugin.runtime.masks import AttachMask
 from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
+from keras_ipu_plugin.runtime.variable_write import is_write_node
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")
 
@@ -218,8 +219,8 @@ def _path(node, parent, paths):
     the trace made is numbered within its parent (`parent.add`), its
     auto-generated suffix dropped.
     """
-    if is_read(node.operation):
-        return node.name
+    if is_read(node.operation) or is_write_node(node.operation):
+        return node.name  # named by the trace, after the attribute
     if _is_ours(node.operation):
         return f"{parent}.{_AUTO_SUFFIX.sub('', node.operation.name) or 'op'}"
     layer = node.operation
