@@ -183,7 +183,9 @@ class WriteRecorder:
             tensor = value
         else:
             try:
-                array = value if _is_tensor(value) else np.asarray(value, dtype=variable.dtype)
+                # a tensor, as the trace lifts them (and checks none is frozen)
+                array = value if _is_tensor(value) else keras.ops.convert_to_tensor(
+                    np.asarray(value, dtype=variable.dtype))
             except (TypeError, ValueError) as error:
                 raise WriteError(f"`call` writes the variable {name} with a value the graph "
                                  f"cannot hold ({type(value).__name__}: {error})") from None
@@ -393,6 +395,9 @@ def _reaches(tensor, target):
         if id(item) in seen:
             continue
         seen.add(id(item))
+        history = _compat.keras_history(item)
+        if history is None or history[0] is None:  # an input of the traced call
+            continue
         node, _ = _compat.producing_node(item)
         if node is None or _compat.is_input_node(node):
             continue
