@@ -653,7 +653,7 @@ def _inline_output_spec(self, *args, **kwargs):
     # `_tensors_only`'s refusal (a layer returning no tensor) goes up.
     try:
         with _compat.node_lists_snapshot(layers, always=True), \
-                writes_lib.inline(viewed_layer(self)):
+                writes_lib.deferred(viewed_layer(self)):
             outputs = keras.tree.map_structure(_fresh_keras_tensor, self.call(*args, **kwargs))
     except Exception:
         pass
