@@ -865,7 +865,10 @@ def writes_reason(layer, lost):
         f"`call` of `{layer.name}` writes the variable "
         f"{writes_lib.describe_writes(lost, layer)} itself: a graph of its "
         "sub-layers would lose the write (it ran once, at tracing), so the "
-        "layer runs whole (it still trains)"
+        "layer runs whole (it still trains). A write is recorded in the graph "
+        "when it is made on a Keras variable the layer holds, as its attribute "
+        "(`self.v = self.add_weight(...)`, then `self.v.assign(...)`) or as one "
+        "of a Keras sub-layer's (`self.conv.kernel.assign(...)`)"
     )
 
 
