@@ -72,14 +72,28 @@ class Block(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
+class Counts(keras.layers.Layer):
+    """Counts its calls: a variable write (and an ordering node) in the graph."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="calls")
+
+    def call(self, x):
+        self.calls.assign_add(1.0)
+        return x
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
 class Hostile(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.features, self.dynamic, self.block = Features(), Dynamic(), Block()
+        self.counts = Counts()
         self.head = keras.layers.Dense(1)
 
     def call(self, x, training=None):
-        return self.head(self.block(self.dynamic(self.features(x))))
+        return self.head(self.block(self.dynamic(self.counts(self.features(x)))))
 
 
 X = np.random.default_rng(0).random((4, 5)).astype("float32")
@@ -101,7 +115,7 @@ def saved(tmp_path_factory):
     graph_files = _save(passed, folder / "graph.keras")
     config = json.loads(graph_files["config.json"])
     for kind in ("TFFunction", "RandomDraw", "BatchSizedOperation", "OpaqueLayer", "LayerAlias",
-                 "VariableRead", "HeldConstant"):
+                 "VariableRead", "HeldConstant", "VariableWrite", "AfterWrites"):
         assert _entries(config, kind), kind
     plugin = kip.PluginModel(Hostile(), passes=[
         kip.passes.Expand(), kip.passes.Recompute(kip.passes.Chain(keras.layers.Dense, keras.layers.Dense)),
@@ -277,6 +291,19 @@ HOSTILE_ENTRIES = [
     ("VariableRead", lambda c: c.update(variable_trainable="no"), "variable_trainable"),
     ("HeldConstant", lambda c: c.update(value_dtype="object"), "value_dtype"),
     ("HeldConstant", lambda c: c.update(value=[{"a": 1}]), "value"),
+    # variable writes, and the variable a write shares with another layer
+    ("VariableWrite", lambda c: c.update(method="eval"), "method"),
+    ("VariableWrite", lambda c: c.update(method=["assign"]), "method"),
+    ("VariableWrite", lambda c: c.update(variable_dtype="object"), "variable_dtype"),
+    ("VariableWrite", lambda c: c.update(variable_shape=["x"]), "variable_shape"),
+    ("VariableWrite", lambda c: c.update(variable_trainable=1), "variable_trainable"),
+    ("VariableWrite", lambda c: c.update(variable_owner="os.system"), "variable_owner"),
+    ("VariableWrite", lambda c: c.update(variable_owner=["head", -1]), "variable_owner"),
+    ("VariableWrite", lambda c: c.update(variable_owner=["no_such_layer", 0]), "variable_owner"),
+    ("VariableWrite", lambda c: c.update(variable_owner=[c["variable_owner"][0], 99]),
+     "variable_owner"),
+    ("VariableWrite", lambda c: c.update(variable_owner=["head", 0]), "variable_owner"),
+    ("VariableRead", lambda c: c.update(variable_owner=[1, 0]), "variable_owner"),
     # the functional model's own entries
     ("KipFunctional", lambda c: c.update(kip_original_mask="eval"), "kip_original_mask"),
     ("KipFunctional", lambda c: c.update(kip_pinned_training={"x": "no"}), "kip_pinned_training"),

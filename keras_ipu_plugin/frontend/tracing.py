@@ -58,6 +58,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tf_functions
 from keras_ipu_plugin.frontend import training_branches
+from keras_ipu_plugin.frontend import write_nodes
 from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.runtime.layer_kinds import accepts_training
 from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
@@ -80,6 +81,7 @@ from keras_ipu_plugin.frontend.replay import output_specs_key
 from keras_ipu_plugin.runtime.reads import HeldConstant
 from keras_ipu_plugin.runtime.reads import ReadLayers
 from keras_ipu_plugin.runtime.reads import is_read
+from keras_ipu_plugin.runtime.variable_write import is_write_node
 from keras_ipu_plugin.runtime.views import layer_view
 from keras_ipu_plugin.runtime.views import shallow_view
 from keras_ipu_plugin.runtime.views import viewed_layer
@@ -311,8 +313,8 @@ def _identity(node):
     # at each call, so only their kind can be compared.
     if node.opaque_reason is not None:
         return id(node.operation.layer)
-    if isinstance(node.operation, HeldConstant):  # made anew at each trace
-        return node.name
+    if isinstance(node.operation, HeldConstant) or is_write_node(node.operation):
+        return node.name  # made anew at each trace
     if isinstance(node.operation, BatchSizedOperation):
         return type(node.operation.operation).__name__
     if node.is_layer:
@@ -347,8 +349,12 @@ def _trace_once(trace, training, pinned, opaque_layers):
         with _compat.call_context(layer, training):
             try:
                 outputs = type(layer).call(view, *trace.args, **kwargs)
+                # every write `call` made is before an output (`write_nodes.py`)
+                outputs = trace.writes.finish(outputs)
             except TraceError:
                 raise
+            except write_nodes.WriteError as error:  # a write no graph can hold
+                raise TraceError(error.reason) from error
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
             outputs = _lifted_outputs(trace, outputs, layer)
@@ -401,6 +407,8 @@ class _Trace:
         self._new_reads = []
         self._draws = []  # the RandomDraw layers, the same in every mode traced
         self._draws_made, self._drawn_from = 0, set()
+        # the variable writes `call` makes, as nodes (`write_nodes.py`)
+        self.writes = write_nodes.WriteRecorder(self)
 
     @classmethod
     def current(cls):
@@ -413,6 +421,7 @@ class _Trace:
         stack = self._active.__dict__.setdefault("stack", [])
         self._names, self._new_reads = Namespace(), []
         self._draws_made, self._drawn_from = 0, set()
+        self.writes.reset()
         stack.append(self)
         try:
             # The read layers outlive the trace (a graph keeps them): leave
@@ -421,13 +430,15 @@ class _Trace:
             # followed (`_compat.traced_idioms`), and TensorFlow functions
             # on symbolic tensors are recorded (`tf_functions.recorded`).
             with _compat.node_lists_snapshot(self.reads.layers(), always=True), \
-                    _compat.traced_idioms(self.record_draw), tf_functions.recorded():
+                    _compat.traced_idioms(self.record_draw), tf_functions.recorded(), \
+                    self.writes.recording():
                 yield
         finally:
             stack.pop()
             _compat.forget_nodes(self._new_reads)
 
     def hold_attributes(self, view):
+        self.writes.view = view
         state = vars(view)
         for name in list(state):
             if name in _KERAS_ATTRIBUTES or name.startswith("_self_"):
@@ -450,21 +461,42 @@ class _Trace:
             return {k: self._held(v, f"{name}_{k}") for k, v in value.items()}
         return value
 
-    def _read(self, variable, name):
+    def _read(self, variable, name, anchor=None):
         node_name = self._names.create(self.prefix + name)
         known = {id(layer) for layer in self.reads.layers()}
         read = self.reads.variable_read(variable, like=self.layer, name=node_name)
         if id(read) not in known:
             self._new_reads.append(read)
-        tensor = read(self.anchor)
+        tensor = read(self.anchor if anchor is None else anchor)
+        self.read_names[id(_compat.producing_node(tensor)[0])] = node_name
+        self.writes.held(variable, tensor, name)
+        return tensor
+
+    read = _read  # for `write_nodes`: a read of a sub-layer's variable
+
+    def unique_name(self, name):
+        """A node name for a graph layer the trace makes (`prefix` + `name`)."""
+        return self._names.create(self.prefix + name)
+
+    def record_layer(self, layer, node_name, *args, **kwargs):
+        """The output of graph layer `layer` (a write, an ordering: made by
+        this trace, named `node_name`) called on graph tensors."""
+        self._new_reads.append(layer)
+        tensor = layer(*args, **kwargs)
         self.read_names[id(_compat.producing_node(tensor)[0])] = node_name
         return tensor
+
+    def path_of(self, layer):
+        return self._path_of(layer)
 
     def _lifting(self, layer):
         if viewed_layer(layer) is None:  # a Keras layer: called as it is
             if not layer.built or "call" in vars(layer):
                 return layer
-            layer = shallow_view(layer, _builtin_view_class(type(layer)))
+            # its variables read as graph values from `call`'s own code
+            # (`self.conv.kernel`), so writes of them are nodes
+            layer = shallow_view(layer, _builtin_view_class(
+                type(layer), write_nodes.variable_attributes(layer)))
         self.lift_for.add(id(layer))
         return layer
 
@@ -632,7 +664,7 @@ def _inline_output_spec(self, *args, **kwargs):
     # `_tensors_only`'s refusal (a layer returning no tensor) goes up.
     try:
         with _compat.node_lists_snapshot(layers, always=True), \
-                writes_lib.inline(viewed_layer(self)):
+                writes_lib.deferred(viewed_layer(self)):
             outputs = keras.tree.map_structure(_fresh_keras_tensor, self.call(*args, **kwargs))
     except Exception:
         pass
@@ -708,7 +740,15 @@ def _lifting_call(self, *args, **kwargs):
             _is_concrete(leaf) for leaf in leaves
         ):
             args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
-    outputs = super(type(self), self).__call__(*args, **kwargs)
+    if trace is None:
+        outputs = super(type(self), self).__call__(*args, **kwargs)
+    else:  # ordered among the writes `call` makes (`write_nodes.py`)
+        args, kwargs = trace.writes.before_call(self, args, kwargs)
+        outputs = None
+        try:
+            outputs = super(type(self), self).__call__(*args, **kwargs)
+        finally:
+            trace.writes.after_call(self, outputs)
     structure = vars(self).pop(_NONE_LEAVES, None)
     if structure is None:
         return outputs
@@ -725,13 +765,16 @@ def _lifting_call(self, *args, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_view_class(cls):
+def _builtin_view_class(cls, variable_names=frozenset()):
     """A subclass of a Keras layer class whose calls on concrete tensors are
-    lifted (`_lifting_call`) and whose output shapes are as precise as its
-    inputs allow (`_precise_output_spec`); everything else is the class's own."""
+    lifted (`_lifting_call`), whose output shapes are as precise as its
+    inputs allow (`_precise_output_spec`) and whose variables
+    `variable_names` read as graph values from the traced `call`'s own code
+    (`write_nodes.reading_members`); everything else is the class's own."""
     return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                        "__call__": _lifting_call,
-                                       "compute_output_spec": _precise_output_spec})
+                                       "compute_output_spec": _precise_output_spec,
+                                       **write_nodes.reading_members(cls, variable_names)})
 
 
 def _precise_output_spec(self, *args, **kwargs):
@@ -833,7 +876,10 @@ def writes_reason(layer, lost):
         f"`call` of `{layer.name}` writes the variable "
         f"{writes_lib.describe_writes(lost, layer)} itself: a graph of its "
         "sub-layers would lose the write (it ran once, at tracing), so the "
-        "layer runs whole (it still trains)"
+        "layer runs whole (it still trains). A write is recorded in the graph "
+        "when it is made on a Keras variable the layer holds, as its attribute "
+        "(`self.v = self.add_weight(...)`, then `self.v.assign(...)`) or as one "
+        "of a Keras sub-layer's (`self.conv.kernel.assign(...)`)"
     )
 
 
@@ -932,7 +978,7 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
                 operation = BatchSizedOperation(operation, unknown, name=operation.name)
                 batch_sized.append(operation)
         name = prefix + _node_name(operation, paths)
-        if is_read(operation):  # named after the attribute or its consumer
+        if is_read(operation) or is_write_node(operation):  # named by the trace
             name = (read_names or {}).get(id(keras_node), operation.name)
         node = Node(
             # A layer called twice (a shared block) has two nodes: the

@@ -67,6 +67,27 @@ def inline(layer):
         frames.pop()
 
 
+@contextlib.contextmanager
+def deferred(layer):
+    """Run `layer`'s inline call (as `inline`) with the writes it makes to
+    Keras variables kept in a `keras.StatelessScope`: never made on the
+    variables (a trace works out shapes; PixelCNN's masking sub-layer would
+    otherwise mask the real kernel each time a block holding it is traced),
+    and logged as made inside `layer`'s call, as the writes it makes to
+    TensorFlow variables are."""
+    with inline(layer), keras.StatelessScope() as scope:
+        yield
+        written = [v for v in layer.variables if scope.get_current_value(v) is not None]
+        for log in _logs():
+            for variable in written:
+                for handle in handles_of(variable)[:1]:
+                    log.note(handle, "assign", layer)
+
+
+def _logs():
+    return _local.__dict__.setdefault("logs", [])
+
+
 @dataclass
 class Write:
     handle: object  # the variable's resource tensor
@@ -85,8 +106,19 @@ class WriteLog:
     @contextlib.contextmanager
     def recording(self):
         self._depth = len(_frames())
-        with _compat.op_callback(self._seen):
-            yield self
+        logs = _logs()
+        logs.append(self)
+        try:
+            with _compat.op_callback(self._seen):
+                yield self
+        finally:
+            logs.remove(self)
+
+    def note(self, handle, method, layer):
+        """A write `deferred` kept from the variable, made within `layer`."""
+        frames = _frames()
+        within = frames[self._depth] if len(frames) > self._depth else layer
+        self.writes.append(Write(handle, method, within))
 
     def _seen(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not None:
@@ -162,4 +194,4 @@ def describe_writes(writes, layer):
     return ", ".join(described[:4]) + (f" and {len(described) - 4} more" if len(described) > 4 else "")
 
 
-__all__ = ["WriteLog", "Write", "inline", "handles_of", "variable_names", "describe_writes"]
+__all__ = ["WriteLog", "Write", "inline", "deferred", "handles_of", "variable_names", "describe_writes"]

@@ -36,6 +36,7 @@ from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
+from keras_ipu_plugin.runtime.variable_write import is_write_node
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")
 
@@ -235,8 +236,8 @@ def _path(node, parent, paths):
     the trace made is numbered within its parent (`parent.add`), its
     auto-generated suffix dropped.
     """
-    if is_read(node.operation):
-        return node.name
+    if is_read(node.operation) or is_write_node(node.operation):
+        return node.name  # named by the trace, after the attribute
     if isinstance(node.operation, ModeSwitch):
         return parent  # the whole call, in each `training` mode
     if _is_ours(node.operation):

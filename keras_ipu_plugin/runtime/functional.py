@@ -32,6 +32,8 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.runtime import saved_values
+from keras_ipu_plugin.runtime.shared_variables import link_shared_variables
+from keras_ipu_plugin.runtime.shared_variables import mark_shared_variables
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
 MASK_ON_INPUTS = "inputs"
@@ -303,12 +305,18 @@ class KipFunctional(_compat.Functional):
         }
         config["kip_stage_devices"] = list(self.kip_stage_devices)
         config["kip_layer_paths"] = dict(self.kip_layer_paths)
+        # A variable two layers hold (a conv's kernel and its write node) is
+        # loaded as one (`shared_variables.py`).
+        mark_shared_variables(self, config)
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        _check_saved_kip_entries(config, f"KipFunctional `{config.get('name')}`")
-        return super().from_config(config, custom_objects=custom_objects)
+        entry = f"KipFunctional `{config.get('name')}`"
+        _check_saved_kip_entries(config, entry)
+        model = super().from_config(config, custom_objects=custom_objects)
+        link_shared_variables(model, entry)
+        return model
 
 
 def _check_saved_kip_entries(config, entry):

@@ -16,6 +16,7 @@ from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.runtime.random_draws import RandomDraw
 from keras_ipu_plugin.runtime.reads import is_read
+from keras_ipu_plugin.runtime.variable_write import VariableWrite
 
 
 def accepts_training(layer):
@@ -140,5 +141,7 @@ def writes_variables(operation):
         >>> writes_variables(pixel_cnn.first)   # assigns its masked kernel
         True
     """
+    if isinstance(operation, VariableWrite):  # a write `call` made, as a node
+        return True
     layer = operation.layer if isinstance(operation, OpaqueLayer) else operation
     return type(layer) in _WRITING_CLASSES

@@ -24,6 +24,9 @@ Example:
     True
 """
 
+import contextlib
+import threading
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -31,8 +34,63 @@ import tensorflow as tf
 from keras_ipu_plugin.runtime import saved_values
 
 
+class HoldsVariable:
+    """What a graph layer holding one variable of the model (a read, a
+    write) shares: the very variable object, tracked (so the functional
+    model trains and saves it), or, loaded from a file, a placeholder that
+    the loading `KipFunctional` points at the variable of the layer that
+    owns it (`variable_owner`, see `shared_variables.py`): a variable held
+    by two layers of a file is loaded as two variables, which would then
+    train apart."""
+
+    def _hold(self, variable, variable_shape, variable_dtype, variable_trainable,
+              variable_owner):
+        if variable is None:  # loaded from a config: the saved weights fill it
+            variable = self.add_weight(
+                shape=tuple(variable_shape), dtype=variable_dtype,
+                trainable=variable_trainable, initializer="zeros", name="variable",
+            )
+        # Tracked (not a copy): the optimizer updates the user's variable.
+        self.variable = variable
+        # (layer name, index in its weights) of the layer whose variable
+        # this one is, in a loaded model; None where this layer owns it.
+        self.variable_owner = None if variable_owner is None else tuple(variable_owner)
+
+    def link_variable(self, variable):
+        """Hold `variable` (the owner's) in place of the loaded placeholder."""
+        del self.variable  # untracks the placeholder
+        self.variable = variable
+        self.variable_owner = None
+
+    def _variable_config(self):
+        return dict(
+            variable_shape=list(self.variable.shape),
+            # outside a call no autocast scope is active: the stored dtype
+            variable_dtype=self.variable.dtype,
+            variable_trainable=self.variable.trainable,
+        )
+
+    @staticmethod
+    def check_variable_config(config, entry):
+        """The checks of a saved holder's variable entries (`kip.LoadError`
+        naming the key)."""
+        saved_values.saved_shape(config.get("variable_shape"), entry, "variable_shape",
+                                 allow_unknown=False)
+        saved_values.saved_dtype(config.get("variable_dtype"), entry, "variable_dtype")
+        saved_values.saved_bool(config.get("variable_trainable", True), entry,
+                                "variable_trainable")
+        owner = config.get("variable_owner")
+        if owner is not None and not (
+            isinstance(owner, (list, tuple)) and len(owner) == 2
+            and isinstance(owner[0], str) and isinstance(owner[1], int)
+            and not isinstance(owner[1], bool) and owner[1] >= 0
+        ):
+            saved_values.refuse(entry, "variable_owner",
+                                "null or [layer name, index of the variable in its weights]", owner)
+
+
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
-class VariableRead(keras.layers.Layer):
+class VariableRead(HoldsVariable, keras.layers.Layer):
     """Reads `variable` (the same object) in the graph; `anchor` is ignored.
 
     `like`: the layer whose `call` reads the variable; the read takes its
@@ -45,19 +103,13 @@ class VariableRead(keras.layers.Layer):
     """
 
     def __init__(self, variable=None, like=None, *, variable_shape=None,
-                 variable_dtype=None, variable_trainable=True, **kwargs):
+                 variable_dtype=None, variable_trainable=True, variable_owner=None, **kwargs):
         if like is not None:
             kwargs.setdefault("dtype", like.dtype_policy)
             kwargs.setdefault("autocast", like.autocast)
             kwargs.setdefault("trainable", like.trainable)
         super().__init__(**kwargs)
-        if variable is None:  # loaded from a config: the saved weights fill it
-            variable = self.add_weight(
-                shape=tuple(variable_shape), dtype=variable_dtype,
-                trainable=variable_trainable, initializer="zeros", name="variable",
-            )
-        # Tracked (not a copy): the optimizer updates the user's variable.
-        self.variable = variable
+        self._hold(variable, variable_shape, variable_dtype, variable_trainable, variable_owner)
         self.path_named = False  # Expand names it after its path once
         self.built = True
 
@@ -74,23 +126,12 @@ class VariableRead(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            autocast=self.autocast,
-            variable_shape=list(self.variable.shape),
-            # outside a call no autocast scope is active: the stored dtype
-            variable_dtype=self.variable.dtype,
-            variable_trainable=self.variable.trainable,
-        )
+        config.update(autocast=self.autocast, **self._variable_config())
         return config
 
     @classmethod
     def from_config(cls, config):
-        entry = f"VariableRead `{config.get('name')}`"
-        saved_values.saved_shape(config.get("variable_shape"), entry, "variable_shape",
-                                 allow_unknown=False)
-        saved_values.saved_dtype(config.get("variable_dtype"), entry, "variable_dtype")
-        saved_values.saved_bool(config.get("variable_trainable", True), entry,
-                                "variable_trainable")
+        cls.check_variable_config(config, f"VariableRead `{config.get('name')}`")
         return cls(**config)
 
 
@@ -144,30 +185,77 @@ class ReadTensor(keras.KerasTensor):
     """The symbolic value of a variable read, standing for the variable in a
     traced `call`: `keras.ops` on it stay in the graph, and what only a real
     variable can do fails the trace with a message that says so (the layer
-    then runs whole, as an opaque node) rather than reading it once."""
+    then runs whole, as an opaque node) rather than reading it once.
 
-    def __init__(self, variable):
-        super().__init__(variable.shape, dtype=variable.dtype)
+    `assign` / `assign_add` / `assign_sub` on it, while a trace records
+    writes (`recording_writes`), become a `VariableWrite` node of the graph
+    (`variable_write.py`) and return the variable's value after the write.
+    """
+
+    def __init__(self, variable, dtype=None):
+        super().__init__(variable.shape, dtype=dtype or variable.dtype)
         self.variable_path = variable.path
         self.trainable = variable.trainable
+        self.variable = variable  # the very variable: what a write node writes
 
     @property
     def value(self):
         return self
 
-    def _state_update(self, *args, **kwargs):
+    def _write(self, method, value):
+        recorder = getattr(_recorder, "write", None)
+        if recorder is None:
+            raise TypeError(
+                f"`call` assigns to the variable `{self.variable_path}` (state "
+                "updated in the forward pass)"
+            )
+        return recorder(self, method, value)
+
+    def assign(self, value):
+        return self._write("assign", value)
+
+    def assign_add(self, value):
+        return self._write("assign_add", value)
+
+    def assign_sub(self, value):
+        return self._write("assign_sub", value)
+
+    def _other_update(self, *args, **kwargs):
         raise TypeError(
-            f"`call` assigns to the variable `{self.variable_path}` (state "
-            "updated in the forward pass)"
+            f"`call` updates part of the variable `{self.variable_path}` (a scatter "
+            "or sliced assign), which a graph records only as a whole-variable "
+            "`assign`: write `self.v.assign(ops.scatter_update(self.v, indices, "
+            "updates))` for the layer to expand"
         )
 
-    assign = assign_add = assign_sub = _state_update
+    scatter_update = scatter_add = scatter_sub = scatter_nd_update = _other_update
 
     def numpy(self):
         raise TypeError(
             f"`call` reads the value of the variable `{self.variable_path}` "
             "in Python (`.numpy()`)"
         )
+
+
+_recorder = threading.local()  # .write: what a traced `assign` on a read calls
+
+
+@contextlib.contextmanager
+def recording_writes(record):
+    """Within, `assign` / `assign_add` / `assign_sub` on a `ReadTensor` call
+    `record(read, method, value)` (the trace in progress records a write
+    node) rather than fail.
+
+    Example:
+        >>> with recording_writes(lambda read, method, value: value):
+        ...     read_tensor.assign(new_value)
+    """
+    previous = getattr(_recorder, "write", None)
+    _recorder.write = record
+    try:
+        yield
+    finally:
+        _recorder.write = previous
 
 
 def is_read(operation):
@@ -213,4 +301,4 @@ def _key(variable, layer):
     return (id(variable), layer.dtype_policy.name, bool(layer.autocast), bool(layer.trainable))
 
 
-__all__ = ["VariableRead", "HeldConstant", "ReadLayers", "is_read"]
+__all__ = ["HoldsVariable", "VariableRead", "HeldConstant", "ReadLayers", "ReadTensor", "is_read", "recording_writes"]

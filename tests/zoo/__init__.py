@@ -32,6 +32,7 @@ MODELS = (
     "vae",
     "dcgan",
     "wgan_gp",
+    "pixelcnn",
     # keras.io examples: vision
     "perceiver",
     "vit",
