@@ -754,6 +754,23 @@ def make_dispatchable(cls):
     dispatch.register_dispatchable_type(cls)
 
 
+def add_fallback_dispatch(function, target):
+    """Call `target(args, kwargs)` when `function` fails on its arguments
+    (TensorFlow's first dispatch system, for functions its type-based one
+    does not cover: `tf.einsum(equation, *inputs)` has var-positional
+    inputs, which `tf.experimental.dispatch_for_api` refuses). `target`
+    returns NotImplemented to let the function's own error through. Only
+    `tf.__internal__` exports the dispatcher class."""
+    from tensorflow.python.util import dispatch
+
+    class _Fallback(dispatch.OpDispatcher):
+        def handle(self, args, kwargs):
+            result = target(args, kwargs)
+            return self.NOT_SUPPORTED if result is NotImplemented else result
+
+    _Fallback().register(function)
+
+
 def tf_elementwise_functions():
     """`(unary, binary)`: TensorFlow's elementwise functions, as it lists
     them for `tf.experimental.dispatch_for_*_elementwise_apis`."""
