@@ -1262,6 +1262,14 @@ def _describe_failure(error, default=None):
             f"from its inputs{_at(error, where)}: a graph of Keras layers cannot hold "
             "the write, so the layer runs whole (it still trains)"
         )
+    if _drew_with_tensorflow(error):
+        return (
+            f"`call` draws random numbers with a TensorFlow function{_at(error, where)}: "
+            "a graph does not record TensorFlow's draws (their state is the kernel's), so the "
+            "layer runs whole (it still trains; verification replays its draws); draw them "
+            "with `keras.random.normal(shape, seed=self.seed_generator)` and a "
+            "`keras.random.SeedGenerator` the layer holds for the layer to expand"
+        )
     if _TF_ON_SYMBOL in str(error):
         # Keras's message lists what a KerasTensor is; say which line of the
         # user's code did it, and what to write instead.
@@ -1330,6 +1338,38 @@ _KNOWN_FAILURES = (
      "(it still trains); hold the concrete tensor as a NumPy array or a Keras weight, or "
      "write the function with `keras.ops`, for the layer to expand"),
 )
+
+
+_TF_RANDOM_MODULES = re.compile(r"tensorflow[/\\.]python[/\\.]ops[/\\.]"
+                                r"(stateless_|stateful_)?random_ops(\.py)?$")
+
+
+def _drew_with_tensorflow(error):
+    """Whether `error` was raised inside one of TensorFlow's random
+    functions (`tf.random.normal(shape=(batch, dim))` on symbolic sizes).
+    TensorFlow filters its own frames out of tracebacks; the frame of its
+    filter still holds the function it called (`fn`)."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        called = frame.f_locals.get("fn") if frame.f_code.co_name == "error_handler" else None
+        module = _module_called(called) if callable(called) else ""
+        if _TF_RANDOM_MODULES.search(frame.f_code.co_filename) or _TF_RANDOM_MODULES.search(module):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _module_called(function):
+    """The module of the function `function` calls on: through wrappers
+    (`__wrapped__`) and TensorFlow's dispatch handler, whose target is a
+    variable of its closure (`dispatch_target`)."""
+    try:
+        function = inspect.unwrap(function)
+        target = inspect.getclosurevars(function).nonlocals.get("dispatch_target")
+    except (ValueError, TypeError):
+        return ""
+    return getattr(target if callable(target) else function, "__module__", None) or ""
 
 
 _WRITE_METHODS = frozenset({"assign", "assign_add", "assign_sub", "scatter_update",
