@@ -82,6 +82,12 @@ BACKBONES = {
     "DINOV2": _hub("DINOV2Backbone", patch_size=4, num_layers=2, hidden_dim=8, num_heads=2,
                    intermediate_dim=16, image_shape=(16, 16, 3),
                    position_embedding_shape=(16, 16, 3), drop_path_rate=0.1),
+    # expert routing computes with the batch size (`ops.shape(x)[0] // k`), issue 22
+    "Mixtral": _hub("MixtralBackbone", num_query_heads=2, num_key_value_heads=1, num_experts=2,
+                    top_k=1, sliding_window=4, **TEXT),
+    "RWKV7": _hub("RWKV7Backbone", hidden_size=8, head_size=4, num_layers=2,
+                  vocabulary_size=VOCAB, intermediate_dim=16, gate_lora=4, mv_lora=4,
+                  aaa_lora=4, decay_lora=4),
 }
 
 

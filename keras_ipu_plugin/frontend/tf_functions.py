@@ -10,7 +10,8 @@ tf_function.py`), through TensorFlow's public dispatch for custom types
 (`tf.experimental.dispatch_for_api`).
 
 Covered: TensorFlow's elementwise functions (unary and binary: `tf.math.*`,
-`tf.nn.relu`, ...) and the common non-elementwise ones: exactly the table
+`tf.nn.relu`, ...) and the common non-elementwise ones (`tf.einsum`,
+`tf.range(tf.shape(x)[-1])`, `tf.stop_gradient`, ...): exactly the table
 `runtime/tf_function_table.py`, which is also all a saved model may name.
 Random functions are never recorded (the graph would not keep their seeds),
 nor is anything outside the table: those still raise, and the layer stays
@@ -94,7 +95,21 @@ def _register(function, signatures_for):
     signatures = signatures_for(list(signature.parameters))
     if not signatures:
         return
-    tf.experimental.dispatch_for_api(function, *signatures)(_target(path, signature))
+    target = _target(path, signature)
+    if any(parameter.kind is inspect.Parameter.VAR_POSITIONAL
+           for parameter in signature.parameters.values()):
+        # `tf.einsum(equation, *inputs)`: the type-based dispatch takes no
+        # var-positional parameter; TensorFlow's fallback dispatch is
+        # consulted once the function has failed on the symbolic tensors
+        # (it fails converting them, before computing anything).
+        _compat.add_fallback_dispatch(function, lambda args, kwargs: (
+            target(*args, **kwargs) if _holds_symbolic((args, kwargs)) else NotImplemented))
+        return
+    tf.experimental.dispatch_for_api(function, *signatures)(target)
+
+
+def _holds_symbolic(structure):
+    return any(isinstance(leaf, keras.KerasTensor) for leaf in keras.tree.flatten(structure))
 
 
 def _target(path, signature):
@@ -106,6 +121,9 @@ def _target(path, signature):
             return NotImplemented
         bound = signature.bind(*args, **kwargs)
         bound.arguments.pop("name", None)  # TensorFlow's op name; nodes have theirs
+        for parameter in signature.parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # `tf.einsum(..., name=)`
+                bound.arguments.get(parameter.name, {}).pop("name", None)
         short = "tf_" + path.rsplit(".", 1)[-1]
         uid = keras.backend.get_uid(short)
         operation = TFFunction(path, name=short if uid == 1 else f"{short}_{uid - 1}")

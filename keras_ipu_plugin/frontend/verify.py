@@ -62,6 +62,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.state import VariableValues
@@ -159,15 +160,25 @@ def check_equivalent(
     # call writes can be compared (`_compare_writes`).
     mode = RunMode(original)
     state = VariableValues(_shared_variables(original, converted))
-    with replay_state(original, converted) as replay, _restoring(state):
+    # TensorFlow's stateful draws (`tf.random.normal(shape)`, no seed
+    # generator) are recorded in each run of the original and handed out
+    # again, in order, to the run of the converted model, which thus sees
+    # the reference run's numbers; TensorFlow's global random state is put
+    # back afterwards (`_compat.taped_stateful_draws`).
+    with replay_state(original, converted) as replay, _restoring(state), \
+            _compat.taped_stateful_draws() as draws:
 
         def run(model, x, variables, role, tape=True):
             replay()
             state.restore()
             if before_each_run is not None:
                 before_each_run()
-            return _run(model, x, variables, role=role, tape=tape, mode=mode,
-                        training=training)
+            draws.record() if role == "original" else draws.replay()
+            try:
+                return _run(model, x, variables, role=role, tape=tape, mode=mode,
+                            training=training)
+            finally:
+                draws.stop()
 
         # A model with a fixed batch size cannot run on a few rows of it.
         fixed = _fixed_batch_size(original) or _fixed_batch_size(converted)

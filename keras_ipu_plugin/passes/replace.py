@@ -8,6 +8,8 @@ expanded are reached by expanding the layers that contain them, which the
 report says.
 """
 
+import keras
+
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
@@ -128,8 +130,7 @@ class Replace(Pass):
             # The new layers are ours to name: after their node's path
             # (`block_1.conv1`) unless `params` names them, each name once.
             chosen = set(nodes)
-            names = Namespace(getattr(node.operation, "name", None)
-                              for node in graph.nodes if node not in chosen)
+            names = _names_taken(graph, lambda node: node not in chosen)
             for node in nodes:  # one new layer per old layer: sharing is kept
                 old = node.operation
                 key = (id(old), id(replacement))
@@ -155,8 +156,7 @@ class Replace(Pass):
             raise PassError(f"replace: target {describe(chain)} matches nothing in "
                             f"the model `{graph.name}`.")
         replaced = {id(node) for run in runs for node in run}
-        names = Namespace(getattr(node.operation, "name", None)
-                          for node in graph.nodes if id(node) not in replaced)
+        names = _names_taken(graph, lambda node: id(node) not in replaced)
         new_layers = {}
         for run in runs:
             first, last = run[0], run[-1]
@@ -192,3 +192,14 @@ class Replace(Pass):
         new, detail = new_layer_for(node, replacement, name)
         report.add(self.step, node.name, "replaced", detail)
         return new
+
+
+def _names_taken(graph, kept):
+    """The Keras names a new layer must not take: the model's inputs' and
+    those of the operations of the nodes `kept(node)` keeps."""
+    names = Namespace(spec.name for spec in keras.tree.flatten(graph.input_specs))
+    for node in graph.nodes:
+        if kept(node):
+            names.add(getattr(node.operation, "name", None))
+    return names
+

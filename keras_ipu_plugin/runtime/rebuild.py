@@ -41,7 +41,8 @@ def rebuild(graph, name=None):
         return leaf
 
     pinned, annotations, paths = {}, {}, {}
-    named = _UniqueNames(graph.nodes)
+    named = _UniqueNames(graph.nodes, reserved=[
+        spec.name for spec in keras.tree.flatten(graph.input_specs)])
     for node in graph.nodes:
         operation = named.operation_for(node)
         if node.is_layer:
@@ -100,11 +101,31 @@ class _UniqueNames:
     called at several nodes is one Keras layer (one alias, at most), and
     one more alias where some of its calls returned None among their
     outputs (`LayerAlias(tensor_outputs_only=True)`, own name if free).
+
+    `reserved`: the names of the model's inputs, which come first: a user's
+    layer may validly share one (keras.io's GRN/VSN classifier has an
+    `Embedding` named "education" for the input "education"), and the
+    input keeps it. A `keras.ops` operation (kip's own object, made by the
+    trace) whose name another holds is called as a renamed copy.
     """
 
-    def __init__(self, nodes):
-        self.taken = Namespace()
+    def __init__(self, nodes, reserved=()):
+        self.taken = Namespace(reserved)
         self.chosen = {}  # (id(layer), tensors only) -> the layer or its alias
+        self.renamed = {}  # id(operation) -> its renamed copy
+        for node in nodes:
+            operation = node.operation
+            if isinstance(operation, keras.layers.Layer) or id(operation) in self.renamed:
+                continue
+            name = getattr(operation, "name", None)
+            if name is None or name not in self.taken:
+                self.taken.add(name)
+                self.renamed[id(operation)] = operation
+                continue
+            # A new operation of the same config: one object per name in
+            # a Keras model, and the graph's own operation is left as it is.
+            config = {**operation.get_config(), "name": self.taken.create(name)}
+            self.renamed[id(operation)] = type(operation).from_config(config)
         for node in nodes:
             operation = node.operation
             key = (id(operation), _tensors_only(node))
@@ -118,7 +139,7 @@ class _UniqueNames:
     def operation_for(self, node):
         operation = node.operation
         if not isinstance(operation, keras.layers.Layer):
-            return operation  # keras.ops operations: ours, already named
+            return self.renamed[id(operation)]  # keras.ops operations: ours
         # A call that returns None among its outputs goes through an alias
         # that returns the tensors alone (a Keras node holds tensors only);
         # that alias too has the layer's own name where it is free.

@@ -55,6 +55,18 @@ class TFFunction(keras.Operation):
     def call(self, *args, **kwargs):
         return self._tf_callable(*args, **kwargs)
 
+    def compute_output_spec(self, *args, **kwargs):
+        # Keras calls the product of a symbolic tensor and a concrete one
+        # sparse (`ops.multiply` takes what is not a KerasTensor for sparse:
+        # DDPM's `TimeEmbedding`, `inputs[:, None] * self.emb[None, :]`),
+        # and TensorFlow's shape inference on a SparseTensor placeholder then
+        # fails ("Failed to convert elements of SparseTensor") or loses the
+        # shape. The tensors a kip graph carries are dense: sparse inputs
+        # are refused (`frontend/inputs.py`) and traced specs are made dense
+        # where no argument is sparse (`tracing._dense_unless_given_sparse`).
+        args, kwargs = keras.tree.map_structure(_dense_spec, (args, kwargs))
+        return super().compute_output_spec(*args, **kwargs)
+
     def get_config(self):
         return {"function": self.function, "name": self.name}
 
@@ -67,6 +79,12 @@ class TFFunction(keras.Operation):
                 f"{short_repr(config)}."
             )
         return cls(config["function"], name=config.get("name"))
+
+
+def _dense_spec(leaf):
+    if isinstance(leaf, keras.KerasTensor) and leaf.sparse:
+        return keras.KerasTensor(leaf.shape, dtype=leaf.dtype, ragged=leaf.ragged)
+    return leaf
 
 
 def public_name_of(function):

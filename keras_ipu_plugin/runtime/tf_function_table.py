@@ -78,6 +78,10 @@ TENSOR_PARAMETERS = {
     "nn.bias_add": ("value", "bias"), "nn.conv1d": ("input", "filters"),
     "nn.conv2d": ("input", "filters"), "nn.depth_to_space": ("input",),
     "nn.space_to_depth": ("input",), "linalg.matmul": ("a", "b"),
+    # `tf.einsum(equation, *inputs)`: its inputs are a var-positional
+    # parameter, which TensorFlow's type-based dispatch does not take; it is
+    # recorded through its fallback dispatch (`frontend/tf_functions.py`)
+    "linalg.einsum": ("*inputs",),
     "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
     "image.resize": ("images",), "image.extract_patches": ("images",),
     # shapes, indexing, joining
@@ -86,6 +90,10 @@ TENSOR_PARAMETERS = {
     "pad": ("tensor",), "shape": ("input",), "size": ("input",), "slice": ("input_",),
     "gather": ("params", "indices"), "gather_nd": ("params", "indices"),
     "one_hot": ("indices",), "where": ("condition", "x", "y"),
+    # `tf.range(tf.shape(x)[-1])`: positions from a size computed in the graph
+    "range": ("start", "limit", "delta"),
+    # gradients: the straight-through estimator (VQ-VAE), targets held fixed
+    "stop_gradient": ("input",),
     "split": ("value",), "unstack": ("value",),
     "concat": ("*values",), "stack": ("*values",), "math.add_n": ("*inputs",),
 }
