@@ -640,6 +640,7 @@ class FitRun:
     logs: list  # one {name: float} per step
     variables: list  # (path, value) after training
     converted: bool = True
+    note: str = ""  # what the plugin did that the result should say
 
 
 # The last model's only: the fits of a model run one after another, and the
@@ -721,7 +722,7 @@ _PLUGIN_MODEL_PASSES = {
 def plugin_fit(subject, how):
     """The same training through `kip.PluginModel` (with the passes of
     `how`, see `_PLUGIN_MODEL_PASSES`) or `kip.PluginCallback`."""
-    model = twin(subject)
+    model, note = twin(subject), ""
     if how in _PLUGIN_MODEL_PASSES:
         wrapper = kip.PluginModel(model, passes=_PLUGIN_MODEL_PASSES[how]())
         wrapper.compile(**(adam_compile_kwargs(subject) if how == "fit_adam"
@@ -730,6 +731,8 @@ def plugin_fit(subject, how):
         # A step that calls only sub-models (a GAN) converts those: the
         # report lists what was converted, whatever it was.
         converted = wrapper.kip_report is not None
+        if how == "fit_recompute" and converted:
+            note = f"{_checkpoints(wrapper.kip_report)} checkpoints planned"
     elif how == "plugin_callback":
         callback = kip.PluginCallback()
         model.compile(**subject.compile_kwargs())
@@ -737,7 +740,13 @@ def plugin_fit(subject, how):
         converted = callback.kip_report is not None
     else:
         raise ValueError(f"how must be one of {FITS}; got {how!r}")
-    return FitRun(logs, _variables_of(model), converted)
+    return FitRun(logs, _variables_of(model), converted, note)
+
+
+def _checkpoints(report):
+    """How many checkpoints `Recompute(auto=True)` planned (0: the plan
+    recomputes nothing, and the check shows only that the pass is harmless)."""
+    return sum(entry.action == "checkpoint after" for entry in report.entries)
 
 
 def _is_optimizer(key, value):
@@ -837,11 +846,12 @@ def check_fit(name, how):
             reference = plain_fit(subject, adam=adam)
         except Exception as error:  # noqa: BLE001 - reported, not raised
             return ERROR, f"plain Keras itself fails: {describe_error(error)}"
-        difference = compare_fits(reference, plugin_fit(subject, how), _initial[name])
+        run = plugin_fit(subject, how)
+        difference = compare_fits(reference, run, _initial[name])
         if difference:
             raise CheckFailed(difference)
         losses = ", ".join(f"{logs.get('loss', float('nan')):.4g}" for logs in reference.logs)
-        return PASS, f"{STEPS} steps equal (loss {losses})"
+        return PASS, f"{STEPS} steps equal (loss {losses})" + (f"; {run.note}" if run.note else "")
 
     return _run_check(name, how, run)
 
