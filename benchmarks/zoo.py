@@ -2,7 +2,8 @@
 of issue 13, as a table.
 
 Columns: model | traced | expand equal | custom layers left | replace reach
-| fit equal (PluginModel, PluginCallback) | time, then one line per check
+| fit equal (PluginModel, PluginCallback; PluginModel with Expand("all"),
+with Recompute(auto=True), with Adam) | time, then one line per check
 that did not pass, with its reason (an error's first line). Each check runs
 in this process inside its own try/except (`tests/zoo/harness.py`), so one
 failure never stops the board.
@@ -43,6 +44,9 @@ COLUMNS = (
     ("replace", "replace reach"),
     ("plugin_model", "fit equal\nPluginModel"),
     ("plugin_callback", "fit equal\nPluginCallback"),
+    ("fit_expand", "fit equal\nwith Expand"),
+    ("fit_recompute", "fit equal\nwith Recompute"),
+    ("fit_adam", "fit equal\nwith Adam"),
 )
 
 

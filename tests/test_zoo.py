@@ -8,7 +8,9 @@ per corpus model (tests/zoo/) per check.
   norms too, by a subclass of their own class with the weights copied)
   with outputs equal;
 - `PluginModel` and `PluginCallback` train 3 steps with the logs and final
-  variables of plain Keras on an identical twin.
+  variables of plain Keras on an identical twin; so do `PluginModel` with
+  `Expand("all")`, with `Recompute(auto=True)`, and with Adam (issue 22;
+  `n/a` for a model that compiles with Adam already).
 
 The checks live in `tests/zoo/harness.py` (they return results, so that
 `benchmarks/zoo.py` can print the same checks as a scoreboard); these tests
@@ -110,6 +112,21 @@ def test_plugin_model_fit_equals_plain_keras(name):
 @pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_plugin_callback_fit_equals_plain_keras(name):
     _assert_ok(harness.check_fit(name, "plugin_callback"))
+
+
+@pytest.mark.parametrize("name", CORPUS, scope="module")
+def test_plugin_model_with_expand_all_fit_equals_plain_keras(name):
+    _assert_ok(harness.check_fit(name, "fit_expand"))
+
+
+@pytest.mark.parametrize("name", CORPUS, scope="module")
+def test_plugin_model_with_recompute_auto_fit_equals_plain_keras(name):
+    _assert_ok(harness.check_fit(name, "fit_recompute"))
+
+
+@pytest.mark.parametrize("name", CORPUS, scope="module")
+def test_plugin_model_with_adam_fit_equals_plain_keras_with_adam(name):
+    _assert_ok(harness.check_fit(name, "fit_adam"))
 
 
 # -- the harness sees what it must see -------------------------------------------------

@@ -24,6 +24,14 @@ The checks (public kip API only):
   (`how="plugin_callback"`) trains 3 steps with the same per-step logs
   (losses, metrics) and the same final variables as plain Keras on an
   identical twin (same weights and RNG states, same data, same seed).
+  The same through `PluginModel(passes=[Expand("all")])`
+  (`how="fit_expand"`: a pass's graph can compute the first batch right
+  and still train wrong) and `PluginModel(passes=[Recompute(auto=True)])`
+  (`how="fit_recompute"`); and `how="fit_adam"`: `PluginModel` with every
+  optimizer of the model's `compile` replaced by `Adam` (the optimizer
+  with state of its own), against plain Keras compiled the same way.
+  A model that compiles with Adam already (or AdamW, a subclass) gets
+  `n/a` there: its other fit checks train with Adam.
 
 The checks of one model share work when they run one after another (as
 `check_model` and tests/test_zoo.py run them): `check_traced`,
@@ -65,7 +73,10 @@ RTOL, ATOL = 1e-4, 1e-5
 PASS, FAIL, ERROR, NA = "pass", "fail", "error", "n/a"
 CHECKS = (
     "traced", "expand", "custom_left", "replace", "plugin_model", "plugin_callback",
+    "fit_expand", "fit_recompute", "fit_adam",
 )
+#: The fit checks: `check_fit(name, how)` for each.
+FITS = ("plugin_model", "plugin_callback", "fit_expand", "fit_recompute", "fit_adam")
 
 
 @dataclass
@@ -632,12 +643,13 @@ class FitRun:
     logs: list  # one {name: float} per step
     variables: list  # (path, value) after training
     converted: bool = True
+    note: str = ""  # what the plugin did that the result should say
 
 
 # The last model's only: the fits of a model run one after another, and the
 # variables of keras.applications are large.
 _initial = {}  # name -> variable values every twin starts from
-_reference = {}  # name -> FitRun of plain Keras
+_reference = {}  # (name, adam) -> FitRun of plain Keras
 
 
 def twin(subject):
@@ -689,34 +701,81 @@ def _fit(trainee, subject, callbacks=()):
     return recorder.logs
 
 
-def plain_fit(subject):
-    """The reference: plain Keras on a twin (cached per model)."""
-    if subject.name not in _reference:
+def plain_fit(subject, adam=False):
+    """The reference: plain Keras on a twin (cached per model), compiled
+    as the model says or, with `adam=True`, as `adam_compile_kwargs` says."""
+    key = (subject.name, adam)
+    if key not in _reference:
         model = twin(subject)
-        model.compile(**subject.compile_kwargs())
+        model.compile(**(adam_compile_kwargs(subject) if adam else subject.compile_kwargs()))
         logs = _fit(model, subject)
-        _reference[subject.name] = FitRun(logs, _variables_of(model))
-    return _reference[subject.name]
+        _reference[key] = FitRun(logs, _variables_of(model))
+    return _reference[key]
+
+
+#: The `passes` of `PluginModel` in each fit check that uses it.
+_PLUGIN_MODEL_PASSES = {
+    "plugin_model": lambda: (),
+    "fit_expand": lambda: [kip.passes.Expand("all")],
+    "fit_recompute": lambda: [kip.passes.Recompute(auto=True)],
+    "fit_adam": lambda: (),
+}
 
 
 def plugin_fit(subject, how):
-    """The same training through `kip.PluginModel` or `kip.PluginCallback`."""
-    model = twin(subject)
-    if how == "plugin_model":
-        wrapper = kip.PluginModel(model)
-        wrapper.compile(**subject.compile_kwargs())
+    """The same training through `kip.PluginModel` (with the passes of
+    `how`, see `_PLUGIN_MODEL_PASSES`) or `kip.PluginCallback`."""
+    model, note = twin(subject), ""
+    if how in _PLUGIN_MODEL_PASSES:
+        wrapper = kip.PluginModel(model, passes=_PLUGIN_MODEL_PASSES[how]())
+        wrapper.compile(**(adam_compile_kwargs(subject) if how == "fit_adam"
+                           else subject.compile_kwargs()))
         logs = _fit(wrapper, subject)
         # A step that calls only sub-models (a GAN) converts those: the
         # report lists what was converted, whatever it was.
         converted = wrapper.kip_report is not None
+        if how == "fit_recompute" and converted:
+            note = f"{_checkpoints(wrapper.kip_report)} checkpoints planned"
     elif how == "plugin_callback":
         callback = kip.PluginCallback()
         model.compile(**subject.compile_kwargs())
         logs = _fit(model, subject, [callback])
         converted = callback.kip_report is not None
     else:
-        raise ValueError(f"how must be 'plugin_model' or 'plugin_callback'; got {how!r}")
-    return FitRun(logs, _variables_of(model), converted)
+        raise ValueError(f"how must be one of {FITS}; got {how!r}")
+    return FitRun(logs, _variables_of(model), converted, note)
+
+
+def _checkpoints(report):
+    """How many checkpoints `Recompute(auto=True)` planned (0: the plan
+    recomputes nothing, and the check shows only that the pass is harmless)."""
+    return sum(entry.action == "checkpoint after" for entry in report.entries)
+
+
+def _is_optimizer(key, value):
+    """An optimizer argument of `compile`: an Optimizer, or a name given
+    for one (`optimizer="rmsprop"`, a GAN's `d_optimizer="adam"`)."""
+    return isinstance(value, keras.optimizers.Optimizer) or (
+        isinstance(value, str) and key.endswith("optimizer"))
+
+
+def compiles_with_adam(subject):
+    """Whether every optimizer the model compiles with is Adam (AdamW is a
+    subclass); False for a model compiled without one."""
+    optimizers = [keras.optimizers.get(value) if isinstance(value, str) else value
+                  for key, value in subject.compile_kwargs().items() if _is_optimizer(key, value)]
+    return bool(optimizers) and all(isinstance(o, keras.optimizers.Adam) for o in optimizers)
+
+
+def adam_compile_kwargs(subject):
+    """The model's `compile_kwargs` with each optimizer replaced by a fresh
+    `Adam(1e-3)`."""
+    kwargs = subject.compile_kwargs()
+    replaced = {key: keras.optimizers.Adam(1e-3) for key, value in kwargs.items()
+                if _is_optimizer(key, value)}
+    if not replaced:
+        raise CheckFailed(f"no optimizer in compile_kwargs() ({sorted(kwargs)}) to replace by Adam")
+    return {**kwargs, **replaced}
 
 
 def _variables_of(model):
@@ -777,19 +836,25 @@ def _trained_difference(initial, expected, actual):
 
 
 def check_fit(name, how):
-    """`how`: "plugin_model" or "plugin_callback"."""
+    """`how`: one of `FITS` (see the module docstring)."""
     subject = Subject(name)
+    if how not in FITS:
+        raise ValueError(f"how must be one of {FITS}; got {how!r}")
 
     def run():
+        adam = how == "fit_adam"
+        if adam and compiles_with_adam(subject):
+            return NA, "compiles with Adam already: the other fit checks train with it"
         try:
-            reference = plain_fit(subject)
+            reference = plain_fit(subject, adam=adam)
         except Exception as error:  # noqa: BLE001 - reported, not raised
             return ERROR, f"plain Keras itself fails: {describe_error(error)}"
-        difference = compare_fits(reference, plugin_fit(subject, how), _initial[name])
+        run = plugin_fit(subject, how)
+        difference = compare_fits(reference, run, _initial[name])
         if difference:
             raise CheckFailed(difference)
         losses = ", ".join(f"{logs.get('loss', float('nan')):.4g}" for logs in reference.logs)
-        return PASS, f"{STEPS} steps equal (loss {losses})"
+        return PASS, f"{STEPS} steps equal (loss {losses})" + (f"; {run.note}" if run.note else "")
 
     return _run_check(name, how, run)
 
@@ -804,7 +869,7 @@ def check_model(name, checks=CHECKS):
         results["expand"], results["custom_left"] = check_expand(name)
     if "replace" in checks:
         results["replace"] = check_replace(name)
-    for how in ("plugin_model", "plugin_callback"):
+    for how in FITS:
         if how in checks:
             results[how] = check_fit(name, how)
     return [results[check] for check in CHECKS if check in results]
