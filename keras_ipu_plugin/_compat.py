@@ -498,6 +498,27 @@ def compile_arguments(model):
     return None if config is None else dict(config.config)
 
 
+# A `keras.Operation`'s own attributes that are Keras's bookkeeping, not
+# what the operation computes (see `copied_operation`).
+OPERATION_BOOKKEEPING = frozenset({
+    "name", "_inbound_nodes", "_outbound_nodes", "_auto_config", "_auto_config_error_args",
+    "_lock", "_remat_mode",
+})
+
+
+def copied_operation(operation):
+    """A new `keras.Operation` (not a layer) of `operation`'s class with its
+    attributes but none of its Keras nodes: the same `keras.ops` call made
+    again, for another block's graph (`frontend/replay.py`). Keras's
+    operations hold their arguments as plain attributes and change none of
+    them once made; the attributes are shared."""
+    new = object.__new__(type(operation))
+    vars(new).update(vars(operation))
+    new._inbound_nodes = []
+    new._outbound_nodes = []
+    return new
+
+
 def forget_nodes(layers):
     """Drop every Keras node recorded on `layers` (layers the plugin made
     for one trace, whose symbolic calls are kept only in the graph IR)."""

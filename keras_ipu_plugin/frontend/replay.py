@@ -2,136 +2,60 @@
 another block of the same kind.
 
 A model of 200 identical residual blocks would otherwise trace 200 `call`s
-that give the same graph up to which layer objects it calls; tracing is
-most of what converting and expanding such a model costs. Two calls are
-the same kind when their layers have the same `layer_signature` and their
-inputs the same shapes, dtypes and non-tensor arguments:
+that give the same graph up to which of the block's objects each node
+uses; tracing is most of what converting and expanding such a model costs.
+Two calls are of one kind when their blocks have the same signature
+(`signatures.block_signature`: class, attributes, sub-layers, weights'
+shapes, which objects are shared) and their inputs the same
+(`signatures.call_signature`: shapes, dtypes, Keras masks, which inputs are
+one value, the other arguments), under the same `training`. Their traces
+then differ only in the objects each node uses, and a replay makes each
+node again with the other block's counterpart (`objects`, position for
+position):
 
-- a user-written layer: its class, its plain attributes (numbers, strings,
-  tuples, lists and dicts of them, functions by identity), its dtype
-  policy and trainable flag, and those of its sub-layers and variables,
-  recursively; its name and Keras's own bookkeeping are left out;
-- one of Keras's layers: its class, its config without the name, and the
-  shapes of its weights.
+- a sub-layer call: the other block's sub-layer;
+- a variable read (`VariableRead`): the read of the other block's variable
+  (the graph's one read layer for it, `ReadLayers`);
+- a random draw (`RandomDraw`): the same draw from the other block's own
+  seed generator (an int seed, or None, as it is);
+- a `keras.ops` operation or a TensorFlow function (`TFFunction`), batch
+  sized or not: a new operation with the same arguments;
+- a held constant (`HeldConstant`): a new one holding the same values;
 
-An attribute of any other kind (a NumPy array, an object of the user's)
-makes the layer's signature unknown, and its calls are traced every time.
-A template is kept only where every node of the trace calls a sub-layer of
-the traced layer (no `keras.ops` operation, read or held constant, whose
-objects a replay would have to copy, no opaque node, and no Keras mask on
-its inputs or its values): replaying it calls the other block's sub-layer
-at the same place among its layers.
+and each value's Keras mask points at the counterpart of its mask. The
+check is made on the trace: a template is kept only where every node is
+one of those, reads no object but the block's own (a layer made inside
+`call`, a module-level layer, a sub-layer kept whole as opaque: the call is
+traced every time), holds only plain data in its other arguments, and
+where the block's signature is the same after tracing it as before (a
+`call` that changes its block is traced every time).
 
 Example:
     >>> templates = CallTemplates()
-    >>> replayed = templates.replay(node)          # None: not seen yet
-    >>> templates.record(node, new_nodes, outputs)  # after tracing it
+    >>> replayed = templates.replay(node, reads)          # None: not seen yet
+    >>> templates.record(node, new_nodes, outputs, reads)  # after tracing it
 """
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.signatures import PLAIN
+from keras_ipu_plugin.frontend.signatures import Unknown
+from keras_ipu_plugin.frontend.signatures import block_signature
+from keras_ipu_plugin.frontend.signatures import call_signature
+from keras_ipu_plugin.frontend.signatures import frozen_tensor_arguments
+from keras_ipu_plugin.frontend.signatures import layer_signature
+from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.ir.graph import values_in
-from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
-
-
-class _Unknown(Exception):
-    """The signature cannot be told from what is cheap to compare."""
-
-
-_PLAIN = (bool, int, float, complex, str, bytes, type(None))
-_FUNCTION_TYPES = (type(len), type(lambda: None))
-# Keras's own attributes of every layer: the same for blocks of one kind,
-# or not read by `call` (node lists, trackers, the name and path); less
-# `_COMPARED` (see `_skipped`).
-_SKIPPED = None
-# Of those, the ones a `call` (or its recorded nodes) depends on.
-_COMPARED = ("_dtype_policy", "_trainable", "autocast", "built", "_supports_masking")
-
-
-def layer_signature(layer):
-    """A hashable summary of what `layer.call` depends on besides its
-    inputs (see the module docstring), or None when not known.
-
-    Example:
-        >>> layer_signature(model.blocks[0]) == layer_signature(model.blocks[1])
-        True
-    """
-    try:
-        return _signature(layer)
-    except (_Unknown, TypeError):  # TypeError: an unhashable value
-        return None
-
-
-def _signature(layer):
-    if not layer.built:
-        raise _Unknown  # building it may still change it
-    cls = type(layer)
-    weights = tuple(map(_compat.variable_signature, layer.weights))
-    if (cls.__module__ or "").split(".")[0] in LIBRARY_PACKAGES:
-        return (cls, _library_config(layer), weights, layer.dtype_policy.name,
-                layer.trainable)
-    skipped = _skipped()
-    items = tuple(
-        (name, _value_signature(value)) for name, value in vars(layer).items()
-        if name not in skipped and not name.startswith("_self_")
-    )
-    return (cls, items, weights)
-
-
-def _library_config(layer):
-    """A Keras layer's constructor arguments (cheap), else its config."""
-    for config in (_compat.constructor_config(layer), None):
-        try:
-            config = dict(layer.get_config()) if config is None else config
-            config.pop("name", None)
-            return _frozen(config)
-        except TypeError:  # an argument that cannot be hashed: the full config
-            continue
-    raise _Unknown
-
-
-def _skipped():
-    """The attribute names a signature leaves out: Keras's own but those
-    in `_COMPARED`."""
-    global _SKIPPED
-    if _SKIPPED is None:
-        _SKIPPED = (frozenset(vars(keras.layers.Layer(name="kip_bare"))) | {
-            "_auto_config", "_build_shapes_dict", "build", "quantize",
-            "_call_signature", "call_signature_parameters", "_called",
-            "_convert_input_args", "_allow_non_tensor_positional_args",
-        }) - frozenset(_COMPARED)
-    return _SKIPPED
-
-
-def _value_signature(value):
-    if isinstance(value, _PLAIN):
-        return (type(value), value)
-    if isinstance(value, keras.layers.Layer):
-        return ("layer", _signature(value))
-    if isinstance(value, keras.Variable):
-        return ("variable", *_compat.variable_signature(value))
-    if isinstance(value, keras.DTypePolicy):
-        return ("policy", value.name)
-    if isinstance(value, dict):
-        return ("dict", tuple((key, _value_signature(item)) for key, item in value.items()))
-    if isinstance(value, (list, tuple)):
-        return ("sequence", tuple(_value_signature(item) for item in value))
-    if isinstance(value, _FUNCTION_TYPES):
-        return ("function", value)
-    raise _Unknown
-
-
-def _frozen(config):
-    if isinstance(config, dict):
-        return tuple((key, _frozen(item)) for key, item in config.items())
-    if isinstance(config, (list, tuple)):
-        return tuple(_frozen(item) for item in config)
-    hash(config)
-    return config
+from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.runtime.random_draws import RandomDraw
+from keras_ipu_plugin.runtime.reads import HeldConstant
+from keras_ipu_plugin.runtime.reads import VariableRead
+from keras_ipu_plugin.runtime.tf_function import TFFunction
 
 
 def output_specs_key(layer, args, kwargs, training):
@@ -147,35 +71,76 @@ def output_specs_key(layer, args, kwargs, training):
     if signature is None:
         return None
     try:
-        return (signature, _frozen_arguments((args, kwargs)), training)
-    except (_Unknown, TypeError):
+        return (signature, frozen_tensor_arguments((args, kwargs)), training)
+    except (Unknown, TypeError):
         return None
 
 
-def _arguments_signature(node):
-    """The shapes and dtypes of the node's input Values, and its other
-    arguments as they are (None when one of those is not plain data)."""
-    try:
-        return _frozen_arguments((node.args, node.kwargs))
-    except (_Unknown, TypeError):
+class CallTemplates:
+    """Traced calls by kind (see the module docstring), for one expansion.
+
+    `traced` / `replayed` count the calls each way (what the tests check).
+    """
+
+    def __init__(self):
+        self._templates = {}  # kind -> _Template, or None: traced each time
+        self._before = {}  # node -> its kind, read before it was traced
+        self.traced = 0
+        self.replayed = 0
+
+    def replay(self, node, reads):
+        """`(new nodes, flat outputs)` for the call at `node`, replayed from
+        a recorded call of the same kind; None when there is none (trace it,
+        then `record`). `reads`: the graph's `ReadLayers`."""
+        signed = _kind(node)
+        if signed is None:
+            return None
+        key, objects, inputs = signed
+        try:
+            template = self._templates.get(key)
+        except TypeError:  # an unhashable value in the key
+            return None
+        if template is None:
+            self._before[node] = signed
+            return None
+        if len(template.outputs) != len(node.outputs):
+            return None  # traced, it says why (`inline._trace`)
+        self.replayed += 1
+        return template.replay(node, objects, inputs, reads)
+
+    def record(self, node, new_nodes, outputs, reads):
+        """Keep the trace of the call at `node` (`new_nodes`, its flat
+        `outputs`) for calls of the same kind, where it can be replayed."""
+        self.traced += 1
+        before = self._before.pop(node, None)
+        if before is None:
+            return
+        key, objects, inputs = before
+        if key in self._templates:
+            return
+        after = _kind(node)
+        if after is None or after[0] != key or any(
+                a is not b for a, b in zip(after[1], objects)):
+            # Tracing changed the block (its attributes, a sub-layer): a
+            # replay would not change the next one alike.
+            self._templates[key] = None
+            return
+        try:
+            self._templates[key] = _Template(node, objects, inputs, new_nodes, outputs, reads)
+        except (Unknown, KeyError):  # KeyError: a value not from this call
+            self._templates[key] = None  # traced each time
+
+
+def _kind(node):
+    """`(key, the block's objects, the call's input Values)`, or None."""
+    block = block_signature(node.operation)
+    if block is None:
         return None
-
-
-def _frozen_arguments(structure):
-    def frozen(item):
-        if isinstance(item, Value):
-            return ("value", tuple(item.spec.shape), item.spec.dtype)
-        if isinstance(item, keras.KerasTensor):
-            return ("tensor", tuple(item.shape), item.dtype, item.sparse, item.ragged)
-        if isinstance(item, _PLAIN):
-            return (type(item), item)
-        if isinstance(item, dict):
-            return ("dict", tuple((key, frozen(child)) for key, child in item.items()))
-        if isinstance(item, (list, tuple)):
-            return (type(item).__name__, tuple(frozen(child) for child in item))
-        raise _Unknown
-
-    return frozen(structure)
+    call = call_signature(node)
+    if call is None:
+        return None
+    (block_key, objects), (call_key, inputs) = block, call
+    return (block_key, call_key, node.training), objects, inputs
 
 
 class _Ref:
@@ -189,100 +154,170 @@ class _Ref:
 
 
 class _Template:
-    """One traced call, by position: each node as (index of its layer among
-    the traced layer's layers, its arguments with Values as references,
-    its training mode, its output specs)."""
+    """One traced call, node by node: how to make its operation for another
+    block (`_maker`), its arguments with Values as `_Ref`s, its name after
+    the call's prefix, training mode, output specs and structure; and each
+    output's Keras mask as a `_Ref`."""
 
-    def __init__(self, layer, inputs, nodes, outputs):
-        index = {id(sub): i for i, sub in enumerate(_compat.all_layers(layer))}
+    def __init__(self, node, objects, inputs, new_nodes, outputs, reads):
+        layer, prefix = node.operation, node.name + "."
+        index = {}
+        for position, item in enumerate(objects):
+            index.setdefault(id(item), position)
         where = {value: _Ref(None, i) for i, value in enumerate(inputs)}
-        self.steps = []
-        for position, node in enumerate(nodes):
-            if (id(node.operation) not in index or node.opaque_reason
-                    or node.made_by_pass or node.operation is layer
-                    # Keras masks are kept out of templates: a replay would
-                    # have to point them at the other call's values.
-                    or any(value.mask is not None for value in node.outputs)):
-                raise _Unknown
-            refer = lambda value: where[value]  # noqa: E731 - KeyError: not from here
+        refer = where.__getitem__  # KeyError: a value not from this call
+        self.steps, masks = [], []
+        for position, new in enumerate(new_nodes):
+            if not new.name.startswith(prefix) or new.meta != _PLAIN_META:
+                raise Unknown  # an opaque sub-layer, or a node named otherwise
+            args, kwargs = map_values(refer, new.args), map_values(refer, new.kwargs)
+            _check_constants((args, kwargs))
             self.steps.append((
-                index[id(node.operation)],
-                map_values(refer, node.args), map_values(refer, node.kwargs),
-                node.training, [value.spec for value in node.outputs],
-                node.output_structure,
+                _maker(new, layer, index, reads), new.name[len(prefix):],
+                args, kwargs, new.training, [value.spec for value in new.outputs],
+                new.output_structure,
             ))
-            for output_index, value in enumerate(node.outputs):
+            for output_index, value in enumerate(new.outputs):
                 where[value] = _Ref(position, output_index)
-        self.outputs = [where[value] for value in outputs]
-        self.size = len(index)
+        for position, new in enumerate(new_nodes):
+            for output_index, value in enumerate(new.outputs):
+                if value.mask is not None:
+                    mask = UNTRACED_MASK if value.mask is UNTRACED_MASK else refer(value.mask)
+                    masks.append((position, output_index, mask))
+        self.masks = masks
+        self.outputs = [refer(value) for value in outputs]
 
-    def replay(self, layer, inputs):
-        layers = _compat.all_layers(layer)
-        if len(layers) != self.size:
-            return None
+    def replay(self, node, objects, inputs, reads):
+        layer, prefix = node.operation, node.name + "."
         made = []
 
         def resolve(ref):
             return inputs[ref.index] if ref.node is None else made[ref.node].outputs[ref.index]
 
-        for layer_index, args, kwargs, training, specs, structure in self.steps:
-            operation = layers[layer_index]
-            node = Node(operation.name, operation,
-                        _resolve_nest(resolve, args), _resolve_nest(resolve, kwargs),
-                        output_structure=structure, training=training)
-            node.outputs = [Value(node, index, spec) for index, spec in enumerate(specs)]
-            made.append(node)
-        return made, [resolve(reference) for reference in self.outputs]
+        for make, suffix, args, kwargs, training, specs, structure in self.steps:
+            name = prefix + suffix
+            new = Node(name, make(objects, layer, name, reads),
+                       _resolved(resolve, args), _resolved(resolve, kwargs),
+                       output_structure=structure, training=training)
+            new.outputs = [Value(new, i, spec) for i, spec in enumerate(specs)]
+            made.append(new)
+        for position, output_index, mask in self.masks:
+            made[position].outputs[output_index].mask = (
+                mask if mask is UNTRACED_MASK else resolve(mask))
+        return made, [resolve(ref) for ref in self.outputs]
 
 
-def _resolve_nest(resolve, structure):
+_PLAIN_META = Node("", None, (), {}, None).meta  # what a traced node starts with
+
+
+def _maker(node, layer, index, reads):
+    """`make(objects, layer, name, reads)`: the operation of a node like
+    `node` (of the trace of `layer`) for the block whose objects are
+    `objects`, named `name`. Raises `Unknown` for a node it cannot make."""
+    operation = node.operation
+    own = index.get(id(operation))
+    if own is not None:
+        if own == 0 or not isinstance(operation, keras.layers.Layer):
+            raise Unknown  # the block calling itself
+        return lambda objects, layer, name, reads: objects[own]
+    if isinstance(operation, VariableRead):
+        place = index.get(id(operation.variable))
+        if place is None or not reads.gives(operation, operation.variable, like=layer):
+            raise Unknown  # not a variable of the block, or not read as it reads
+        return lambda objects, layer, name, reads: reads.variable_read(
+            objects[place], like=layer, name=name)
+    if isinstance(operation, HeldConstant):
+        if operation.name != node.name:
+            raise Unknown
+        value = operation.value
+        return lambda objects, layer, name, reads: HeldConstant(value, name=name)
+    if isinstance(operation, RandomDraw):
+        return _draw_maker(operation, index)
+    if isinstance(operation, BatchSizedOperation):
+        inner = _operation_maker(operation.operation)
+        attributes, multiples = operation.attributes, dict(operation.multiples)
+        op_name = operation.name  # renamed after its node once inlined
+        return lambda objects, layer, name, reads: BatchSizedOperation(
+            inner(), attributes, multiples=multiples, name=op_name)
+    if isinstance(operation, keras.layers.Layer):
+        raise Unknown  # a layer not the block's (made in `call`, a global, opaque)
+    make = _operation_maker(operation)
+    return lambda objects, layer, name, reads: make()
+
+
+def _draw_maker(draw, index):
+    seed = draw.seed_generator
+    if isinstance(seed, keras.random.SeedGenerator):
+        place = index.get(id(seed))
+        if place is None:
+            raise Unknown  # a generator not the block's own
+        seed_of = lambda objects: objects[place]  # noqa: E731
+    elif seed is None or (isinstance(seed, int) and not isinstance(seed, bool)):
+        seed_of = lambda objects: seed  # noqa: E731
+    else:
+        raise Unknown
+    fields = (draw.distribution, draw.draw_shape, dict(draw.arguments), draw.draw_dtype,
+              draw.name)
+
+    def make(objects, layer, name, reads):
+        distribution, shape, arguments, dtype, draw_name = fields
+        return RandomDraw(distribution, shape, dict(arguments), seed=seed_of(objects),
+                          draw_dtype=dtype, name=draw_name)
+
+    return make
+
+
+def _operation_maker(operation):
+    """`make()`: a new operation like `operation` (a `keras.ops` one or a
+    `TFFunction`), as it is now (it is renamed after its node later)."""
+    if isinstance(operation, keras.layers.Layer):
+        raise Unknown
+    if isinstance(operation, TFFunction):
+        function, name = operation.function, operation.name
+        return lambda: TFFunction(function, name=name)
+    module = type(operation).__module__ or ""
+    if not module.startswith(_compat.KERAS_OPERATION_MODULES):
+        raise Unknown  # a user's operation may hold anything
+    for attribute, value in vars(operation).items():
+        if attribute not in _compat.OPERATION_BOOKKEEPING:
+            _check_constants(value)
+    prototype = _compat.copied_operation(operation)  # keeps its name as now
+    return lambda: _compat.copied_operation(prototype)
+
+
+_CONSTANTS = PLAIN + (slice, type(Ellipsis), np.ndarray, np.generic, np.dtype, tf.DType)
+
+
+def _check_constants(structure):
+    """Raise `Unknown` unless every leaf of `structure` other than a `_Ref`
+    is data two blocks' nodes may share (numbers, strings, slices, arrays,
+    TensorFlow constants), never an object of a block."""
+    if isinstance(structure, _Ref) or isinstance(structure, _CONSTANTS):
+        return
+    if isinstance(structure, (list, tuple)):
+        for item in structure:
+            _check_constants(item)
+        return
+    if isinstance(structure, dict):
+        for key, item in structure.items():
+            _check_constants(key)
+            _check_constants(item)
+        return
+    if isinstance(structure, tf.Tensor) and not isinstance(structure, keras.KerasTensor):
+        return  # a concrete tensor (not a variable: those fail the trace)
+    raise Unknown
+
+
+def _resolved(resolve, structure):
     if isinstance(structure, _Ref):
         return resolve(structure)
     if isinstance(structure, dict):
-        return {key: _resolve_nest(resolve, item) for key, item in structure.items()}
+        return {key: _resolved(resolve, item) for key, item in structure.items()}
     if isinstance(structure, tuple) and hasattr(structure, "_fields"):
-        return type(structure)(*(_resolve_nest(resolve, item) for item in structure))
+        return type(structure)(*(_resolved(resolve, item) for item in structure))
     if isinstance(structure, (list, tuple)):
-        return type(structure)(_resolve_nest(resolve, item) for item in structure)
+        return type(structure)(_resolved(resolve, item) for item in structure)
     return structure
 
 
-class CallTemplates:
-    """Traced calls by kind (see the module docstring), for one expansion."""
-
-    def __init__(self):
-        self._templates = {}
-
-    def _key(self, node):
-        signature = layer_signature(node.operation)
-        if signature is None:
-            return None
-        arguments = _arguments_signature(node)
-        if arguments is None:
-            return None
-        if any(value.mask is not None for value in node.input_values):
-            # `call` is handed the masks its inputs carry (see
-            # `passes.inline`): such a call is traced every time.
-            return None
-        return (signature, arguments, node.training)
-
-    def replay(self, node):
-        """`(new nodes, flat outputs)` for the call at `node`, replayed from
-        a recorded call of the same kind; None when there is none."""
-        key = self._key(node)
-        template = self._templates.get(key) if key is not None else None
-        if template is None:
-            return None
-        return template.replay(node.operation, values_in((node.args, node.kwargs)))
-
-    def record(self, node, new_nodes, outputs):
-        """Keep the trace of the call at `node` (`new_nodes`, its flat
-        `outputs`) for calls of the same kind, where it can be replayed."""
-        key = self._key(node)
-        if key is None or key in self._templates:
-            return
-        try:
-            self._templates[key] = _Template(
-                node.operation, values_in((node.args, node.kwargs)), new_nodes, outputs)
-        except (_Unknown, KeyError):
-            self._templates[key] = None  # traced each time
+__all__ = ["CallTemplates", "layer_signature", "output_specs_key"]

@@ -70,7 +70,8 @@ def inline_call(graph, node, report, reads, templates):
     # so one following the block's `training` gets the block's pinned value.
     training = node.training if node.training in (True, False) else None
     agnostic = training is None and training_agnostic(layer)
-    traced = templates.replay(node) or _trace(graph, node, report, reads, templates, agnostic)
+    traced = templates.replay(node, reads) or _trace(graph, node, report, reads, templates,
+                                                     agnostic)
     if traced is None:
         return None
     new_nodes, outputs = traced
@@ -188,7 +189,7 @@ def _trace(graph, node, report, reads, templates, agnostic):
             f"`call` traced to {len(outputs)} outputs but the layer "
             f"produced {len(node.outputs)}"
         ), report)
-    templates.record(node, new_nodes, outputs)
+    templates.record(node, new_nodes, outputs, reads)
     return new_nodes, outputs
 
 

@@ -296,6 +296,17 @@ class ReadLayers:
     def layers(self):
         return [read for _, read in self._layers.values()]
 
+    def gives(self, read, variable, like):
+        """Whether `read` is the layer `variable_read(variable, like=like)`
+        gives (asking makes nothing).
+
+        Example:
+            >>> reads.gives(node.operation, layer.scale, like=layer)
+            True
+        """
+        entry = self._layers.get(_key(variable, like))
+        return entry is not None and entry[1] is read
+
 
 def _key(variable, layer):
     return (id(variable), layer.dtype_policy.name, bool(layer.autocast), bool(layer.trainable))
