@@ -417,3 +417,31 @@ def test_a_loaded_switch_refuses_a_body_of_another_module(tmp_path):
         ModeSwitch.from_config(saved(outputs={"training": ["0"], "inference": [0]}))
     with pytest.raises(kip.LoadError, match="none_means"):
         ModeSwitch.from_config(saved(none_means="sometimes"))
+
+
+class SharedDropPath(keras.Model):
+    """One stochastic depth layer at two call sites (one seed generator)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.drop_path = StochasticDepth(0.3)
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        x = self.stem(x)
+        x = x + self.drop_path(x, training=training)
+        x = x + self.drop_path(x, training=training)
+        return self.head(x)
+
+
+def test_saving_refuses_a_seed_generator_two_switches_share(tmp_path):
+    keras.utils.set_random_seed(3)
+    model = SharedDropPath()
+    x, _ = _data()
+    model(x[:2])
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert len(_switches(expanded.kip_graph)) == 2
+    _outputs_in_every_mode(model, expanded, x)  # in memory: one generator, as in Keras
+    with pytest.raises(ValueError, match="seed_generator.*used by the modes of `drop_path"):
+        expanded.save(str(tmp_path / "m.keras"))

@@ -295,6 +295,9 @@ class KipFunctional(_compat.Functional):
     def get_config(self):
         # `keras.saving.save_model(model, "m.h5")` does not go through `save`.
         refuse_hdf5(self)
+        from keras_ipu_plugin.runtime.mode_switch import refuse_state_shared_across_switches
+
+        refuse_state_shared_across_switches(self)
         config = super().get_config()
         config["kip_original_mask"] = self.kip_original_mask
         config["kip_pinned_training"] = dict(self.kip_pinned_training)
