@@ -84,7 +84,7 @@ class ModeSwitch(keras.layers.Layer):
         object.__setattr__(self, "branch_graphs", None)
         # One model per mode over the body's tensors, not tracked: the body
         # owns the layers (and the weights are saved once, under it).
-        object.__setattr__(self, "_mode_models", {
+        object.__setattr__(self, "kip_mode_models", {
             mode: self._model_of(mode) for mode in self.mode_outputs})
         self.built = True
 
@@ -123,7 +123,7 @@ class ModeSwitch(keras.layers.Layer):
 
     def mode_model(self, mode):
         """The functional model that computes `mode`'s outputs."""
-        return self._mode_models[mode]
+        return self.kip_mode_models[mode]
 
     # -- running --------------------------------------------------------------------
     def mode_for(self, training):
@@ -139,7 +139,7 @@ class ModeSwitch(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         mode = self.mode_for(training)
-        outputs = self._mode_models[mode](list(inputs), training=MODES[mode])
+        outputs = self.kip_mode_models[mode](list(inputs), training=MODES[mode])
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         return outputs[0] if len(outputs) == 1 else list(outputs)
 
@@ -182,42 +182,6 @@ class ModeSwitch(keras.layers.Layer):
         if not isinstance(config.get("body"), dict):
             saved_values.refuse(entry, "body", "a saved KipFunctional", config.get("body"))
         return cls(**config)
-
-
-def refuse_state_shared_across_switches(model):
-    """Raise `ValueError` before saving `model` where a variable (a weight,
-    a seed generator's state) is used both inside a switch and outside it,
-    or in two switches: each switch's body is saved as a model of its own,
-    so loading would make two variables of it, and the loaded model would
-    train (or draw) differently from the one saved. In memory it is one
-    variable, as in the original model.
-
-    Example:
-        >>> refuse_state_shared_across_switches(passed)   # before passed.save(...)
-    """
-    owners = {}
-
-    def claim(variable, owner):
-        known = owners.setdefault(id(variable), owner)
-        if known != owner:
-            raise ValueError(
-                f"`{model.name}` cannot be saved: the variable `{variable.path}` is used "
-                f"by {known} and by {owner}. A layer whose `call` branches on `training` "
-                "is held as one node with the graph of each mode, saved as a model of its "
-                "own: a variable it shares with the rest of the model (a layer or a seed "
-                "generator used at two call sites) would be loaded as two. Save the "
-                "weights (`save_weights`), or save the model before Expand.")
-
-    def visit(functional, owner):
-        for layer in functional.layers:
-            layer = getattr(layer, "aliased_layer", layer)
-            if isinstance(layer, ModeSwitch):
-                visit(layer.body, f"the modes of `{layer.name}`")
-                continue
-            for variable in layer.weights:
-                claim(variable, owner)
-
-    visit(model, f"`{model.name}` outside its layers' training modes")
 
 
 def _check_outputs(outputs, count, entry):
@@ -309,6 +273,5 @@ def branch_input_graph(nodes, input_values, outputs, input_specs, name):
     return Graph(list(input_specs), fresh, list(nodes), outputs, name=name)
 
 
-__all__ = ["MODES", "ModeSwitch", "branch_input_graph", "refuse_state_shared_across_switches",
-           "union_graph"]
+__all__ = ["MODES", "ModeSwitch", "branch_input_graph", "union_graph"]
 
