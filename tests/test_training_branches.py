@@ -445,3 +445,49 @@ def test_saving_refuses_a_seed_generator_two_switches_share(tmp_path):
     _outputs_in_every_mode(model, expanded, x)  # in memory: one generator, as in Keras
     with pytest.raises(ValueError, match="seed_generator.*used by the modes of `drop_path"):
         expanded.save(str(tmp_path / "m.keras"))
+
+
+def _public_drop_path(which):
+    """Stochastic depth as public libraries write it: keras_hub 0.32's
+    `DropPath` (Swin, `if self.drop_prob == 0.0 or not training: return x`)
+    and keras.applications' ConvNeXt `StochasticDepth` (unseeded: Keras's
+    global generator)."""
+    if which == "keras_hub":
+        module = pytest.importorskip("keras_hub.src.models.swin_transformer.swin_transformer_layers")
+        return module.DropPath(0.3, seed=5)
+    module = pytest.importorskip("keras.src.applications.convnext")
+    return module.StochasticDepth(0.3)
+
+
+class PublicDropPathNet(keras.Model):
+    def __init__(self, drop, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.drop = drop
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        x = self.stem(x)
+        return self.head(x + self.drop(x, training=training))
+
+
+@pytest.mark.parametrize("which", ["keras_hub", "convnext"])
+def test_public_drop_path_layers_expand_and_train_as_plain_keras(which):
+    x, y = _data(24)
+    weights = {}
+    for how in ("plain", "plugin"):
+        keras.utils.set_random_seed(11)
+        model = PublicDropPathNet(_public_drop_path(which))
+        model(x[:2])
+        trained = model
+        if how == "plugin":
+            trained = kip.PluginModel(model, passes=[Expand("all")])
+            trained.convert(x[:8])
+            assert [n.name for n in _switches(trained.converted.kip_graph)] == ["drop"]
+            assert not trained.converted.kip_report.opaque
+        trained.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        keras.utils.set_random_seed(7)
+        trained.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        weights[how] = [v.numpy() for v in model.trainable_weights]
+    for expected, actual in zip(weights["plain"], weights["plugin"]):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
