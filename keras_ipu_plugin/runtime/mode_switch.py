@@ -32,6 +32,7 @@ Example:
 """
 
 import keras
+import numpy as np
 
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
@@ -113,12 +114,11 @@ class ModeSwitch(keras.layers.Layer):
 
         body = self.body
         outputs = [body.outputs[i] for i in self.mode_outputs[mode]]
-        by_name = {name: path for path, name in self.paths.get(mode, {}).items()}
         return KipFunctional(
             body.inputs, outputs, name=f"{self.name}.{mode}",
             kip_pinned_training=body.kip_pinned_training,
             kip_annotations=body.kip_annotations,
-            kip_layer_paths={path: name for name, path in by_name.items()},
+            kip_layer_paths=dict(self.paths.get(mode, {})),
         )
 
     def mode_model(self, mode):
@@ -130,7 +130,7 @@ class ModeSwitch(keras.layers.Layer):
         """The mode a call with this `training` value runs."""
         if training is None:
             return self.none_means
-        if isinstance(training, bool):
+        if isinstance(training, (bool, np.bool_)):
             return "training" if training else "inference"
         raise TypeError(
             f"`{self.name}` stands for `{self.of_layer or self.name}`, whose `call` "
