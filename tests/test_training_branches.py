@@ -307,15 +307,29 @@ def test_verification_catches_a_wrong_mode(name):
         check_equivalent(model, planted, x)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_plugin_model_with_expand_trains_as_plain_keras(name):
+TRAINED_PASSES = {
+    "expand": lambda: [Expand("all")],
+    # A checkpoint after the switch whose training mode draws: the
+    # recomputation must draw the very same mask.
+    "recompute_switch": lambda: [Expand("all"), Recompute(["depth_1", "depth_2"])],
+    "recompute_inside": lambda: [Recompute(["blocks.0.two.norm", "blocks.1.drop_path"])],
+    "recompute_auto": lambda: [Expand("all"), Recompute(auto=True)],
+}
+
+
+@pytest.mark.parametrize("name, passes", [
+    *[(name, "expand") for name in sorted(MODELS)],
+    ("stochastic_depth", "recompute_switch"), ("nested", "recompute_inside"),
+    ("nested", "recompute_auto"),
+])
+def test_plugin_model_with_expand_trains_as_plain_keras(name, passes):
     x, y = _data(24)
     weights = {}
     for how in ("plain", "plugin"):
         model = _built(name, seed=11)
         trained = model
         if how == "plugin":
-            trained = kip.PluginModel(model, passes=[Expand("all")])
+            trained = kip.PluginModel(model, passes=TRAINED_PASSES[passes]())
             trained.convert(x[:8])
             assert _switches(trained.converted.kip_graph)
         trained.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")

@@ -342,7 +342,7 @@ def refuse_state_shared_across_switches(model):
             if _is_mode_switch(layer):
                 visit(layer.body, f"the modes of `{layer.name}`")
                 continue
-            for variable in layer.weights:
+            for variable in layer.variables:  # seed generators' states too
                 claim(variable, owner)
 
     visit(model, f"`{model.name}` outside its layers' training modes")
