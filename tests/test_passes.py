@@ -581,8 +581,9 @@ def test_untraceable_layers_stay_opaque_and_are_reported():
         )
 
 
-class BranchOfAnotherDtype(layers.Layer):
-    """Its two modes return other dtypes: no one node can stand for both."""
+class BranchOfAnotherShape(layers.Layer):
+    """Its two modes return tensors of other shapes: no one node can stand
+    for both."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -591,32 +592,31 @@ class BranchOfAnotherDtype(layers.Layer):
     def call(self, x, training=None):
         if training:
             return self.dense(x)
-        return keras.ops.cast(self.dense(x), "float16")
+        return keras.ops.concatenate([self.dense(x), x], axis=-1)
 
 
-class WithDtypeBranch(keras.Model):
+class WithShapeBranch(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.branch = BranchOfAnotherDtype(name="branch")
-        self.head = layers.Dense(1, name="head")
+        self.branch = BranchOfAnotherShape(name="branch")
 
     def call(self, x, training=None):
-        return self.head(self.branch(x, training=training))
+        return keras.ops.sum(self.branch(x, training=training), axis=-1, keepdims=True)
 
 
 def test_a_layer_branching_on_training_stays_whole_naming_the_line_that_branches():
     # The reason listed the operations called in one mode only, not the
     # line of the user's code to look at (keras_hub's DropPath in Swin / MiT).
     # Most such layers become a ModeSwitch now; one whose modes return
-    # other dtypes still stays whole.
+    # other shapes still stays whole.
     import inspect
 
-    model, x = WithDtypeBranch(name="parts"), _rand(2, 3)
+    model, x = WithShapeBranch(name="parts"), _rand(2, 3)
     model(x)
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     reason = passed.kip_report.opaque["branch"]
-    assert "float16" in reason and "float32" in reason, reason
-    source, first = inspect.getsourcelines(BranchOfAnotherDtype.call)
+    assert "(None, 3)" in reason and "(None, 6)" in reason, reason
+    source, first = inspect.getsourcelines(BranchOfAnotherShape.call)
     line = first + next(i for i, text in enumerate(source) if "if training:" in text)
     assert f"test_passes.py:{line}: if training:" in reason, reason
     assert "runs whole" in reason
