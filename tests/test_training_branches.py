@@ -264,6 +264,11 @@ def test_both_modes_hold_the_layers_each_calls():
                  for mode, graph in switch.operation.branch_graphs.items()}
     assert id(model.two.norm) in layers_in["training"] & layers_in["inference"]
     assert len(expanded.trainable_variables) == len(model.trainable_variables)
+    # Layers inside the modes are found by path.
+    assert expanded.kip_layer("two.train_path") is model.two.train_path
+    assert expanded.kip_layer("two.infer_path") is model.two.infer_path
+    with pytest.raises(TypeError, match="Python True / False / None"):
+        switch.operation.mode_for(keras.ops.convert_to_tensor(True))
 
 
 def test_none_that_computes_a_third_thing_is_a_mode_of_its_own():
