@@ -293,7 +293,7 @@ def test_stochastic_depth_draws_only_in_training_as_keras_does():
     assert not np.array_equal(seed.numpy(), before)
 
 
-@pytest.mark.parametrize("name", ["stochastic_depth", "two_ways", "nested"])
+@pytest.mark.parametrize("name", ["stochastic_depth", "two_ways"])
 def test_verification_catches_a_wrong_mode(name):
     model = _built(name)
     x, _ = _data()
