@@ -29,6 +29,7 @@ from keras_ipu_plugin.runtime.alias import LayerAlias
 from keras_ipu_plugin.runtime.backends import backend
 from keras_ipu_plugin.passes.ipu_presets import ipu_replacements
 from keras_ipu_plugin.runtime.functional import KipFunctional
+from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.runtime.opaque import OpaqueLayer
 from keras_ipu_plugin.training.callback import PluginCallback
 from keras_ipu_plugin.training.dynamic import NewVariablesError
@@ -38,7 +39,7 @@ from keras_ipu_plugin.training.scope import scope_report
 
 __all__ = [
     "ConfigError", "ConversionError", "Converter", "InputDataError", "InputTypeError",
-    "IpuError", "KipFunctional", "LayerAlias", "LoadError", "NewVariablesError", "OpaqueLayer", "PassError",
+    "IpuError", "KipFunctional", "LayerAlias", "LoadError", "ModeSwitch", "NewVariablesError", "OpaqueLayer", "PassError",
     "PluginCallback", "PluginModel", "Report", "apply_passes", "backend", "create_feature_extractor",
     "convert_to_functional", "ipu_replacements", "passes", "passes_from_config",
     "register_layer", "scope", "scope_report", "summary",

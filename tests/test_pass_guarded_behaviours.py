@@ -15,7 +15,7 @@ suite still passed. Each test here fails when its behaviour breaks:
   pass;
 - a block called with a pinned `training` passes it to the sub-layers that
   follow it, through Expand;
-- a model whose own `call` branches on `training` converts to one opaque
+- a model whose own `call` branches on `training` converts to one ModeSwitch
   node that behaves like the model in both modes and trains like it;
 - losses added inside outlined layers (activity regularizers, `add_loss`)
   keep their value and gradient, and an outlined body traced in training is
@@ -476,16 +476,19 @@ def _branching_twin():
     return model
 
 
-def test_model_branching_on_training_converts_to_one_opaque_node_with_the_reason():
-    # The README: a `call` that cannot be captured as one graph is kept as
-    # one opaque node that runs the original code; the report says why.
+def test_model_branching_on_training_converts_to_one_node_holding_both_modes():
+    # A model whose own `call` branches on `training` in Python is one
+    # `ModeSwitch` node holding the graph of each mode (issue 22; it was
+    # one opaque node running the original code).
     x = _rand(16, 4)
     model = _branching_twin()
     converted = kip.convert_to_functional(model, x)
     nodes = converted.kip_graph.nodes
-    assert len(nodes) == 1 and isinstance(nodes[0].operation, kip.OpaqueLayer)
-    assert "branches on `training`" in nodes[0].opaque_reason
-    assert "branches on `training`" in str(converted.kip_report)
+    assert len(nodes) == 1 and isinstance(nodes[0].operation, kip.ModeSwitch)
+    assert not nodes[0].opaque_reason and not converted.kip_report.opaque
+    branches = nodes[0].operation.branch_graphs
+    assert [n.name for n in branches["training"].nodes] == ["dense", "dropout", "head"]
+    assert [n.name for n in branches["inference"].nodes] == ["dense", "head"]
     np.testing.assert_allclose(converted(x, training=False), model(x, training=False))
     seed = model.dropout.seed_generator.state
     start = seed.numpy()

@@ -519,7 +519,8 @@ def test_expand_does_not_change_the_converted_model():
 
 
 class TrainingBranch(layers.Layer):
-    """`call` branches on `training` in Python: one graph cannot hold it."""
+    """`call` branches on `training` in Python: Expand makes it one
+    `ModeSwitch` node holding the graph of each mode."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -564,13 +565,14 @@ def test_untraceable_layers_stay_opaque_and_are_reported():
     conv = kip.convert_to_functional(model, x)
     passed = kip.apply_passes(conv, [Expand()])
     graph = passed.kip_graph
-    assert graph.node("branch").operation is model.branch
-    assert "training" in graph.node("branch").opaque_reason
+    # Branching on `training` is held as one node of both modes (issue 22).
+    assert isinstance(graph.node("branch").operation, kip.ModeSwitch)
+    assert not graph.node("branch").opaque_reason
     assert graph.node("scaled").operation is model.scaled
     assert "variable" in graph.node("scaled").opaque_reason
-    assert set(passed.kip_report.opaque) == {"branch", "scaled"}
+    assert set(passed.kip_report.opaque) == {"scaled"}
     text = str(passed.kip_report)
-    assert "branch" in text and "kept as one node" in text
+    assert "scaled" in text and "kept as one node" in text
     # The opaque layers still follow `training` and share their variables.
     kip.frontend.verify.check_equivalent(model, passed, x)
     for training in (True, False):
@@ -579,16 +581,42 @@ def test_untraceable_layers_stay_opaque_and_are_reported():
         )
 
 
+class BranchOfAnotherShape(layers.Layer):
+    """Its two modes return tensors of other shapes: no one node can stand
+    for both."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3, name="dense")
+
+    def call(self, x, training=None):
+        if training:
+            return self.dense(x)
+        return keras.ops.concatenate([self.dense(x), x], axis=-1)
+
+
+class WithShapeBranch(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.branch = BranchOfAnotherShape(name="branch")
+
+    def call(self, x, training=None):
+        return keras.ops.sum(self.branch(x, training=training), axis=-1, keepdims=True)
+
+
 def test_a_layer_branching_on_training_stays_whole_naming_the_line_that_branches():
     # The reason listed the operations called in one mode only, not the
     # line of the user's code to look at (keras_hub's DropPath in Swin / MiT).
+    # Most such layers become a ModeSwitch now; one whose modes return
+    # other shapes still stays whole.
     import inspect
 
-    model, x = WithOpaqueParts(name="parts"), _rand(2, 3)
+    model, x = WithShapeBranch(name="parts"), _rand(2, 3)
     model(x)
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     reason = passed.kip_report.opaque["branch"]
-    source, first = inspect.getsourcelines(TrainingBranch.call)
+    assert "(None, 3)" in reason and "(None, 6)" in reason, reason
+    source, first = inspect.getsourcelines(BranchOfAnotherShape.call)
     line = first + next(i for i, text in enumerate(source) if "if training:" in text)
     assert f"test_passes.py:{line}: if training:" in reason, reason
     assert "runs whole" in reason

@@ -264,6 +264,11 @@ def test_both_modes_hold_the_layers_each_calls():
                  for mode, graph in switch.operation.branch_graphs.items()}
     assert id(model.two.norm) in layers_in["training"] & layers_in["inference"]
     assert len(expanded.trainable_variables) == len(model.trainable_variables)
+    # Layers inside the modes are found by path.
+    assert expanded.kip_layer("two.train_path") is model.two.train_path
+    assert expanded.kip_layer("two.infer_path") is model.two.infer_path
+    with pytest.raises(TypeError, match="Python True / False / None"):
+        switch.operation.mode_for(keras.ops.convert_to_tensor(True))
 
 
 def test_none_that_computes_a_third_thing_is_a_mode_of_its_own():
@@ -288,7 +293,7 @@ def test_stochastic_depth_draws_only_in_training_as_keras_does():
     assert not np.array_equal(seed.numpy(), before)
 
 
-@pytest.mark.parametrize("name", ["stochastic_depth", "two_ways", "nested"])
+@pytest.mark.parametrize("name", ["stochastic_depth", "two_ways"])
 def test_verification_catches_a_wrong_mode(name):
     model = _built(name)
     x, _ = _data()
@@ -307,15 +312,29 @@ def test_verification_catches_a_wrong_mode(name):
         check_equivalent(model, planted, x)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_plugin_model_with_expand_trains_as_plain_keras(name):
+TRAINED_PASSES = {
+    "expand": lambda: [Expand("all")],
+    # A checkpoint after the switch whose training mode draws: the
+    # recomputation must draw the very same mask.
+    "recompute_switch": lambda: [Expand("all"), Recompute(["depth_1", "depth_2"])],
+    "recompute_inside": lambda: [Recompute(["blocks.0.two.norm", "blocks.1.drop_path"])],
+    "recompute_auto": lambda: [Expand("all"), Recompute(auto=True)],
+}
+
+
+@pytest.mark.parametrize("name, passes", [
+    *[(name, "expand") for name in sorted(MODELS)],
+    ("stochastic_depth", "recompute_switch"), ("nested", "recompute_inside"),
+    ("nested", "recompute_auto"),
+])
+def test_plugin_model_with_expand_trains_as_plain_keras(name, passes):
     x, y = _data(24)
     weights = {}
     for how in ("plain", "plugin"):
         model = _built(name, seed=11)
         trained = model
         if how == "plugin":
-            trained = kip.PluginModel(model, passes=[Expand("all")])
+            trained = kip.PluginModel(model, passes=TRAINED_PASSES[passes]())
             trained.convert(x[:8])
             assert _switches(trained.converted.kip_graph)
         trained.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -417,3 +436,77 @@ def test_a_loaded_switch_refuses_a_body_of_another_module(tmp_path):
         ModeSwitch.from_config(saved(outputs={"training": ["0"], "inference": [0]}))
     with pytest.raises(kip.LoadError, match="none_means"):
         ModeSwitch.from_config(saved(none_means="sometimes"))
+
+
+class SharedDropPath(keras.Model):
+    """One stochastic depth layer at two call sites (one seed generator)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.drop_path = StochasticDepth(0.3)
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        x = self.stem(x)
+        x = x + self.drop_path(x, training=training)
+        x = x + self.drop_path(x, training=training)
+        return self.head(x)
+
+
+def test_saving_refuses_a_seed_generator_two_switches_share(tmp_path):
+    keras.utils.set_random_seed(3)
+    model = SharedDropPath()
+    x, _ = _data()
+    model(x[:2])
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert len(_switches(expanded.kip_graph)) == 2
+    _outputs_in_every_mode(model, expanded, x)  # in memory: one generator, as in Keras
+    with pytest.raises(ValueError, match="seed_generator.*used by the modes of `drop_path"):
+        expanded.save(str(tmp_path / "m.keras"))
+
+
+def _public_drop_path(which):
+    """Stochastic depth as public libraries write it: keras_hub 0.32's
+    `DropPath` (Swin, `if self.drop_prob == 0.0 or not training: return x`)
+    and keras.applications' ConvNeXt `StochasticDepth` (unseeded: Keras's
+    global generator)."""
+    if which == "keras_hub":
+        module = pytest.importorskip("keras_hub.src.models.swin_transformer.swin_transformer_layers")
+        return module.DropPath(0.3, seed=5)
+    module = pytest.importorskip("keras.src.applications.convnext")
+    return module.StochasticDepth(0.3)
+
+
+class PublicDropPathNet(keras.Model):
+    def __init__(self, drop, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = layers.Dense(WIDTH, name="stem")
+        self.drop = drop
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        x = self.stem(x)
+        return self.head(x + self.drop(x, training=training))
+
+
+@pytest.mark.parametrize("which", ["keras_hub", "convnext"])
+def test_public_drop_path_layers_expand_and_train_as_plain_keras(which):
+    x, y = _data(24)
+    weights = {}
+    for how in ("plain", "plugin"):
+        keras.utils.set_random_seed(11)
+        model = PublicDropPathNet(_public_drop_path(which))
+        model(x[:2])
+        trained = model
+        if how == "plugin":
+            trained = kip.PluginModel(model, passes=[Expand("all")])
+            trained.convert(x[:8])
+            assert [n.name for n in _switches(trained.converted.kip_graph)] == ["drop"]
+            assert not trained.converted.kip_report.opaque
+        trained.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        keras.utils.set_random_seed(7)
+        trained.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        weights[how] = [v.numpy() for v in model.trainable_weights]
+    for expected, actual in zip(weights["plain"], weights["plugin"]):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)

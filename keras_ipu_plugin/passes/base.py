@@ -154,6 +154,20 @@ def matches(node, target, aliases=True):
     return isinstance(node.operation, target)
 
 
+def contains(node, target, aliases=True):
+    """Whether `target` (a `parent.child` path, with `aliases` a Keras layer
+    name, or a class) is a sub-layer of the layer of `node`."""
+    if isinstance(target, str) and target.startswith(node.name + "."):
+        return True
+    for sub in _compat.sub_layers(node.operation):
+        if isinstance(target, str):
+            if aliases and target == sub.name:
+                return True
+        elif isinstance(sub, target):
+            return True
+    return False
+
+
 def _names_of(operation):
     name = getattr(operation, "name", None)
     return (name,) if name is not None else ()

@@ -18,6 +18,7 @@ from keras_ipu_plugin.frontend.tracing import TraceError
 from keras_ipu_plugin.frontend.tracing import trace_model
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.passes.base import ALL
+from keras_ipu_plugin.passes.base import contains
 from keras_ipu_plugin.passes.base import describe
 from keras_ipu_plugin.passes.base import matched_blocks
 from keras_ipu_plugin.passes.base import nodes_matching
@@ -111,8 +112,6 @@ def reachable_here(graph, target):
         return True
     if nodes_matching(graph, target) or matched_blocks(graph, target):
         return True
-    from keras_ipu_plugin.passes.expand import contains
-
     return any(is_expandable(node.operation) and contains(node, target)
                for node in graph.nodes)
 

@@ -7,10 +7,10 @@ be traced, which stay opaque and are reported) remain. Sub-layers shared
 between call sites stay shared, because the same layer objects are called.
 """
 
-from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.replay import CallTemplates
 from keras_ipu_plugin.passes.base import ALL
+from keras_ipu_plugin.passes.base import contains
 from keras_ipu_plugin.passes.branches import in_branches
 from keras_ipu_plugin.passes.branches import run_inside
 from keras_ipu_plugin.passes.branches import split_targets
@@ -167,17 +167,3 @@ def expand_to_reach(graph, target, report, step):
     for node in unreached:
         report.add(step, node.name, "not reached",
                    f"{describe(target)} inside it stays as it is: {node.opaque_reason}")
-
-
-def contains(node, target, aliases=True):
-    """Whether `target` (a `parent.child` path, with `aliases` a Keras layer
-    name, or a class) is a sub-layer of the layer of `node`."""
-    if isinstance(target, str) and target.startswith(node.name + "."):
-        return True
-    for sub in _compat.sub_layers(node.operation):
-        if isinstance(target, str):
-            if aliases and target == sub.name:
-                return True
-        elif isinstance(sub, target):
-            return True
-    return False

@@ -197,7 +197,7 @@ class KipFunctional(_compat.Functional):
             if block.layer.name == path:
                 return block.layer
         for layer in self.layers:  # inside a layer's `training` modes (`ModeSwitch`)
-            for mode in getattr(layer, "mode_outputs", ()):
+            for mode in (layer.mode_outputs if _is_mode_switch(layer) else ()):
                 try:
                     return layer.mode_model(mode).kip_layer(path)
                 except ValueError:
@@ -297,6 +297,7 @@ class KipFunctional(_compat.Functional):
     def get_config(self):
         # `keras.saving.save_model(model, "m.h5")` does not go through `save`.
         refuse_hdf5(self)
+        refuse_state_shared_across_switches(self)
         config = super().get_config()
         config["kip_original_mask"] = self.kip_original_mask
         config["kip_pinned_training"] = dict(self.kip_pinned_training)
@@ -317,6 +318,49 @@ class KipFunctional(_compat.Functional):
         model = super().from_config(config, custom_objects=custom_objects)
         link_shared_variables(model, entry)
         return model
+
+
+def refuse_state_shared_across_switches(model):
+    """Raise `ValueError` before saving `model` where a variable (a weight,
+    a seed generator's state) is used both inside a switch and outside it,
+    or in two switches: each switch's body is saved as a model of its own,
+    so loading would make two variables of it, and the loaded model would
+    train (or draw) differently from the one saved. In memory it is one
+    variable, as in the original model.
+
+    Example:
+        >>> refuse_state_shared_across_switches(passed)   # before passed.save(...)
+    """
+    owners = {}
+
+    def claim(variable, owner):
+        known = owners.setdefault(id(variable), owner)
+        if known != owner:
+            raise ValueError(
+                f"`{model.name}` cannot be saved: the variable `{variable.path}` is used "
+                f"by {known} and by {owner}. A layer whose `call` branches on `training` "
+                "is held as one node with the graph of each mode, saved as a model of its "
+                "own: a variable it shares with the rest of the model (a layer or a seed "
+                "generator used at two call sites) would be loaded as two. Save the "
+                "weights (`save_weights`), or save the model before Expand.")
+
+    def visit(functional, owner):
+        for layer in functional.layers:
+            layer = getattr(layer, "aliased_layer", layer)
+            if _is_mode_switch(layer):
+                visit(layer.body, f"the modes of `{layer.name}`")
+                continue
+            for variable in layer.variables:  # seed generators' states too
+                claim(variable, owner)
+
+    visit(model, f"`{model.name}` outside its layers' training modes")
+
+
+def _is_mode_switch(layer):
+    """A `mode_switch.ModeSwitch` (told by what it holds: that module
+    imports this one)."""
+    return isinstance(getattr(layer, "body", None), KipFunctional) and hasattr(
+        layer, "mode_outputs")
 
 
 def _check_saved_kip_entries(config, entry):

@@ -32,6 +32,7 @@ Example:
 """
 
 import keras
+import numpy as np
 
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
@@ -84,7 +85,7 @@ class ModeSwitch(keras.layers.Layer):
         object.__setattr__(self, "branch_graphs", None)
         # One model per mode over the body's tensors, not tracked: the body
         # owns the layers (and the weights are saved once, under it).
-        object.__setattr__(self, "_mode_models", {
+        object.__setattr__(self, "kip_mode_models", {
             mode: self._model_of(mode) for mode in self.mode_outputs})
         self.built = True
 
@@ -113,24 +114,23 @@ class ModeSwitch(keras.layers.Layer):
 
         body = self.body
         outputs = [body.outputs[i] for i in self.mode_outputs[mode]]
-        by_name = {name: path for path, name in self.paths.get(mode, {}).items()}
         return KipFunctional(
             body.inputs, outputs, name=f"{self.name}.{mode}",
             kip_pinned_training=body.kip_pinned_training,
             kip_annotations=body.kip_annotations,
-            kip_layer_paths={path: name for name, path in by_name.items()},
+            kip_layer_paths=dict(self.paths.get(mode, {})),
         )
 
     def mode_model(self, mode):
         """The functional model that computes `mode`'s outputs."""
-        return self._mode_models[mode]
+        return self.kip_mode_models[mode]
 
     # -- running --------------------------------------------------------------------
     def mode_for(self, training):
         """The mode a call with this `training` value runs."""
         if training is None:
             return self.none_means
-        if isinstance(training, bool):
+        if isinstance(training, (bool, np.bool_)):
             return "training" if training else "inference"
         raise TypeError(
             f"`{self.name}` stands for `{self.of_layer or self.name}`, whose `call` "
@@ -139,7 +139,7 @@ class ModeSwitch(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         mode = self.mode_for(training)
-        outputs = self._mode_models[mode](list(inputs), training=MODES[mode])
+        outputs = self.kip_mode_models[mode](list(inputs), training=MODES[mode])
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         return outputs[0] if len(outputs) == 1 else list(outputs)
 

@@ -318,7 +318,7 @@ def opaque_nodes(model):
     """`[(node name, reason)]` of the opaque nodes of a converted model,
     from its graph and its report."""
     found = {}
-    for node in model.kip_graph.nodes:
+    for node in graph_nodes(model.kip_graph):
         if isinstance(node.operation, kip.OpaqueLayer):
             found[node.name] = node.opaque_reason or node.operation.reason
     report = model.kip_report
@@ -326,6 +326,19 @@ def opaque_nodes(model):
         if layer not in found and not any(n.startswith(layer) for n in found):
             found[layer] = reason
     return list(found.items())
+
+
+def graph_nodes(graph):
+    """The nodes of `graph` and of the graph of every `training` mode of
+    its `kip.ModeSwitch` nodes (a layer branching on `training`), nested
+    ones too: what a switch holds is checked as the rest of the graph."""
+    nodes = []
+    for node in graph.nodes:
+        nodes.append(node)
+        if isinstance(node.operation, kip.ModeSwitch) and node.operation.branch_graphs:
+            for branch in node.operation.branch_graphs.values():
+                nodes.extend(graph_nodes(branch))
+    return nodes
 
 
 # -- check 2: Expand("all") ---------------------------------------------------------
@@ -411,7 +424,7 @@ def custom_layers_left(model):
     report = model.kip_report
     opaque = report.opaque if report is not None else {}
     left = []
-    for node in model.kip_graph.nodes:
+    for node in graph_nodes(model.kip_graph):
         operation = node.operation
         if not is_custom(operation):
             continue
@@ -504,7 +517,7 @@ def check_replace(name):
             ]
             passed = kip.apply_passes(converted, passes)
             new_layers = {
-                id(node.operation) for node in passed.kip_graph.nodes
+                id(node.operation) for node in graph_nodes(passed.kip_graph)
                 if type(node.operation) in _replacement_classes.values()
             }
             still = _still_in_graph(passed, norms)
@@ -543,7 +556,7 @@ def _still_in_graph(model, norms):
     inside a node's layer (an opaque or unexpanded layer)."""
     wanted = {id(layer): layer for layer in norms}
     still = []
-    for node in model.kip_graph.nodes:
+    for node in graph_nodes(model.kip_graph):
         operation = node.operation
         if not isinstance(operation, keras.layers.Layer):
             continue
