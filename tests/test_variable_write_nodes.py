@@ -363,3 +363,17 @@ def test_recompute_never_puts_a_write_in_a_recomputed_segment():
         if segment.recompute:
             assert not any(isinstance(node.operation, VariableWrite) for node in segment.nodes)
     assert any(segment.recompute for segment in make_plan(passed, get_backend()))
+
+
+def test_outlining_an_expanded_writing_block_keeps_its_writes():
+    """Outline on the blocks marks their layers, the write nodes too; an
+    outlined body runs in a stateless scope, so a write node runs as itself."""
+    x, y = _images()
+    plain = _built(PixelCNN)
+    _fit(plain, x, y)
+    model = _built(PixelCNN)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x[:8]),
+                              [Expand("all"), kip.passes.Outline([PixelConvLayer])])
+    assert "outline" in passed.kip_graph.node("first.conv.kernel.assign").annotations
+    _fit(passed, x, y)
+    _assert_same_weights(_weights(model), _weights(plain))
