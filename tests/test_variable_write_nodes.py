@@ -377,3 +377,37 @@ def test_outlining_an_expanded_writing_block_keeps_its_writes():
     assert "outline" in passed.kip_graph.node("first.conv.kernel.assign").annotations
     _fit(passed, x, y)
     _assert_same_weights(_weights(model), _weights(plain))
+
+
+class TiedEmbedding(keras.Model):
+    """Scores tokens against its embedding table (tied weights, as GPT-2's
+    head does): a read of a Keras sub-layer's variable from `call`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = layers.Embedding(10, 4)
+        self.dense = layers.Dense(4)
+
+    def call(self, tokens):
+        h = self.dense(self.embedding(tokens))
+        return ops.matmul(h, ops.transpose(self.embedding.embeddings))
+
+
+def test_a_sub_layers_variable_read_in_call_is_a_read_node_saved_as_one_variable(tmp_path):
+    tokens = np.random.RandomState(0).randint(0, 10, (8, 5))
+    keras.utils.set_random_seed(1)
+    model = TiedEmbedding()
+    model(tokens)
+    converted = kip.convert_to_functional(model, tokens)
+    assert converted.kip_report.opaque == {}
+    read = converted.kip_graph.node("embedding.embeddings").operation
+    assert read.variable is model.embedding.embeddings
+    converted.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert len(loaded.weights) == len(converted.weights) == 3
+    target = np.random.RandomState(1).rand(8, 5, 10).astype("float32")
+    for one in (converted, loaded):
+        one.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        one.fit(tokens, target, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(converted.weights, loaded.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
