@@ -74,10 +74,13 @@ class WriteRecorder:
 
     def reset(self):
         self.view = None  # the traced layer's view, whose attributes hold reads
-        self.accesses = {}  # id(variable) -> tensors since its last write
-        self.last_change = {}  # id(variable) -> the last write, or call that may move it
-        self.written = {}  # id(variable) -> output of its last VariableWrite
-        self.current = {}  # id(variable) -> what `call` sees of it now
+        self.accesses = {}  # id(variable) -> reads since its last write
+        self.calls = []  # (direct sub-layer, its first output), in call order
+        self.since = {}  # id(variable) -> len(self.calls) at its last write
+        # id(variable) -> what `call` reads of it now (its last write's output,
+        # or a read), until a call of a layer holding it
+        self.seen = {}
+        self.last_written = {}  # id(variable) -> output of its last VariableWrite
         self.attribute = {}  # id(variable) -> the attribute it was read as
         self.writes = []  # outputs of the VariableWrite nodes made
         self.calling = 0  # sub-layer calls in progress (their own code runs)
@@ -106,22 +109,28 @@ class WriteRecorder:
         if self.calling or id(view) not in trace.lift_for or trace.anchor is None:
             return variable
         key = id(variable)
-        if key not in self.current:
-            anchor = trace.anchor
-            if key in self.last_change:
-                anchor = self.after(anchor, [self.last_change[key]])
-            stem = trace.path_of(view)
-            attribute = f"{stem}.{name}" if stem else name
-            self.current[key] = trace.read(variable, attribute, anchor=anchor)
-        return self.current[key]
+        if key in self.seen:  # the write's output, or the read made already
+            return self.seen[key]
+        anchor = trace.anchor
+        # after the last call that may have moved a statistic (a
+        # non-trainable variable) since the start of `call`
+        moved = [] if variable.trainable else self._calls_holding(variable, 0)[-1:]
+        if key in self.last_written:  # and after the write before those
+            moved.append(self.last_written[key])
+        if moved:
+            anchor = self.after(anchor, moved)
+        stem = trace.path_of(view)
+        attribute = f"{stem}.{name}" if stem else name
+        self.seen[key] = trace.read(variable, attribute, anchor=anchor)
+        return self.seen[key]
 
     # -- sub-layer calls -----------------------------------------------------
     def before_call(self, view, args, kwargs):
         """`(args, kwargs)` for a direct sub-layer's call: passed through an
         `AfterWrites` node when `call` wrote a variable it holds."""
-        if self.written and id(view) in self.trace.lift_for:
-            pending = _unique(self.written[key] for key in _variable_ids(view)
-                              if key in self.written)
+        if self.last_written and id(view) in self.trace.lift_for:
+            pending = _unique(self.last_written[key] for key in _variable_ids(view)
+                              if key in self.last_written)
             if pending:
                 args, kwargs = self._gate_first((args, kwargs), pending, viewed_layer(view))
         self.calling += 1
@@ -132,14 +141,17 @@ class WriteRecorder:
         if id(view) not in self.trace.lift_for:
             return
         leaf = _first_dense(outputs)
-        if leaf is None:
-            return
-        for variable in (viewed_layer(view) or view).variables:
-            key = id(variable)
-            self.accesses.setdefault(key, []).append(leaf)
-            self.current.pop(key, None)  # read again, after this call
-            if not variable.trainable:  # a statistic the call may have moved
-                self.last_change[key] = leaf
+        if leaf is not None:
+            self.calls.append((view, leaf))
+            # a later read of a variable it holds reads again, after it
+            for key in _variable_ids(view) & set(self.seen) if self.seen else ():
+                del self.seen[key]
+
+    def _calls_holding(self, variable, start):
+        """The first outputs of the direct sub-layer calls from `start` on
+        whose layer holds `variable`."""
+        return [leaf for view, leaf in self.calls[start:]
+                if any(v is variable for v in (viewed_layer(view) or view).variables)]
 
     # -- writes --------------------------------------------------------------
     def record(self, read, method, value):
@@ -162,12 +174,14 @@ class WriteRecorder:
         tensor = self._value(variable, method, value, attribute)
         key = id(variable)
         after = _unique(self.accesses.get(key, []) +
-                        ([self.last_change[key]] if key in self.last_change else []))
+                        self._calls_holding(variable, self.since.get(key, 0)) +
+                        ([self.last_written[key]] if key in self.last_written else []))
         node_name = trace.unique_name(f"{attribute}.{method}")
         layer = VariableWrite(variable, method, like=trace.layer, name=node_name)
         output = trace.record_layer(layer, node_name, tensor, after=after)
         self.accesses[key] = []
-        self.last_change[key] = self.written[key] = self.current[key] = output
+        self.since[key] = len(self.calls)
+        self.seen[key] = self.last_written[key] = output
         self.writes.append(output)
         self._refresh_view(variable, output)
         note_writes_variables(trace.layer)  # a node of it is never recomputed

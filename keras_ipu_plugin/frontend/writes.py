@@ -77,6 +77,8 @@ def deferred(layer):
     TensorFlow variables are."""
     with inline(layer), keras.StatelessScope() as scope:
         yield
+        if not scope.state_mapping:  # no write: the common case, cheap
+            return
         written = [v for v in layer.variables if scope.get_current_value(v) is not None]
         for log in _logs():
             for variable in written:
