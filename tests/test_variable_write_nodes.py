@@ -277,12 +277,24 @@ class RemembersTheBatch(layers.Layer):
         return x * 2.0
 
 
+class CountsWhenPositive(layers.Layer):
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="count")
+
+    def call(self, x):
+        ops.cond(ops.mean(x) > 0, lambda: self.count.assign_add(1.0), lambda: self.count)
+        return x * 2.0
+
+
 @pytest.mark.parametrize("block, expected", [
     (CountsInATFVariable, ["`counter.calls` (`assign_add`)", "self.add_weight"]),
     (CountsInAGlobal, ["not held by the layer", "`assign", "self.add_weight"]),
     (RemembersTheBatch, ["`holder/counter/last` (`assign`)", "shape (None, 4)",
                          "static_batch=True"]),
-], ids=["tf_variable", "unowned", "batch_sized_value"])
+    (CountsWhenPositive, ["`holder/counter/count` (`assign_add`)", "inside a branch",
+                          "ops.where"]),
+], ids=["tf_variable", "unowned", "batch_sized_value", "under_cond"])
 def test_a_write_that_cannot_be_recorded_keeps_the_layer_whole_naming_it(block, expected):
     x = np.random.RandomState(1).rand(8, 4).astype("float32")
     model = Holder(block(name="counter"), name="holder")

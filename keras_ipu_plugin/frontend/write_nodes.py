@@ -43,6 +43,7 @@ import threading
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime import reads as reads_lib
@@ -89,6 +90,9 @@ class WriteRecorder:
     def recording(self):
         previous = getattr(_local, "recorder", None)
         _local.recorder = self
+        # where `call`'s own code runs; a branch of `ops.cond` or a loop body
+        # runs in a scratch graph of its own
+        self._context = _context()
         try:
             with reads_lib.recording_writes(self.record):
                 yield self
@@ -160,6 +164,13 @@ class WriteRecorder:
         trace = self.trace
         variable = read.variable
         name = f"`{variable.path}`"
+        if _context() != self._context:
+            raise WriteError(
+                f"`call` writes the variable {name} (`{method}`) inside a branch or a "
+                "loop (`ops.cond`, `ops.while_loop`, `ops.scan`...), which one write "
+                "node cannot hold: write the value chosen outside it, "
+                f"`self.v.{method}(ops.where(condition, new_value, "
+                f"{'self.v' if method == 'assign' else '0'}))`")
         if self.calling:
             raise WriteError(
                 f"`call` hands the read of the variable {name} to a sub-layer, which "
@@ -284,6 +295,10 @@ class WriteRecorder:
             return item
 
         return keras.tree.map_structure(swap, outputs)
+
+
+def _context():
+    return tf.executing_eagerly(), id(tf.compat.v1.get_default_graph())
 
 
 def current():
