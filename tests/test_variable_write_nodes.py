@@ -287,6 +287,20 @@ class CountsWhenPositive(layers.Layer):
         return x * 2.0
 
 
+class ResetsToAnEagerTensor(layers.Layer):
+    """Writes a tensor computed eagerly while traced (here a fixed one; a
+    `tf.random.uniform((4,))` would be a new draw each call, which a graph
+    holding the traced value would lose)."""
+
+    def build(self, shape):
+        self.noise = self.add_weight(shape=(4,), initializer="zeros", trainable=False,
+                                     name="noise")
+
+    def call(self, x):
+        self.noise.assign(tf.fill((4,), 0.5))
+        return x + self.noise
+
+
 @pytest.mark.parametrize("block, expected", [
     (CountsInATFVariable, ["`counter.calls` (`assign_add`)", "self.add_weight"]),
     (CountsInAGlobal, ["not held by the layer", "`assign", "self.add_weight"]),
@@ -294,7 +308,9 @@ class CountsWhenPositive(layers.Layer):
                          "static_batch=True"]),
     (CountsWhenPositive, ["`holder/counter/count` (`assign_add`)", "inside a branch",
                           "ops.where"]),
-], ids=["tf_variable", "unowned", "batch_sized_value", "under_cond"])
+    (ResetsToAnEagerTensor, ["`holder/counter/noise` (`assign`)", "outside the graph",
+                     "seed generator"]),
+], ids=["tf_variable", "unowned", "batch_sized_value", "under_cond", "eager_value"])
 def test_a_write_that_cannot_be_recorded_keeps_the_layer_whole_naming_it(block, expected):
     x = np.random.RandomState(1).rand(8, 4).astype("float32")
     model = Holder(block(name="counter"), name="holder")

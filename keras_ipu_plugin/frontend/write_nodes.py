@@ -206,11 +206,20 @@ class WriteRecorder:
                 "read outside the graph: read it as an attribute of the layer")
         if isinstance(value, keras.KerasTensor):
             tensor = value
+        elif _is_tensor(value):
+            # computed while tracing, from neither the inputs nor a variable
+            # (`tf.random.uniform(shape)`, `ops.zeros(shape)`): the graph
+            # would write that one value on every call
+            raise WriteError(
+                f"`call` writes the variable {name} with a tensor computed outside the "
+                "graph (not from the layer's inputs or variables), which the graph would "
+                "write unchanged on every call: compute it with `keras.ops` from the "
+                "inputs or the variable (`ops.zeros_like(self.v)`, `keras.random` with a "
+                "seed generator), or give a NumPy array or a number")
         else:
             try:
                 # a tensor, as the trace lifts them (and checks none is frozen)
-                array = value if _is_tensor(value) else keras.ops.convert_to_tensor(
-                    np.asarray(value, dtype=variable.dtype))
+                array = keras.ops.convert_to_tensor(np.asarray(value, dtype=variable.dtype))
             except (TypeError, ValueError) as error:
                 raise WriteError(f"`call` writes the variable {name} with a value the graph "
                                  f"cannot hold ({type(value).__name__}: {error})") from None
