@@ -196,4 +196,5 @@ def describe_writes(writes, layer):
     return ", ".join(described[:4]) + (f" and {len(described) - 4} more" if len(described) > 4 else "")
 
 
-__all__ = ["WriteLog", "Write", "inline", "deferred", "handles_of", "variable_names", "describe_writes"]
+__all__ = ["WriteLog", "Write", "inline", "deferred", "handles_of", "variable_names",
+           "describe_writes"]
