@@ -183,12 +183,18 @@ def test_rebuild_after_new_variables_leaves_the_counter_at_the_steps_run():
 
 
 # -- a call that assigns a variable itself is not dropped by the graph ------------
-def test_call_that_assigns_a_variable_itself_runs_its_own_code():
+def test_call_that_assigns_a_variable_itself_keeps_the_write_as_a_node():
+    """It ran whole (opaque) until issue 22: the write is now a
+    `VariableWrite` node of the graph (tests/test_variable_write_nodes.py)."""
+    from keras_ipu_plugin.runtime.variable_write import VariableWrite
+
     model, x = CountingModel(), _x()
     model(x)
     converted = kip.convert_to_functional(model, x)
-    reason = converted.kip_report.opaque.get(model.name, "")
-    assert "`counting_model/count`" in reason and "assign" in reason, converted.kip_report.opaque
+    assert converted.kip_report.opaque == {}
+    writes = [node.operation for node in converted.kip_graph.nodes
+              if isinstance(node.operation, VariableWrite)]
+    assert len(writes) == 1 and writes[0].variable is model.count
     before = int(model.count.numpy())
     for _ in range(3):
         converted(x)

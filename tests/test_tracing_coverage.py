@@ -253,7 +253,8 @@ def test_cls_token_and_position_table_trace_and_run_at_any_batch_size():
 
 
 class Counter(layers.Layer):
-    """Counts its calls in a variable: forward state, which stays opaque."""
+    """Counts its calls in a variable: forward state, a write node since
+    issue 22 (it stayed opaque)."""
 
     def build(self, shape):
         self.calls = self.add_weight(shape=(), dtype="int32", initializer="zeros",
@@ -289,7 +290,6 @@ class ReadsThroughWeights(layers.Layer):
 
 
 @pytest.mark.parametrize("layer_class, reason", [
-    (Counter, "assigns to the variable"),
     (ReadsInPython, "numpy"),
     (ReadsThroughWeights, "frozen"),
 ])
@@ -312,6 +312,29 @@ def test_a_variable_the_graph_cannot_read_keeps_the_layer_opaque_never_frozen(
     node = passed.kip_graph.node("odd")
     assert node.operation is model.odd
     assert reason in node.opaque_reason
+    assert_equivalent(model, passed, x)
+
+
+def test_a_layer_counting_its_calls_expands_with_the_count_as_a_write_node():
+    class Wrapper(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.odd = Counter(name="odd")
+            self.head = layers.Dense(2, name="head")
+
+        def call(self, x):
+            return self.head(self.odd(x))
+
+    x = _rand(4, 3)
+    model = Wrapper(name="wrapper")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+    assert passed.kip_report.opaque == {}
+    assert type(passed.kip_graph.node("odd.calls.assign_add").operation).__name__ == \
+        "VariableWrite"
+    before = int(model.odd.calls.numpy())
+    passed(x)
+    assert int(model.odd.calls.numpy()) == before + 1
     assert_equivalent(model, passed, x)
 
 

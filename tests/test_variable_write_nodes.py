@@ -277,12 +277,40 @@ class RemembersTheBatch(layers.Layer):
         return x * 2.0
 
 
+class CountsWhenPositive(layers.Layer):
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="count")
+
+    def call(self, x):
+        ops.cond(ops.mean(x) > 0, lambda: self.count.assign_add(1.0), lambda: self.count)
+        return x * 2.0
+
+
+class ResetsToAnEagerTensor(layers.Layer):
+    """Writes a tensor computed eagerly while traced (here a fixed one; a
+    `tf.random.uniform((4,))` would be a new draw each call, which a graph
+    holding the traced value would lose)."""
+
+    def build(self, shape):
+        self.noise = self.add_weight(shape=(4,), initializer="zeros", trainable=False,
+                                     name="noise")
+
+    def call(self, x):
+        self.noise.assign(tf.fill((4,), 0.5))
+        return x + self.noise
+
+
 @pytest.mark.parametrize("block, expected", [
     (CountsInATFVariable, ["`counter.calls` (`assign_add`)", "self.add_weight"]),
     (CountsInAGlobal, ["not held by the layer", "`assign", "self.add_weight"]),
     (RemembersTheBatch, ["`holder/counter/last` (`assign`)", "shape (None, 4)",
                          "static_batch=True"]),
-], ids=["tf_variable", "unowned", "batch_sized_value"])
+    (CountsWhenPositive, ["`holder/counter/count` (`assign_add`)", "inside a branch",
+                          "ops.where"]),
+    (ResetsToAnEagerTensor, ["`holder/counter/noise` (`assign`)", "outside the graph",
+                     "seed generator"]),
+], ids=["tf_variable", "unowned", "batch_sized_value", "under_cond", "eager_value"])
 def test_a_write_that_cannot_be_recorded_keeps_the_layer_whole_naming_it(block, expected):
     x = np.random.RandomState(1).rand(8, 4).astype("float32")
     model = Holder(block(name="counter"), name="holder")
@@ -363,3 +391,51 @@ def test_recompute_never_puts_a_write_in_a_recomputed_segment():
         if segment.recompute:
             assert not any(isinstance(node.operation, VariableWrite) for node in segment.nodes)
     assert any(segment.recompute for segment in make_plan(passed, get_backend()))
+
+
+def test_outlining_an_expanded_writing_block_keeps_its_writes():
+    """Outline on the blocks marks their layers, the write nodes too; an
+    outlined body runs in a stateless scope, so a write node runs as itself."""
+    x, y = _images()
+    plain = _built(PixelCNN)
+    _fit(plain, x, y)
+    model = _built(PixelCNN)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x[:8]),
+                              [Expand("all"), kip.passes.Outline([PixelConvLayer])])
+    assert "outline" in passed.kip_graph.node("first.conv.kernel.assign").annotations
+    _fit(passed, x, y)
+    _assert_same_weights(_weights(model), _weights(plain))
+
+
+class TiedEmbedding(keras.Model):
+    """Scores tokens against its embedding table (tied weights, as GPT-2's
+    head does): a read of a Keras sub-layer's variable from `call`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = layers.Embedding(10, 4)
+        self.dense = layers.Dense(4)
+
+    def call(self, tokens):
+        h = self.dense(self.embedding(tokens))
+        return ops.matmul(h, ops.transpose(self.embedding.embeddings))
+
+
+def test_a_sub_layers_variable_read_in_call_is_a_read_node_saved_as_one_variable(tmp_path):
+    tokens = np.random.RandomState(0).randint(0, 10, (8, 5))
+    keras.utils.set_random_seed(1)
+    model = TiedEmbedding()
+    model(tokens)
+    converted = kip.convert_to_functional(model, tokens)
+    assert converted.kip_report.opaque == {}
+    read = converted.kip_graph.node("embedding.embeddings").operation
+    assert read.variable is model.embedding.embeddings
+    converted.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert len(loaded.weights) == len(converted.weights) == 3
+    target = np.random.RandomState(1).rand(8, 5, 10).astype("float32")
+    for one in (converted, loaded):
+        one.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        one.fit(tokens, target, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(converted.weights, loaded.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)

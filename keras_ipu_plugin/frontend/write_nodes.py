@@ -43,6 +43,7 @@ import threading
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime import reads as reads_lib
@@ -74,10 +75,13 @@ class WriteRecorder:
 
     def reset(self):
         self.view = None  # the traced layer's view, whose attributes hold reads
-        self.accesses = {}  # id(variable) -> tensors since its last write
-        self.last_change = {}  # id(variable) -> the last write, or call that may move it
-        self.written = {}  # id(variable) -> output of its last VariableWrite
-        self.current = {}  # id(variable) -> what `call` sees of it now
+        self.accesses = {}  # id(variable) -> reads since its last write
+        self.calls = []  # (direct sub-layer, its first output), in call order
+        self.since = {}  # id(variable) -> len(self.calls) at its last write
+        # id(variable) -> what `call` reads of it now (its last write's output,
+        # or a read), until a call of a layer holding it
+        self.seen = {}
+        self.last_written = {}  # id(variable) -> output of its last VariableWrite
         self.attribute = {}  # id(variable) -> the attribute it was read as
         self.writes = []  # outputs of the VariableWrite nodes made
         self.calling = 0  # sub-layer calls in progress (their own code runs)
@@ -86,6 +90,9 @@ class WriteRecorder:
     def recording(self):
         previous = getattr(_local, "recorder", None)
         _local.recorder = self
+        # where `call`'s own code runs; a branch of `ops.cond` or a loop body
+        # runs in a scratch graph of its own
+        self._context = _context()
         try:
             with reads_lib.recording_writes(self.record):
                 yield self
@@ -106,22 +113,28 @@ class WriteRecorder:
         if self.calling or id(view) not in trace.lift_for or trace.anchor is None:
             return variable
         key = id(variable)
-        if key not in self.current:
-            anchor = trace.anchor
-            if key in self.last_change:
-                anchor = self.after(anchor, [self.last_change[key]])
-            stem = trace.path_of(view)
-            attribute = f"{stem}.{name}" if stem else name
-            self.current[key] = trace.read(variable, attribute, anchor=anchor)
-        return self.current[key]
+        if key in self.seen:  # the write's output, or the read made already
+            return self.seen[key]
+        anchor = trace.anchor
+        # after the last call that may have moved a statistic (a
+        # non-trainable variable) since the start of `call`
+        moved = [] if variable.trainable else self._calls_holding(variable, 0)[-1:]
+        if key in self.last_written:  # and after the write before those
+            moved.append(self.last_written[key])
+        if moved:
+            anchor = self.after(anchor, moved)
+        stem = trace.path_of(view)
+        attribute = f"{stem}.{name}" if stem else name
+        self.seen[key] = trace.read(variable, attribute, anchor=anchor)
+        return self.seen[key]
 
     # -- sub-layer calls -----------------------------------------------------
     def before_call(self, view, args, kwargs):
         """`(args, kwargs)` for a direct sub-layer's call: passed through an
         `AfterWrites` node when `call` wrote a variable it holds."""
-        if self.written and id(view) in self.trace.lift_for:
-            pending = _unique(self.written[key] for key in _variable_ids(view)
-                              if key in self.written)
+        if self.last_written and id(view) in self.trace.lift_for:
+            pending = _unique(self.last_written[key] for key in _variable_ids(view)
+                              if key in self.last_written)
             if pending:
                 args, kwargs = self._gate_first((args, kwargs), pending, viewed_layer(view))
         self.calling += 1
@@ -132,14 +145,17 @@ class WriteRecorder:
         if id(view) not in self.trace.lift_for:
             return
         leaf = _first_dense(outputs)
-        if leaf is None:
-            return
-        for variable in (viewed_layer(view) or view).variables:
-            key = id(variable)
-            self.accesses.setdefault(key, []).append(leaf)
-            self.current.pop(key, None)  # read again, after this call
-            if not variable.trainable:  # a statistic the call may have moved
-                self.last_change[key] = leaf
+        if leaf is not None:
+            self.calls.append((view, leaf))
+            # a later read of a variable it holds reads again, after it
+            for key in _variable_ids(view) & set(self.seen) if self.seen else ():
+                del self.seen[key]
+
+    def _calls_holding(self, variable, start):
+        """The first outputs of the direct sub-layer calls from `start` on
+        whose layer holds `variable`."""
+        return [leaf for view, leaf in self.calls[start:]
+                if any(v is variable for v in (viewed_layer(view) or view).variables)]
 
     # -- writes --------------------------------------------------------------
     def record(self, read, method, value):
@@ -148,6 +164,13 @@ class WriteRecorder:
         trace = self.trace
         variable = read.variable
         name = f"`{variable.path}`"
+        if _context() != self._context:
+            raise WriteError(
+                f"`call` writes the variable {name} (`{method}`) inside a branch or a "
+                "loop (`ops.cond`, `ops.while_loop`, `ops.scan`...), which one write "
+                "node cannot hold: write the value chosen outside it, "
+                f"`self.v.{method}(ops.where(condition, new_value, "
+                f"{'self.v' if method == 'assign' else '0'}))`")
         if self.calling:
             raise WriteError(
                 f"`call` hands the read of the variable {name} to a sub-layer, which "
@@ -162,12 +185,14 @@ class WriteRecorder:
         tensor = self._value(variable, method, value, attribute)
         key = id(variable)
         after = _unique(self.accesses.get(key, []) +
-                        ([self.last_change[key]] if key in self.last_change else []))
+                        self._calls_holding(variable, self.since.get(key, 0)) +
+                        ([self.last_written[key]] if key in self.last_written else []))
         node_name = trace.unique_name(f"{attribute}.{method}")
         layer = VariableWrite(variable, method, like=trace.layer, name=node_name)
         output = trace.record_layer(layer, node_name, tensor, after=after)
         self.accesses[key] = []
-        self.last_change[key] = self.written[key] = self.current[key] = output
+        self.since[key] = len(self.calls)
+        self.seen[key] = self.last_written[key] = output
         self.writes.append(output)
         self._refresh_view(variable, output)
         note_writes_variables(trace.layer)  # a node of it is never recomputed
@@ -181,11 +206,20 @@ class WriteRecorder:
                 "read outside the graph: read it as an attribute of the layer")
         if isinstance(value, keras.KerasTensor):
             tensor = value
+        elif _is_tensor(value):
+            # computed while tracing, from neither the inputs nor a variable
+            # (`tf.random.uniform(shape)`, `ops.zeros(shape)`): the graph
+            # would write that one value on every call
+            raise WriteError(
+                f"`call` writes the variable {name} with a tensor computed outside the "
+                "graph (not from the layer's inputs or variables), which the graph would "
+                "write unchanged on every call: compute it with `keras.ops` from the "
+                "inputs or the variable (`ops.zeros_like(self.v)`, `keras.random` with a "
+                "seed generator), or give a NumPy array or a number")
         else:
             try:
                 # a tensor, as the trace lifts them (and checks none is frozen)
-                array = value if _is_tensor(value) else keras.ops.convert_to_tensor(
-                    np.asarray(value, dtype=variable.dtype))
+                array = keras.ops.convert_to_tensor(np.asarray(value, dtype=variable.dtype))
             except (TypeError, ValueError) as error:
                 raise WriteError(f"`call` writes the variable {name} with a value the graph "
                                  f"cannot hold ({type(value).__name__}: {error})") from None
@@ -270,6 +304,10 @@ class WriteRecorder:
             return item
 
         return keras.tree.map_structure(swap, outputs)
+
+
+def _context():
+    return tf.executing_eagerly(), id(tf.compat.v1.get_default_graph())
 
 
 def current():

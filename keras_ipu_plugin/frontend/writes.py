@@ -10,6 +10,10 @@ TensorFlow's op callbacks, `_compat.op_callback`), to a variable that existed
 before (not the initial value of a variable built meanwhile), with the layer
 call it happened inside (`inline(layer)`): a write made inside a sub-layer
 that is a node of the graph is made again by that node, any other is lost.
+(A write the traced layer's own code makes on a Keras variable it holds, or
+on one of a Keras sub-layer's, is a graph node instead: `write_nodes.py`.
+Inside a sub-layer run inline, `deferred` keeps the writes to Keras
+variables from the variables and logs them here.)
 
 Example:
     >>> log = WriteLog()
@@ -77,6 +81,8 @@ def deferred(layer):
     TensorFlow variables are."""
     with inline(layer), keras.StatelessScope() as scope:
         yield
+        if not scope.state_mapping:  # no write: the common case, cheap
+            return
         written = [v for v in layer.variables if scope.get_current_value(v) is not None]
         for log in _logs():
             for variable in written:
@@ -194,4 +200,5 @@ def describe_writes(writes, layer):
     return ", ".join(described[:4]) + (f" and {len(described) - 4} more" if len(described) > 4 else "")
 
 
-__all__ = ["WriteLog", "Write", "inline", "deferred", "handles_of", "variable_names", "describe_writes"]
+__all__ = ["WriteLog", "Write", "inline", "deferred", "handles_of", "variable_names",
+           "describe_writes"]

@@ -30,6 +30,7 @@ from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.runtime.layer_kinds import seed_states
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
 from keras_ipu_plugin.runtime.layer_kinds import writes_variables
+from keras_ipu_plugin.runtime.variable_write import is_write_node
 
 
 @dataclass
@@ -231,7 +232,10 @@ class Executor:
                         continue
                     kwargs[key] = value
             with self.backend.stage_scope(notes.get("stage", 0), self.model.kip_stage_devices):
-                if "outline" in notes and isinstance(operation, keras.layers.Layer):
+                # A write node runs as itself: an outlined body runs on the
+                # weights passed in, in a stateless scope that would keep the write.
+                if ("outline" in notes and isinstance(operation, keras.layers.Layer)
+                        and not is_write_node(getattr(operation, "aliased_layer", operation))):
                     outputs = self._outlined_call(
                         node, notes["outline"], args, kwargs, context.get("training")
                     )

@@ -312,4 +312,5 @@ def _key(variable, layer):
     return (id(variable), layer.dtype_policy.name, bool(layer.autocast), bool(layer.trainable))
 
 
-__all__ = ["HoldsVariable", "VariableRead", "HeldConstant", "ReadLayers", "ReadTensor", "is_read", "recording_writes"]
+__all__ = ["HoldsVariable", "VariableRead", "HeldConstant", "ReadLayers", "ReadTensor",
+           "is_read", "recording_writes"]
