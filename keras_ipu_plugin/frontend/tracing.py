@@ -61,6 +61,9 @@ from keras_ipu_plugin.runtime.layer_kinds import accepts_training
 from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
+from keras_ipu_plugin.runtime.batch_sized import batch_signature
+from keras_ipu_plugin.runtime.batch_sized import fixed_batch_reason
+from keras_ipu_plugin.runtime.batch_sized import has_offsets
 from keras_ipu_plugin.runtime.batch_sized import generalize_batch
 from keras_ipu_plugin.runtime.batch_sized import unknown_dimension_attributes
 from keras_ipu_plugin.runtime.distribution import owning_strategy
@@ -152,12 +155,18 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
         _reject_lost_writes(layer, nodes, log)
     if len(runs) == 1:
         return runs[0][1]
-    small, large = (result for _, result in runs)
     try:
-        nodes, outputs = generalize_batch(
-            small, large, _TRIAL_BATCH_SIZES, runs[0][0].placeholders[id(runs[0][0].anchor)],
-            _same_operation, prefix,
-        )
+        nodes, outputs = _generalized(runs, _TRIAL_BATCH_SIZES, prefix)
+        if has_offsets(nodes):
+            # `batch + 1`: two traces fit any line through their sizes (the
+            # batch squared too); a third, at another batch size, confirms it.
+            again = _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix,
+                                              reads, training, None, _CONFIRMING_BATCH_SIZES)
+            if batch_signature(_generalized(again, _CONFIRMING_BATCH_SIZES, prefix)[0]) != \
+                    batch_signature(nodes):
+                raise NotBatchGeneral(
+                    "and a trace at batch size 2 shows a size that is no multiple of the "
+                    "batch size plus a constant")
         _check_batch_dimensions(nodes, prefix, multiples=True)
     except NotBatchGeneral as mismatch:
         raise TraceError(
@@ -170,11 +179,21 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
 # unknown batch size (see `_trace_at_two_batch_sizes`). One of them is 1, so
 # that Python code branching on the batch size (`if ops.shape(x)[0] > 1`)
 # takes different branches in the two traces and is refused, not baked in.
+# A size with a constant added to the batch's (`batch + 1`) is confirmed by
+# traces at the second pair.
 _TRIAL_BATCH_SIZES = (1, 3)
+_CONFIRMING_BATCH_SIZES = (1, 2)
+
+
+def _generalized(runs, batch_sizes, prefix):
+    """`generalize_batch` of the two traces `runs` made at `batch_sizes`."""
+    (first, small), (_, large) = runs
+    return generalize_batch(small, large, batch_sizes, first.placeholders[id(first.anchor)],
+                            _same_operation, prefix)
 
 
 def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                              training, error):
+                              training, error, batch_sizes=_TRIAL_BATCH_SIZES):
     """Trace `call` with its inputs' unknown batch size set to each of
     `_TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
     (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
@@ -193,7 +212,7 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     ):
         raise error  # no unknown batch size to set, or other unknown sizes
     runs = []
-    for batch_size in _TRIAL_BATCH_SIZES:
+    for batch_size in batch_sizes:
         concrete = {
             id(t): keras.KerasTensor((batch_size,) + tuple(t.shape)[1:], dtype=t.dtype)
             for t in batched
@@ -208,10 +227,12 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             {id(swap(t)): placeholders[id(t)] for t in symbols},
             prefix, reads, anchor=concrete[id(anchor)],
         )
-        trace.failure = error.reason
+        trace.failure = error.reason if error is not None else None
         try:
             runs.append((trace, _trace_modes(trace, training)))
-        except TraceError:
+        except TraceError as failure:
+            if error is None:  # confirming a generalization: that failure says why not
+                raise NotBatchGeneral(f"and at batch size {batch_size} {failure.reason}") from None
             raise error from None
     return runs
 
@@ -910,6 +931,11 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         _reject_variables(operation, (args, kwargs))
         if not isinstance(operation, keras.layers.Layer):
             _reject_unknown_dimensions(operation, (args, kwargs), prefix)
+            fixed = fixed_batch_reason(operation, keras.tree.flatten((args, kwargs)),
+                                       _compat.node_outputs(keras_node),
+                                       prefix + _node_name(operation, paths))
+            if fixed is not None:
+                raise TraceError(fixed)
             unknown = unknown_dimension_attributes(operation)
             if unknown:
                 if anchor is None or not anchor.shape or anchor.shape[0] is not None:
@@ -1148,6 +1174,8 @@ def _check_batch_dimensions(nodes, prefix, multiples=False):
                 (a == b and c in (None, a))  # a fixed size
                 or ((a, b) == (3, 7) and c is None)  # the batch size
                 or (multiples and a % 3 == 0 and b == a // 3 * 7 and c is None)
+                # a multiple plus a constant (`batch + 1`), confirmed by a trace
+                or (multiples and b > a and (b - a) % 4 == 0 and c is None)
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))
@@ -1303,7 +1331,7 @@ def _describe_failure(error, default=None):
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
         # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
-        return f"{text}; {STATIC_BATCH_HINT}"
+        return f"{text}; {STATIC_BATCH_HINT}, or write a reshape's batch dimension as -1"
     if _TO_NUMPY.search(text):
         return f"{text}; {NUMPY_OPERAND_HINT}"
     # Never TensorFlow's or Keras's words alone: say what happened, then
