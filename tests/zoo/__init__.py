@@ -32,6 +32,9 @@ MODELS = (
     "vae",
     "dcgan",
     "wgan_gp",
+    "vae_tf_random",
+    "vq_vae",
+    "ddpm",
     # keras.io examples: vision
     "perceiver",
     "vit",
@@ -48,6 +51,9 @@ MODELS = (
     "speech_transformer",
     "recommender",
     "gat",
+    "ner_transformer",
+    "switch_transformer",
+    "grn_vsn",
     # keras_hub backbones (tiny configs from constructors, no presets)
     "bert",
     "gpt2",
