@@ -1339,8 +1339,8 @@ def _describe_failure(error, default=None):
     line = _user_source_line(error)
     return (
         f"`call` fails when run on symbolic tensors{f' (`{line}`)' if line else ''}: "
-        f"{text}. The layer runs whole (it still trains); written with `keras.ops` "
-        "and Keras layers, which trace, it would expand"
+        f"{text}. The layer runs whole (it still trains); write that computation with "
+        "`keras.ops` and Keras layers, which trace, for the layer to expand"
     )
 
 

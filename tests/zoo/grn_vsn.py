@@ -10,8 +10,7 @@ numeric feature, a `Dense` projection; a `VariableSelection` of
 a projection where the widths differ) weighting the features by a softmax;
 and a sigmoid output. The example's string lookups belong to its input
 pipeline; here the categorical features arrive as integer indices. Tiny
-sizes: two categorical features (4 and 3 values), two numeric, encodings
-of 4.
+sizes: one categorical feature (4 values) and one numeric, encodings of 4.
 """
 
 import keras
@@ -19,8 +18,8 @@ import numpy as np
 from keras import layers
 from keras import ops
 
-CATEGORICAL = {"education": 4, "occupation": 3}
-NUMERIC = ("age", "hours_per_week")
+CATEGORICAL = {"education": 4}
+NUMERIC = ("age",)
 FEATURES = tuple(CATEGORICAL) + NUMERIC
 ENCODING, DROPOUT = 4, 0.1
 
