@@ -13,7 +13,8 @@ network to the noise and updates an EMA copy of the network. The draws
 of `train_step` carry op-level seeds (the example's have none), so that
 plain Keras and the plugin draw the same numbers; the `call` (the network
 on `[images, t]`) is what ports add to serve the model. Tiny sizes: 8x8
-images of 1 channel, widths (8, 16), one residual block per level, 10
+images of 1 channel, one level of width 8 (so no down- or up-sampling;
+the middle block's attention is kept), one residual block per level, 10
 timesteps.
 """
 
@@ -24,7 +25,9 @@ import numpy as np
 import tensorflow as tf
 from keras import layers
 
-IMAGE, CHANNELS, WIDTHS, HAS_ATTENTION, GROUPS, TIMESTEPS = 8, 1, (8, 16), (False, True), 4, 10
+IMAGE, CHANNELS, WIDTHS, HAS_ATTENTION, GROUPS, TIMESTEPS = 8, 1, (8,), (False,), 4, 10
+NO_NORM_LAYERS = True  # GroupNormalization only
+SLOW = True
 FIRST_CONV = 8
 
 
