@@ -233,7 +233,12 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
         except TraceError as failure:
             if error is None:  # confirming a generalization: that failure says why not
                 raise NotBatchGeneral(f"and at batch size {batch_size} {failure.reason}") from None
-            raise error from None
+            if failure.reason == error.reason:
+                raise error from None
+            # What stops the trace at a known batch size is the cause to fix
+            # (Mixtral's MoE block: `add_loss` in training, after `B*T // T`).
+            raise TraceError(f"{error.reason}; traced at batch size {batch_size} instead, "
+                             f"{failure.reason}") from None
     return runs
 
 
