@@ -55,6 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend import failures
 from keras_ipu_plugin.frontend import tf_functions
 from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.runtime.layer_kinds import accepts_training
@@ -1295,7 +1296,7 @@ def _describe_failure(error, default=None):
             f"from its inputs{_at(error, where)}: a graph of Keras layers cannot hold "
             "the write, so the layer runs whole (it still trains)"
         )
-    if _drew_with_tensorflow(error):
+    if _compat.raised_in_tf_random_function(error):
         return (
             f"`call` draws random numbers with a TensorFlow function{_at(error, where)}: "
             "a graph does not record TensorFlow's draws (their state is the kernel's), so the "
@@ -1329,7 +1330,7 @@ def _describe_failure(error, default=None):
             "depends on the data, which one graph cannot hold; the layer runs whole "
             "(it still trains); computing both results and choosing with `ops.where` lets it expand"
         )
-    known = _known_failure(error, where)
+    known = failures.known_failure(essential_message(error, limit=2000), _at(error, where))
     if known is not None:
         return known
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
@@ -1347,62 +1348,6 @@ def _describe_failure(error, default=None):
         f"{text}. The layer runs whole (it still trains); write that computation with "
         "`keras.ops` and Keras layers, which trace, for the layer to expand"
     )
-
-
-def _known_failure(error, where):
-    """The reason for a failure whose cause is known from TensorFlow's or
-    Keras's message (`_KNOWN_FAILURES`), or None."""
-    message = essential_message(error, limit=2000)
-    for pattern, reason in _KNOWN_FAILURES:
-        if pattern.search(message):
-            return reason.format(at=_at(error, where))
-    return None
-
-
-_KNOWN_FAILURES = (
-    (re.compile(r"`add_loss\(\)` can only be called"),
-     "`call` adds a loss computed from its inputs (`self.add_loss(...)`){at}: a graph of "
-     "Keras layers has no node for it, so the layer runs whole (it still trains, with its "
-     "loss); to expand it, return the loss as an output and add it in `train_step` or "
-     "`compute_loss`"),
-    (re.compile(r"Failed to convert elements of SparseTensor"),
-     "`call` gives a TensorFlow function a tensor Keras marked sparse{at} (the product of "
-     "a symbolic tensor and a concrete `tf.Tensor` is marked sparse): the layer runs whole "
-     "(it still trains); hold the concrete tensor as a NumPy array or a Keras weight, or "
-     "write the function with `keras.ops`, for the layer to expand"),
-)
-
-
-_TF_RANDOM_MODULES = re.compile(r"tensorflow[/\\.]python[/\\.]ops[/\\.]"
-                                r"(stateless_|stateful_)?random_ops(\.py)?$")
-
-
-def _drew_with_tensorflow(error):
-    """Whether `error` was raised inside one of TensorFlow's random
-    functions (`tf.random.normal(shape=(batch, dim))` on symbolic sizes).
-    TensorFlow filters its own frames out of tracebacks; the frame of its
-    filter still holds the function it called (`fn`)."""
-    tb = error.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        called = frame.f_locals.get("fn") if frame.f_code.co_name == "error_handler" else None
-        module = _module_called(called) if callable(called) else ""
-        if _TF_RANDOM_MODULES.search(frame.f_code.co_filename) or _TF_RANDOM_MODULES.search(module):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _module_called(function):
-    """The module of the function `function` calls on: through wrappers
-    (`__wrapped__`) and TensorFlow's dispatch handler, whose target is a
-    variable of its closure (`dispatch_target`)."""
-    try:
-        function = inspect.unwrap(function)
-        target = inspect.getclosurevars(function).nonlocals.get("dispatch_target")
-    except (ValueError, TypeError):
-        return ""
-    return getattr(target if callable(target) else function, "__module__", None) or ""
 
 
 _WRITE_METHODS = frozenset({"assign", "assign_add", "assign_sub", "scatter_update",
