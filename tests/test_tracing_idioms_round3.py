@@ -82,9 +82,26 @@ class PositionsFromRange(layers.Layer):
         return x + self.pos_emb(positions) + tf.cast(tf.range(tf.shape(x)[-1]), x.dtype)
 
 
+class PositionsFromIntRange(layers.Layer):
+    """The same with the length as a Python int: `tf.range` makes a
+    concrete tensor, which the position embedding is called on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.maxlen = 5
+        self.pos_emb = layers.Embedding(input_dim=5, output_dim=8)
+
+    def call(self, x):
+        return x + self.pos_emb(tf.range(start=0, limit=self.maxlen, delta=1))
+
+
 def test_tf_range_of_a_size_computed_in_the_graph_expands_exactly(tmp_path):
     passed = expands_exactly_at_any_batch_size(PositionsFromRange(name="block"), tmp_path)
     assert "range" in _functions(passed)
+
+
+def test_tf_range_of_a_python_int_expands_exactly(tmp_path):
+    expands_exactly_at_any_batch_size(PositionsFromIntRange(name="block"), tmp_path)
 
 
 class StraightThrough(layers.Layer):
