@@ -24,6 +24,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import re
 import sys
 import threading
 import types
@@ -1285,3 +1286,36 @@ def _put_back_global_random_state(saved, drew):
         generator.state.assign(generator_state)
     if drew:
         context.context().clear_kernel_cache()
+
+
+# -- which TensorFlow function raised (frontend/tracing.py) -------------------
+# TensorFlow filters its own frames out of the tracebacks of its errors
+# (`traceback_utils.filter_traceback`); the frame of its filter stays, and
+# holds the function it called (`fn`), TensorFlow's dispatch handler, whose
+# target is a variable of its closure (`dispatch_target`). No public API
+# says which function an error came from.
+_TF_RANDOM_MODULES = re.compile(r"tensorflow[/\\.]python[/\\.]ops[/\\.]"
+                                r"(stateless_|stateful_)?random_ops(\.py)?$")
+
+
+def raised_in_tf_random_function(error):
+    """Whether `error` was raised inside one of TensorFlow's random
+    functions (`tf.random.normal(shape=(batch, dim))` on symbolic sizes)."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        called = frame.f_locals.get("fn") if frame.f_code.co_name == "error_handler" else None
+        module = _module_called(called) if callable(called) else ""
+        if _TF_RANDOM_MODULES.search(frame.f_code.co_filename) or _TF_RANDOM_MODULES.search(module):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _module_called(function):
+    try:
+        function = inspect.unwrap(function)
+        target = inspect.getclosurevars(function).nonlocals.get("dispatch_target")
+    except (ValueError, TypeError):
+        return ""
+    return getattr(target if callable(target) else function, "__module__", None) or ""

@@ -1050,7 +1050,23 @@ class BatchPlusOne(layers.Layer):
         return (extended + bias)[1:]
 
 
-@pytest.mark.parametrize("block", [BatchIndex, BatchPlusOne])
+def test_a_block_computing_with_the_batch_size_plus_one_expands_for_any_batch_size():
+    """Issue 22: a size that is the batch size plus a constant is followed
+    (it stayed whole before, as `BatchIndex` still does)."""
+    x = _rand(4, 5, 3)
+    model = BatchModel(BatchPlusOne(name="block"), name="batch_model")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Expand()])
+    assert "block" not in passed.kip_report.opaque, passed.kip_report.opaque
+    assert not any(node.operation is model.block for node in passed.kip_graph.nodes)
+    assert_equivalent(model, passed, x)
+    for batch in (2, 7):
+        other = _rand(batch, 5, 3, seed=batch)
+        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [BatchIndex])
 def test_a_block_the_graph_cannot_follow_at_any_batch_size_stays_whole_and_says_why(block):
     x = _rand(4, 5, 3)
     model = BatchModel(block(name="block"), name="batch_model")

@@ -79,7 +79,7 @@ def _register_once():
             _register(function, lambda names: [{names[0]: symbolic}, {names[1]: symbolic}])
         for path, parameters in TENSOR_PARAMETERS.items():
             function = function_at(path, "tracing")
-            _register(function, lambda names, parameters=parameters: [
+            _register(function, path=path, signatures_for=lambda names, parameters=parameters: [
                 {name.lstrip(_LIST_PARAMETER): typing.List[symbolic]
                  if name.startswith(_LIST_PARAMETER) else symbolic}
                 for name in parameters if name.lstrip(_LIST_PARAMETER) in names
@@ -87,8 +87,11 @@ def _register_once():
         _registered.append(True)
 
 
-def _register(function, signatures_for):
-    path = public_name_of(function)
+def _register(function, signatures_for, path=None):
+    # A table entry registers under its own path: `tf.nn.softmax` is also
+    # exported as `tf.math.softmax`, which `public_name_of` finds first, and
+    # the entry was never recorded (`tf.norm` as `tf.linalg.norm`).
+    path = path or public_name_of(function)
     if path is None or (path not in ELEMENTWISE and path not in TENSOR_PARAMETERS):
         return  # outside the table: it could not be loaded (random: no seed kept)
     signature = inspect.signature(function)

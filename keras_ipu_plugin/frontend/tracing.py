@@ -56,6 +56,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend import failures
 from keras_ipu_plugin.frontend import tf_functions
 from keras_ipu_plugin.frontend import training_branches
 from keras_ipu_plugin.frontend import write_nodes
@@ -64,6 +65,9 @@ from keras_ipu_plugin.runtime.layer_kinds import accepts_training
 from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
+from keras_ipu_plugin.runtime.batch_sized import batch_signature
+from keras_ipu_plugin.runtime.batch_sized import fixed_batch_reason
+from keras_ipu_plugin.runtime.batch_sized import has_offsets
 from keras_ipu_plugin.runtime.batch_sized import generalize_batch
 from keras_ipu_plugin.runtime.batch_sized import unknown_dimension_attributes
 from keras_ipu_plugin.runtime.distribution import owning_strategy
@@ -157,12 +161,18 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
         _reject_lost_writes(layer, nodes, log)
     if len(runs) == 1:
         return runs[0][1]
-    small, large = (result for _, result in runs)
     try:
-        nodes, outputs = generalize_batch(
-            small, large, _TRIAL_BATCH_SIZES, runs[0][0].placeholders[id(runs[0][0].anchor)],
-            _same_operation, prefix,
-        )
+        nodes, outputs = _generalized(runs, _TRIAL_BATCH_SIZES, prefix)
+        if has_offsets(nodes):
+            # `batch + 1`: two traces fit any line through their sizes (the
+            # batch squared too); a third, at another batch size, confirms it.
+            again = _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix,
+                                              reads, training, None, _CONFIRMING_BATCH_SIZES)
+            if batch_signature(_generalized(again, _CONFIRMING_BATCH_SIZES, prefix)[0]) != \
+                    batch_signature(nodes):
+                raise NotBatchGeneral(
+                    "and a trace at batch size 2 shows a size that is no multiple of the "
+                    "batch size plus a constant")
         _check_batch_dimensions(nodes, prefix, multiples=True)
     except NotBatchGeneral as mismatch:
         raise TraceError(
@@ -175,11 +185,21 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
 # unknown batch size (see `_trace_at_two_batch_sizes`). One of them is 1, so
 # that Python code branching on the batch size (`if ops.shape(x)[0] > 1`)
 # takes different branches in the two traces and is refused, not baked in.
+# A size with a constant added to the batch's (`batch + 1`) is confirmed by
+# traces at the second pair.
 _TRIAL_BATCH_SIZES = (1, 3)
+_CONFIRMING_BATCH_SIZES = (1, 2)
+
+
+def _generalized(runs, batch_sizes, prefix):
+    """`generalize_batch` of the two traces `runs` made at `batch_sizes`."""
+    (first, small), (_, large) = runs
+    return generalize_batch(small, large, batch_sizes, first.placeholders[id(first.anchor)],
+                            _same_operation, prefix)
 
 
 def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                              training, error):
+                              training, error, batch_sizes=_TRIAL_BATCH_SIZES):
     """Trace `call` with its inputs' unknown batch size set to each of
     `_TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
     (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
@@ -198,7 +218,7 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     ):
         raise error  # no unknown batch size to set, or other unknown sizes
     runs = []
-    for batch_size in _TRIAL_BATCH_SIZES:
+    for batch_size in batch_sizes:
         concrete = {
             id(t): keras.KerasTensor((batch_size,) + tuple(t.shape)[1:], dtype=t.dtype)
             for t in batched
@@ -213,11 +233,18 @@ def _trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             {id(swap(t)): placeholders[id(t)] for t in symbols},
             prefix, reads, anchor=concrete[id(anchor)],
         )
-        trace.failure = error.reason
+        trace.failure = error.reason if error is not None else None
         try:
             runs.append((trace, _trace_modes(trace, training)))
-        except TraceError:
-            raise error from None
+        except TraceError as failure:
+            if error is None:  # confirming a generalization: that failure says why not
+                raise NotBatchGeneral(f"and at batch size {batch_size} {failure.reason}") from None
+            if failure.reason == error.reason:
+                raise error from None
+            # What stops the trace at a known batch size is the cause to fix
+            # (Mixtral's MoE block: `add_loss` in training, after `B*T // T`).
+            raise TraceError(f"{error.reason}; traced at batch size {batch_size} instead, "
+                             f"{failure.reason}") from None
     return runs
 
 
@@ -967,6 +994,11 @@ def _collect(outputs, placeholders, prefix, pinned, opaque_layers=None, read_nam
         _reject_variables(operation, (args, kwargs))
         if not isinstance(operation, keras.layers.Layer):
             _reject_unknown_dimensions(operation, (args, kwargs), prefix)
+            fixed = fixed_batch_reason(operation, keras.tree.flatten((args, kwargs)),
+                                       _compat.node_outputs(keras_node),
+                                       prefix + _node_name(operation, paths))
+            if fixed is not None:
+                raise TraceError(fixed)
             unknown = unknown_dimension_attributes(operation)
             if unknown:
                 if anchor is None or not anchor.shape or anchor.shape[0] is not None:
@@ -1205,6 +1237,8 @@ def _check_batch_dimensions(nodes, prefix, multiples=False):
                 (a == b and c in (None, a))  # a fixed size
                 or ((a, b) == (3, 7) and c is None)  # the batch size
                 or (multiples and a % 3 == 0 and b == a // 3 * 7 and c is None)
+                # a multiple plus a constant (`batch + 1`), confirmed by a trace
+                or (multiples and b > a and (b - a) % 4 == 0 and c is None)
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))
@@ -1319,7 +1353,7 @@ def _describe_failure(error, default=None):
             f"from its inputs{_at(error, where)}: a graph of Keras layers cannot hold "
             "the write, so the layer runs whole (it still trains)"
         )
-    if _drew_with_tensorflow(error):
+    if _compat.raised_in_tf_random_function(error):
         return (
             f"`call` draws random numbers with a TensorFlow function{_at(error, where)}: "
             "a graph does not record TensorFlow's draws (their state is the kernel's), so the "
@@ -1353,14 +1387,14 @@ def _describe_failure(error, default=None):
             "depends on the data, which one graph cannot hold; the layer runs whole "
             "(it still trains); computing both results and choosing with `ops.where` lets it expand"
         )
-    known = _known_failure(error, where)
+    known = failures.known_failure(essential_message(error, limit=2000), _at(error, where))
     if known is not None:
         return known
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
         # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
-        return f"{text}; {STATIC_BATCH_HINT}"
+        return f"{text}; {STATIC_BATCH_HINT}, or write a reshape's batch dimension as -1"
     if _TO_NUMPY.search(text):
         return f"{text}; {NUMPY_OPERAND_HINT}"
     # Never TensorFlow's or Keras's words alone: say what happened, then
@@ -1368,65 +1402,9 @@ def _describe_failure(error, default=None):
     line = _user_source_line(error)
     return (
         f"`call` fails when run on symbolic tensors{f' (`{line}`)' if line else ''}: "
-        f"{text}. The layer runs whole (it still trains); written with `keras.ops` "
-        "and Keras layers, which trace, it would expand"
+        f"{text}. The layer runs whole (it still trains); write that computation with "
+        "`keras.ops` and Keras layers, which trace, for the layer to expand"
     )
-
-
-def _known_failure(error, where):
-    """The reason for a failure whose cause is known from TensorFlow's or
-    Keras's message (`_KNOWN_FAILURES`), or None."""
-    message = essential_message(error, limit=2000)
-    for pattern, reason in _KNOWN_FAILURES:
-        if pattern.search(message):
-            return reason.format(at=_at(error, where))
-    return None
-
-
-_KNOWN_FAILURES = (
-    (re.compile(r"`add_loss\(\)` can only be called"),
-     "`call` adds a loss computed from its inputs (`self.add_loss(...)`){at}: a graph of "
-     "Keras layers has no node for it, so the layer runs whole (it still trains, with its "
-     "loss); to expand it, return the loss as an output and add it in `train_step` or "
-     "`compute_loss`"),
-    (re.compile(r"Failed to convert elements of SparseTensor"),
-     "`call` gives a TensorFlow function a tensor Keras marked sparse{at} (the product of "
-     "a symbolic tensor and a concrete `tf.Tensor` is marked sparse): the layer runs whole "
-     "(it still trains); hold the concrete tensor as a NumPy array or a Keras weight, or "
-     "write the function with `keras.ops`, for the layer to expand"),
-)
-
-
-_TF_RANDOM_MODULES = re.compile(r"tensorflow[/\\.]python[/\\.]ops[/\\.]"
-                                r"(stateless_|stateful_)?random_ops(\.py)?$")
-
-
-def _drew_with_tensorflow(error):
-    """Whether `error` was raised inside one of TensorFlow's random
-    functions (`tf.random.normal(shape=(batch, dim))` on symbolic sizes).
-    TensorFlow filters its own frames out of tracebacks; the frame of its
-    filter still holds the function it called (`fn`)."""
-    tb = error.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        called = frame.f_locals.get("fn") if frame.f_code.co_name == "error_handler" else None
-        module = _module_called(called) if callable(called) else ""
-        if _TF_RANDOM_MODULES.search(frame.f_code.co_filename) or _TF_RANDOM_MODULES.search(module):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _module_called(function):
-    """The module of the function `function` calls on: through wrappers
-    (`__wrapped__`) and TensorFlow's dispatch handler, whose target is a
-    variable of its closure (`dispatch_target`)."""
-    try:
-        function = inspect.unwrap(function)
-        target = inspect.getclosurevars(function).nonlocals.get("dispatch_target")
-    except (ValueError, TypeError):
-        return ""
-    return getattr(target if callable(target) else function, "__module__", None) or ""
 
 
 _WRITE_METHODS = frozenset({"assign", "assign_add", "assign_sub", "scatter_update",

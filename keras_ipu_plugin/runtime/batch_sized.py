@@ -36,7 +36,7 @@ class BatchSizedOperation(keras.layers.Layer):
         >>> BatchSizedOperation(reshape_op, ["newshape"])(x, y)
     """
 
-    def __init__(self, operation, attributes, multiples=None, **kwargs):
+    def __init__(self, operation, attributes, multiples=None, offsets=None, **kwargs):
         # The operation's inputs keep their dtypes, as they did in `call`.
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
@@ -48,6 +48,10 @@ class BatchSizedOperation(keras.layers.Layer):
         # for a one-dimension attribute)}; absent: the batch size itself.
         # Swin's windows are `batch * windows` rows (`window_reverse`).
         self.multiples = dict(multiples or {})
+        # {attribute: the constant added to that multiple at each None (an
+        # int for a one-dimension attribute)}; absent: none. `ops.zeros(
+        # (ops.shape(x)[0] + 1, d))`, `ops.slice(x, [1, 0], [batch - 1, d])`.
+        self.offsets = dict(offsets or {})
         self.built = True
 
     @staticmethod
@@ -84,12 +88,14 @@ class BatchSizedOperation(keras.layers.Layer):
         for name in self.attributes:
             shape = getattr(operation, name)
             multiples = self.multiples.get(name)
+            offsets = self.offsets.get(name)
             if shape is None:
-                setattr(operation, name, batch_size * (multiples or 1))
+                setattr(operation, name, batch_size * (multiples or 1) + (offsets or 0))
                 continue
             multiples = multiples or [1] * len(shape)
-            filled = [batch_size * multiple if dim is None else dim
-                      for dim, multiple in zip(shape, multiples)]
+            offsets = offsets or [0] * len(shape)
+            filled = [batch_size * multiple + offset if dim is None else dim
+                      for dim, multiple, offset in zip(shape, multiples, offsets)]
             setattr(operation, name, type(shape)(filled))
         return operation
 
@@ -129,6 +135,8 @@ class BatchSizedOperation(keras.layers.Layer):
         )
         if self.multiples:
             config["multiples"] = self.multiples
+        if self.offsets:
+            config["offsets"] = self.offsets
         return config
 
     @classmethod
@@ -158,11 +166,24 @@ class BatchSizedOperation(keras.layers.Layer):
                 saved_values.refuse(entry, f"multiples.{name}",
                                     "a positive int (or a list of them) for an attribute",
                                     multiple)
+        offsets = config.get("offsets") or {}
+        if not isinstance(offsets, dict):
+            saved_values.refuse(entry, "offsets", "a mapping", offsets)
+        for name, offset in offsets.items():
+            if name not in attributes or not (
+                    _is_offset(offset) or (isinstance(offset, list)
+                                           and all(_is_offset(o) for o in offset))):
+                saved_values.refuse(entry, f"offsets.{name}",
+                                    "an int (or a list of them) for an attribute", offset)
         return cls(**{**config, "operation": operation})
 
 
 def _is_size(value):
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_offset(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def unknown_dimension_attributes(operation):
@@ -218,14 +239,16 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         held_node = Node(held.name, held, (anchor,), {}, output_structure=None)
         held_node.outputs = [Value(held_node, 0, keras.KerasTensor(
             constant.slice.shape, dtype=str(constant.slice.dtype)))]
+        shape = {"shape": tuple(constant.shape)}
         broadcast = BatchSizedOperation(
-            _compat.broadcast_to_operation(constant.shape), ["shape"],
+            _compat.broadcast_to_operation(_with_none(constant.shape)), ["shape"],
+            multiples=_multiples_of(shape), offsets=_offsets_of(shape),
             name=f"{base}_broadcast",
         )
         node = Node(prefix + broadcast.name, broadcast, (anchor, held_node.outputs[0]), {},
                     output_structure=None)
         node.outputs = [Value(node, 0, keras.KerasTensor(
-            constant.shape, dtype=str(constant.slice.dtype)))]
+            _with_none(constant.shape), dtype=str(constant.slice.dtype)))]
         result.extend([held_node, node])
         return node.outputs[0]
 
@@ -266,11 +289,11 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         elif not isinstance(operation, keras.layers.Layer):
             shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name)
             if shapes:
-                multiples = _multiples_of(shapes)
+                multiples, offsets = _multiples_of(shapes), _offsets_of(shapes)
                 shapes = {key: _with_none(shape) for key, shape in shapes.items()}
                 operation = BatchSizedOperation(
                     _rebuilt_with(operation, shapes, node_s.name), list(shapes),
-                    multiples=multiples, name=operation.name)
+                    multiples=multiples, offsets=offsets, name=operation.name)
                 args, kwargs = BatchSizedOperation.arguments(
                     operation.operation, anchor, args, kwargs)
         node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
@@ -289,6 +312,57 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     outputs = keras.tree.pack_sequence_as(
         outputs_s, [same_output(a, b) for a, b in zip(flat_s, flat_l)])
     return result, outputs
+
+
+def fixed_batch_reason(operation, arguments, outputs, name):
+    """Why the call of `operation` (a reshape or broadcast) at node `name`
+    runs at one batch size only, or None: it takes a tensor whose batch
+    size is unknown (None) to a shape that is all constants, so the batch
+    size is one of them (keras.io's Switch Transformer reshapes to
+    `[num_tokens_per_batch, embed_dim]`, a Python int from the data's
+    batch size). `arguments`: the call's arguments, flattened."""
+    kind = type(operation).__name__
+    function = getattr(operation, "function", None)
+    if kind == "TFFunction" and function in ("reshape", "broadcast_to"):
+        kind = "Reshape" if function == "reshape" else "BroadcastTo"
+    if kind not in ("Reshape", "BroadcastTo"):
+        return None
+    given = next((t for t in arguments if isinstance(t, keras.KerasTensor)), None)
+    if given is None or not given.shape or given.shape[0] is not None or None in given.shape[1:]:
+        return None
+    if len(outputs) != 1 or not outputs[0].shape or None in tuple(outputs[0].shape):
+        return None
+    shape, fixed = tuple(given.shape), tuple(outputs[0].shape)
+    rows = int(np.prod(fixed)) / max(int(np.prod(shape[1:])), 1)
+    batch = f"the batch size {int(rows)}" if rows == int(rows) else "a batch size"
+    verb = "reshapes" if kind == "Reshape" else "broadcasts"
+    return (
+        f"`{name}` {verb} a tensor whose batch size is unknown, of shape {shape}, to the "
+        f"fixed shape {fixed}: the code holds {batch} as a constant, so it runs at that "
+        "batch size only; write that dimension as -1 (`ops.reshape(x, (-1, "
+        f"{', '.join(map(str, fixed[1:]))}))`) or from `ops.shape(x)[0]` (times what it "
+        "multiplies) for the layer to expand and run at any batch size, or convert with "
+        "static_batch=True"
+    )
+
+
+def has_offsets(nodes):
+    """Whether a `BatchSizedOperation` among `nodes` adds a constant to a
+    multiple of the batch size."""
+    return any(isinstance(node.operation, BatchSizedOperation) and node.operation.offsets
+               for node in nodes)
+
+
+def batch_signature(nodes):
+    """How `nodes` compute with the batch size: per `BatchSizedOperation`,
+    its operation's kind, shapes, multiples and offsets; two generalizations
+    of the same call made from other batch sizes have the same."""
+    return [
+        (type(node.operation.operation).__name__,
+         {name: getattr(node.operation.operation, name) for name in node.operation.attributes},
+         node.operation.multiples, node.operation.offsets)
+        for node in nodes if isinstance(node.operation, BatchSizedOperation)
+    ]
 
 
 def _holds_tensors(value):
@@ -316,11 +390,16 @@ def _is_array(value):
 
 
 class BatchMultiple:
-    """A dimension that is `multiple` times the batch size (Swin's windows:
-    `batch * windows` rows), in a shape attribute of a traced operation."""
+    """A dimension that is `multiple` times the batch size plus `offset`
+    (Swin's windows: `batch * windows` rows; `batch + 1`, `batch - 1`), in
+    a shape attribute of a traced operation."""
 
-    def __init__(self, multiple):
+    def __init__(self, multiple, offset=0):
         self.multiple = multiple
+        self.offset = offset
+
+    def at(self, batch_size):
+        return self.multiple * batch_size + self.offset
 
 
 def _batch_dimension(a, b, batch_sizes, name, multiples=False):
@@ -335,7 +414,14 @@ def _batch_dimension(a, b, batch_sizes, name, multiples=False):
     if (multiples and _is_int(a) and _is_int(b) and a > 0 and a % small == 0
             and b == a // small * large):
         return BatchMultiple(a // small)
-    raise NotBatchGeneral(f"`{name}` has a dimension {a} at one batch size and {b} at the other")
+    if multiples and _is_int(a) and _is_int(b) and b > a and (b - a) % (large - small) == 0:
+        # `batch + 1`, `2 * batch - 1`: a multiple of the batch size plus a
+        # constant, which a third trace confirms (`confirm_batch_general`).
+        multiple = (b - a) // (large - small)
+        return BatchMultiple(multiple, int(a - multiple * small))
+    raise NotBatchGeneral(
+        f"`{name}` has a dimension {a} at batch size {small} and {b} at batch size {large}, "
+        "which is no multiple of the batch size plus a constant")
 
 
 def _multiples_of(shapes):
@@ -352,6 +438,22 @@ def _multiples_of(shapes):
                 found[key] = [multiple(dim) for dim in shape]
         elif isinstance(shape, BatchMultiple):
             found[key] = shape.multiple
+    return found
+
+
+def _offsets_of(shapes):
+    """{attribute: offsets}, as `_multiples_of`, for the attributes holding
+    a `BatchMultiple` with a constant added (0 elsewhere)."""
+    def offset(dim):
+        return dim.offset if isinstance(dim, BatchMultiple) else 0
+
+    found = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            if any(isinstance(dim, BatchMultiple) and dim.offset for dim in shape):
+                found[key] = [offset(dim) for dim in shape]
+        elif isinstance(shape, BatchMultiple) and shape.offset:
+            found[key] = shape.offset
     return found
 
 
@@ -372,8 +474,10 @@ def _general_constant(a, b, batch_sizes, name):
         if not np.array_equal(a, b):
             raise NotBatchGeneral(f"`{name}` holds other constants")
         return None
-    shape = tuple(_batch_dimension(x, y, batch_sizes, name) for x, y in zip(a.shape, b.shape))
-    index = tuple(slice(0, 1) if dim is None else slice(None) for dim in shape)
+    shape = tuple(_batch_dimension(x, y, batch_sizes, name, multiples=True)
+                  for x, y in zip(a.shape, b.shape))
+    index = tuple(slice(0, 1) if dim is None or isinstance(dim, BatchMultiple) else slice(None)
+                  for dim in shape)
     slice_ = a[index]
     if not (np.array_equal(np.broadcast_to(slice_, a.shape), a)
             and np.array_equal(np.broadcast_to(slice_, b.shape), b)):
@@ -449,5 +553,6 @@ def _general_spec(a, b, batch_sizes, name):
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 
-__all__ = ["BatchSizedOperation", "NotBatchGeneral", "generalize_batch",
-           "unknown_dimension_attributes"]
+__all__ = ["BatchSizedOperation", "NotBatchGeneral", "batch_signature", "fixed_batch_reason",
+           "generalize_batch",
+           "has_offsets", "unknown_dimension_attributes"]

@@ -33,6 +33,9 @@ MODELS = (
     "dcgan",
     "wgan_gp",
     "pixelcnn",
+    "vae_tf_random",
+    "vq_vae",
+    "ddpm",
     # keras.io examples: vision
     "perceiver",
     "vit",
@@ -49,6 +52,9 @@ MODELS = (
     "speech_transformer",
     "recommender",
     "gat",
+    "ner_transformer",
+    "switch_transformer",
+    "grn_vsn",
     # keras_hub backbones (tiny configs from constructors, no presets)
     "bert",
     "gpt2",

@@ -61,6 +61,7 @@ import traceback
 from dataclasses import dataclass
 
 import keras
+from keras_ipu_plugin import _compat
 import numpy as np
 import tensorflow as tf
 
@@ -573,8 +574,14 @@ def compare_models(original, other, inputs, *, gradients):
     `inputs` in inference mode; else what differs first."""
     variables = list(original.trainable_variables) if gradients else []
     state = _non_trainable_state(original)
-    expected, expected_grads = _outputs_and_gradients(original, inputs, variables, state)
-    actual, actual_grads = _outputs_and_gradients(other, inputs, variables, state)
+    # TensorFlow's stateful draws (`tf.random.normal` with no seed
+    # generator) are the original's in the other run too, as kip's own
+    # verification replays them (issue 22).
+    with _compat.taped_stateful_draws() as draws:
+        draws.record()
+        expected, expected_grads = _outputs_and_gradients(original, inputs, variables, state)
+        draws.replay()
+        actual, actual_grads = _outputs_and_gradients(other, inputs, variables, state)
     expected_leaves = keras.tree.flatten(expected)
     actual_leaves = keras.tree.flatten(actual)
     if len(expected_leaves) != len(actual_leaves):
