@@ -711,18 +711,21 @@ def plain_fit(subject, adam=False):
     return _reference[key]
 
 
-def _build_optimizer(model):
-    """Build the optimizer of a model trained by Keras's own `train_step`
-    over `model.trainable_weights`, as that step's first `apply` does.
+def _build_optimizer(model, trainee=None):
+    """Build the optimizer of `trainee` (default `model`), when `model` is
+    trained by Keras's own `train_step`, over `model.trainable_weights`, as
+    that step's first `apply` does.
 
     Keras (to at least 3.15, without a distribution strategy) builds the
     optimizer while it traces the first step; TensorFlow then traces the
     step a second time, since the first trace created variables. Built
     before `fit`, the step is traced once: half the plain fit's time, with
-    the same variables and the same logs (plain Keras is the reference; the
-    plugin's fits build their optimizer as a user's `fit` does).
+    the same variables and the same logs. Plain Keras is the reference;
+    `plugin_model` and `plugin_callback` build their optimizer as a user's
+    `fit` does, inside the plugin's step; the checks of a pass or of Adam
+    (`fit_expand`, `fit_recompute`, `fit_adam`) build it before, as this.
     """
-    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(model if trainee is None else trainee, "optimizer", None)
     if (optimizer is None or optimizer.built or not model.trainable_weights
             or type(model).train_step is not keras.Model.train_step):
         return
@@ -750,6 +753,8 @@ def plugin_fit(subject, how):
                                   verify=how == "plugin_model")
         wrapper.compile(**(adam_compile_kwargs(subject) if how == "fit_adam"
                            else subject.compile_kwargs()))
+        if how != "plugin_model":
+            _build_optimizer(model, wrapper)
         logs = _fit(wrapper, subject)
         # A step that calls only sub-models (a GAN) converts those: the
         # report lists what was converted, whatever it was.
