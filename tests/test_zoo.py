@@ -35,12 +35,29 @@ REQUIRED = (
 )
 
 
-def _corpus():
+#: Checks that fail on a model for a known plugin bug, not fixed yet:
+#: `(check, model) -> reason`. Each is a strict xfail, so the test fails
+#: (XPASS) the day the bug is fixed, and the entry must then go.
+KNOWN_FAILURES = {
+    ("fit_recompute", "translation_transformer"): (
+        "plugin bug: Recompute(auto=True) checkpoints after `encoder`, and the graph with "
+        "that recomputed segment computes other outputs than the model (max abs difference "
+        "0.027 in inference mode, 0.035 in training; the converted graph without Recompute "
+        "is exact), so step 1's loss already differs (3.618 vs plain Keras 3.651); "
+        "apply_passes' verification does not catch it. Suspected: the Keras mask the "
+        "encoder's output carries to the decoder is lost at the segment's boundary"
+    ),
+}
+
+
+def _corpus(check=None):
     return [
         pytest.param(name, id=name, marks=[
             # one pytest-xdist worker runs every check of a model, in order
             pytest.mark.xdist_group(f"zoo_{name}"),
             *([pytest.mark.slow] if harness.Subject(name).slow else []),
+            *([pytest.mark.xfail(reason=KNOWN_FAILURES[check, name], strict=True)]
+              if (check, name) in KNOWN_FAILURES else []),
         ])
         for name in MODELS
     ]
@@ -71,6 +88,11 @@ def test_corpus_has_the_required_architectures():
     assert {"t5", "bart"} & set(MODELS)
     assert {"gmlp", "fnet"} & set(MODELS)
     assert {"dcgan", "wgan_gp"} & set(MODELS)
+
+
+def test_known_failures_name_a_check_and_a_model_of_the_corpus():
+    for check, name in KNOWN_FAILURES:
+        assert check in harness.CHECKS and name in MODELS, (check, name)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -119,7 +141,7 @@ def test_plugin_model_with_expand_all_fit_equals_plain_keras(name):
     _assert_ok(harness.check_fit(name, "fit_expand"))
 
 
-@pytest.mark.parametrize("name", CORPUS, scope="module")
+@pytest.mark.parametrize("name", _corpus("fit_recompute"), scope="module")
 def test_plugin_model_with_recompute_auto_fit_equals_plain_keras(name):
     _assert_ok(harness.check_fit(name, "fit_recompute"))
 
