@@ -320,6 +320,29 @@ def test_blocks_joined_by_keras_ops_are_replayed():
     assert all(node.operation.name == node.name for node in ops_nodes)
 
 
+class TrainingBlock(layers.Layer):
+    """Sub-layers following the model's `training`, and one pinned."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d = layers.Dense(8)
+        self.drop = layers.Dropout(0.5)
+        self.frozen = layers.BatchNormalization()
+
+    def call(self, x, training=None):
+        return x + self.frozen(self.drop(self.d(x), training=training), training=False)
+
+
+def test_blocks_with_training_modes_are_replayed_with_them():
+    model = _built_sequence([TrainingBlock() for _ in range(4)], X)
+    # Keras leaves the pinned `training=False` in its call context, so the
+    # blocks after the first run in inference (the converted graph too):
+    # two kinds, one block of the first and three of the second.
+    graph = _check_replay(model, X, traced=2, replayed=2)
+    assert [graph.node(f"blocks.{i}.{name}").training for i in range(4)
+            for name in ("drop", "frozen")] == ["follow", False] + [False, False] * 3
+
+
 class TFBlock(layers.Layer):
     """A Keras 2 style block: TensorFlow functions on the symbolic tensors."""
 
@@ -553,22 +576,33 @@ class Pair(layers.Layer):
         return self.first(a) + self.second(b)
 
 
+class Triple(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d = layers.Dense(8)
+
+    def call(self, a, b, c):
+        return self.d(a) - b * c
+
+
 class Pairs(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.same_input, self.two_inputs = Pair(), Pair()
         self.shared, self.unshared = Pair(shared=True), Pair()
+        self.aba, self.abb = Triple(), Triple()
 
     def call(self, x):
         y = x * 2.0
         h = self.same_input(x, x) + self.two_inputs(x, y)  # one input given twice, or two
-        return self.shared(h, y) + self.unshared(h, y)  # one Dense held twice, or two
+        h = self.shared(h, y) + self.unshared(h, y)  # one Dense held twice, or two
+        return self.aba(h, y, h) + self.abb(h, y, y)  # two inputs, one of them twice
 
 
 def test_calls_sharing_an_input_or_a_sub_layer_are_traced_apart():
     model = Pairs()
     model(X)
-    _check_replay(model, X, traced=3, replayed=1)  # unshared replays two_inputs
+    _check_replay(model, X, traced=5, replayed=1)  # unshared replays two_inputs
 
 
 def test_a_block_holding_an_array_is_signed_by_its_values():
