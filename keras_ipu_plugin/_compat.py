@@ -409,6 +409,13 @@ def sub_layers(layer, recursive=True):
     return layer._flatten_layers(include_self=False, recursive=recursive)
 
 
+def own_variables(layer):
+    """The variables `layer` made itself (`add_weight`), not its
+    sub-layers': what `layer.weights` adds to theirs, without walking them
+    (comparing the blocks of a model reads every layer's)."""
+    return [*layer._trainable_variables, *layer._non_trainable_variables]
+
+
 def variable_strategy(variable):
     """The tf.distribute strategy that created `variable` (a Keras or a TF
     variable), or None for the default one."""

@@ -59,15 +59,30 @@ def _direct_layers(layer):
     """`[(relative path, layer)]` for the layers `layer` holds directly."""
     if isinstance(layer, keras.Sequential) or _compat.is_graph_model(layer):
         return [(_clean(sub.name), sub) for sub in layer.layers]
-    found = []
-    items = list(vars(layer).items())
+    if (type(layer).__module__ or "").startswith("keras.") and not _compat.sub_layers(
+            layer, recursive=False):
+        # One of Keras's own layers holding none (Dense): Keras's code
+        # assigns its sub-layers as tracked attributes, so there is nothing
+        # to look for among its ~60 attributes (most of what naming the
+        # nodes of an expanded model cost).
+        return []
+    found, private = [], []
     bookkeeping = _compat.layer_bookkeeping_attributes()
-    # Public attributes name a layer before private ones do.
-    for name, value in sorted(items, key=lambda item: item[0].startswith("_")):
-        if name in bookkeeping or name.startswith(_compat.TRACKABLE_PREFIX):
+    for name, value in vars(layer).items():
+        if name in bookkeeping or not isinstance(value, _HOLDERS):
+            continue
+        if name.startswith("_"):
+            if not name.startswith(_compat.TRACKABLE_PREFIX):
+                private.append((name, value))
             continue
         _collect(_clean(name), value, found, 0)
+    # Public attributes name a layer before private ones do.
+    for name, value in private:
+        _collect(_clean(name), value, found, 0)
     return found
+
+
+_HOLDERS = (keras.layers.Layer, list, tuple, dict)  # what `_collect` looks into
 
 
 def _collect(path, value, found, depth):

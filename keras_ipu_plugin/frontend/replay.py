@@ -26,9 +26,8 @@ and each value's Keras mask points at the counterpart of its mask. The
 check is made on the trace: a template is kept only where every node is
 one of those, reads no object but the block's own (a layer made inside
 `call`, a module-level layer, a sub-layer kept whole as opaque: the call is
-traced every time), holds only plain data in its other arguments, and
-where the block's signature is the same after tracing it as before (a
-`call` that changes its block is traced every time).
+traced every time) and holds only plain data in its other arguments. It is
+kept under the kind the block had before it was traced.
 
 Example:
     >>> templates = CallTemplates()
@@ -115,15 +114,11 @@ class CallTemplates:
         before = self._before.pop(node, None)
         if before is None:
             return
+        # The kind read before tracing: `call` runs on a view of the block,
+        # but what the view shares with it (a dict attribute) it may change,
+        # and the trace is that of the block as it was.
         key, objects, inputs = before
         if key in self._templates:
-            return
-        after = _kind(node)
-        if after is None or after[0] != key or any(
-                a is not b for a, b in zip(after[1], objects)):
-            # Tracing changed the block (its attributes, a sub-layer): a
-            # replay would not change the next one alike.
-            self._templates[key] = None
             return
         try:
             self._templates[key] = _Template(node, objects, inputs, new_nodes, outputs, reads)

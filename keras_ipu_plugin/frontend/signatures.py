@@ -43,6 +43,7 @@ import inspect
 import io
 import textwrap
 import tokenize
+import weakref
 
 import keras
 import numpy as np
@@ -110,12 +111,15 @@ def _signature(layer, objects, active):
         raise Unknown  # a layer holding its own parent
     objects.append(layer)
     cls = type(layer)
-    weights = tuple(map(_compat.variable_signature, layer.weights))
     if (cls.__module__ or "").split(".")[0] in LIBRARY_PACKAGES:
         inner = _compat.sub_layers(layer)
         objects.extend(inner)
+        weights = tuple(map(_compat.variable_signature,
+                            layer.weights if inner else _compat.own_variables(layer)))
         return (cls, _library_config(layer), weights, layer.dtype_policy.name,
                 layer.trainable, tuple(map(type, inner)))
+    # Its own variables: its sub-layers' are in their own signatures.
+    weights = tuple(map(_compat.variable_signature, _compat.own_variables(layer)))
     skipped = _skipped()
     active.add(id(layer))
     try:
@@ -132,14 +136,28 @@ def _signature(layer, objects, active):
 
 def _library_config(layer):
     """A Keras layer's constructor arguments (cheap), else its config."""
+    try:
+        return _CONSTRUCTOR_CONFIGS[layer]
+    except (KeyError, TypeError):
+        pass
     for config in (_compat.constructor_config(layer), None):
         try:
-            config = dict(layer.get_config()) if config is None else config
-            config.pop("name", None)
-            return _frozen(config)
+            frozen = _frozen(dict(layer.get_config()) if config is None else config,
+                             leave_out="name")
         except TypeError:  # an argument that cannot be hashed: the full config
             continue
+        if config is not None:
+            # Kept: the arguments a layer was made with never change (its
+            # full config may, with its attributes: read every time).
+            try:
+                _CONSTRUCTOR_CONFIGS[layer] = frozen
+            except TypeError:  # a layer that cannot be a weak key
+                pass
+        return frozen
     raise Unknown
+
+
+_CONSTRUCTOR_CONFIGS = weakref.WeakKeyDictionary()  # layer -> its frozen constructor config
 
 
 def _skipped():
@@ -184,9 +202,9 @@ def _value_signature(value, objects, active):
     raise Unknown
 
 
-def _frozen(config):
+def _frozen(config, leave_out=None):
     if isinstance(config, dict):
-        return tuple((key, _frozen(item)) for key, item in config.items())
+        return tuple((key, _frozen(item)) for key, item in config.items() if key != leave_out)
     if isinstance(config, (list, tuple)):
         return tuple(_frozen(item) for item in config)
     hash(config)

@@ -611,8 +611,21 @@ def map_leaves(fn, structure):
 def values_in(structure):
     """The Values among the leaves of a nest, in order."""
     found = []
-    map_leaves(lambda leaf: found.append(leaf) if isinstance(leaf, Value) else None, structure)
+    _gather_values(structure, found)
     return found
+
+
+def _gather_values(structure, found):
+    # `map_leaves`'s walk, without building the mapped nest: every edit of
+    # a graph asks for the values a node reads.
+    if isinstance(structure, Value):
+        found.append(structure)
+    elif isinstance(structure, dict):
+        for item in structure.values():
+            _gather_values(item, found)
+    elif isinstance(structure, (list, tuple)):
+        for item in structure:
+            _gather_values(item, found)
 
 
 def map_values(fn, structure):

@@ -88,15 +88,18 @@ class Expand(Pass):
         return graph
 
 
-def expand_graph(graph, should_expand, report, step, recursive):
+def expand_graph(graph, should_expand, report, step, recursive, templates=None):
     """Expand every node for which `should_expand(node)` holds, in one walk
     over the graph; with `recursive`, the nodes an expansion produces are
     offered to `should_expand` too (before the nodes after them).
+    `templates` (`replay.CallTemplates`, a new one by default) holds the
+    traces replayed over blocks of the same kind.
 
     Returns the nodes that stayed opaque although `should_expand` chose them.
     """
     reads = ReadLayers.of_graph(graph)  # one read layer per variable
-    templates = CallTemplates()  # each kind of block is traced once
+    if templates is None:
+        templates = CallTemplates()  # each kind of block is traced once
     opaque, pending = [], list(reversed(graph.nodes))
     while pending:
         node = pending.pop()

@@ -6,6 +6,7 @@ Example:
     (False, True)
 """
 
+import functools
 import inspect
 import weakref
 
@@ -21,7 +22,18 @@ from keras_ipu_plugin.runtime.variable_write import VariableWrite
 
 def accepts_training(layer):
     """Whether `layer.call` has a `training` parameter."""
-    return "training" in inspect.signature(layer.call).parameters
+    call = getattr(layer.call, "__func__", layer.call)
+    try:
+        return _takes_training(call)
+    except TypeError:  # an unhashable callable
+        return "training" in inspect.signature(call).parameters
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_training(function):
+    # By the function (a class's `call`, not a bound method): Expand asks
+    # once per block of a model of hundreds.
+    return "training" in inspect.signature(function).parameters
 
 
 # The built-in layers: the classes the public `keras.layers` namespace
