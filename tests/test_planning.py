@@ -222,3 +222,66 @@ def test_among_equal_largest_stages_the_more_even_partition_is_taken():
 def test_imbalance_is_largest_over_mean():
     assert stage_balance.imbalance([2, 2, 2]) == 1.0
     assert stage_balance.imbalance([3, 1]) == 1.5
+
+
+# -- the plan space of issue 24: keep / inside / checkpoint per node ------------------
+def _dense_gelu_chain(n, internal=12, output=4):
+    """Layers whose internal tensors (pre-activation, gelu's intermediates)
+    are three times their output, as a Dense(gelu) keeps."""
+    return [NodeCost(f"h{i}", kept=internal, kept_by_consumer=output, boundary=output,
+                     flops=1, output=output, elements=1024) for i in range(n)]
+
+
+def test_a_segment_may_follow_kept_nodes_which_end_their_run():
+    # Light layers, costly to recompute, before heavy ones: under a budget
+    # the least recomputation keeps the light layers and recomputes
+    # heavy ones only (before, a segment could only start the chain or
+    # follow a layer with forward state).
+    light = [NodeCost(f"l{i}", kept=1, kept_by_consumer=1, boundary=1, flops=10, output=1,
+                      elements=1024) for i in range(6)]
+    costs = light + _dense_gelu_chain(6)
+    plan = recompute_plan.plan_for_budget(costs, 0.5 * recompute_plan.estimate_peak(costs))
+    assert plan.keeps == (5,), plan
+    assert all(plan.kind(i) == "keep" for i in range(6))
+    # the kept node ends its run: the executor's segments are the plan's
+    segments = recompute_plan.segments_of(costs, plan.checkpoints, plan.keeps, plan.nested)
+    assert tuple((f, l) for f, l, again, _ in segments if again) == plan.segments
+    first_recomputed = min(first for first, _ in plan.segments)
+    assert plan.kind(first_recomputed - 1) == "keep"
+    # without the keep note, the run before would be folded into the segment
+    folded = recompute_plan.segments_of(costs, plan.checkpoints)
+    assert any(first < first_recomputed <= last for first, last, again, _ in folded if again)
+
+
+def test_recomputing_each_layer_inside_itself_is_in_the_plan_space():
+    # What RematScope("larger_than") does: every layer alone, outputs kept.
+    costs = _dense_gelu_chain(8)
+    every = list(range(8))
+    plan = recompute_plan.describe_plan(costs, every)
+    # (the last runs normally: nothing follows it)
+    assert [plan.kind(i) for i in range(8)] == ["inside"] * 7 + ["keep"], plan
+    # at most one layer's internals live at once: at the last layer's
+    # backward, the 7 outputs before it, its internals and its gradient
+    assert plan.peak == 7 * 4 + 12 + 4
+
+
+def test_a_nested_segment_keeps_only_outputs_and_costs_a_second_recomputation():
+    costs = _dense_gelu_chain(12) + [NodeCost("head", elements=5000)]
+    plain = recompute_plan.describe_plan(costs, [5, 11])
+    nested = recompute_plan.describe_plan(costs, [5, 11], nested=[5, 11])
+    # a segment's backward: 5 layers' outputs and internals (16 each)
+    # plainly, their outputs (4 each) and one layer's internals nested
+    assert plain.peak - nested.peak == 5 * 12 - 4
+    assert nested.extra_flops == plain.extra_flops + 12
+    assert set(nested.inside) == set(range(12))
+    assert nested.kind(3) == "inside" and plain.kind(3) == "checkpoint"
+
+
+def test_without_a_budget_the_plan_recomputes_at_most_one_forward_pass():
+    costs = _dense_gelu_chain(24)
+    capped = recompute_plan.plan_smallest_peak(costs)
+    free = recompute_plan.plan_smallest_peak(costs, max_extra_forwards=None)
+    assert capped.extra_flops <= capped.forward_flops
+    # nesting reaches lower, at more recomputation
+    assert free.peak < capped.peak and free.extra_flops > capped.forward_flops
+    assert free.nested

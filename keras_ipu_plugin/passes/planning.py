@@ -216,6 +216,7 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         "peak_if_gradients_held": recompute_plan.estimate_peak(
             costs, plan.checkpoints, True, plan.keeps, plan.nested),
         "keeps": [order[i].name for i in plan.keeps],
+        "inside_notes": [order[i].name for i in plan.inside],  # nested in segments
         "inside": [order[i].name for i in range(len(order)) if plan.kind(i) == "inside"],
         "kinds": {order[i].name: plan.kind(i) for i in range(len(order))},
         "extra_fraction": plan.extra_fraction,
