@@ -299,10 +299,20 @@ def run(model_name, variant):
 
 
 def _last_error(stderr):
-    """The exception line of a failed child (its last line naming an error)."""
+    """The exception of a failed child: its last line naming an error, and
+    the line after it when Keras wraps the cause ("Exception encountered
+    when calling MultiHeadAttention.call()", then the cause)."""
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
-    found = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line]
-    text = found[-1] if found else (lines[-1] if lines else "no output")
+    found = [i for i, line in enumerate(lines)
+             if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
+    if not found:
+        return (lines[-1] if lines else "no output")[:300]
+    first = found[-1]
+    while first > 0 and first - 1 in found:
+        first -= 1
+    text = lines[first]
+    if "Exception encountered when calling" in text and first + 1 < len(lines):
+        text += " " + lines[first + 1]
     return text[:300]
 
 
