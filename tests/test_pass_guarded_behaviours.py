@@ -399,7 +399,8 @@ def test_kept_activations_measure_sees_no_saving_without_checkpointing(monkeypat
     model = WideTower(name="wide")
     model(x)
     converted = kip.convert_to_functional(model, x)
-    monkeypatch.setattr(backends.PortableBackend, "checkpoint_segment", lambda self, fn: fn)
+    monkeypatch.setattr(backends.PortableBackend, "checkpoint_segment",
+                        lambda self, fn, anchored=None: fn)
     recomputed = kip.apply_passes(
         converted, [Recompute(["block_1", "block_3", "block_5"])]
     )

@@ -123,12 +123,16 @@ class Recompute(Pass):
 
     Activations between two checkpoints are recomputed in the backward pass
     instead of being kept, trading compute for memory. With `auto=True` the
-    checkpoints are planned from the graph's shapes at the first batch (per
-    replica; see `passes.planning`): without `memory_budget`, the smallest
-    estimated peak memory (each layer recomputed at most once: at most one
-    extra forward pass), with `memory_budget` (bytes as an int, or a float
-    in (0, 1]: a fraction of the estimated peak without recomputation) the
-    least recomputation that meets it. The report holds the plan's table.
+    plan is made from the graph's shapes at the first batch (per replica;
+    see `passes.planning`), choosing per node between keeping its
+    activations, recomputing it inside its layer (its internal tensors
+    dropped, its output kept, as `keras.RematScope` does to a layer) and
+    recomputing it from a checkpoint (`passes.recompute_plan`): without
+    `memory_budget`, the smallest estimated peak memory among the plans
+    that recompute at most one forward pass, with `memory_budget` (bytes as
+    an int, or a float in (0, 1]: a fraction of the estimated peak without
+    recomputation) the least recomputation that meets it. The report holds
+    the plan's table (each node's kind included).
 
     Example:
         >>> kip.passes.Recompute(["block_1", "block_2"])

@@ -160,6 +160,14 @@ def plan_recompute(graph, memory_budget, report, step):
         node = order[index]
         node.annotations["recompute"] = True
         report.add(step, node.name, "checkpoint after", "planned (Recompute(auto=True))")
+    for index in plan.keeps:
+        order[index].annotations["remat"] = "keep"
+        report.add(step, order[index].name, "kept, ends the run before a segment",
+                   "planned (Recompute(auto=True))")
+    for index in plan.inside:
+        order[index].annotations["remat"] = "inside"
+        report.add(step, order[index].name, "recomputed inside its layer",
+                   "planned (Recompute(auto=True)): nested in its segment")
     report.add_plan(_recompute_table(graph, costs, order, plan, batch, memory_budget, budget,
                                      profiles))
     return plan
@@ -170,8 +178,10 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         ("batch (per replica)", str(batch)),
         ("checkpoints", _names([order[i].name for i in plan.checkpoints]) or "none"),
         ("recomputed segments", "; ".join(
-            f"{order[first].name} .. {order[last].name} ({last - first + 1} nodes)"
+            f"{order[first].name} .. {order[last].name} ({last - first + 1} nodes"
+            + (", nested" if last in plan.nested else "") + ")"
             for first, last in plan.segments) or "none"),
+        ("per node", _kinds_text(plan, len(order))),
     ]
     fixed = [cost.name for cost in costs if cost.fixed]
     if fixed:
@@ -188,7 +198,7 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         # an optimizer that needs them all at once holds them: say what
         # that would cost, rather than hide it.
         ("if all weight gradients are held",
-         f"{_mib(recompute_plan.estimate_peak(costs, plan.checkpoints, held_gradients=True))}"
+         f"{_mib(recompute_plan.estimate_peak(costs, plan.checkpoints, True, plan.keeps, plan.nested))}"
          " with the plan (clipping by global norm, gradient accumulation and loss scaling "
          "hold them until the last; the plan assumes each is freed once applied)"),
         ("estimated extra compute",
@@ -203,12 +213,24 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         "batch": batch, "checkpoints": [order[i].name for i in plan.checkpoints],
         "segments": [(order[first].name, order[last].name) for first, last in plan.segments],
         "peak": plan.peak, "baseline_peak": plan.baseline_peak, "budget": budget,
-        "peak_if_gradients_held": recompute_plan.estimate_peak(costs, plan.checkpoints,
-                                                               held_gradients=True),
+        "peak_if_gradients_held": recompute_plan.estimate_peak(
+            costs, plan.checkpoints, True, plan.keeps, plan.nested),
+        "keeps": [order[i].name for i in plan.keeps],
+        "inside_notes": [order[i].name for i in plan.inside],  # nested in segments
+        "inside": [order[i].name for i in range(len(order)) if plan.kind(i) == "inside"],
+        "kinds": {order[i].name: plan.kind(i) for i in range(len(order))},
         "extra_fraction": plan.extra_fraction,
     }
     return PlanTable(f"Recompute plan of {graph.name!r}", ("quantity", "value"), tuple(rows),
                      figures)
+
+
+def _kinds_text(plan, count):
+    """How many nodes the plan keeps, recomputes inside their layer, and
+    recomputes from a checkpoint."""
+    kinds = [plan.kind(index) for index in range(count)]
+    return (f"{kinds.count('keep')} kept, {kinds.count('inside')} recomputed inside their "
+            f"layer, {kinds.count('checkpoint')} recomputed from a checkpoint")
 
 
 def _budget_text(memory_budget, budget):

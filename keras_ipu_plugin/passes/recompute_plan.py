@@ -12,6 +12,21 @@ executor's own rules (`executor.make_plan`):
 - the last recomputed segment runs normally when the nodes after it are
   smaller (elements per example) than its largest output.
 
+The plan chooses per node between three kinds (a plan is a partition of
+the chain into runs of these):
+
+- *keep*: the node runs normally and its activations are kept; a kept node
+  right before a recomputed segment is marked (`keeps`), so the executor
+  ends the run there (`remat="keep"`) instead of folding it into the segment;
+- *recompute inside its layer*: a segment of one node, or a node of a
+  *nested* segment (`nested`: its nodes with internal tensors run under
+  their own checkpoint, `remat="inside"`): its internal tensors (a Dense's
+  pre-activation, gelu's intermediates, attention scores) are dropped and
+  recomputed from its input, its outputs kept, what `keras.RematScope`
+  does to a layer; nested, the segment's recomputation keeps only the
+  nodes' outputs and recomputes each node's internals once more;
+- *recompute from a checkpoint*: a node of a segment of several nodes.
+
 Memory is estimated for the whole training step the way the backward pass
 frees it: at the backward of node `t`, what the forward pass kept for the
 nodes before `t`, what `t` keeps, its weight gradients and its output's
@@ -37,6 +52,8 @@ Example:
     6.0
 """
 
+import math
+
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -44,6 +61,11 @@ from dataclasses import field
 #: whose peak is within this fraction of the smallest one: the last percent
 #: of memory can cost a whole extra segment of recomputation.
 SMALLEST_PEAK_TOLERANCE = 0.02
+
+#: Without a budget, the smallest peak among the plans that recompute at
+#: most this many forward passes: a forward pass is about a third of a
+#: training step, so one more keeps the step within about 1.35x.
+MAX_EXTRA_FORWARDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,9 +85,10 @@ class NodeCost:
     output: the working memory of its backward: its incoming gradient (the
         bytes of its outputs) and the most its backward's temporaries hold
         at once.
-    weights: bytes of its layer's weights (at its layer's first node): a
-        recomputed segment copies its inputs and weights while it recomputes
-        (`recompute_grad` ties each to the incoming gradient).
+    weights: bytes of its layer's weights (at its layer's first node); a
+        recomputed segment passes them on uncopied (only its inputs are
+        copied behind the incoming gradient, see `recompute_grad`), so they
+        add nothing to the peak.
     elements: elements per example of its outputs (what the executor
         compares to keep the last segment; see `executor._keep_last_segment`).
     fixed: it has forward state and never sits in a recomputed segment.
@@ -91,7 +114,8 @@ class RecomputePlan:
     """A chosen plan: `checkpoints` (node indices), the `segments` that are
     recomputed (`(first, last)` indices), the estimated `peak` with it and
     `baseline_peak` without, and the forward cost recomputed
-    (`extra_flops`) against the whole forward pass (`forward_flops`)."""
+    (`extra_flops`) against the whole forward pass (`forward_flops`);
+    `keeps`, `nested` and `inside` as in the module docstring."""
 
     checkpoints: tuple
     segments: tuple
@@ -100,6 +124,17 @@ class RecomputePlan:
     extra_flops: float
     forward_flops: float
     notes: tuple = field(default_factory=tuple)
+    keeps: tuple = ()  # kept nodes that end a run right before a segment
+    nested: tuple = ()  # the last nodes of the nested segments
+    inside: tuple = ()  # nodes of nested segments recomputed inside their layer
+
+    def kind(self, index):
+        """`"keep"`, `"inside"` (recomputed from its own input) or
+        `"checkpoint"` (recomputed from the segment's checkpoint)."""
+        for first, last in self.segments:
+            if first <= index <= last:
+                return "inside" if first == last or index in self.inside else "checkpoint"
+        return "keep"
 
     @property
     def extra_fraction(self):
@@ -118,46 +153,52 @@ class UnmeetableBudget(ValueError):
 
 
 # -- what a plan is and what it costs ---------------------------------------------
-def segments_of(costs, checkpoints):
-    """`[(first, last, recomputed)]`: the segments the executor makes of
-    `checkpoints`, its rules applied (see the module docstring)."""
-    checkpoints = set(checkpoints)
+def segments_of(costs, checkpoints, keeps=(), nested=()):
+    """`[(first, last, recomputed, nested)]`: the segments the executor
+    makes of `checkpoints` and `keeps`, its rules applied (see the module
+    docstring); `nested` holds the last nodes of nested segments."""
+    checkpoints, keeps, nested = set(checkpoints), set(keeps), set(nested)
     segments, start = [], None
     for index, cost in enumerate(costs):
-        if cost.fixed:
+        if cost.fixed or index in keeps:
             if start is not None:
-                segments.append([start, index - 1, False])
+                segments.append([start, index - 1, False, False])
                 start = None
-            segments.append([index, index, False])
+            segments.append([index, index, False, False])
             continue
         if start is None:
             start = index
         if index in checkpoints:
-            segments.append([start, index, True])
+            segments.append([start, index, True, index in nested and index > start])
             start = None
     if start is not None:
-        segments.append([start, len(costs) - 1, False])
+        segments.append([start, len(costs) - 1, False, False])
     recomputed = [segment for segment in segments if segment[2]]
     if recomputed and _runs_normally_as_last(costs, recomputed[-1][0], recomputed[-1][1]):
-        recomputed[-1][2] = False
+        recomputed[-1][2] = recomputed[-1][3] = False
     return [tuple(segment) for segment in segments]
 
 
-def estimate_peak(costs, checkpoints=(), held_gradients=False):
+def estimate_peak(costs, checkpoints=(), held_gradients=False, keeps=(), nested=()):
     """The estimated peak bytes of a training step with `checkpoints`
-    (`held_gradients`: see the module docstring)."""
-    return _evaluate(costs, segments_of(costs, checkpoints), held_gradients)[0]
+    (`held_gradients`, `keeps`, `nested`: see the module docstring)."""
+    return _evaluate(costs, segments_of(costs, checkpoints, keeps, nested), held_gradients)[0]
 
 
-def describe_plan(costs, checkpoints, held_gradients=False):
+def describe_plan(costs, checkpoints, held_gradients=False, keeps=(), nested=()):
     """The `RecomputePlan` of `checkpoints`, as the executor would run it."""
-    segments = segments_of(costs, checkpoints)
+    segments = segments_of(costs, checkpoints, keeps, nested)
     peak, extra = _evaluate(costs, segments, held_gradients)
-    recomputed = tuple((first, last) for first, last, again in segments if again)
+    recomputed = tuple((first, last) for first, last, again, _ in segments if again)
+    inside = tuple(index for first, last, again, deep in segments if again and deep
+                   for index in range(first, last + 1) if _nests(costs[index]))
     return RecomputePlan(
         checkpoints=tuple(sorted(set(checkpoints))), segments=recomputed, peak=peak,
         baseline_peak=estimate_peak(costs, (), held_gradients), extra_flops=extra,
         forward_flops=float(sum(cost.flops for cost in costs)),
+        keeps=tuple(sorted(set(keeps))),
+        nested=tuple(last for _, last, again, deep in segments if again and deep),
+        inside=inside,
     )
 
 
@@ -166,11 +207,13 @@ def _evaluate(costs, segments, held_gradients):
     program computes transition by transition."""
     after = _gradients_after(costs, held_gradients)
     kept, peak, extra, previous = 0.0, 0.0, 0.0, _START
-    for first, last, recomputed in segments:
+    for first, last, recomputed, nested in segments:
         if recomputed:
             kept += _checkpoint_bytes(costs, first)
-            peak = max(peak, kept + _segment_local_peak(costs, after, first, last))
-            extra += sum(cost.flops for cost in costs[first:last + 1])
+            local = (_nested_local_peak if nested else _segment_local_peak)(
+                costs, after, first, last)
+            peak = max(peak, kept + local)
+            extra += _segment_flops(costs, first, last, nested)
             previous = _RECOMPUTED
             continue
         for index in range(first, last + 1):
@@ -183,10 +226,25 @@ def _evaluate(costs, segments, held_gradients):
 
 # -- the pieces both the evaluation and the dynamic program add up ------------------
 _START, _NORMAL, _FIXED, _RECOMPUTED = 0, 1, 2, 3
-#: What may precede a recomputed segment: the executor ends a run of nodes
-#: that run normally only at a fixed node (a checkpoint would make the run
-#: part of the segment).
-_SEGMENT_MAY_FOLLOW = (_START, _FIXED, _RECOMPUTED)
+#: What may precede a recomputed segment: anything. After a run of nodes
+#: that run normally the plan marks the last of them `keep` (the executor
+#: would otherwise fold the run into the segment).
+_SEGMENT_MAY_FOLLOW = (_START, _NORMAL, _FIXED, _RECOMPUTED)
+
+
+def _nests(cost):
+    """Whether a node of a nested segment runs under its own checkpoint:
+    only one with internal tensors to drop (others would recompute for
+    nothing)."""
+    return cost.kept > 0 and cost.can_checkpoint  # a note covers all of a layer's calls
+
+
+def _segment_flops(costs, first, last, nested):
+    """Forward cost a segment recomputes: once, and its nested nodes twice."""
+    flops = sum(cost.flops for cost in costs[first:last + 1])
+    if nested:
+        flops += sum(cost.flops for cost in costs[first:last + 1] if _nests(cost))
+    return flops
 
 
 def _gradients_after(costs, held_gradients):
@@ -230,16 +288,34 @@ def _node_local_peak(costs, after, index):
 def _segment_local_peak(costs, after, first, last):
     """The largest memory while segment `[first, last]` runs its backward
     (all its activations recomputed), on top of what the forward pass keeps
-    before it (its checkpoint included): the copies of its inputs and
-    weights the recomputation runs on, and its activations."""
+    before it (its checkpoint included): the copy of its inputs the
+    recomputation starts from, and its activations. (Its weights are read
+    once in the forward pass and passed on uncopied: see
+    `recompute_grad`'s `anchored`.)"""
     inside, peak = 0.0, 0.0
     for index in range(first, last + 1):
         if index > first:
             inside += max(costs[index - 1].kept_output, costs[index - 1].kept_by_consumer)
         peak = max(peak, inside + _node_local_peak(costs, after, index))
         inside += costs[index].kept
-    copies = _checkpoint_bytes(costs, first) + sum(c.weights for c in costs[first:last + 1])
-    return copies + peak
+    return _checkpoint_bytes(costs, first) + peak
+
+
+def _nested_local_peak(costs, after, first, last):
+    """As `_segment_local_peak`, for a nested segment: its recomputation
+    keeps the nodes' outputs only, and each nested node recomputes its own
+    internals (from a copy of its input) when its backward runs."""
+    inside, peak = 0.0, 0.0
+    for index in range(first, last + 1):
+        cut = 0.0
+        if index > first:
+            cut = max(costs[index - 1].kept_output, costs[index - 1].kept_by_consumer)
+            inside += cut
+        copy = cut if _nests(costs[index]) else 0.0
+        peak = max(peak, inside + copy + _node_local_peak(costs, after, index))
+        if not _nests(costs[index]):
+            inside += costs[index].kept
+    return _checkpoint_bytes(costs, first) + peak
 
 
 def _runs_normally_as_last(costs, first, last):
@@ -254,13 +330,13 @@ def _runs_normally_as_last(costs, first, last):
 @dataclass(frozen=True)
 class _Label:
     """A partial plan over the nodes before a position: the bytes its
-    forward pass keeps, its recomputed flops, its peak so far, and the
-    checkpoints (a linked list, for the plan)."""
+    forward pass keeps, its recomputed flops, its peak so far, and its
+    choices (a linked list of `(kind, index)`, for the plan)."""
 
     kept: float
     flops: float
     peak: float
-    checkpoints: object = None  # (index, rest) or None
+    checkpoints: object = None  # ((kind, index), rest) or None
 
 
 # A label's state: how the last node ran (_START / _NORMAL / _FIXED /
@@ -275,17 +351,25 @@ def _search(costs, budget, minimise, held_gradients):
     after = _gradients_after(costs, held_gradients)
     fronts = [dict() for _ in range(n + 1)]
     fronts[0][(_START, False, False)] = [_Label(0.0, 0.0, 0.0)]
+    ends = {}
     for position in range(n):
-        ends = {}
         for (previous, pending, closed), labels in fronts[position].items():
-            segments = not closed and previous in _SEGMENT_MAY_FOLLOW
+            # A kept node marked to end its run is marked for all of its
+            # layer's calls: only a layer called once may be.
+            segments = not closed and previous in _SEGMENT_MAY_FOLLOW and (
+                previous != _NORMAL or costs[position - 1].can_checkpoint)
             if segments and previous not in ends:
                 ends[previous] = _segment_ends(costs, after, position, previous)
             for label in labels:
                 _step_normal(costs, after, budget, fronts, position, previous, pending,
                              closed, label)
                 if segments:
-                    _step_segments(ends[previous], budget, fronts, pending, label)
+                    start = label
+                    if previous == _NORMAL:  # the run before ends at a kept node
+                        start = _Label(label.kept, label.flops, label.peak,
+                                       (("keep", position - 1), label.checkpoints))
+                    _step_segments(ends[previous], budget, fronts, pending, start)
+        ends = {}
         for key in fronts[position + 1]:
             fronts[position + 1][key] = _pareto(fronts[position + 1][key], minimise)
         fronts[position] = None  # free
@@ -304,56 +388,70 @@ def _step_normal(costs, after, budget, fronts, position, previous, pending, clos
 
 def _segment_ends(costs, after, position, previous):
     """Every segment that may start at `position`, as `(last, checkpoint
-    bytes, local peak, flops, spent, plain kept, plain local peak)`: what
-    recomputing it adds (see `_segment_local_peak`), whether the executor
+    bytes, [(local peak, flops, nested)], spent, plain kept, plain local
+    peak, can end)`: what recomputing it adds, plainly or nested (see
+    `_segment_local_peak`, `_nested_local_peak`), whether the executor
     would run it normally were it the last (`spent`), and, for running it
     normally instead, the bytes it keeps and its peak above what comes
     before. The same for every label at `position`, so computed once."""
     checkpoint = _checkpoint_bytes(costs, position)
     ends = []
-    inside, local, flops, copies = 0.0, 0.0, 0.0, checkpoint
+    inside, local, flops = 0.0, 0.0, 0.0
+    deep_inside, deep_local, deep_flops, deep = 0.0, 0.0, 0.0, False
     plain_kept, plain_local, plain_previous = 0.0, 0.0, previous
     largest, tail = 0.0, sum(cost.elements for cost in costs[position:])
     for last in range(position, len(costs)):
         cost = costs[last]
         if cost.fixed:
             break
+        cut = 0.0
         if last > position:
-            inside += max(costs[last - 1].kept_output, costs[last - 1].kept_by_consumer)
+            cut = max(costs[last - 1].kept_output, costs[last - 1].kept_by_consumer)
+            inside += cut
+            deep_inside += cut
         local = max(local, inside + _node_local_peak(costs, after, last))
         inside += cost.kept
         flops += cost.flops
-        copies += cost.weights
+        nests = _nests(cost)
+        deep = deep or nests
+        deep_local = max(deep_local, deep_inside + (cut if nests else 0.0)
+                         + _node_local_peak(costs, after, last))
+        deep_inside += 0.0 if nests else cost.kept
+        deep_flops += cost.flops * (2 if nests else 1)
         plain_kept += _cut_bytes(costs, last, plain_previous)
         plain_local = max(plain_local, plain_kept + _node_local_peak(costs, after, last))
         plain_kept += cost.kept
         plain_previous = _NORMAL
         largest = max(largest, cost.elements)
         tail -= cost.elements
-        ends.append((last, checkpoint, checkpoint + copies + local, flops, tail < largest,
-                     plain_kept, plain_local, cost.can_checkpoint))
+        options = [(checkpoint + checkpoint + local, flops, False)]
+        if last > position and deep:
+            options.append((checkpoint + checkpoint + deep_local, deep_flops, True))
+        ends.append((last, checkpoint, options, tail < largest, plain_kept, plain_local,
+                     cost.can_checkpoint))
     return ends
 
 
 def _step_segments(ends, budget, fronts, pending, label):
-    """Every segment starting where `label` ends: recomputed, or (only to
-    settle a pending segment) spent as the last one, which the executor
-    runs normally."""
-    for last, checkpoint, local, flops, spent, plain_kept, plain_local, can_end in ends:
-        peak = max(label.peak, label.kept + local)
+    """Every segment starting where `label` ends: recomputed (plainly or
+    nested), or (only to settle a pending segment) spent as the last one,
+    which the executor runs normally."""
+    for last, checkpoint, options, spent, plain_kept, plain_local, can_end in ends:
+        peaks = [max(label.peak, label.kept + local) for local, _, _ in options]
         plain_peak = max(label.peak, label.kept + plain_local)
-        if peak > budget and plain_peak > budget:
+        if min(peaks) > budget and plain_peak > budget:
             return  # a longer segment only needs more
         if not can_end:
             continue
-        if peak <= budget:
-            _add(fronts[last + 1], (_RECOMPUTED, spent, False),
-                 _Label(label.kept + checkpoint, label.flops + flops, peak,
-                        (last, label.checkpoints)))
+        for peak, (_, flops, nested) in zip(peaks, options):
+            if peak <= budget:
+                choice = (("nested" if nested else "checkpoint", last), label.checkpoints)
+                _add(fronts[last + 1], (_RECOMPUTED, spent, False),
+                     _Label(label.kept + checkpoint, label.flops + flops, peak, choice))
         if pending and spent and plain_peak <= budget:
             _add(fronts[last + 1], (_NORMAL, False, True),
                  _Label(label.kept + plain_kept, label.flops, plain_peak,
-                        (last, label.checkpoints)))
+                        (("checkpoint", last), label.checkpoints)))
 
 
 def _add(front, key, label):
@@ -373,22 +471,51 @@ def _pareto(labels, minimise):
     return kept
 
 
-def _checkpoint_list(label):
-    found, link = [], label.checkpoints
+def _choices(label):
+    """(checkpoints, keeps, nested) of a label's plan."""
+    found = {"checkpoint": set(), "keep": set(), "nested": set()}
+    link = label.checkpoints
     while link is not None:
-        found.append(link[0])
+        kind, index = link[0]
+        found[kind].add(index)
         link = link[1]
-    return tuple(sorted(found))
+    checkpoints = found["checkpoint"] | found["nested"]
+    return tuple(sorted(checkpoints)), tuple(sorted(found["keep"])), tuple(sorted(found["nested"]))
+
+
+def _described(costs, label, held_gradients):
+    checkpoints, keeps, nested = _choices(label)
+    return describe_plan(costs, checkpoints, held_gradients, keeps, nested)
 
 
 # -- the planners -------------------------------------------------------------------
-def smallest_peak(costs, held_gradients=False):
-    """The smallest estimated peak any plan reaches."""
+def smallest_peak(costs, held_gradients=False, max_extra_flops=None):
+    """The smallest estimated peak any plan reaches (recomputing at most
+    `max_extra_flops`, when given)."""
     if not costs:
         return 0.0
     # No plan needs more than running everything normally (a plan too).
     baseline = estimate_peak(costs, (), held_gradients)
-    return min(label.peak for label in _search(costs, baseline, "peak", held_gradients))
+    if max_extra_flops is None:
+        return min(label.peak for label in _search(costs, baseline, "peak", held_gradients))
+    # The least recomputation meeting a budget falls as the budget grows:
+    # the smallest budget met within `max_extra_flops` is found by bisection.
+    low = min(label.peak for label in _search(costs, baseline, "peak", held_gradients))
+    if _least_flops(costs, low, held_gradients) <= max_extra_flops:
+        return low
+    high = baseline
+    while high - low > max(1.0, 1e-4 * baseline):
+        middle = (low + high) / 2
+        if _least_flops(costs, middle, held_gradients) <= max_extra_flops:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def _least_flops(costs, budget, held_gradients):
+    labels = _search(costs, budget, "flops", held_gradients)
+    return min((label.flops for label in labels), default=math.inf)
 
 
 def plan_for_budget(costs, budget, held_gradients=False):
@@ -406,13 +533,14 @@ def plan_for_budget(costs, budget, held_gradients=False):
         raise UnmeetableBudget(budget, smallest_peak(costs, held_gradients),
                                estimate_peak(costs, (), held_gradients))
     best = min(labels, key=lambda label: (label.flops, label.peak))
-    return describe_plan(costs, _checkpoint_list(best), held_gradients)
+    return _described(costs, best, held_gradients)
 
 
-def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE, held_gradients=False):
+def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE, held_gradients=False,
+                       max_extra_forwards=MAX_EXTRA_FORWARDS):
     """The plan with the least recomputation among those whose peak is
-    within `tolerance` of the smallest (each node recomputed at most once:
-    at most one extra forward pass).
+    within `tolerance` of the smallest that recomputes at most
+    `max_extra_forwards` forward passes (None: any number).
 
     Example:
         >>> plan_smallest_peak(costs).checkpoints
@@ -420,5 +548,8 @@ def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE, held_gradients=
     """
     if not costs:
         return describe_plan(costs, (), held_gradients)
-    smallest = smallest_peak(costs, held_gradients)
+    cap = None
+    if max_extra_forwards is not None:
+        cap = max_extra_forwards * sum(cost.flops for cost in costs) * (1 + 1e-9)
+    smallest = smallest_peak(costs, held_gradients, cap)
     return plan_for_budget(costs, smallest * (1 + tolerance), held_gradients)

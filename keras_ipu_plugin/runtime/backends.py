@@ -44,8 +44,8 @@ class PortableBackend:
     recomputes_segments = True
     static_batch = False
 
-    def checkpoint_segment(self, fn):
-        return recompute_grad(fn)
+    def checkpoint_segment(self, fn, anchored=None):
+        return recompute_grad(fn, anchored)
 
     def checkpoint_outputs(self, tensors):  # pragma: no cover - not used
         return tensors

@@ -15,6 +15,17 @@ the recomputation read the variables itself, it would read them in the
 backward pass, where TensorFlow's graph optimiser (Grappler's dependency
 optimisation) let an optimizer's update of a variable run before such a read
 in about one step in five: gradients then came from half-updated weights.
+
+Two more annotations refine a plan (`Recompute(auto=True)` writes them),
+under the key `remat`:
+
+- `"keep"`: the layer runs normally and ends the segment before it (its
+  activations are kept), so a recomputed segment may start right after it;
+- `"inside"`: the layer is recomputed from its own inputs: it runs under its
+  own checkpoint, so its internal tensors (a Dense's pre-activation, gelu's
+  intermediates, attention scores) are dropped and its outputs kept, what
+  `keras.RematScope("larger_than")` does to a layer. Inside a recomputed
+  segment it nests: the segment's recomputation keeps only its outputs.
 """
 
 import inspect
@@ -52,7 +63,9 @@ def make_plan(model, backend):
     }
     segments, current = [], []
     for node in nodes:
-        if not backend.recomputes_segments or _has_forward_state(node.operation):
+        notes = model.kip_annotations.get(getattr(node.operation, "name", None), {})
+        if (not backend.recomputes_segments or _has_forward_state(node.operation)
+                or notes.get("remat") == "keep"):
             if current:
                 segments.append(Segment(current, recompute=False))
                 current = []
@@ -168,6 +181,7 @@ class Executor:
         self.backend = backend
         self.segments = make_plan(model, backend)
         self.outlined = {}  # key -> shared function
+        self.inside = {}  # id(node) -> its own Segment (the remat="inside" note)
 
     def __call__(self, inputs, training, context):
         tensors = {
@@ -181,7 +195,7 @@ class Executor:
         outputs = [tensors[id(t)] for t in self.model.outputs]
         return keras.tree.pack_sequence_as(_compat.output_structure(self.model), outputs)
 
-    def _run_recomputed(self, segment, tensors, training, context):
+    def _run_recomputed(self, segment, tensors, training, context, inside=False):
         count = len(segment.inputs)
         loss_owners = []
         # Seed states (the only non-trainable variables a segment holds) come
@@ -199,14 +213,14 @@ class Executor:
                 given = {id(v): scope.get_current_value(v) for v in segment.variables}
                 for node in segment.nodes:
                     before = len(scope.losses)
-                    self._run_nodes([node], local, training, context)
+                    self._run_nodes([node], local, training, context, inside=inside)
                     owners += [node.operation] * (len(scope.losses) - before)
                     _refuse_writes_in_segment(node, segment.variables, given, scope)
             loss_owners[:] = owners
             advanced = [scope.get_current_value(v) for v in seeds]
             return [local[i] for i in segment.outputs] + advanced + list(scope.losses)
 
-        results = self.backend.checkpoint_segment(body)(
+        results = self.backend.checkpoint_segment(body, anchored=count)(
             *[tensors[i] for i in segment.inputs],
             *[_compat.current_value(v) for v in segment.variables],
         )
@@ -217,12 +231,29 @@ class Executor:
         for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):
             layer.add_loss(loss)
 
-    def _run_nodes(self, nodes, tensors, training, context):
+    def _run_inside(self, node, tensors, training, context):
+        """Run `node` under its own checkpoint (the `remat="inside"` note):
+        its outputs are kept, its internal tensors recomputed."""
+        segment = self.inside.get(id(node))
+        if segment is None:
+            segment = Segment([node], recompute=True)
+            segment.inputs = list(dict.fromkeys(_compat.node_input_ids(node)))
+            segment.outputs = [id(t) for t in _compat.node_outputs(node)]
+            segment.variables = _variables_of([node])
+            self.inside[id(node)] = segment
+        self._run_recomputed(segment, tensors, training, context, inside=True)
+
+    def _run_nodes(self, nodes, tensors, training, context, inside=False):
         for node in nodes:
             operation = node.operation
-            args, kwargs = _compat.node_fill_in(node, tensors)
             name = getattr(operation, "name", None)
             notes = self.model.kip_annotations.get(name, {})
+            if (not inside and notes.get("remat") == "inside"
+                    and self.backend.recomputes_segments
+                    and not _has_forward_state(operation)):
+                self._run_inside(node, tensors, training, context)
+                continue
+            args, kwargs = _compat.node_fill_in(node, tensors)
             if isinstance(operation, keras.layers.Layer):
                 accepted = _compat.call_context_args(operation)
                 for key, value in context.items():

@@ -210,7 +210,7 @@ class KipFunctional(_compat.Functional):
 
     def _uses_executor(self):
         return bool(self.kip_stage_devices) or any(
-            "recompute" in notes or "outline" in notes
+            "recompute" in notes or "outline" in notes or "remat" in notes
             for notes in self.kip_annotations.values()
         )
 

@@ -140,7 +140,7 @@ class IpuBackend:
         self.settings = IpuSettings()
 
     # -- passes at run time ------------------------------------------------------
-    def checkpoint_segment(self, fn):  # pragma: no cover - not used on IPU
+    def checkpoint_segment(self, fn, anchored=None):  # pragma: no cover - not used on IPU
         return fn
 
     def checkpoint_outputs(self, tensors):

@@ -1,0 +1,392 @@
+"""kip's `Recompute` against Keras's own rematerialisation and hand-written `tf.recompute_grad`.
+
+Models (subclassed Keras models, as a user writes them):
+- `mlp`: 8 residual blocks of 6 Dense(768, gelu), batch 512;
+- `transformer`: 4 blocks of MultiHeadAttention + FFN (width 256, 4 heads,
+  FFN 1024 gelu, no dropout), 128 tokens, batch 32;
+- `gallery`: the gallery's text transformer (`examples/text_transformer.py`:
+  masks, Dropout) at 4 blocks, width 256, 4 heads, 128 tokens, batch 32;
+- `hub`: a keras_hub `BertBackbone` in a tiny config (2 layers, width 128,
+  4 heads, FFN 512, 128 tokens) under a classification head, batch 32.
+
+Variants, each in its own process (peak memory is per process):
+- `none`: plain Keras, no recomputation (the reference for every ratio);
+- `keras-full`, `keras-activations`, `keras-larger_than`,
+  `keras-list_of_layers`: the model built inside `keras.RematScope(mode)`
+  (`larger_than` at one activation of the model's width per example, so
+  every layer whose output is at least one activation is rematerialised;
+  `list_of_layers` names the blocks);
+- `hand-written`: each block's call wrapped in `tf.recompute_grad` by hand;
+- `kip-hand`: `Recompute(<block class>)` (a checkpoint after each block);
+- `kip-auto`: `Expand()` then `Recompute(auto=True)`;
+- `kip-budget`: `Expand()` then `Recompute(auto=True, memory_budget=0.5)`.
+
+A variant that fails (Keras's modes refuse MultiHeadAttention under
+`tf.recompute_grad` in a traced step) is printed as failing, with its error.
+
+Measurement as in `benchmarks/recompute_memory.py`: each process traces
+`fit` on one batch and warms up, reads what TensorFlow's allocator holds,
+resets its peak, runs STEPS timed steps and reads the peak again; the "step
+peak" is what the steps added (activations, gradients, temporaries). On the
+CPU the processes run with TensorFlow's BFC allocator
+(`TF_CPU_ALLOCATOR_USE_BFC=true`), so the counts are kept as on a GPU; on a
+GPU (when one is visible) they are device bytes. The variants of a model
+alternate over ROUNDS rounds and the median is printed: on a shared machine
+one step swings by tens of percent, so compare only within one run.
+
+The goal (issue 24): kip-auto's step peak <= the best peer's (the peer
+with the smallest step peak among those within MAX_TIME x none's step time)
+at <= 1.05x that peer's step time, and <= MAX_TIME x none's step time.
+
+    python benchmarks/remat_peers.py                    # all models, 3 rounds
+    python benchmarks/remat_peers.py mlp --rounds 1 --variants keras-larger_than kip-auto
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Children run this file by path: the repository's package, installed or not.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STEPS, ROUNDS, MAX_TIME, TIME_SLACK = 3, 3, 1.35, 1.05
+CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
+PEERS = ("keras-full", "keras-activations", "keras-larger_than", "keras-list_of_layers",
+         "hand-written", "kip-hand")
+VARIANTS = ("none",) + PEERS + ("kip-auto", "kip-budget")
+MODELS = ("mlp", "transformer", "gallery", "hub")
+MLP = dict(blocks=8, depth=6, width=768, batch=512)
+TEXT = dict(vocab=1000, length=128, dim=256, heads=4, blocks=4, batch=32)
+HUB = dict(vocabulary_size=1000, num_layers=2, num_heads=4, hidden_dim=128,
+           intermediate_dim=512, max_sequence_length=128)
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+# -- the models ----------------------------------------------------------------------
+def _mlp(keras, tf, hand_written):
+    class ResidualBlock(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = [keras.layers.Dense(MLP["width"], activation="gelu", name=f"dense_{i}")
+                          for i in range(MLP["depth"])]
+
+        def call(self, x):
+            h = x
+            for layer in self.dense:
+                h = layer(h)
+            return x + h
+
+    class ResidualMLP(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.blocks = [ResidualBlock(name=f"block_{i}") for i in range(MLP["blocks"])]
+            self.head = keras.layers.Dense(1, name="head")
+
+        def call(self, x):
+            for block in self.blocks:
+                x = tf.recompute_grad(block)(x) if hand_written else block(x)
+            return self.head(x)
+
+    rng = __import__("numpy").random.default_rng(0)
+    rows = MLP["batch"] * STEPS
+    x = rng.random((rows, MLP["width"]), dtype="float32")
+    y = rng.random((rows, 1), dtype="float32")
+    return ResidualMLP, ResidualBlock, x, y, "mse", MLP["batch"], MLP["width"]
+
+
+def _transformer(keras, tf, hand_written):
+    class TBlock(keras.layers.Layer):
+        def __init__(self, dim, heads, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = keras.layers.MultiHeadAttention(heads, dim // heads, name="attention")
+            self.norm_1 = keras.layers.LayerNormalization(name="norm_1")
+            self.ffn_in = keras.layers.Dense(4 * dim, activation="gelu", name="ffn_in")
+            self.ffn_out = keras.layers.Dense(dim, name="ffn_out")
+            self.norm_2 = keras.layers.LayerNormalization(name="norm_2")
+
+        def call(self, x):
+            x = self.norm_1(x + self.attention(x, x))
+            return self.norm_2(x + self.ffn_out(self.ffn_in(x)))
+
+    class Transformer(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = keras.layers.Embedding(TEXT["vocab"], TEXT["dim"], name="embedding")
+            self.blocks = [TBlock(TEXT["dim"], TEXT["heads"], name=f"block_{i}")
+                           for i in range(TEXT["blocks"])]
+            self.pool = keras.layers.GlobalAveragePooling1D(name="pool")
+            self.head = keras.layers.Dense(2, name="head")
+
+        def call(self, tokens):
+            x = self.embedding(tokens)
+            for block in self.blocks:
+                x = tf.recompute_grad(block)(x) if hand_written else block(x)
+            return self.head(self.pool(x))
+
+    x, y = _tokens()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return Transformer, TBlock, x, y, loss, TEXT["batch"], TEXT["dim"] * TEXT["length"]
+
+
+def _gallery(keras, tf, hand_written):
+    sys.path.insert(0, str(EXAMPLES))
+    import text_transformer
+
+    size = {k: TEXT[k] for k in ("vocab", "length", "dim", "heads", "blocks")}
+
+    class Gallery(text_transformer.TextClassifier):
+        def __init__(self, **kwargs):
+            super().__init__(classes=2, **size, **kwargs)
+
+        def call(self, inputs, training=None):
+            if not hand_written:
+                return super().call(inputs, training=training)
+            x = self.embedding(inputs)
+            mask = self.embedding.compute_mask(inputs)
+            for block in self.blocks:
+                # The mask and the training flag are closed over: keyword
+                # arguments may not cross tf.recompute_grad in a traced step.
+                x = tf.recompute_grad(
+                    lambda h, block=block: block(h, mask=mask, training=training))(x)
+            x = self.pool(x, mask=mask)
+            return self.head(self.dropout(x, training=training))
+
+    x, y = _tokens()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return (Gallery, text_transformer.TransformerBlock, x, y, loss, TEXT["batch"],
+            TEXT["dim"] * TEXT["length"])
+
+
+def _hub(keras, tf, hand_written):
+    import keras_hub
+    import numpy as np
+
+    class HubClassifier(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.backbone = keras_hub.models.BertBackbone(**HUB, name="backbone")
+            self.head = keras.layers.Dense(2, name="head")
+
+        def call(self, inputs):
+            return self.head(self.backbone(inputs)["pooled_output"])
+
+    if hand_written:
+        raise NotImplementedError(
+            "the backbone is a functional model: there is no block call to wrap by hand")
+    rng = np.random.default_rng(0)
+    rows, length = TEXT["batch"] * STEPS, HUB["max_sequence_length"]
+    x = {"token_ids": rng.integers(1, HUB["vocabulary_size"], (rows, length)).astype("int32"),
+         "segment_ids": np.zeros((rows, length), "int32"),
+         "padding_mask": np.ones((rows, length), "int32")}
+    y = rng.integers(0, 2, (rows,)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return (HubClassifier, keras_hub.layers.TransformerEncoder, x, y, loss, TEXT["batch"],
+            HUB["hidden_dim"] * length)
+
+
+def _tokens():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = TEXT["batch"] * STEPS
+    x = rng.integers(1, TEXT["vocab"], size=(rows, TEXT["length"])).astype("int32")
+    y = rng.integers(0, 2, size=(rows,)).astype("int32")
+    return x, y
+
+
+BUILDERS = {"mlp": _mlp, "transformer": _transformer, "gallery": _gallery, "hub": _hub}
+
+
+# -- the child: one model, one variant ---------------------------------------------------
+def child(model_name, variant):
+    import contextlib
+    import gc
+
+    import keras
+    import tensorflow as tf
+
+    import keras_ipu_plugin as kip
+
+    keras.utils.set_random_seed(0)
+    build, block_class, x, y, loss, batch, activation = BUILDERS[model_name](
+        keras, tf, variant == "hand-written")
+    scope = contextlib.nullcontext()
+    if variant.startswith("keras-"):
+        mode = variant[len("keras-"):]
+        # larger_than: one activation of the model's width per example (the
+        # threshold counts a layer's output elements, batch included).
+        scope = keras.RematScope(mode=mode, output_size_threshold=activation - 1,
+                                 layer_names=_block_names(model_name))
+    with scope:
+        model = build()
+        first = _rows(x, batch)
+        model(first)  # build inside the scope, as RematScope asks
+    plan = None
+    if variant.startswith("kip-"):
+        model = kip.convert_to_functional(model, first, verify=False)
+        passes = {
+            "kip-hand": [kip.passes.Recompute(block_class)],
+            "kip-auto": [kip.passes.Expand(), kip.passes.Recompute(auto=True)],
+            "kip-budget": [kip.passes.Expand(), kip.passes.Recompute(auto=True,
+                                                                     memory_budget=0.5)],
+        }[variant]
+        model = kip.apply_passes(model, passes, verify=False)
+        plan = _plan_figures(model)
+    model.compile(optimizer="adam", loss=loss)
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    model.fit(first, _rows(y, batch), batch_size=batch, epochs=2, verbose=0)  # trace, warm up
+    gc.collect()
+    held = tf.config.experimental.get_memory_info(device)["current"]
+    tf.config.experimental.reset_memory_stats(device)
+    times = _step_times(keras)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[times])
+    print(json.dumps({
+        "step_peak": tf.config.experimental.get_memory_info(device)["peak"] - held,
+        "step_s": statistics.median(times.times), "plan": plan, "device": device,
+    }))
+
+
+def _block_names(model_name):
+    if model_name == "hub":
+        return [f"transformer_layer_{i}" for i in range(HUB["num_layers"])]
+    count = MLP["blocks"] if model_name == "mlp" else TEXT["blocks"]
+    return [f"block_{i}" for i in range(count)]
+
+
+def _rows(data, rows):
+    if isinstance(data, dict):
+        return {key: value[:rows] for key, value in data.items()}
+    return data[:rows]
+
+
+def _plan_figures(model):
+    for plan in model.kip_report.plans:
+        if plan.title.startswith("Recompute plan"):
+            figures = plan.figures
+            return {key: figures.get(key) for key in
+                    ("peak", "baseline_peak", "budget", "extra_fraction", "checkpoints",
+                     "inside", "kept")}
+    return None
+
+
+def _step_times(keras):
+    class Times(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self.start)
+
+    return Times()
+
+
+# -- the parent: alternate the variants, print side by side ---------------------------------
+def run(model_name, variant):
+    done = subprocess.run([sys.executable, __file__, "--child", model_name, variant],
+                          capture_output=True, text=True, env={**os.environ, **CHILD_ENV})
+    if done.returncode != 0:
+        return {"error": _last_error(done.stderr)}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _last_error(stderr):
+    """The exception of a failed child: its last line naming an error, and
+    the line after it when Keras wraps the cause ("Exception encountered
+    when calling MultiHeadAttention.call()", then the cause)."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    found = [i for i, line in enumerate(lines)
+             if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
+    if not found:
+        return (lines[-1] if lines else "no output")[:300]
+    first = found[-1]
+    while first > 0 and first - 1 in found:
+        first -= 1
+    text = lines[first]
+    if "Exception encountered when calling" in text and first + 1 < len(lines):
+        text += " " + lines[first + 1]
+    return text[:300]
+
+
+def summarise(runs):
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return {"error": runs[-1]["error"]}
+    return {"step_peak": statistics.median(r["step_peak"] for r in good),
+            "step_s": statistics.median(r["step_s"] for r in good),
+            "plan": good[-1]["plan"], "device": good[-1]["device"], "rounds": len(good)}
+
+
+def report(model_name, results):
+    mib = 2 ** 20
+    base = results["none"]
+    print(f"\n== {model_name} ==  (step peak: TensorFlow's allocator on "
+          f"{base.get('device', '?')}, over what it held before the timed steps)")
+    print(f"{'variant':<22}{'step peak MiB':>14}{'x none':>8}{'step s':>9}{'x none':>8}"
+          f"{'est. MiB':>10}{'est./meas.':>11}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<22}  FAILS: {r['error']}")
+            continue
+        estimate = (r.get("plan") or {}).get("peak")
+        print(f"{name:<22}{r['step_peak'] / mib:>14.1f}{r['step_peak'] / base['step_peak']:>8.2f}"
+              f"{r['step_s']:>9.3f}{r['step_s'] / base['step_s']:>8.2f}"
+              + (f"{estimate / mib:>10.1f}{estimate / r['step_peak']:>11.2f}" if estimate else ""))
+    auto = results.get("kip-auto")
+    if not auto or "error" in auto or "error" in base:
+        return
+    peers = {name: r for name, r in results.items()
+             if name in PEERS and "error" not in r and r["step_s"] <= MAX_TIME * base["step_s"]}
+    if not peers:
+        print("no peer runs within the time limit")
+        return
+    best_name = min(peers, key=lambda name: peers[name]["step_peak"])
+    best = peers[best_name]
+    memory = auto["step_peak"] <= best["step_peak"]
+    step = auto["step_s"] <= TIME_SLACK * best["step_s"]
+    within = auto["step_s"] <= MAX_TIME * base["step_s"]
+    print(f"best peer (least step peak within {MAX_TIME}x none's time): {best_name} "
+          f"{best['step_peak'] / mib:.1f} MiB at {best['step_s'] / base['step_s']:.2f}x")
+    print(f"goal kip-auto step peak <= {best_name}'s: {'met' if memory else 'NOT met'} "
+          f"({auto['step_peak'] / best['step_peak']:.2f}x); step time <= {TIME_SLACK}x its: "
+          f"{'met' if step else 'NOT met'} ({auto['step_s'] / best['step_s']:.2f}x); <= "
+          f"{MAX_TIME}x none: {'met' if within else 'NOT met'} "
+          f"({auto['step_s'] / base['step_s']:.2f}x)")
+    slower = {name: r for name, r in results.items() if name in PEERS and "error" not in r
+              and name not in peers and r["step_peak"] < auto["step_peak"]}
+    for name, r in slower.items():
+        print(f"  {name} holds less ({r['step_peak'] / auto['step_peak']:.2f}x kip-auto) but "
+              f"takes {r['step_s'] / base['step_s']:.2f}x none's time")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("models", nargs="*", choices=[*MODELS, []])
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS,
+                        help="only these variants (none always)")
+    args = parser.parse_args(argv)
+    for model_name in args.models or MODELS:
+        variants = [v for v in VARIANTS
+                    if not args.variants or v == "none" or v in args.variants]
+        runs = {variant: [] for variant in variants}
+        for _ in range(args.rounds):  # alternate: each round runs every variant once
+            for variant in variants:
+                runs[variant].append(run(model_name, variant))
+        report(model_name, {variant: summarise(rs) for variant, rs in runs.items()})
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
+    else:
+        main()
