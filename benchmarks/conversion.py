@@ -1,7 +1,9 @@
 """Benchmark: convert + expand-all versus Keras's own `clone_model`.
 
 For N custom residual blocks (each: Dense -> LayerNormalization -> Dense,
-plus the block's input), time on an already built subclassed model
+plus the block's input), in two styles: joined by an `Add` layer, and by
+`x + h` (a `keras.ops` call, as people write it), time on an already built
+subclassed model
 
     kip.convert_to_functional(model, x, verify=False)
     kip.apply_passes(converted, [kip.passes.Expand()], verify=False)
@@ -12,7 +14,8 @@ existing layers that Keras does itself), alternating in the same run (the
 machine's load changes both alike). Verification is left out of both: it
 runs the model, and is measured by `benchmarks/verification_cost.py`.
 
-It prints, from the medians of `--repeats` runs (3 by default):
+It prints, for each style, from the medians of `--repeats` runs (3 by
+default):
 
 - kip / clone at each N; goal <= 1.5 at 200 and 500 blocks;
 - kip(500) / kip(50); goal <= 11 (linear: 10 times the blocks);
@@ -24,8 +27,11 @@ What makes that possible: an expanded layer keeps its own name in the
 Keras model unless it is taken (API.md; a `LayerAlias` per inlined layer
 cost about 1.3x a whole `clone_model` on its own); each kind of block is
 traced once and replayed over the others (`frontend/replay.py`), at
-conversion (its output shapes) and at expansion (its sub-graph), its
-signature read from the variables' stored shapes and dtypes; the undo
+conversion (its output shapes) and at expansion (its sub-graph, whatever
+its nodes: layers, `keras.ops` calls, TensorFlow functions, reads,
+constants, random draws), its signature read from the variables' stored
+shapes and dtypes (its own only: sub-layers sign theirs) and kept
+constructor configs; the undo
 snapshot of the model's state (`frontend/state.py`) keeps its ~150
 containers per block in a few flat lists (an object per container made
 Python's cyclic collector run a full collection, ~1 s, inside every
