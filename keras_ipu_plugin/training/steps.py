@@ -586,6 +586,7 @@ class StepFunction:
                 runtime.convert(_first_x(runtime.owner, data))
             elif not runtime.owner.run_eagerly:
                 convert_calls(runtime, self.step, data)  # eager steps convert as they call
+            self._build_optimizer_before_the_trace()
             self._make()
             if runtime.owner.run_eagerly:
                 return self._run([data])
@@ -602,6 +603,28 @@ class StepFunction:
         if runtime.owner.run_eagerly:
             return self._run([_next(iterator)])
         return self._run(iterator)
+
+    def _build_optimizer_before_the_trace(self):
+        """Build the optimizer on the variables Keras's own `train_step` will
+        hand it, before the step is traced.
+
+        Keras (to at least 3.15, no strategy) builds it inside the first
+        traced step; TensorFlow then traces the step again because variables
+        were made in it. Built here on the same list, in the same order, the
+        step is traced once. A custom step may train another list: it is left
+        to build its optimizer as it does alone.
+        """
+        runtime = self.runtime
+        if self.step is not keras.Model.train_step or not self.calls_self_on_x or (
+                runtime.owner.run_eagerly):
+            return
+        proxy = runtime.step_self()
+        optimizer = getattr(proxy, "optimizer", None)
+        variables = list(proxy.trainable_weights)
+        if optimizer is None or optimizer.built or not variables:
+            return
+        with runtime.strategy.scope():
+            optimizer.build(variables)
 
     def _make(self):
         runtime, step = self.runtime, self.step
