@@ -182,3 +182,68 @@ def test_the_auto_plan_mixes_kinds_and_its_report_names_them():
     assert figures["peak"] < figures["baseline_peak"]
     for path in figures["keeps"]:
         assert passed.kip_annotations[_name(passed, path)]["remat"] == "keep"
+
+
+# -- Keras masks across a recomputed segment's boundary ----------------------------
+class ZeroPadded(keras.layers.Layer):
+    """Zeroes the positions its input's Keras mask marks as padding: called
+    without `mask=`, Keras passes it the mask its input carries."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, x, mask=None):
+        if mask is None:
+            return x
+        return x * keras.ops.cast(mask[..., None], x.dtype)
+
+
+class MaskedBlock(keras.layers.Layer):
+    """Passes its mask on only through the tensor (as MultiHeadAttention
+    reads its query's and value's masks in the translation transformer's
+    encoder)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.padded = ZeroPadded(name="padded")
+        self.dense = keras.layers.Dense(8, activation="tanh", name="dense")
+        self.supports_masking = True
+
+    def call(self, x):
+        return x + self.dense(self.padded(x))
+
+
+class MaskedModel(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = keras.layers.Embedding(12, 8, mask_zero=True, name="embedding")
+        self.first = MaskedBlock(name="first")
+        self.second = MaskedBlock(name="second")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, ids):
+        return self.head(self.second(self.first(self.embedding(ids))))
+
+
+@pytest.mark.parametrize("targets", [["first"], ["embedding"], ["embedding", "first"]])
+def test_a_recomputed_segment_keeps_the_keras_masks_it_takes_and_gives(targets):
+    """The tensors crossing a segment's boundary are new ones: the mask the
+    input carries is handed in, and the outputs' masks handed out (lost,
+    the zoo's translation transformer computed other outputs)."""
+    ids = np.array([[3, 4, 0, 0], [5, 0, 0, 0], [1, 2, 3, 4]] * 2)
+    keras.utils.set_random_seed(3)
+    model = MaskedModel(name="masked")
+    expected = np.asarray(model(ids))
+    converted = kip.convert_to_functional(model, ids)
+    passed = kip.apply_passes(converted, [Recompute(targets)], verify=False)
+    np.testing.assert_allclose(np.asarray(passed(ids)), expected, atol=1e-6)
+
+    def gradients(subject):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(subject(ids) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    for got, want in zip(gradients(tf.function(passed)), gradients(model)):
+        np.testing.assert_allclose(np.asarray(tf.convert_to_tensor(got)),
+                                   np.asarray(tf.convert_to_tensor(want)), atol=1e-5)

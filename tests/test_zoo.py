@@ -38,16 +38,7 @@ REQUIRED = (
 #: Checks that fail on a model for a known plugin bug, not fixed yet:
 #: `(check, model) -> reason`. Each is a strict xfail, so the test fails
 #: (XPASS) the day the bug is fixed, and the entry must then go.
-KNOWN_FAILURES = {
-    ("fit_recompute", "translation_transformer"): (
-        "plugin bug: Recompute(auto=True) checkpoints after `encoder`, and the graph with "
-        "that recomputed segment computes other outputs than the model (max abs difference "
-        "0.027 in inference mode, 0.035 in training; the converted graph without Recompute "
-        "is exact), so step 1's loss already differs (3.618 vs plain Keras 3.651); "
-        "apply_passes' verification does not catch it. Suspected: the Keras mask the "
-        "encoder's output carries to the decoder is lost at the segment's boundary"
-    ),
-}
+KNOWN_FAILURES = {}
 
 
 def _corpus(check=None):

@@ -203,9 +203,22 @@ class Executor:
         # written back once: the recomputation's own advance is dropped.
         seeds = [v for v in segment.variables if not v.trainable]
 
+        # The Keras masks the inputs carry (a padding mask on an embedding's
+        # output) go in as arguments and are put back on the segment's own
+        # copies, and the outputs' masks come out as outputs: the tensors
+        # crossing the segment's boundary are new ones, without the
+        # `_keras_mask` Keras reads to pass a layer its `mask` (lost, a
+        # masked encoder computed other outputs).
+        masked = [i for i in segment.inputs if _compat.keras_mask(tensors[i]) is not None]
+        masks_out = []  # ids of the outputs that carry a mask, in order
+
         def body(*flat):
             local = dict(zip(segment.inputs, flat[:count]))
-            state = list(zip(segment.variables, flat[count:]))
+            weights = len(segment.variables)
+            state = list(zip(segment.variables, flat[count:count + weights]))
+            for i, mask in zip(masked, flat[count + weights:]):
+                local[i] = tf.identity(local[i])
+                _compat.set_keras_mask(local[i], mask)
             owners = []
             # Losses added inside (activity regularizers) become outputs of
             # the segment, so that they get gradients too.
@@ -218,14 +231,29 @@ class Executor:
                     _refuse_writes_in_segment(node, segment.variables, given, scope)
             loss_owners[:] = owners
             advanced = [scope.get_current_value(v) for v in seeds]
-            return [local[i] for i in segment.outputs] + advanced + list(scope.losses)
+            # The first run fixes which outputs carry a mask; the
+            # recomputation gives the same structure.
+            if not masks_out:
+                masks_out[:] = [i for i in segment.outputs
+                                if _compat.keras_mask(local[i]) is not None] or [None]
+            masks = [_compat.keras_mask(local[i]) for i in masks_out if i is not None]
+            return ([local[i] for i in segment.outputs] + advanced + list(scope.losses)
+                    + masks)
 
         results = self.backend.checkpoint_segment(body, anchored=count)(
             *[tensors[i] for i in segment.inputs],
             *[_compat.current_value(v) for v in segment.variables],
+            *[_compat.keras_mask(tensors[i]) for i in masked],
         )
+        mask_ids = [i for i in masks_out if i is not None]
+        if mask_ids:
+            results, masks = results[:-len(mask_ids)], results[-len(mask_ids):]
+        else:
+            masks = []
         outputs = len(segment.outputs)
         tensors.update(zip(segment.outputs, results[:outputs]))
+        for i, mask in zip(mask_ids, masks):
+            _compat.set_keras_mask(tensors[i], mask)
         for variable, value in zip(seeds, results[outputs:outputs + len(seeds)]):
             variable.assign(value)
         for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):
@@ -274,7 +302,11 @@ class Executor:
                     outputs = operation(*args, **kwargs)
             flat = keras.tree.flatten(outputs)
             if not self.backend.recomputes_segments and notes.get("recompute"):
-                flat = self.backend.checkpoint_outputs(flat)
+                kept = self.backend.checkpoint_outputs(flat)
+                for before, after in zip(flat, kept):  # a checkpoint's copies keep masks
+                    if _compat.keras_mask(before) is not None:
+                        _compat.set_keras_mask(after, _compat.keras_mask(before))
+                flat = kept
                 outputs = keras.tree.pack_sequence_as(outputs, flat)
             for tensor, value in zip(_compat.node_outputs(node), flat):
                 tensors[id(tensor)] = value
