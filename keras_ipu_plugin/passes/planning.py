@@ -192,7 +192,7 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
          f"{_mib(plan.peak)} ({plan.peak / plan.baseline_peak:.2f}x)" if plan.baseline_peak
          else _mib(plan.peak)),
         ("memory budget", _budget_text(memory_budget, budget) if budget is not None
-         else "none: the smallest peak, then the least recomputation"),
+         else "none: the smallest peak within one extra forward pass, then the least recomputation"),
         # The plan assumes each weight gradient is applied and freed as it
         # is produced (measured so for Keras's optimizers on one device);
         # an optimizer that needs them all at once holds them: say what
