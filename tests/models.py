@@ -390,3 +390,39 @@ class RegularizedTower(keras.Model):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+# -- a layer writing a variable in call: keras.io's PixelCNN ------------------
+class PixelConvLayer(keras.layers.Layer):
+    """As keras.io's PixelCNN example writes it."""
+
+    def __init__(self, mask_type, **kwargs):
+        super().__init__(name=kwargs.pop("name", None))
+        self.mask_type = mask_type
+        self.conv = keras.layers.Conv2D(**kwargs)
+
+    def build(self, input_shape):
+        self.conv.build(input_shape)
+        kernel_shape = keras.ops.shape(self.conv.kernel)
+        self.mask = np.zeros(shape=kernel_shape)
+        self.mask[: kernel_shape[0] // 2, ...] = 1.0
+        self.mask[kernel_shape[0] // 2, : kernel_shape[1] // 2, ...] = 1.0
+        if self.mask_type == "B":
+            self.mask[kernel_shape[0] // 2, kernel_shape[1] // 2, ...] = 1.0
+
+    def call(self, inputs):
+        self.conv.kernel.assign(self.conv.kernel * self.mask)
+        return self.conv(inputs)
+
+
+class PixelCNN(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = PixelConvLayer("A", filters=4, kernel_size=5, padding="same",
+                                    activation="relu", name="first")
+        self.second = PixelConvLayer("B", filters=4, kernel_size=3, padding="same",
+                                     activation="relu", name="second")
+        self.head = keras.layers.Conv2D(1, 1, name="head")
+
+    def call(self, x):
+        return self.head(self.second(self.first(x)))

@@ -20,43 +20,10 @@ from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
 from keras_ipu_plugin.runtime.variable_write import AfterWrites
 from keras_ipu_plugin.runtime.variable_write import VariableWrite
+from models import PixelCNN
+from models import PixelConvLayer
 
 layers, ops = keras.layers, keras.ops
-
-
-class PixelConvLayer(layers.Layer):
-    """As keras.io's PixelCNN example writes it."""
-
-    def __init__(self, mask_type, **kwargs):
-        super().__init__(name=kwargs.pop("name", None))
-        self.mask_type = mask_type
-        self.conv = layers.Conv2D(**kwargs)
-
-    def build(self, input_shape):
-        self.conv.build(input_shape)
-        kernel_shape = ops.shape(self.conv.kernel)
-        self.mask = np.zeros(shape=kernel_shape)
-        self.mask[: kernel_shape[0] // 2, ...] = 1.0
-        self.mask[kernel_shape[0] // 2, : kernel_shape[1] // 2, ...] = 1.0
-        if self.mask_type == "B":
-            self.mask[kernel_shape[0] // 2, kernel_shape[1] // 2, ...] = 1.0
-
-    def call(self, inputs):
-        self.conv.kernel.assign(self.conv.kernel * self.mask)
-        return self.conv(inputs)
-
-
-class PixelCNN(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.first = PixelConvLayer("A", filters=4, kernel_size=5, padding="same",
-                                    activation="relu", name="first")
-        self.second = PixelConvLayer("B", filters=4, kernel_size=3, padding="same",
-                                     activation="relu", name="second")
-        self.head = layers.Conv2D(1, 1, name="head")
-
-    def call(self, x):
-        return self.head(self.second(self.first(x)))
 
 
 class ShadowAndCount(layers.Layer):
@@ -196,7 +163,7 @@ class ReadThenWrite(layers.Layer):
 
     def call(self, x):
         before = x * self.scale
-        self.scale.assign(ops.full(ops.shape(self.scale), 2.0))
+        self.scale.assign(ops.ones_like(self.scale) * 2.0)
         return before + x * self.scale
 
 
