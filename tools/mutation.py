@@ -150,8 +150,10 @@ MUTATIONS = [
       '                    if False:',
       "the executor overrides a pinned training=False", GUARDED),
     M("executor-state-in-recompute-segments", "runtime/executor.py",
-      "        if not backend.recomputes_segments or _has_forward_state(node.operation):",
-      "        if not backend.recomputes_segments:",
+      "        if (not backend.recomputes_segments or _has_forward_state(node.operation)\n"
+      "                or notes.get(\"remat\") == \"keep\"):",
+      "        if (not backend.recomputes_segments\n"
+      "                or notes.get(\"remat\") == \"keep\"):",
       "BatchNormalization / Dropout run inside recompute segments", GUARDED),
     M("executor-outline-ignores-config", "runtime/executor.py",
       "    return (type(layer), config, signature, repr(sorted(kwargs.items())))",
@@ -212,7 +214,7 @@ MUTATIONS = [
       "Replace copies the kernel but not the bias / BatchNormalization statistics",
       GUARDED, PASSES),
     M("replace-unshares", "passes/replace.py",
-      "                if id(old) not in new_layers:",
+      "                if key not in made:",
       "                if True:",
       "a layer shared by several call sites gets one replacement per site", PASSES, BLOCKS),
     M("replace-no-reuse", "passes/replace.py",
@@ -302,8 +304,8 @@ MUTATIONS = [
       "    positions = np.arange(wanted)",
       "verification on the first rows instead of rows spread over the batch", GUARDS),
     M("replay-ignores-pinned-training", "frontend/replay.py",
-      "        return (signature, arguments, node.training)",
-      "        return (signature, arguments)",
+      "    return (block_key, call_key, node.training), objects, inputs",
+      "    return (block_key, call_key), objects, inputs",
       "a block's trace is replayed for a call with another pinned training", GUARDS),
     M("state-model-attributes-only", "frontend/state.py",
       "        for layer in _compat.all_layers(self.model):\n"
