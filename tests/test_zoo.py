@@ -38,17 +38,7 @@ REQUIRED = (
 #: Checks that fail on a model for a known plugin bug, not fixed yet:
 #: `(check, model) -> reason`. Each is a strict xfail, so the test fails
 #: (XPASS) the day the bug is fixed, and the entry must then go.
-KNOWN_FAILURES = {
-    ("fit_recompute", "pixelcnn"): (
-        "plugin bug (a clear error, not a wrong result): Recompute(auto=True) on the "
-        "unexpanded model puts `residual_block` in a recomputed segment, and the executor "
-        "refuses it at the first step (\"writes variable .../conv2d_2/kernel in its forward "
-        "pass, inside a recomputed segment\"): the conversion's trace no longer notes a "
-        "kept block whose sub-layer writes (the write, deferred in a keras.StatelessScope, "
-        "makes no op TensorFlow's op callbacks see), so the planner does not keep it out "
-        "of segments. With Expand first it trains equal (tests/test_variable_write_nodes.py)"
-    ),
-}
+KNOWN_FAILURES = {}
 
 
 def _corpus(check=None):

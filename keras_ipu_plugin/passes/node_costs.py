@@ -30,6 +30,8 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
+from keras_ipu_plugin.runtime.layer_kinds import seed_states
 
 
 @dataclass
@@ -49,6 +51,7 @@ class NodeProfile:
     weight_bytes: int = 0  # all its layer's weights, at its first node
     backward_bytes: int = 0  # the most its backward's temporaries hold at once
     fixed: bool = False  # forward state: never recomputed
+    writes: bool = False  # its run writes a variable other than a seed state
     note: str = ""  # why the figures are only shape estimates, when they are
     key: object = None  # equal keys: identical layer on identical inputs
 
@@ -135,6 +138,8 @@ def profile_nodes(graph, batch):
     for node in graph.nodes:
         profile = _profile(node, batch, traced)
         operation = node.operation
+        if profile.writes and isinstance(operation, keras.layers.Layer):
+            note_writes_variables(operation)  # the executor keeps it out of segments too
         if isinstance(operation, keras.layers.Layer) and id(operation) not in counted:
             counted.add(id(operation))
             profile.params = int(sum(np.prod(v.shape) for v in operation.weights))
@@ -169,6 +174,7 @@ def _profile(node, batch, traced):
         result = traced[key]
     return NodeProfile(
         node=node, internal=result.internal, kept_output=result.kept_output,
+        writes=getattr(result, "writes", False),
         kept_inputs=list(result.kept_inputs), flops=result.flops,
         backward_bytes=result.backward_bytes,
         output_bytes=output_bytes, output_elements=elements, note=result.note, key=key,
@@ -185,6 +191,7 @@ class _Traced:
     function: object = None  # the concrete function (for timing)
     specs: tuple = ()
     backward_bytes: int = 0
+    writes: bool = False  # the node's run writes a variable (not a seed)
 
 
 def _ShapeEstimate(node, batch, reason):
@@ -240,6 +247,8 @@ def _trace(node, batch):
     float_outputs = [v for v in node.outputs if _floating(v.spec.dtype)]
     upstream_specs = [tf.TensorSpec(*_shape_and_dtype(v.spec, batch)) for v in float_outputs]
     seen = {}
+    seeds = {id(state) for state in seed_states(operation)} if isinstance(
+        operation, keras.layers.Layer) else set()
 
     def forward_and_backward(inputs, weight_values, upstream):
         tensors = {id(value): tensor for value, tensor in zip(values, inputs)}
@@ -248,9 +257,15 @@ def _trace(node, batch):
         with tf.GradientTape() as tape:
             tape.watch(sources)
             with _compat.stateless_scope(list(zip(weights, weight_values)),
-                                                  collect_losses=True):
+                                                  collect_losses=True) as scope:
                 args, kwargs = _call_arguments(node, tensors)
                 outputs = keras.tree.flatten(operation(*args, **kwargs))
+                # A write the node's own run makes (a block whose sub-layer
+                # masks its kernel, which a conversion's trace kept as one
+                # node): a recomputation could not replay it.
+                seen["writes"] = any(
+                    id(v) not in seeds and scope.get_current_value(v) is not w
+                    for v, w in zip(weights, weight_values))
         graph = tf.compat.v1.get_default_graph()
         seen.update(first_backward=len(graph.get_operations()), inputs=list(inputs),
                     weights=list(weight_values), upstream=list(upstream), outputs=outputs)
@@ -267,7 +282,8 @@ def _trace(node, batch):
     kept_inputs, kept_output, internal, flops = _read_trace(concrete.graph, seen)
     return _Traced(internal, kept_output, kept_inputs, flops, "", concrete,
                    (input_specs, weight_specs, upstream_specs),
-                   _backward_peak(concrete.graph, seen["first_backward"]))
+                   _backward_peak(concrete.graph, seen["first_backward"]),
+                   writes=seen.get("writes", False))
 
 
 def _read_trace(graph, seen):
