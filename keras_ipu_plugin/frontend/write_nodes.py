@@ -271,16 +271,7 @@ class WriteRecorder:
             raise WriteError(
                 f"`call` wrote a variable that `{consumer.name}` holds, and then calls "
                 "it on no dense tensor to order the call after the write")
-        gated = self.after(leaf, writes)
-        done = []
-
-        def swap(item):
-            if item is leaf and not done:
-                done.append(True)
-                return gated
-            return item
-
-        return keras.tree.map_structure(swap, structure)
+        return _replace_first(structure, leaf, self.after(leaf, writes))
 
     def finish(self, outputs):
         """`outputs` with the first one coming after every write not
@@ -294,16 +285,20 @@ class WriteRecorder:
         missing = [write for write in _unique(self.writes) if not _reaches(leaf, write)]
         if not missing:
             return outputs
-        gated = self.after(leaf, missing)
-        done = []
+        return _replace_first(outputs, leaf, self.after(leaf, missing))
 
-        def swap(item):
-            if item is leaf and not done:
-                done.append(True)
-                return gated
-            return item
 
-        return keras.tree.map_structure(swap, outputs)
+def _replace_first(structure, leaf, replacement):
+    """`structure` with its first occurrence of `leaf` replaced."""
+    done = []
+
+    def swap(item):
+        if item is leaf and not done:
+            done.append(True)
+            return replacement
+        return item
+
+    return keras.tree.map_structure(swap, structure)
 
 
 def _context():
