@@ -426,3 +426,17 @@ class PixelCNN(keras.Model):
 
     def call(self, x):
         return self.head(self.second(self.first(x)))
+
+
+class DecaysAfterUse(keras.layers.Layer):
+    """Halves its Dense's kernel after using it: this call's output and
+    gradients do not show the write, the next call's would."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        y = self.dense(x)
+        self.dense.kernel.assign(self.dense.kernel * 0.5)
+        return y

@@ -21,6 +21,7 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
+from models import DecaysAfterUse
 from models import PixelCNN
 
 layers, ops = keras.layers, keras.ops
@@ -148,20 +149,6 @@ def test_a_write_the_graph_would_lose_keeps_the_layer_whole_naming_the_variable(
 
 
 # -- verification compares what a call writes ---------------------------------------
-class DecaysAfterUse(layers.Layer):
-    """Halves its Dense's kernel after using it: this call's output and
-    gradients do not show the write, the next call's would."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = layers.Dense(3)
-
-    def call(self, x):
-        y = self.dense(x)
-        self.dense.kernel.assign(self.dense.kernel * 0.5)
-        return y
-
-
 class CountsInASubLayer(layers.Layer):
     """Counts its calls in a non-trainable variable of a sub-layer."""
 

@@ -20,6 +20,7 @@ from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
 from keras_ipu_plugin.runtime.variable_write import AfterWrites
 from keras_ipu_plugin.runtime.variable_write import VariableWrite
+from models import DecaysAfterUse
 from models import PixelCNN
 from models import PixelConvLayer
 
@@ -167,19 +168,6 @@ class ReadThenWrite(layers.Layer):
         return before + x * self.scale
 
 
-class DenseThenDecay(layers.Layer):
-    """Calls its Dense, then halves the Dense's kernel (the next call sees it)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = layers.Dense(3)
-
-    def call(self, x):
-        y = self.dense(x)
-        self.dense.kernel.assign(self.dense.kernel * 0.5)
-        return y
-
-
 class Holder(keras.Model):
     def __init__(self, block, **kwargs):
         super().__init__(**kwargs)
@@ -190,7 +178,7 @@ class Holder(keras.Model):
         return self.head(self.block(x))
 
 
-@pytest.mark.parametrize("block", [ReadThenWrite, DenseThenDecay])
+@pytest.mark.parametrize("block", [ReadThenWrite, DecaysAfterUse])
 def test_a_write_after_a_read_comes_after_it(block):
     x = np.random.RandomState(1).rand(8, 4).astype("float32")
     model = Holder(block(name="block"), name="holder")
