@@ -68,9 +68,9 @@ def child(model_name, num_stages, rounds):
     import numpy as np
 
     import keras_ipu_plugin as kip
-    from keras_ipu_plugin.passes import planning
-    from keras_ipu_plugin.passes import stage_balance
-    from keras_ipu_plugin.passes.manager import graph_of
+    from keras_ipu_plugin.planning import graph_planning as planning
+    from keras_ipu_plugin.planning import stage_balance
+    from keras_ipu_plugin.passes.core.manager import graph_of
 
     keras.utils.set_random_seed(0)
     model, x = _model_and_batch(model_name, keras, np)
@@ -152,7 +152,7 @@ def _forward_values(graph, x):
     import keras
 
     from keras_ipu_plugin import _compat
-    from keras_ipu_plugin.passes import node_costs
+    from keras_ipu_plugin.planning import node_costs
 
     tensors = dict(zip((id(v) for v in keras.tree.flatten(graph.input_values)),
                        (keras.ops.convert_to_tensor(t) for t in keras.tree.flatten(x))))
@@ -181,8 +181,8 @@ def _stage_function(graph, names, values):
     import numpy as np
     import tensorflow as tf
 
-    from keras_ipu_plugin.passes import node_costs
-    from keras_ipu_plugin.passes.stage_timing import stage_forward_and_backward
+    from keras_ipu_plugin.planning import node_costs
+    from keras_ipu_plugin.planning.stage_timing import stage_forward_and_backward
 
     wanted = set(names)
     nodes = [node for node in graph.nodes if node.name in wanted]

@@ -56,7 +56,7 @@ def test_a_layer_behind_an_alias_computes_its_mask_from_its_own_arguments():
     model(x)
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     node = passed.kip_graph.node("block.attention")
-    assert isinstance(passed.get_layer("block.attention"), kip.runtime.alias.LayerAlias)
+    assert isinstance(passed.get_layer("block.attention"), kip.layers.alias.LayerAlias)
     assert node.operation is model.block.attention
     np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
     kip.frontend.verify.check_equivalent(model, passed, x)

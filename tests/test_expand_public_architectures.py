@@ -10,7 +10,7 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras import ops
 from keras_ipu_plugin.passes import Expand
-from keras_ipu_plugin.runtime.layer_kinds import is_expandable
+from keras_ipu_plugin.layers.layer_kinds import is_expandable
 
 layers = keras.layers
 

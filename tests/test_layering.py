@@ -3,10 +3,13 @@
 The data flows one way (see docs/architecture.md):
 
     _compat, errors, report, concurrency   (the base: no imports of ours above them)
-    ir/         the graph IR
-    runtime/    IR -> Keras model, and running it (rebuild, layers, executor, backends)
-    frontend/   model + first batch -> IR (inputs, tracing, state, verify, convert)
-    passes/     IR -> IR (each pass, the manager, configs, presets)
+    ir/           the graph IR
+    layers/       the layers a graph may hold (alias, opaque, reads, writes, ...)
+    runtime/      IR -> Keras model, and running it (rebuild, executor, backends)
+    frontend/     model + first batch -> IR (inputs, tracing, state, verify, convert)
+    planning/     node costs, the recompute and stage planners, stage timing
+    passes/core/  pass infrastructure (Pass, registry, patterns, configs, manager)
+    passes/       IR -> IR (each pass, presets)
     training/   PluginModel, PluginCallback, kip.scope, dynamic variables
     cli, the package itself
 
@@ -28,8 +31,11 @@ NAME = "keras_ipu_plugin"
 LAYERS = [
     {"_compat", "errors", "report", "concurrency"},
     {"ir"},
+    {"layers"},
     {"runtime"},
     {"frontend"},
+    {"planning"},
+    {"passes.core"},
     {"passes"},
     {"training"},
     {"cli", "__main__", ""},
@@ -119,10 +125,14 @@ def _imports(module):
 
 
 def _layer(module):
-    top = module[len(NAME) + 1:].split(".")[0] if module != NAME else ""
-    for index, members in enumerate(LAYERS):
-        if top in members:
-            return index
+    """The index in LAYERS of the longest folder holding `module`
+    (`passes.core.base` is in `passes.core`, `passes.expand` in `passes`)."""
+    parts = module[len(NAME) + 1:].split(".") if module != NAME else [""]
+    for end in range(len(parts), 0, -1):
+        folder = ".".join(parts[:end])
+        for index, members in enumerate(LAYERS):
+            if folder in members:
+                return index
     raise AssertionError(f"module {module} belongs to no layer: add it to LAYERS")
 
 
@@ -280,3 +290,12 @@ def test_the_checks_see_what_they_must_see():
         assert any("_tracker" in f for f in found)
     finally:
         del TREES["keras_ipu_plugin.ir.probe"], MODULES["keras_ipu_plugin.ir.probe"]
+
+
+def test_a_subfolder_is_its_own_layer():
+    """`passes/core/` (the infrastructure) sits before `passes/` (the
+    passes): the infrastructure importing a pass would be caught."""
+    assert _layer(f"{NAME}.passes.core.base") < _layer(f"{NAME}.passes.expand")
+    assert _layer(f"{NAME}.passes") == _layer(f"{NAME}.passes.expand")
+    assert _layer(f"{NAME}.layers.opaque") < _layer(f"{NAME}.runtime.executor")
+    assert _layer(f"{NAME}.planning.node_costs") < _layer(f"{NAME}.passes.core.manager")

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from keras_ipu_plugin.passes import recompute_plan
-from keras_ipu_plugin.passes import stage_balance
-from keras_ipu_plugin.passes.recompute_plan import NodeCost
+from keras_ipu_plugin.planning import recompute_plan
+from keras_ipu_plugin.planning import stage_balance
+from keras_ipu_plugin.planning.recompute_plan import NodeCost
 
 
 def _random_chain(rng, n):

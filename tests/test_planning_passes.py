@@ -20,15 +20,15 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin import cli
-from keras_ipu_plugin.passes.manager import graph_of
+from keras_ipu_plugin.passes.core.manager import graph_of
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.executor import make_plan
-from keras_ipu_plugin.runtime.layer_kinds import seed_states
+from keras_ipu_plugin.layers.layer_kinds import seed_states
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import Recompute
-from keras_ipu_plugin.passes import node_costs
-from keras_ipu_plugin.passes import stage_timing
+from keras_ipu_plugin.planning import node_costs
+from keras_ipu_plugin.planning import stage_timing
 
 layers = keras.layers
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

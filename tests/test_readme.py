@@ -43,7 +43,7 @@ def test_readme_minimal_example_runs_twice_in_one_process():
 
 def test_architecture_writing_a_pass_example_runs_and_its_pass_reads_from_configs(monkeypatch):
     import keras_ipu_plugin as kip
-    from keras_ipu_plugin.passes import base
+    from keras_ipu_plugin.passes.core import base
 
     monkeypatch.setattr(base, "_PASSES", dict(base._PASSES))  # the registry, restored after
     text = (README.parent / "docs" / "architecture.md").read_text()

@@ -24,8 +24,8 @@ from keras_ipu_plugin.runtime.functional import mask_semantics
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.runtime.opaque import OpaqueLayer
-from keras_ipu_plugin.runtime.opaque import output_specs_of
+from keras_ipu_plugin.layers.opaque import OpaqueLayer
+from keras_ipu_plugin.layers.opaque import output_specs_of
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.state import VariableValues

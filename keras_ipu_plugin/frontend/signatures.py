@@ -50,7 +50,7 @@ import numpy as np
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.layers.views import LIBRARY_PACKAGES
 
 
 class Unknown(Exception):

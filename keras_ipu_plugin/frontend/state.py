@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
-from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.layers.views import LIBRARY_PACKAGES
 
 
 class VariableValues:

@@ -5,14 +5,14 @@ A layer written for Keras 2 calls TensorFlow directly: `tf.square(a - b)`,
 -1])`. On Keras 3's symbolic tensors these raise ("A KerasTensor cannot be
 used as input to a TensorFlow function"), so such a layer used to stay one
 opaque node. While a trace runs, on the tracing thread, `recorded()` makes
-each such call a `TFFunction` graph operation instead (`runtime/
+each such call a `TFFunction` graph operation instead (`layers/
 tf_function.py`), through TensorFlow's public dispatch for custom types
 (`tf.experimental.dispatch_for_api`).
 
 Covered: TensorFlow's elementwise functions (unary and binary: `tf.math.*`,
 `tf.nn.relu`, ...) and the common non-elementwise ones (`tf.einsum`,
 `tf.range(tf.shape(x)[-1])`, `tf.stop_gradient`, ...): exactly the table
-`runtime/tf_function_table.py`, which is also all a saved model may name.
+`layers/tf_function_table.py`, which is also all a saved model may name.
 Random functions are never recorded (the graph would not keep their seeds),
 nor is anything outside the table: those still raise, and the layer stays
 whole with that reason, as before.
@@ -37,11 +37,11 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime.tf_function import TFFunction
-from keras_ipu_plugin.runtime.tf_function import public_name_of
-from keras_ipu_plugin.runtime.tf_function_table import ELEMENTWISE
-from keras_ipu_plugin.runtime.tf_function_table import TENSOR_PARAMETERS
-from keras_ipu_plugin.runtime.tf_function_table import function_at
+from keras_ipu_plugin.layers.tf_function import TFFunction
+from keras_ipu_plugin.layers.tf_function import public_name_of
+from keras_ipu_plugin.layers.tf_function_table import ELEMENTWISE
+from keras_ipu_plugin.layers.tf_function_table import TENSOR_PARAMETERS
+from keras_ipu_plugin.layers.tf_function_table import function_at
 
 _LIST_PARAMETER = "*"
 

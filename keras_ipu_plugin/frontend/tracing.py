@@ -61,15 +61,15 @@ from keras_ipu_plugin.frontend import tf_functions
 from keras_ipu_plugin.frontend import training_branches
 from keras_ipu_plugin.frontend import write_nodes
 from keras_ipu_plugin.frontend import writes as writes_lib
-from keras_ipu_plugin.runtime.layer_kinds import accepts_training
-from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
-from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
-from keras_ipu_plugin.runtime.batch_sized import batch_signature
-from keras_ipu_plugin.runtime.batch_sized import fixed_batch_reason
-from keras_ipu_plugin.runtime.batch_sized import has_offsets
-from keras_ipu_plugin.runtime.batch_sized import generalize_batch
-from keras_ipu_plugin.runtime.batch_sized import unknown_dimension_attributes
+from keras_ipu_plugin.layers.layer_kinds import accepts_training
+from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
+from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.batch_sized import NotBatchGeneral
+from keras_ipu_plugin.layers.batch_sized import batch_signature
+from keras_ipu_plugin.layers.batch_sized import fixed_batch_reason
+from keras_ipu_plugin.layers.batch_sized import has_offsets
+from keras_ipu_plugin.layers.batch_sized import generalize_batch
+from keras_ipu_plugin.layers.batch_sized import unknown_dimension_attributes
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
@@ -82,13 +82,13 @@ from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.attribute_paths import path_of
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.frontend.replay import output_specs_key
-from keras_ipu_plugin.runtime.reads import HeldConstant
-from keras_ipu_plugin.runtime.reads import ReadLayers
-from keras_ipu_plugin.runtime.reads import is_read
-from keras_ipu_plugin.runtime.variable_write import is_write_node
-from keras_ipu_plugin.runtime.views import layer_view
-from keras_ipu_plugin.runtime.views import shallow_view
-from keras_ipu_plugin.runtime.views import viewed_layer
+from keras_ipu_plugin.layers.reads import HeldConstant
+from keras_ipu_plugin.layers.reads import ReadLayers
+from keras_ipu_plugin.layers.reads import is_read
+from keras_ipu_plugin.layers.variable_write import is_write_node
+from keras_ipu_plugin.layers.views import layer_view
+from keras_ipu_plugin.layers.views import shallow_view
+from keras_ipu_plugin.layers.views import viewed_layer
 
 
 class TraceError(Exception):
@@ -559,7 +559,7 @@ class _Trace:
         """The graph tensor of a `keras.random` draw `call` makes: the output
         of a `RandomDraw` node (`random_draws.py`) that makes it when the
         graph runs; None (Keras then runs it) where it is given tensors."""
-        from keras_ipu_plugin.runtime.random_draws import RandomDraw
+        from keras_ipu_plugin.layers.random_draws import RandomDraw
 
         arguments = dict(arguments)
         shape, seed = arguments.pop("shape"), arguments.pop("seed")
@@ -733,7 +733,7 @@ def _scratch_graph_output_spec(view, args, kwargs):
 def _autograph_output_spec(layer, args, kwargs):
     """Output KerasTensors of `layer`'s call run as an `OpaqueLayer` runs it
     in graph mode (AutoGraph-converted), traced in a scratch graph."""
-    from keras_ipu_plugin.runtime.opaque import autograph_call
+    from keras_ipu_plugin.layers.opaque import autograph_call
 
     symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
                if isinstance(leaf, keras.KerasTensor)]
@@ -881,7 +881,7 @@ def _reject_lost_writes(layer, nodes, log):
     once, at tracing, on the real variable), or inside a sub-layer that is
     no node of the graph. A sub-layer that is a node runs its own `call`,
     writes included."""
-    from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+    from keras_ipu_plugin.layers.opaque import OpaqueLayer
 
     kept = set()
     for node in nodes:
@@ -1139,8 +1139,8 @@ def _precise_specs(operation, args, kwargs, outputs):
 
 def _node_name(operation, paths):
     """What a node of `operation` is called in its trace (before numbering)."""
-    from keras_ipu_plugin.runtime.opaque import OpaqueLayer
-    from keras_ipu_plugin.runtime.random_draws import RandomDraw
+    from keras_ipu_plugin.layers.opaque import OpaqueLayer
+    from keras_ipu_plugin.layers.random_draws import RandomDraw
 
     if isinstance(operation, OpaqueLayer):
         return path_of(operation.layer, paths)
@@ -1159,8 +1159,8 @@ def _opaque_layer(layer, reason, outputs, made):
     """The `OpaqueLayer` standing for `layer`, made once per `trace_call`
     (`made`: id(layer) -> it), as its traces under `training=True` and
     `False` must agree on the node's operation."""
-    from keras_ipu_plugin.runtime.opaque import OpaqueLayer
-    from keras_ipu_plugin.runtime.opaque import output_specs_of
+    from keras_ipu_plugin.layers.opaque import OpaqueLayer
+    from keras_ipu_plugin.layers.opaque import output_specs_of
 
     if id(layer) not in made:
         # Named as the layer: it stands for it in the graph, and the layer

@@ -36,7 +36,7 @@ from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.ir.specs import InputSpec
-from keras_ipu_plugin.runtime.layer_kinds import accepts_training
+from keras_ipu_plugin.layers.layer_kinds import accepts_training
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.runtime.mode_switch import branch_input_graph
 

@@ -100,7 +100,7 @@ class InlinedBlock:
     """A layer that Expand inlined at one call site: its node `path` and the
     `layer`. Every node the expansion made lists it in `from_blocks`, so a
     target naming the block, or its class, still finds it (see
-    `passes.base.matched_blocks`). One object per call site: a layer
+    `passes.core.base.matched_blocks`). One object per call site: a layer
     inlined at two sites gives two blocks with the same path."""
 
     __slots__ = ("path", "layer")
@@ -249,7 +249,7 @@ class Graph:
     """Inputs, nodes in topological order, outputs.
 
     Tracing makes one (`frontend.tracing.trace_model`), as does reading a
-    functional model (`passes.manager.graph_of`); `runtime.rebuild.rebuild`
+    functional model (`passes.core.manager.graph_of`); `runtime.rebuild.rebuild`
     turns it back into a model. Passes edit it with the primitives below
     (see the module docstring).
 

@@ -8,15 +8,18 @@ Example:
 from keras_ipu_plugin.passes.annotate import Outline
 from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.annotate import Recompute
-from keras_ipu_plugin.passes.base import ALL
-from keras_ipu_plugin.passes.base import EQUAL
-from keras_ipu_plugin.passes.base import LayerName
-from keras_ipu_plugin.passes.base import RUNS
-from keras_ipu_plugin.passes.base import Pass
-from keras_ipu_plugin.passes.base import register_pass
-from keras_ipu_plugin.passes.base import registered_passes
+from keras_ipu_plugin.passes.core.base import ALL
+from keras_ipu_plugin.passes.core.base import EQUAL
+from keras_ipu_plugin.passes.core.base import LayerName
+from keras_ipu_plugin.passes.core.base import RUNS
+from keras_ipu_plugin.passes.core.base import Pass
+from keras_ipu_plugin.passes.core.base import register_pass
+from keras_ipu_plugin.passes.core.base import registered_passes
 from keras_ipu_plugin.passes.expand import Expand
-from keras_ipu_plugin.passes.patterns import Chain
+from keras_ipu_plugin.passes.core.patterns import Chain
+# `kip.passes.config` (its limits, MAX_CONFIG_BYTES, ...) is documented: the
+# module lives with the pass infrastructure in `passes/core/`.
+from keras_ipu_plugin.passes.core import config
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 

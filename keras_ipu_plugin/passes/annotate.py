@@ -19,26 +19,26 @@ from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
-from keras_ipu_plugin.passes.branches import refuse_inside
-from keras_ipu_plugin.passes.branches import run_inside
-from keras_ipu_plugin.passes.branches import split_targets
-from keras_ipu_plugin.passes.base import Pass
-from keras_ipu_plugin.passes.base import as_targets
-from keras_ipu_plugin.passes.base import config_value
-from keras_ipu_plugin.passes.base import describe
-from keras_ipu_plugin.passes.base import block_label
-from keras_ipu_plugin.passes.base import matched_nodes_and_blocks
-from keras_ipu_plugin.passes.base import matches
-from keras_ipu_plugin.passes.base import register_pass
-from keras_ipu_plugin.passes.base import saved_config
-from keras_ipu_plugin.passes.base import targets_config
-from keras_ipu_plugin.passes.base import targets_from_config
+from keras_ipu_plugin.passes.core.branches import refuse_inside
+from keras_ipu_plugin.passes.core.branches import run_inside
+from keras_ipu_plugin.passes.core.branches import split_targets
+from keras_ipu_plugin.passes.core.base import Pass
+from keras_ipu_plugin.passes.core.base import as_targets
+from keras_ipu_plugin.passes.core.base import config_value
+from keras_ipu_plugin.passes.core.base import describe
+from keras_ipu_plugin.passes.core.base import block_label
+from keras_ipu_plugin.passes.core.base import matched_nodes_and_blocks
+from keras_ipu_plugin.passes.core.base import matches
+from keras_ipu_plugin.passes.core.base import register_pass
+from keras_ipu_plugin.passes.core.base import saved_config
+from keras_ipu_plugin.passes.core.base import targets_config
+from keras_ipu_plugin.passes.core.base import targets_from_config
 from keras_ipu_plugin.passes.expand import expand_to_reach
-from keras_ipu_plugin.passes.planning import BALANCES
-from keras_ipu_plugin.passes.planning import check_auto
-from keras_ipu_plugin.passes.planning import check_memory_budget
-from keras_ipu_plugin.passes.planning import plan_recompute
-from keras_ipu_plugin.passes.planning import plan_stages
+from keras_ipu_plugin.planning.graph_planning import BALANCES
+from keras_ipu_plugin.planning.graph_planning import check_auto
+from keras_ipu_plugin.planning.graph_planning import check_memory_budget
+from keras_ipu_plugin.planning.graph_planning import plan_recompute
+from keras_ipu_plugin.planning.graph_planning import plan_stages
 
 
 @register_pass("outline", order=2)
@@ -127,7 +127,7 @@ class Recompute(Pass):
     see `passes.planning`), choosing per node between keeping its
     activations, recomputing it inside its layer (its internal tensors
     dropped, its output kept, as `keras.RematScope` does to a layer) and
-    recomputing it from a checkpoint (`passes.recompute_plan`): without
+    recomputing it from a checkpoint (`planning.recompute_plan`): without
     `memory_budget`, the smallest estimated peak memory among the plans
     that recompute at most one forward pass, with `memory_budget` (bytes as
     an int, or a float in (0, 1]: a fraction of the estimated peak without

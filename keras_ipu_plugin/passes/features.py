@@ -27,7 +27,7 @@ import keras
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.graph import values_in
-from keras_ipu_plugin.passes.manager import graph_of_model
+from keras_ipu_plugin.passes.core.manager import graph_of_model
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 

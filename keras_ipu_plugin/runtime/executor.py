@@ -38,10 +38,10 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.runtime.variables import union_of_variables
-from keras_ipu_plugin.runtime.layer_kinds import seed_states
-from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
-from keras_ipu_plugin.runtime.layer_kinds import writes_variables
-from keras_ipu_plugin.runtime.variable_write import is_write_node
+from keras_ipu_plugin.layers.layer_kinds import seed_states
+from keras_ipu_plugin.layers.layer_kinds import training_agnostic
+from keras_ipu_plugin.layers.layer_kinds import writes_variables
+from keras_ipu_plugin.layers.variable_write import is_write_node
 
 
 @dataclass
@@ -410,7 +410,7 @@ def outline_config(layer):
         >>> outline_config(keras.layers.Dense(3, name="a"))[0]["units"]
         3
     """
-    from keras_ipu_plugin.runtime.alias import LayerAlias
+    from keras_ipu_plugin.layers.alias import LayerAlias
 
     inner = layer.layer if isinstance(layer, LayerAlias) else layer
     try:

@@ -31,9 +31,9 @@ import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
-from keras_ipu_plugin.runtime import saved_values
-from keras_ipu_plugin.runtime.shared_variables import link_shared_variables
-from keras_ipu_plugin.runtime.shared_variables import mark_shared_variables
+from keras_ipu_plugin.layers import saved_values
+from keras_ipu_plugin.layers.shared_variables import link_shared_variables
+from keras_ipu_plugin.layers.shared_variables import mark_shared_variables
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
 MASK_ON_INPUTS = "inputs"

@@ -21,7 +21,7 @@ it in; `none_means` names the mode that stands for it (`"default"` where
 the original computes a third thing with None).
 
 Passes see into the modes through `branch_graphs` (the IR of each mode,
-`passes/branches.py` runs a pass over them and makes a new switch with
+`passes/core/branches.py` runs a pass over them and makes a new switch with
 `from_branch_graphs`).
 
 Example:
@@ -38,7 +38,7 @@ from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.ir.names import Namespace
-from keras_ipu_plugin.runtime import saved_values
+from keras_ipu_plugin.layers import saved_values
 
 #: The modes a switch may hold, by the `training` value each stands for.
 MODES = {"training": True, "inference": False, "default": None}
@@ -234,8 +234,8 @@ def union_graph(graphs, name):
 
 
 def _is_kip_operation(node):
-    from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
-    from keras_ipu_plugin.runtime.random_draws import RandomDraw
+    from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+    from keras_ipu_plugin.layers.random_draws import RandomDraw
 
     return isinstance(node.operation, (BatchSizedOperation, RandomDraw))
 

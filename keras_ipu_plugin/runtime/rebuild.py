@@ -13,7 +13,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.names import Namespace
-from keras_ipu_plugin.runtime.alias import LayerAlias
+from keras_ipu_plugin.layers.alias import LayerAlias
 from keras_ipu_plugin.runtime.functional import KipFunctional
 
 

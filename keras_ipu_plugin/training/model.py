@@ -15,19 +15,19 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes.manager import validate_passes
+from keras_ipu_plugin.passes.core.manager import validate_passes
 from keras_ipu_plugin.frontend.convert import as_tensors
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.inputs import first_batch
-from keras_ipu_plugin.passes.base import deserialize_pass
-from keras_ipu_plugin.passes.base import serialize_pass
+from keras_ipu_plugin.passes.core.base import deserialize_pass
+from keras_ipu_plugin.passes.core.base import serialize_pass
 from keras_ipu_plugin.training.steps import Runtime
 from keras_ipu_plugin.training.steps import PredictFunction
 from keras_ipu_plugin.training.steps import StepFunction
 from keras_ipu_plugin.training.routes import training_route
-from keras_ipu_plugin.runtime.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.layers.views import LIBRARY_PACKAGES
 from keras_ipu_plugin.runtime.functional import refuse_hdf5
 
 _WRAPPED = "__kip_wrapped__"

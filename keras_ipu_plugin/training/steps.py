@@ -43,7 +43,7 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes.manager import apply_passes
+from keras_ipu_plugin.passes.core.manager import apply_passes
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.training.calls import CallArguments
 from keras_ipu_plugin.training.calls import CallConversion
@@ -59,7 +59,7 @@ from keras_ipu_plugin.training.dynamic import extend_optimizer
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
-from keras_ipu_plugin.runtime.opaque import OpaqueLayer
+from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.training.step_self import CalleeStandIn
@@ -69,7 +69,7 @@ from keras_ipu_plugin.frontend.tracing import trace_model
 from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
 from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
 from keras_ipu_plugin.passes.replace import copy_weights_by_name
-from keras_ipu_plugin.passes.base import serialize_pass
+from keras_ipu_plugin.passes.core.base import serialize_pass
 from keras_ipu_plugin.errors import PassError
 
 _MAX_REBUILDS_PER_STEP = 8

@@ -17,7 +17,7 @@ import inspect
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime import saved_values
+from keras_ipu_plugin.layers import saved_values
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")

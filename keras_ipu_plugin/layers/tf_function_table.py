@@ -149,7 +149,7 @@ def function_at(path, entry):
         raise LoadError(
             f"TFFunction `{entry}`: refusing `tf.{path}` as a graph function ({reason}). "
             "kip calls only the public, side-effect free TensorFlow functions its tracer "
-            "records (keras_ipu_plugin.runtime.tf_function_table.RECORDED)."
+            "records (keras_ipu_plugin.layers.tf_function_table.RECORDED)."
             if isinstance(path, str) else
             f"TFFunction `{entry}`: {reason}."
         )

@@ -13,10 +13,10 @@ import keras
 
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.passes import node_costs
-from keras_ipu_plugin.passes import recompute_plan
-from keras_ipu_plugin.passes import stage_balance
-from keras_ipu_plugin.passes import stage_timing
+from keras_ipu_plugin.planning import node_costs
+from keras_ipu_plugin.planning import recompute_plan
+from keras_ipu_plugin.planning import stage_balance
+from keras_ipu_plugin.planning import stage_timing
 from keras_ipu_plugin.report import PlanTable
 
 BALANCES = ("params", "activations", "time")

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes import node_costs
+from keras_ipu_plugin.planning import node_costs
 
 
 def time_stages(graph, batch, partitions, repeats=5):

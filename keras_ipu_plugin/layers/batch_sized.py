@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime import saved_values
+from keras_ipu_plugin.layers import saved_values
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -223,7 +223,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     """
     from keras_ipu_plugin.ir.graph import Node
     from keras_ipu_plugin.ir.graph import Value
-    from keras_ipu_plugin.runtime.reads import HeldConstant
+    from keras_ipu_plugin.layers.reads import HeldConstant
 
     (nodes_s, outputs_s), (nodes_l, outputs_l) = small, large
     if len(nodes_s) != len(nodes_l):

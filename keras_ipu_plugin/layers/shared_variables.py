@@ -22,8 +22,8 @@ Example:
     True
 """
 
-from keras_ipu_plugin.runtime import saved_values
-from keras_ipu_plugin.runtime.reads import HoldsVariable
+from keras_ipu_plugin.layers import saved_values
+from keras_ipu_plugin.layers.reads import HoldsVariable
 
 
 def mark_shared_variables(model, config):

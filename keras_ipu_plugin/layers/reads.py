@@ -31,7 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ipu_plugin.runtime import saved_values
+from keras_ipu_plugin.layers import saved_values
 
 
 class HoldsVariable:

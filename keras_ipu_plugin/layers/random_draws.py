@@ -19,7 +19,7 @@ Example:
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime import saved_values
+from keras_ipu_plugin.layers import saved_values
 
 # The `keras.random` functions a draw can be, and the keyword arguments
 # (besides `shape`, `dtype` and `seed`) each takes.

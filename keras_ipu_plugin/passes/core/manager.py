@@ -18,11 +18,11 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.runtime.executor import train_graph_ops
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.ir.specs import InputSpec
-from keras_ipu_plugin.runtime.opaque import OpaqueLayer
-from keras_ipu_plugin.passes.base import EQUAL
-from keras_ipu_plugin.passes.base import Pass
-from keras_ipu_plugin.passes.base import registered_passes
-from keras_ipu_plugin.passes.node_costs import first_batch_rows
+from keras_ipu_plugin.layers.opaque import OpaqueLayer
+from keras_ipu_plugin.passes.core.base import EQUAL
+from keras_ipu_plugin.passes.core.base import Pass
+from keras_ipu_plugin.passes.core.base import registered_passes
+from keras_ipu_plugin.planning.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.tracing import TraceError
@@ -249,7 +249,7 @@ def _report_outlined_graph_size(graph, outlined, report):
 def validate_passes(passes):
     """A list of Pass objects from passes or a config (dict, list of
     one-pass dicts, or path)."""
-    from keras_ipu_plugin.passes.config import passes_from_config
+    from keras_ipu_plugin.passes.core.config import passes_from_config
 
     if isinstance(passes, (dict, str)) or hasattr(passes, "__fspath__"):
         return passes_from_config(passes)

@@ -22,8 +22,8 @@ import inspect
 import keras
 import tensorflow as tf
 
-from keras_ipu_plugin.runtime import saved_values
-from keras_ipu_plugin.runtime.views import layer_view
+from keras_ipu_plugin.layers import saved_values
+from keras_ipu_plugin.layers.views import layer_view
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")

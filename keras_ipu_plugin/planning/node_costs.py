@@ -30,8 +30,8 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
-from keras_ipu_plugin.runtime.layer_kinds import seed_states
+from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
+from keras_ipu_plugin.layers.layer_kinds import seed_states
 
 
 @dataclass

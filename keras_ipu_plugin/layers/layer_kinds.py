@@ -13,11 +13,11 @@ import weakref
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.runtime.opaque import OpaqueLayer
-from keras_ipu_plugin.runtime.random_draws import RandomDraw
-from keras_ipu_plugin.runtime.reads import is_read
-from keras_ipu_plugin.runtime.variable_write import VariableWrite
+from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.opaque import OpaqueLayer
+from keras_ipu_plugin.layers.random_draws import RandomDraw
+from keras_ipu_plugin.layers.reads import is_read
+from keras_ipu_plugin.layers.variable_write import VariableWrite
 
 
 def accepts_training(layer):

@@ -34,9 +34,9 @@ Example:
 import keras
 import tensorflow as tf
 
-from keras_ipu_plugin.runtime import saved_values
-from keras_ipu_plugin.runtime.reads import HoldsVariable
-from keras_ipu_plugin.runtime.reads import ReadTensor
+from keras_ipu_plugin.layers import saved_values
+from keras_ipu_plugin.layers.reads import HoldsVariable
+from keras_ipu_plugin.layers.reads import ReadTensor
 
 #: The write methods a node can make (the names of `keras.Variable`'s).
 METHODS = ("assign", "assign_add", "assign_sub")
