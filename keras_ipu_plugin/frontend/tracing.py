@@ -36,7 +36,7 @@ The batch size is unknown (None) while tracing. An operation given it in a
 shape (`ops.broadcast_to(cls, (ops.shape(x)[0], 1, d))`) becomes a
 `BatchSizedOperation` that reads it when the graph runs; a `call` that needs
 it as a number (`ops.broadcast_to` on a concrete mask) is traced at two batch
-sizes and the two graphs are made one (`batch_sized.generalize_batch`). Both
+sizes and the two graphs are made one (`batch_generalization.generalize_batch`). Both
 are checked by replaying the shapes at two other batch sizes; what fails
 stays whole, with a reason saying to pass `static_batch=True`.
 """
@@ -64,12 +64,12 @@ from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.layers.layer_kinds import accepts_training
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
 from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.batch_sized import NotBatchGeneral
-from keras_ipu_plugin.layers.batch_sized import batch_signature
-from keras_ipu_plugin.layers.batch_sized import fixed_batch_reason
-from keras_ipu_plugin.layers.batch_sized import has_offsets
-from keras_ipu_plugin.layers.batch_sized import generalize_batch
-from keras_ipu_plugin.layers.batch_sized import unknown_dimension_attributes
+from keras_ipu_plugin.frontend.batch_generalization import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch_generalization import batch_signature
+from keras_ipu_plugin.frontend.batch_generalization import fixed_batch_reason
+from keras_ipu_plugin.frontend.batch_generalization import has_offsets
+from keras_ipu_plugin.frontend.batch_generalization import generalize_batch
+from keras_ipu_plugin.frontend.batch_generalization import unknown_dimension_attributes
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
@@ -1224,7 +1224,7 @@ def _check_batch_dimensions(nodes, prefix, multiples=False):
     the sequence, after a reshape) would take a wrong value, and fails here.
     With `multiples` (a graph made from traces at two batch sizes, whose
     operations hold each multiple of the batch size they compute with,
-    `batch_sized.BatchMultiple`), a dimension may be a fixed multiple of
+    `batch_generalization.BatchMultiple`), a dimension may be a fixed multiple of
     the batch size too (3k and 7k: Swin's `batch * windows` rows).
     The outputs' shapes are then set to what the replay showed.
     """
