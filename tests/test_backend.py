@@ -106,7 +106,7 @@ def test_recompute_gradients_equal_in_graph_mode(tower, jit_compile):
     actual = _gradients(recomputed, x, y, jit_compile=jit_compile)
     for e, a in zip(expected, actual):
         np.testing.assert_allclose(a, e, atol=1e-5)
-    plan = recomputed._kip_executor.segments
+    plan = recomputed._kip_executor.steps
     assert sum(s.recompute for s in plan) == 2
 
 
@@ -117,7 +117,7 @@ def test_last_segment_is_recomputed_only_when_the_layers_after_it_keep_more(towe
     def plan(checkpoints):
         recomputed = kip.apply_passes(converted, [kip.passes.Recompute(checkpoints)])
         recomputed(x)  # makes the executor
-        return recomputed._kip_executor.segments
+        return recomputed._kip_executor.steps
 
     # After block_5 only the 1-wide head: recomputing block_2..block_5 would
     # not lower the peak (its activations are needed first in the backward).
@@ -273,7 +273,7 @@ def test_outline_shares_one_body_and_keeps_results():
         np.testing.assert_allclose(a, e, atol=1e-5)
     plain, shared = _op_count(converted), _op_count(outlined)
     assert shared < plain / 2, (plain, shared)
-    assert len(outlined._kip_executor.outlined) == 1
+    assert len(outlined._kip_executor.effects["outline"].bodies) == 1
     metrics = outlined.kip_report.metrics
     assert metrics["train graph ops with outlining"] < metrics["train graph ops without outlining"] / 2
     assert "train graph ops with outlining" in str(outlined.kip_report)
@@ -331,5 +331,5 @@ def test_outline_passes_tensor_keyword_arguments_through():
     kip.frontend.verify.check_equivalent(model, outlined, ids)
     # The three blocks share one body per training mode (attention dropout
     # reads it from the context).
-    keys = list(outlined._kip_executor.outlined)
+    keys = list(outlined._kip_executor.effects["outline"].bodies)
     assert len(keys) == len({key[-1] for key in keys}) == 2

@@ -91,7 +91,7 @@ def _name(model, path):
 
 def _segments(model):
     from keras_ipu_plugin.runtime.backends import get_backend
-    from keras_ipu_plugin.runtime.executor import make_plan
+    from keras_ipu_plugin.runtime.effects.recompute import make_plan
 
     return make_plan(model, get_backend())
 

@@ -335,7 +335,7 @@ def test_verification_catches_a_lost_write():
 
 def test_recompute_never_puts_a_write_in_a_recomputed_segment():
     from keras_ipu_plugin.runtime.backends import get_backend
-    from keras_ipu_plugin.runtime.executor import make_plan
+    from keras_ipu_plugin.runtime.effects.recompute import make_plan
 
     x = _images(8)[0]
     model = _built(PixelCNN)

@@ -22,8 +22,12 @@ from keras_ipu_plugin.passes.core.patterns import Chain
 from keras_ipu_plugin.passes.core import config
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
+# What a pass's annotation does when the model runs (`runtime/interpreter.py`).
+from keras_ipu_plugin.runtime.interpreter import RunEffect
+from keras_ipu_plugin.runtime.interpreter import register_run_effect
 
 __all__ = [
     "ALL", "EQUAL", "LayerName", "RUNS", "Pass", "Expand", "Replace", "Replacement", "Outline",
-    "Recompute", "PipelineStages", "Chain", "register_pass", "registered_passes",
+    "Recompute", "PipelineStages", "Chain", "register_pass", "registered_passes", "RunEffect",
+    "register_run_effect",
 ]

@@ -153,7 +153,7 @@ def profile_nodes(graph, batch):
 
 
 def _has_forward_state(operation):
-    from keras_ipu_plugin.runtime.executor import _has_forward_state as executor_rule
+    from keras_ipu_plugin.runtime.effects.recompute import has_forward_state as executor_rule
 
     return executor_rule(operation)
 
@@ -205,7 +205,7 @@ def _ShapeEstimate(node, batch, reason):
 def _trace_key(node, batch):
     """Nodes with equal keys keep and cost the same: same layer class and
     config (its name aside), same input signature and call arguments."""
-    from keras_ipu_plugin.runtime.executor import outline_config
+    from keras_ipu_plugin.runtime.effects.outline import outline_config
 
     operation = node.operation
     if not isinstance(operation, keras.layers.Layer):

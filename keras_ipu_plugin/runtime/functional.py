@@ -34,6 +34,8 @@ from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.layers.shared_variables import link_shared_variables
 from keras_ipu_plugin.layers.shared_variables import mark_shared_variables
+from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-in run-time effects)
+from keras_ipu_plugin.runtime.interpreter import needs_interpreter
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
 MASK_ON_INPUTS = "inputs"
@@ -209,10 +211,9 @@ class KipFunctional(_compat.Functional):
         )
 
     def _uses_executor(self):
-        return bool(self.kip_stage_devices) or any(
-            "recompute" in notes or "outline" in notes or "remat" in notes
-            for notes in self.kip_annotations.values()
-        )
+        """Whether a registered run-time effect acts on this model
+        (`interpreter.needs_interpreter`)."""
+        return needs_interpreter(self)
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         check_dtype_kinds(self.name, self.inputs, self._leaves_in_input_order(inputs))
@@ -221,9 +222,9 @@ class KipFunctional(_compat.Functional):
         if self._uses_executor():
             if self._kip_executor is None:
                 from keras_ipu_plugin.runtime.backends import get_backend
-                from keras_ipu_plugin.runtime.executor import Executor
+                from keras_ipu_plugin.runtime.executor import executor_for
 
-                self._kip_executor = Executor(self, get_backend())
+                self._kip_executor = executor_for(self, get_backend())
             inputs = _compat.standardize_inputs(self, inputs)
             if mask is not None:
                 for x, one_mask in zip(inputs, keras.tree.flatten(mask)):

@@ -1,0 +1,256 @@
+"""Run kip's `Graph`: one overridable step per node, and run-time effects.
+
+`Interpreter(graph, backend, owner)` runs a graph made by
+`run_graph.graph_to_run` (each node holds its operation, its arguments with
+`Value`s, its `training` and its annotations), as torch.fx's `Interpreter`
+runs an fx graph: `run` walks the plan, `run_node` runs one node (its
+inputs read from the run's values, its outputs written back), and
+`call_operation` calls the node's operation; a subclass may override
+either.
+
+What an annotation does when the model runs is a `RunEffect`, registered
+under a name with `register_run_effect` by the file that defines it (the
+built-in ones: recompute segments, outlined bodies and pipeline-stage
+placement, in `runtime/effects/`). An effect may
+
+- `plan(steps)`: regroup the run (recompute segments run several nodes
+  under one checkpoint): a step is a `Node` or an object with
+  `run(interpreter, run)`;
+- `run_node(node, run, proceed)`: run around one node (a node recomputed
+  under its own checkpoint runs on other values);
+- `call(node, run, args, kwargs, proceed)`: call around the operation
+  (placed on a device, an outlined body instead of the layer, its outputs
+  checkpointed).
+
+Effects wrap in `order` (lower: further outside); each applies to the
+nodes whose annotations hold one of its `keys` unless it says otherwise.
+A new pass with a run-time effect is one file: the pass writes its
+annotation, its effect reads it from the nodes.
+
+Example:
+    >>> @register_run_effect
+    ... class Trace(RunEffect):
+    ...     name = "trace"
+    ...     keys = ("trace",)
+    ...     def call(self, node, run, args, kwargs, proceed):
+    ...         print("running", node.name)
+    ...         return proceed(args, kwargs)
+    >>> passed(x)         # a node annotated {"trace": True} prints its name
+"""
+
+import keras
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
+
+_EFFECTS = {}  # name -> RunEffect subclass, in registration order
+
+
+def register_run_effect(cls):
+    """Class decorator: `cls` (a `RunEffect` subclass with a `name`) takes
+    effect wherever a model's nodes carry one of its `keys`. Registering a
+    name again replaces the effect (a module reloaded).
+
+    Example:
+        >>> @register_run_effect
+        ... class Nothing(RunEffect):
+        ...     name = "nothing"
+        ...     keys = ("nothing",)
+    """
+    if not (isinstance(cls, type) and issubclass(cls, RunEffect)):
+        raise TypeError(f"register_run_effect takes a RunEffect subclass, not {cls!r}.")
+    if not isinstance(cls.name, str) or not cls.name:
+        raise TypeError(f"{cls.__name__}.name must be a non-empty string (its registry name).")
+    if not cls.keys or not all(isinstance(key, str) for key in cls.keys):
+        raise TypeError(f"{cls.__name__}.keys must name the annotation keys it acts on.")
+    _EFFECTS[cls.name] = cls
+    return cls
+
+
+def unregister_run_effect(name):
+    """Remove the effect registered as `name` (a test's own effect)."""
+    _EFFECTS.pop(name, None)
+
+
+def registered_run_effects():
+    """`{name: RunEffect subclass}`, in registration order.
+
+    Example:
+        >>> sorted(registered_run_effects())
+        ['outline', 'recompute', 'stages']
+    """
+    return dict(_EFFECTS)
+
+
+def needs_interpreter(model):
+    """Whether some registered effect acts on `model` (a `KipFunctional`):
+    otherwise Keras's own functional call runs it.
+
+    Example:
+        >>> needs_interpreter(kip.apply_passes(converted, [kip.passes.Recompute("all")]))
+        True
+    """
+    return any(cls.needed(model) for cls in _EFFECTS.values())
+
+
+class RunEffect:
+    """What an annotation does when the graph runs (see the module
+    docstring). One instance per interpreter: it may keep what it made
+    (a shared body, a plan) on itself."""
+
+    #: the registry name
+    name = None
+    #: the annotation keys it gives meaning to
+    keys = ()
+    #: among the effects on one node: lower wraps further outside
+    order = 100
+
+    @classmethod
+    def needed(cls, model):
+        """Whether `model` must run through the interpreter for this effect
+        (by default: some layer of it carries one of `keys`)."""
+        return any(key in notes for notes in model.kip_annotations.values() for key in cls.keys)
+
+    def __init__(self, interpreter):
+        self.interpreter = interpreter
+
+    @property
+    def backend(self):
+        return self.interpreter.backend
+
+    def active(self):
+        """Whether this effect takes part in its interpreter's runs."""
+        return any(self.applies(node) for node in self.interpreter.graph.nodes)
+
+    def applies(self, node):
+        """Whether `run_node` / `call` of this effect wrap `node`."""
+        return any(key in node.annotations for key in self.keys)
+
+    def plan(self, steps):
+        return steps
+
+    def run_node(self, node, run, proceed):
+        return proceed(run)
+
+    def call(self, node, run, args, kwargs, proceed):
+        return proceed(args, kwargs)
+
+
+class Run:
+    """One call of the graph: the values computed so far (`env`, keyed by
+    `Value`), the model's `training`, the call context (`training` and the
+    other arguments Keras hands to layers that take them), and `state`, a
+    dict effects may mark a run with (a node running under its own
+    checkpoint)."""
+
+    __slots__ = ("env", "training", "context", "state")
+
+    def __init__(self, env, training, context, state=None):
+        self.env = env
+        self.training = training
+        self.context = context
+        self.state = {} if state is None else state
+
+    def with_env(self, env, **state):
+        """The same call on other values (a recomputed segment's own)."""
+        return Run(env, self.training, self.context, {**self.state, **state})
+
+
+class Interpreter:
+    """Runs `graph` with `backend`; `owner` is the model being run (layers
+    see it as the caller), `stage_devices` its `kip_stage_devices`.
+
+    Example:
+        >>> interpreter = Interpreter(graph_to_run(passed), get_backend(), passed)
+        >>> interpreter.run(inputs, training=False)
+    """
+
+    def __init__(self, graph, backend, owner=None, stage_devices=(), output_structure=None):
+        self.graph = graph
+        self.backend = backend
+        self.owner = owner
+        self.stage_devices = list(stage_devices)
+        self.output_structure = output_structure
+        effects = [cls(self) for cls in _EFFECTS.values()]
+        self.effects = {effect.name: effect for effect in effects if effect.active()}
+        ordered = sorted(self.effects.values(), key=lambda effect: effect.order)
+        self._wrappers = {node: [e for e in ordered if e.applies(node)] for node in graph.nodes}
+        steps = list(graph.nodes)
+        for effect in ordered:
+            steps = effect.plan(steps)
+        self.steps = steps
+
+    def __call__(self, inputs, training, context):
+        return self.run(inputs, training, context)
+
+    def run(self, inputs, training=None, context=None):
+        """The graph's outputs on `inputs` (a nest in the graph's input order)."""
+        env = dict(zip(self.graph.input_values, keras.tree.flatten(inputs)))
+        run = Run(env, training, {"training": training} if context is None else context)
+        for step in self.steps:
+            if isinstance(step, Node):
+                self.run_node(step, run)
+            else:
+                step.run(self, run)
+        outputs = [run.env[value] for value in keras.tree.flatten(self.graph.outputs)]
+        if self.output_structure is None:
+            return outputs
+        return keras.tree.pack_sequence_as(self.output_structure, outputs)
+
+    def run_node(self, node, run):
+        """Run `node`: its inputs from `run.env`, its outputs into it,
+        through the effects that wrap it."""
+        self._run_node_through(self._wrappers.get(node, ()), 0, node, run)
+
+    def _run_node_through(self, wrappers, index, node, run):
+        if index == len(wrappers):
+            return self.call_node(node, run)
+        return wrappers[index].run_node(
+            node, run, lambda run: self._run_node_through(wrappers, index + 1, node, run))
+
+    def call_node(self, node, run):
+        """Fill in the node's arguments, call it through the effects' `call`,
+        and keep its outputs."""
+        args, kwargs = self.arguments(node, run)
+        outputs = self._call_through(self._wrappers.get(node, ()), 0, node, run, args, kwargs)
+        for value, tensor in zip(node.outputs, keras.tree.flatten(outputs)):
+            run.env[value] = tensor
+        return outputs
+
+    def _call_through(self, wrappers, index, node, run, args, kwargs):
+        if index == len(wrappers):
+            return self.call_operation(node, args, kwargs)
+        return wrappers[index].call(
+            node, run, args, kwargs,
+            lambda args, kwargs: self._call_through(wrappers, index + 1, node, run, args, kwargs))
+
+    def call_operation(self, node, args, kwargs):
+        """Call the node's operation (override to run operations otherwise)."""
+        return node.operation(*args, **kwargs)
+
+    def arguments(self, node, run):
+        """`(args, kwargs)` of `node` on this run's values, with the call
+        context a layer takes (`training`, unless the code pinned it)."""
+        args, kwargs = _filled(node.args, node.kwargs, run.env)
+        operation = node.operation
+        if isinstance(operation, keras.layers.Layer):
+            accepted = _compat.call_context_args(operation)
+            for key, value in run.context.items():
+                if value is None or key not in accepted:
+                    continue
+                if key == "training" and node.training in (True, False):
+                    continue
+                kwargs[key] = value
+        return args, kwargs
+
+
+def _filled(args, kwargs, env):
+    # One positional tensor is the usual call: no walk of the structures.
+    if not kwargs and len(args) == 1 and isinstance(args[0], Value):
+        return (env[args[0]],), {}
+
+    def fill(leaf):
+        return env[leaf] if isinstance(leaf, Value) else leaf
+
+    return keras.tree.map_structure(fill, args), keras.tree.map_structure(fill, kwargs)
