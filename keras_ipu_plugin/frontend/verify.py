@@ -68,7 +68,7 @@ from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.errors import InputDataError
-from keras_ipu_plugin.frontend.tracing import _failing_layer
+from keras_ipu_plugin.frontend.failures import failing_layer as _failing_layer
 from keras_ipu_plugin.frontend.tracing import essential_message
 from keras_ipu_plugin.frontend.training_branches import switch_modes
 
