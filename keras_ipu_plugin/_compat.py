@@ -1077,7 +1077,7 @@ def _put_back_global_random_state(saved, drew):
         context.context().clear_kernel_cache()
 
 
-# -- which TensorFlow function raised (frontend/tracing.py) -------------------
+# -- which TensorFlow function raised (frontend/failures.py) ------------------
 # TensorFlow filters its own frames out of the tracebacks of its errors
 # (`traceback_utils.filter_traceback`); the frame of its filter stays, and
 # holds the function it called (`fn`), TensorFlow's dispatch handler, whose

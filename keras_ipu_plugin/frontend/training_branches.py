@@ -1,6 +1,6 @@
 """A `call` that branches on `training` in Python, held as one `ModeSwitch` node.
 
-`tracing._trace_modes` traces a `call` under `training=True` and `False`.
+`training_modes.trace_modes` traces a `call` under `training=True` and `False`.
 When the two traces call different things (stochastic depth draws a mask
 in training and returns its input otherwise; a block calls another
 sub-layer in each mode), `switch_node` makes one node of the two: a

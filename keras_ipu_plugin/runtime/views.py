@@ -9,8 +9,9 @@ the user's objects are only read. Layers without user code (Keras's own) are
 used as they are. Being a subclass keeps `isinstance` and zero-argument
 `super()` in the user's code working.
 
-`opaque.py` uses views whose `call` is AutoGraph-converted; `tracing.py` uses
-views whose symbolic calls are traced inline on KerasTensors.
+`opaque.py` uses views whose `call` is AutoGraph-converted; the trace
+(`frontend/trace_views.py`) uses views whose symbolic calls are traced
+inline on KerasTensors.
 
 Example:
     >>> view = layer_view(model, lambda cls, call: type(cls.__name__, (cls,), {}))
