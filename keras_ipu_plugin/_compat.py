@@ -6,7 +6,9 @@ gives each private access a name that says what it is for:
 - tracing: run a layer's `call` under a chosen training context, walk and
   undo the nodes a symbolic call records (`call_context`, `producing_node`,
   `node_lists_snapshot`, `record_call`, ...); let TensorFlow's dispatch see
-  symbolic tensors (`make_dispatchable`, `tf_elementwise_functions`);
+  symbolic tensors (`make_dispatchable`, `tf_elementwise_functions`); name
+  the Keras objects the trace-time idioms wrap (`traced_idiom_targets`: the
+  wrappers are tracing behaviour, in `frontend/traced_idioms.py`);
 - the functional model: subclass it, run its graph with our own operation
   hook, read its nodes and output structure (`Functional`,
   `run_functional_graph`, `functional_nodes`, `output_structure`, ...);
@@ -21,7 +23,6 @@ checks both), so a Keras upgrade is a change in this file.
 """
 
 import contextlib
-import copy
 import functools
 import inspect
 import re
@@ -543,246 +544,27 @@ def broadcast_to_operation(shape):
     return BroadcastTo(shape=tuple(shape))
 
 
-# -- symbolic idioms Keras rejects while tracing (tracing.py) -------------------
-# Public Keras code writes `ops.tile(token, (ops.shape(x)[0], 1, 1))` and
-# `table[None]`. On symbolic tensors Keras's `Tile` multiplies the unknown
-# batch size (None) into its output shape (TypeError), and its symbolic
-# indexing takes ints and tuples only, rejecting a bare None, Ellipsis or
-# slice although `x[None]` is exactly `x[(None,)]`. Inside
-# `traced_idioms()` (on the thread that entered it only) the tile's output
-# shape is None where its repeats are (the tracer then makes it a
-# `BatchSizedOperation` that reads the batch size when the graph runs) and
-# a bare key is recorded as the same key in a tuple. Outside, and on other
-# threads, Keras is exactly as it was; what changes only ever raised before.
-# A `keras.random.normal / uniform / truncated_normal` draw is handed to the
-# tracer's `record_draw` (which records it as a graph node, or returns None
-# to let it run as Keras runs it): run eagerly, it would draw once, freeze
-# the numbers into the graph and advance the layer's seed generator.
-# Every change is thread-confined: the wrappers put on Keras's classes while
-# any thread is inside the context consult this thread-local state and do
-# exactly what Keras does on every other thread; a class attribute (NumPy's
-# `__array_priority__`) is a descriptor that has the traced value on a tracing
-# thread only. Each wrapper holds the original it replaced, so a call another
-# thread started just before the last trace ended still runs Keras's code.
-_idioms_state = threading.local()
-_idioms_lock = threading.Lock()
-_idioms_users = [0]
-_idioms_patches = []  # (owner, name, original, owner had its own) to restore
+# -- what the trace-time idioms wrap (frontend/traced_idioms.py) --------------
+# The patches themselves (what each wrapper does, thread-confined) are tracing
+# behaviour and live with the tracer; only reaching the objects is access.
 
 
-def _in_traced_idioms():
-    return getattr(_idioms_state, "depth", 0) > 0
-
-
-class _OnTracingThreads:
-    """A class attribute with `traced` as its value on a thread inside
-    `traced_idioms()` and the class's own value elsewhere; where the class
-    had none, AttributeError, so NumPy (which looks `__array_priority__` up
-    with `getattr`) sees none."""
-
-    def __init__(self, name, traced, original):
-        self._name, self._traced, self._original = name, traced, original
-
-    def __get__(self, instance, owner=None):
-        if _in_traced_idioms():
-            return self._traced
-        if self._original is _NOT_SET:
-            raise AttributeError(
-                f"type object {getattr(owner, '__name__', owner)!r} has no attribute {self._name!r}")
-        return self._original
-
-
-def _tile_output_spec(original):
-    def compute_output_spec(self, x):
-        repeats = self.repeats
-        if not _in_traced_idioms() or isinstance(repeats, int) or None not in list(repeats):
-            return original(self, x)
-        filled = copy.copy(self)
-        filled.repeats = type(repeats)(1 if r is None else r for r in repeats)
-        spec = original(filled, x)
-        shape = list(spec.shape)
-        # Repeats align with the output's last dimensions (numpy's rule).
-        for offset, repeat in enumerate(reversed(list(repeats))):
-            if repeat is None:
-                shape[len(shape) - 1 - offset] = None
-        return type(spec)(tuple(shape), dtype=spec.dtype)
-
-    return compute_output_spec
-
-
-_DRAWS = ("normal", "uniform", "truncated_normal")
-
-
-def _backend_random():
-    from keras.src.random import random
-
-    return random.backend.random  # the module `keras.random` calls into
-
-
-def _intercepted_draw(original):
-    def draw(*args, **kwargs):
-        recorders = getattr(_idioms_state, "recorders", None)
-        if not recorders or recorders[-1] is None or in_shape_inference():
-            return original(*args, **kwargs)
-        bound = inspect.signature(original).bind(*args, **kwargs)
-        bound.apply_defaults()
-        recorded = recorders[-1](draw.kind, dict(bound.arguments))
-        return original(*args, **kwargs) if recorded is None else recorded
-
-    return draw
-
-
-_VARIABLE_INIT = "_initialize_with_initializer"
-
-
-def _initialize_without_recording(original):
-    def initialize(self, initializer):
-        """A variable's initializer draws its numbers as Keras draws them: a
-        layer built while a trace runs (a sub-layer first called there) would
-        otherwise get a graph tensor for its initial value."""
-        if not _in_traced_idioms():
-            return original(self, initializer)
-        recorders = _idioms_state.__dict__.setdefault("recorders", [])
-        recorders.append(None)
-        try:
-            return original(self, initializer)
-        finally:
-            recorders.pop()
-
-    return initialize
-
-
-def _getitem(original):
-    def getitem(self, key):
-        if _in_traced_idioms() and (key is None or key is Ellipsis or isinstance(key, slice)):
-            key = (key,)
-        return original(self, key)
-
-    return getitem
-
-
-# A NumPy value met by a symbolic tensor (`x * np.float64(p)`, `np.float64(p)
-# * x`, a rate from `np.linspace`, `np.ones(n) * x`): TensorFlow's tensors
-# convert it to their own dtype (and NumPy defers to them, `__array_priority__`),
-# so the layer computes in float32; Keras's symbolic ops promote to float64, or
-# NumPy raises on the left. While tracing, a scalar is given as the Python
-# number it holds, which Keras treats as TensorFlow does (weakly typed), and an
-# array as TensorFlow converts it (an error where TensorFlow would raise).
-_SCALAR_OPERATORS = (
-    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-    "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
-    "__rmod__", "__pow__", "__rpow__", "__lt__", "__le__", "__gt__", "__ge__",
-)
-_ARRAY_PRIORITY = "__array_priority__"
-_NOT_SET = object()
-
-
-def _python_scalar_operator(original):
-    def operator(self, other):
-        import numpy as np
-
-        if _in_traced_idioms():
-            if isinstance(other, np.generic):
-                other = other.item()
-            elif isinstance(other, np.ndarray) and self.dtype is not None:
-                other = np.asarray(tf.convert_to_tensor(other, dtype=self.dtype))
-        return original(self, other)
-
-    operator.__name__ = getattr(original, "__name__", "operator")
-    return operator
-
-
-def _ndim_symbolic_call(original):
-    def symbolic_call(self, x):
-        """`ops.ndim` of a symbolic tensor while tracing: its static rank, a
-        Python int, as TensorFlow's backend gives for a tensor (`x.shape.rank`);
-        Keras's symbolic call gives a KerasTensor instead, which code such as
-        keras_hub RoFormer-v2's `ndim = ndim or max(axes) + 1` cannot branch on."""
-        if _in_traced_idioms() and getattr(x, "shape", None) is not None:
-            return len(x.shape)
-        return original(self, x)
-
-    return symbolic_call
-
-
-def _patch(owner, name, make):
-    """Put `make(original)` in place of `owner.name`, to be undone by `_unpatch_all`."""
-    original = getattr(owner, name, _NOT_SET)
-    own = isinstance(owner, types.ModuleType) or name in vars(owner)
-    replacement = make(original)
-    _idioms_patches.append((owner, name, original, own))
-    setattr(owner, name, replacement)
-
-
-def _unpatch_all():
-    while _idioms_patches:
-        owner, name, original, own = _idioms_patches.pop()
-        if own:
-            setattr(owner, name, original)
-        else:  # inherited, or none: the class is left as it was
-            delattr(owner, name)
-
-
-def _named_draw(kind):
-    def make(original):
-        draw = _intercepted_draw(original)
-        draw.kind = kind
-        return draw
-
-    return make
-
-
-@contextlib.contextmanager
-def traced_idioms(record_draw=None):
-    """Follow `ops.tile` with the batch size in its repeats, indexing
-    with a bare None / Ellipsis / slice, `ops.ndim` (a Python int, as on
-    a TensorFlow tensor) and NumPy values met by operators (converted as
-    TensorFlow converts them) on symbolic tensors, on this thread,
-    while the context lasts, and hand `keras.random` draws to
-    `record_draw(distribution, arguments)` (see above). Other threads
-    see Keras exactly as it is outside the context.
-
-    Example:
-        >>> with traced_idioms():
-        ...     keras.KerasTensor((5, 8))[None].shape
-        (1, 5, 8)
-    """
+def traced_idiom_targets():
+    """The Keras objects `frontend/traced_idioms.py` wraps while a trace runs:
+    `variable` (the backend's Variable class) and `variable_initializer` (the
+    name of its private method that draws the initial value), `tile` and
+    `ndim` (the `ops.tile` / `ops.ndim` operation classes), `keras_tensor`,
+    and `random_backend` (the module `keras.random` draws call into)."""
     from keras.src import backend
     from keras.src.backend.common.keras_tensor import KerasTensor
     from keras.src.ops.numpy import Ndim
     from keras.src.ops.numpy import Tile
+    from keras.src.random import random
 
-    backend_random = _backend_random()
-    with _idioms_lock:
-        if _idioms_users[0] == 0:
-            try:
-                _patch(backend.Variable, _VARIABLE_INIT, _initialize_without_recording)
-                _patch(Tile, "compute_output_spec", _tile_output_spec)
-                _patch(KerasTensor, "__getitem__", _getitem)
-                for name in _SCALAR_OPERATORS:
-                    _patch(KerasTensor, name, _python_scalar_operator)
-                # As tf.Tensor's: NumPy defers to the tensor's operators.
-                _patch(KerasTensor, _ARRAY_PRIORITY,
-                       lambda original: _OnTracingThreads(_ARRAY_PRIORITY, 100, original))
-                _patch(Ndim, "symbolic_call", _ndim_symbolic_call)
-                for kind in _DRAWS:
-                    _patch(backend_random, kind, _named_draw(kind))
-            except BaseException:
-                _unpatch_all()  # Keras exactly as it was, not half-changed
-                raise
-        _idioms_users[0] += 1
-    _idioms_state.depth = getattr(_idioms_state, "depth", 0) + 1
-    recorders = _idioms_state.__dict__.setdefault("recorders", [])
-    recorders.append(record_draw)
-    try:
-        yield
-    finally:
-        recorders.pop()
-        _idioms_state.depth -= 1
-        with _idioms_lock:
-            _idioms_users[0] -= 1
-            if _idioms_users[0] == 0:
-                _unpatch_all()
+    return types.SimpleNamespace(
+        variable=backend.Variable, variable_initializer="_initialize_with_initializer",
+        tile=Tile, ndim=Ndim, keras_tensor=KerasTensor,
+        random_backend=random.backend.random)
 
 
 # -- TensorFlow functions on symbolic tensors (frontend/tf_functions.py) ------
@@ -1295,7 +1077,7 @@ def _put_back_global_random_state(saved, drew):
         context.context().clear_kernel_cache()
 
 
-# -- which TensorFlow function raised (frontend/tracing.py) -------------------
+# -- which TensorFlow function raised (frontend/failures.py) ------------------
 # TensorFlow filters its own frames out of the tracebacks of its errors
 # (`traceback_utils.filter_traceback`); the frame of its filter stays, and
 # holds the function it called (`fn`), TensorFlow's dispatch handler, whose

@@ -23,7 +23,7 @@ from keras import layers
 from keras import ops
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend import traced_idioms as traced_idioms_lib
 
 WAIT = 60  # seconds: only a failure ever waits this long
 
@@ -41,7 +41,7 @@ class HoldsTheTrace(layers.Layer):
 
     def call(self, x):
         if isinstance(x, keras.KerasTensor) and not self._entered.is_set():
-            self._seen.inside_trace = _compat._in_traced_idioms()
+            self._seen.inside_trace = traced_idioms_lib._in_traced_idioms()
             self._entered.set()
             assert self._release.wait(WAIT), "the test never released the trace"
         h = np.float64(0.5) * self.dense(x)  # float32 on the tracing thread
@@ -263,14 +263,14 @@ def test_a_failure_while_installing_the_idioms_leaves_keras_as_it_was(monkeypatc
     def fails(original):
         raise RuntimeError("installing failed")
 
-    monkeypatch.setattr(_compat, "_ndim_symbolic_call", fails)  # one of the last installed
+    monkeypatch.setattr(traced_idioms_lib, "_ndim_symbolic_call", fails)  # one of the last installed
     with pytest.raises(RuntimeError, match="installing failed"):
-        with _compat.traced_idioms():
+        with traced_idioms_lib.traced_idioms():
             pass
     assert (keras.KerasTensor.__getitem__, keras.KerasTensor.__mul__,
             Tile.compute_output_spec) == originals
     assert not hasattr(keras.KerasTensor, "__array_priority__")
     monkeypatch.undo()
-    with _compat.traced_idioms():  # and the next trace installs them afresh
+    with traced_idioms_lib.traced_idioms():  # and the next trace installs them afresh
         assert keras.KerasTensor((5, 8))[None].shape == (1, 5, 8)
     assert keras.KerasTensor.__getitem__ is originals[0]

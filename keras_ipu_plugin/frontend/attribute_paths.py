@@ -61,7 +61,9 @@ def _direct_layers(layer):
         return [(_clean(sub.name), sub) for sub in layer.layers]
     if (type(layer).__module__ or "").startswith("keras.") and not _compat.sub_layers(
             layer, recursive=False):
-        # One of Keras's own layers holding none (Dense): Keras's code
+        # One of Keras's own layers holding none (Dense): a fact of Keras's
+        # code, not the user-code rule (`user_code.py`), which counts Keras's
+        # applications as user code: Keras's code
         # assigns its sub-layers as tracked attributes, so there is nothing
         # to look for among its ~60 attributes (most of what naming the
         # nodes of an expanded model cost).

@@ -50,7 +50,7 @@ import numpy as np
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.layers.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
 
 
 class Unknown(Exception):
@@ -111,6 +111,10 @@ def _signature(layer, objects, active):
         raise Unknown  # a layer holding its own parent
     objects.append(layer)
     cls = type(layer)
+    # Not the user-code rule (`user_code.is_user_module`) on purpose: a class
+    # of a library package, Keras's applications included, is described by
+    # its config; the rule's exception for applications is about tracing
+    # through their `call`, not about what tells two of them apart.
     if (cls.__module__ or "").split(".")[0] in LIBRARY_PACKAGES:
         inner = _compat.sub_layers(layer)
         objects.extend(inner)

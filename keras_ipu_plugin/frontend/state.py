@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
-from keras_ipu_plugin.layers.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.layers.user_code import is_user_class
 
 
 class VariableValues:
@@ -300,8 +300,10 @@ def _is_plain(value):
 
 
 def _is_user_class(layer):
-    module = getattr(type(layer), "__module__", "") or ""
-    return module.split(".")[0] not in LIBRARY_PACKAGES
+    # The one rule (`user_code.py`): Keras's applications count as user
+    # code, whose plain attributes are put back too (no attribute of theirs
+    # changes in a trace; putting one back is a no-op).
+    return is_user_class(type(layer))
 
 
 class _ObjectsState:

@@ -1,6 +1,6 @@
 """A `call` that branches on `training` in Python, held as one `ModeSwitch` node.
 
-`tracing._trace_modes` traces a `call` under `training=True` and `False`.
+`training_modes.trace_modes` traces a `call` under `training=True` and `False`.
 When the two traces call different things (stochastic depth draws a mask
 in training and returns its input otherwise; a block calls another
 sub-layer in each mode), `switch_node` makes one node of the two: a
@@ -30,13 +30,13 @@ import inspect
 
 import keras
 
+from keras_ipu_plugin.frontend.tracer import current_tracer
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.ir.specs import InputSpec
-from keras_ipu_plugin.layers.layer_kinds import accepts_training
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.runtime.mode_switch import branch_input_graph
 
@@ -148,7 +148,8 @@ def switch_modes(model):
 def _modes_given(nodes):
     """The `training` each node's layer was called with, where its `call`
     takes one (Keras records a value for other layers too)."""
-    return [node.training if node.is_layer and accepts_training(node.operation) else None
+    takes_training = current_tracer().takes_training
+    return [node.training if node.is_layer and takes_training(node.operation) else None
             for node in nodes]
 
 

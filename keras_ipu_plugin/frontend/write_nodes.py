@@ -67,7 +67,7 @@ class WriteError(Exception):
 class WriteRecorder:
     """The writes, reads and sub-layer calls of one traced `call` (one mode),
     in the order `call` makes them (see the module docstring). `trace` is
-    the `tracing._Trace` in progress: its names, reads and anchor."""
+    the `call_trace.CallTrace` in progress: its names, reads and anchor."""
 
     def __init__(self, trace):
         self.trace = trace

@@ -12,12 +12,12 @@ fills masks and hands `compute_mask` the same arguments as the layer's
 would (see `_compat.adopt_call_signature`).
 """
 
-import inspect
 
 import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.layers import saved_values
+from keras_ipu_plugin.layers.user_code import takes_training
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -40,7 +40,7 @@ class LayerAlias(keras.layers.Layer):
         # order, as the graph IR recorded them.
         self.tensor_outputs_only = tensor_outputs_only
         self.supports_masking = layer.supports_masking
-        self._passes_training = "training" in inspect.signature(layer.call).parameters
+        self._passes_training = takes_training(layer)
         _compat.adopt_call_signature(self, layer)
         self.built = True
 

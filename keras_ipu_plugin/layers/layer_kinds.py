@@ -1,13 +1,12 @@
 """What kind of layer a graph node calls: one Expand may inline (user code,
-a nested model), one whose output never depends on `training`.
+a nested model; `user_code.py` holds the rule), one whose output never
+depends on `training`.
 
 Example:
     >>> is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
     (False, True)
 """
 
-import functools
-import inspect
 import weakref
 
 import keras
@@ -17,61 +16,37 @@ from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.random_draws import RandomDraw
 from keras_ipu_plugin.layers.reads import is_read
+from keras_ipu_plugin.layers.user_code import takes_training
+from keras_ipu_plugin.layers.user_code import user_call
 from keras_ipu_plugin.layers.variable_write import VariableWrite
 
 
-def accepts_training(layer):
-    """Whether `layer.call` has a `training` parameter."""
-    call = getattr(layer.call, "__func__", layer.call)
-    try:
-        return _takes_training(call)
-    except TypeError:  # an unhashable callable
-        return "training" in inspect.signature(call).parameters
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_training(function):
-    # By the function (a class's `call`, not a bound method): Expand asks
-    # once per block of a model of hundreds.
-    return "training" in inspect.signature(function).parameters
-
-
-# The built-in layers: the classes the public `keras.layers` namespace
-# exports (exact classes; a subclass is user code). A Keras class that is
-# not exported there (ConvNeXt's `LayerScale` in `keras.src.applications`)
-# is someone's model code, to be expanded like a user's layer.
-_BUILTIN_LAYER_CLASSES = frozenset(
-    value for value in vars(keras.layers).values()
-    if isinstance(value, type) and issubclass(value, keras.layers.Layer)
-)
-
-
-def is_builtin_layer(layer):
-    """Whether `layer`'s class is one `keras.layers` exports (not a subclass).
+def is_expandable(operation, is_user_code=None):
+    """Layers whose node Expand may inline: nested functional / sequential
+    models, and layers of user code (`is_user_code(layer)`, by default the
+    one rule: their class's `call` is written in user code, keras_hub's and
+    Keras's applications' included; `user_code.user_call`), except the
+    plugin's own graph layers (opaque nodes, batch-sized operations,
+    variable reads). A user's subclass of a Keras layer that keeps Keras's
+    `call` (a tuned `Dense`) is a leaf, as tracing treats it.
 
     Example:
-        >>> is_builtin_layer(keras.layers.Dense(2)), is_builtin_layer(MyDense(2))
-        (True, False)
+        >>> is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
+        (False, True)
     """
-    return type(layer) in _BUILTIN_LAYER_CLASSES
-
-
-def is_expandable(operation):
-    """Custom layers and nested functional / sequential models: every layer
-    whose class `keras.layers` does not export (user code, keras_hub's
-    layers, classes of `keras.src.applications`), except the plugin's own
-    graph layers (opaque nodes, batch-sized operations, variable reads)."""
     if not isinstance(operation, keras.layers.Layer) or isinstance(
         operation, (OpaqueLayer, BatchSizedOperation, RandomDraw)
     ):
         return False
     if is_read(operation):  # a variable or a constant: nothing to inline
         return False
-    if isinstance(operation, keras.Model):
+    if isinstance(operation, keras.Model) and user_call(operation) is None:
+        # a functional or sequential model (a user's subclass of one too):
+        # its graph is inlined
         return True
-    if type(operation).__module__.startswith("keras_ipu_plugin."):
-        return False  # the plugin's own graph layers (`AttachMask`)
-    return not is_builtin_layer(operation)
+    if is_user_code is None:
+        return user_call(operation) is not None
+    return is_user_code(operation)
 
 
 # Built-in layers whose output never depends on `training` (exact classes:
@@ -106,7 +81,7 @@ def training_agnostic(layer):
     (`training` is otherwise traced both ways to find what follows it)."""
     if type(layer) in _TRAINING_AGNOSTIC:
         return getattr(layer, "quantization_mode", None) is None
-    if not is_expandable(layer) or accepts_training(layer):
+    if not is_expandable(layer) or takes_training(layer):
         return False
     return all(
         training_agnostic(sub)

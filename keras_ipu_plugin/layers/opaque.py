@@ -17,12 +17,12 @@ way. The user's layers are never modified.
 """
 
 import functools
-import inspect
 
 import keras
 import tensorflow as tf
 
 from keras_ipu_plugin.layers import saved_values
+from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.layers.views import layer_view
 
 
@@ -42,7 +42,7 @@ class OpaqueLayer(keras.layers.Layer):
         self.reason = reason
         # nest of (shape, dtype) with the batch dimension None where it varies
         self.output_specs = output_specs
-        self._takes_training = "training" in _call_parameters(layer)
+        self._takes_training = takes_training(layer)
         self.built = True
 
     def call(self, *args, training=None, **kwargs):
@@ -134,10 +134,6 @@ def _specs_from_config(config, entry, depth=0):
         items = [_specs_from_config(v, entry, depth + 1) for v in config["list"]]
         return tuple(items) if saved_values.saved_bool(config["tuple"], entry, key) else items
     saved_values.refuse(entry, key, "nested {shape, dtype} specs", config)
-
-
-def _call_parameters(layer):
-    return inspect.signature(layer.call).parameters
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,7 +63,7 @@ class TFFunction(keras.Operation):
         # fails ("Failed to convert elements of SparseTensor") or loses the
         # shape. The tensors a kip graph carries are dense: sparse inputs
         # are refused (`frontend/inputs.py`) and traced specs are made dense
-        # where no argument is sparse (`tracing._dense_unless_given_sparse`).
+        # where no argument is sparse (`output_specs.dense_unless_given_sparse`).
         args, kwargs = keras.tree.map_structure(_dense_spec, (args, kwargs))
         return super().compute_output_spec(*args, **kwargs)
 

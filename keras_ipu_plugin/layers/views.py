@@ -9,8 +9,9 @@ the user's objects are only read. Layers without user code (Keras's own) are
 used as they are. Being a subclass keeps `isinstance` and zero-argument
 `super()` in the user's code working.
 
-`opaque.py` uses views whose `call` is AutoGraph-converted; `tracing.py` uses
-views whose symbolic calls are traced inline on KerasTensors.
+`opaque.py` uses views whose `call` is AutoGraph-converted; the trace
+(`frontend/trace_views.py`) uses views whose symbolic calls are traced
+inline on KerasTensors.
 
 Example:
     >>> view = layer_view(model, lambda cls, call: type(cls.__name__, (cls,), {}))
@@ -18,9 +19,8 @@ Example:
     True
 """
 
-from keras_ipu_plugin import _compat
-
-LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin")
+from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
+from keras_ipu_plugin.layers.user_code import user_call
 
 
 _VIEWED = "_kip_viewed_layer"  # in a view's own dict: the layer it views
@@ -32,15 +32,18 @@ _VIEWED = "_kip_viewed_layer"  # in a view's own dict: the layer it views
 _HOLDS_NO_LAYER = {bool, int, float, str, bytes, type(None)}
 
 
-def layer_view(layer, view_class, memo=None):
-    """A view of `layer` whose class is `view_class(type(layer), user_call)`;
-    `memo` ({id(layer): view}) shares one view per layer across a call."""
+def layer_view(layer, view_class, memo=None, traced_call=user_call):
+    """A view of `layer` whose class is `view_class(type(layer), function)`,
+    `function` being `traced_call(layer)`: the `call` of user code
+    (`user_code.user_call`; a `Tracer` may say otherwise), None for a layer
+    used as it is; `memo` ({id(layer): view}) shares one view per layer
+    across a call."""
     import keras
 
     memo = {} if memo is None else memo
     if id(layer) in memo:
         return memo[id(layer)]
-    function = user_call(layer)
+    function = traced_call(layer)
     if function is None:
         memo[id(layer)] = layer
         return layer
@@ -52,7 +55,7 @@ def layer_view(layer, view_class, memo=None):
         if kind in _HOLDS_NO_LAYER:
             return value
         if isinstance(value, keras.layers.Layer):
-            return layer_view(value, view_class, memo)
+            return layer_view(value, view_class, memo, traced_call)
         if isinstance(value, (list, tuple)) and any(isinstance(v, keras.layers.Layer) for v in value):
             views = [views_in(v) for v in value]
             return tuple(views) if isinstance(value, tuple) else views
@@ -87,20 +90,6 @@ def shallow_view(layer, view_class):
 def viewed_layer(obj):
     """The user's layer `obj` is a view of, or None when it is not a view."""
     return getattr(obj, "__dict__", {}).get(_VIEWED)
-
-
-def user_call(layer):
-    """The class's `call` when it is user code (not Keras's layer library,
-    TF's or ours; Keras's applications count as user code)."""
-    if "call" in vars(layer):  # set on the instance by its owner: leave it
-        return None
-    function = getattr(type(layer), "call", None)
-    module = getattr(function, "__module__", "") or ""
-    if function is None:
-        return None
-    if module.split(".")[0] in LIBRARY_PACKAGES and not _compat.is_keras_model_code(module):
-        return None
-    return function
 
 
 __all__ = ["layer_view", "shallow_view", "viewed_layer", "user_call", "LIBRARY_PACKAGES"]

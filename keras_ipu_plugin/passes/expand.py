@@ -27,6 +27,7 @@ from keras_ipu_plugin.passes.core.base import targets_from_config
 from keras_ipu_plugin.passes.inline import inline_call
 from keras_ipu_plugin.passes.core.patterns import Chain
 from keras_ipu_plugin.passes.core.patterns import names_a_path
+from keras_ipu_plugin.frontend.tracer import current_tracer
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.layers.reads import ReadLayers
@@ -66,7 +67,7 @@ class Expand(Pass):
 
     def run(self, graph, report):
         if self.targets == (ALL,):
-            expand_graph(graph, lambda node: is_expandable(node.operation), report,
+            expand_graph(graph, lambda node: _expandable(node), report,
                          self.step, recursive=True)
             # A layer branching on `training` became a switch: its modes' graphs too.
             in_branches(graph, lambda branch, mode: self.run(branch, report))
@@ -129,7 +130,7 @@ def expand_to_reach(graph, target, report, step):
         for lead in target.lead_steps():
             alias = not names_a_path(graph, lead)
             expand_graph(graph, lambda node, lead=lead, alias=alias: (
-                is_expandable(node.operation) and not node.opaque_reason
+                _expandable(node) and not node.opaque_reason
                 and not matches(node, lead, alias) and contains(node, lead, alias)
             ), report, step, recursive=True)
         return
@@ -138,7 +139,7 @@ def expand_to_reach(graph, target, report, step):
 
     def holds_target(node):
         return (
-            is_expandable(node.operation) and not node.opaque_reason
+            _expandable(node) and not node.opaque_reason
             and not matches(node, target, aliases) and contains(node, target, aliases)
         )
 
@@ -170,3 +171,9 @@ def expand_to_reach(graph, target, report, step):
     for node in unreached:
         report.add(step, node.name, "not reached",
                    f"{describe(target)} inside it stays as it is: {node.opaque_reason}")
+
+
+def _expandable(node):
+    """Whether Expand may inline `node`: a layer the tracer in use
+    (`Tracer.is_user_code`, overridable) says is user code, or a nested model."""
+    return is_expandable(node.operation, current_tracer().is_user_code)

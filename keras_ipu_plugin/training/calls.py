@@ -41,6 +41,7 @@ from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.tracing import TraceError
 from keras_ipu_plugin.frontend.tracing import trace_call
+from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.frontend.verify import check_equivalent
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
@@ -86,7 +87,7 @@ class CallArguments:
         signature = _call_signature(type(callee))
         kwargs = dict(kwargs)
         training = kwargs.pop("training", None)
-        if "training" in signature.parameters and training is not None:
+        if takes_training(type(callee).call) and training is not None:
             kwargs["training"] = training  # else Keras keeps it in the context
         bound = signature.bind(None, *args, **kwargs)  # None stands for `self`
         names = list(signature.parameters)

@@ -27,7 +27,7 @@ from keras_ipu_plugin.training.steps import Runtime
 from keras_ipu_plugin.training.steps import PredictFunction
 from keras_ipu_plugin.training.steps import StepFunction
 from keras_ipu_plugin.training.routes import training_route
-from keras_ipu_plugin.layers.views import LIBRARY_PACKAGES
+from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
 from keras_ipu_plugin.runtime.functional import refuse_hdf5
 
 _WRAPPED = "__kip_wrapped__"

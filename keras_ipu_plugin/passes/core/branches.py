@@ -23,6 +23,7 @@ from keras_ipu_plugin.passes.core.base import describe
 from keras_ipu_plugin.passes.core.base import matched_blocks
 from keras_ipu_plugin.passes.core.base import nodes_matching
 from keras_ipu_plugin.passes.core.patterns import Chain
+from keras_ipu_plugin.frontend.tracer import current_tracer
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
@@ -112,7 +113,8 @@ def reachable_here(graph, target):
         return True
     if nodes_matching(graph, target) or matched_blocks(graph, target):
         return True
-    return any(is_expandable(node.operation) and contains(node, target)
+    return any(is_expandable(node.operation, current_tracer().is_user_code)
+               and contains(node, target)
                for node in graph.nodes)
 
 

@@ -26,7 +26,7 @@ from keras_ipu_plugin.planning.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.tracing import TraceError
-from keras_ipu_plugin.frontend.tracing import _failing_layer
+from keras_ipu_plugin.frontend.failures import failing_layer as _failing_layer
 from keras_ipu_plugin.frontend.tracing import essential_message
 from keras_ipu_plugin.frontend.tracing import trace_model
 from keras_ipu_plugin.frontend.verify import check_equivalent

@@ -1,0 +1,124 @@
+"""Whether a traced graph's unknown dimensions are the batch size.
+
+A graph traced with the batch size unknown (None) holds operations that
+read it when the graph runs (`BatchSizedOperation`); one traced at two batch
+sizes holds each multiple of it (`batch_generalization.generalize_batch`). Either is
+checked here by replaying the shapes with the inputs' batch size set to 3
+and then 7 (`check_batch_dimensions`): a dimension that merely stood where
+the batch size did would take a wrong value, and fails the trace.
+
+Example:
+    >>> check_batch_dimensions(nodes, "block.")   # raises TraceError, or sets the specs
+"""
+
+import functools
+
+import keras
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.failures import STATIC_BATCH_HINT
+from keras_ipu_plugin.frontend.failures import TraceError
+from keras_ipu_plugin.frontend.failures import essential_message
+from keras_ipu_plugin.frontend.output_specs import precise_specs
+from keras_ipu_plugin.frontend.output_specs import states_own_output_shape
+from keras_ipu_plugin.ir.graph import map_values
+
+
+def check_batch_dimensions(nodes, prefix, multiples=False):
+    """Raise `TraceError` unless every unknown dimension in `nodes` is the
+    batch size of the traced call's inputs (what a `BatchSizedOperation`
+    fills in when the graph runs).
+
+    The nodes are replayed with the inputs' batch size set to 3 and then 7:
+    each dimension of each output must then be the same in both (a fixed
+    size, matching the trace where it knew it) or 3 and 7 (the batch size).
+    A dimension that merely stood where the batch size did (the batch times
+    the sequence, after a reshape) would take a wrong value, and fails here.
+    With `multiples` (a graph made from traces at two batch sizes, whose
+    operations hold each multiple of the batch size they compute with,
+    `batch_generalization.BatchMultiple`), a dimension may be a fixed multiple of
+    the batch size too (3k and 7k: Swin's `batch * windows` rows).
+    The outputs' shapes are then set to what the replay showed.
+    """
+    shapes = [_replayed_shapes(nodes, prefix, batch_size) for batch_size in (3, 7)]
+    for node in nodes:
+        for value in node.outputs:
+            small, large = shapes[0][id(value)], shapes[1][id(value)]
+            recorded = tuple(value.spec.shape)
+            if len(small) != len(recorded) or not all(
+                (a == b and c in (None, a))  # a fixed size
+                or ((a, b) == (3, 7) and c is None)  # the batch size
+                or (multiples and a % 3 == 0 and b == a // 3 * 7 and c is None)
+                # a multiple plus a constant (`batch + 1`), confirmed by a trace
+                or (multiples and b > a and (b - a) % 4 == 0 and c is None)
+                for a, b, c in zip(small, large, recorded)
+            ):
+                raise TraceError(_unknown_dimension_reason(node.name, value))
+            # What the trace did not know (reshape to `(batch, -1, ...)`)
+            # the replay showed: later traces of the graph start from it.
+            value.spec = keras.KerasTensor(
+                tuple(None if a != b else a for a, b in zip(small, large)),
+                dtype=value.spec.dtype, sparse=value.spec.sparse,
+            )
+
+
+def _replayed_shapes(nodes, prefix, batch_size):
+    """`{id(Value): shape}` of `nodes`' outputs, worked out by Keras with the
+    inputs' (leading, unknown) batch dimension set to `batch_size`."""
+    replayed, shapes = {}, {}
+
+    def known(value):
+        if id(value) not in replayed:  # an input of the traced call
+            shape = tuple(value.spec.shape)
+            if any(dim is None for dim in shape[1:]):
+                raise TraceError(_unknown_dimension_reason(prefix.rstrip("."), value))
+            if shape and shape[0] is None:
+                shape = (batch_size,) + shape[1:]
+            replayed[id(value)] = keras.KerasTensor(shape, dtype=value.spec.dtype)
+        return replayed[id(value)]
+
+    for node in nodes:
+        args = map_values(known, node.args)
+        kwargs = map_values(known, node.kwargs)
+        operation = node.operation
+        compute_output_spec = operation.compute_output_spec
+        if isinstance(operation, keras.layers.Layer) and not states_own_output_shape(
+            type(operation)
+        ):  # its `call` run in a scratch graph; not `Layer.compute_output_spec`,
+            # which asks an inherited `compute_output_shape` (one output, where
+            # keras_hub's `ESMRotaryEmbedding.call` returns two)
+            compute_output_spec = functools.partial(
+                _compat.Operation.compute_output_spec, operation)
+        try:
+            # A None among a layer's outputs (T5's attention without a cache)
+            # is no Value of its node (`Node.output_structure` keeps it).
+            outputs = [t for t in keras.tree.flatten(compute_output_spec(*args, **kwargs))
+                       if t is not None]
+        except Exception as error:
+            raise TraceError(
+                f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the "
+                f"shapes of `{node.name}` cannot be checked to follow it: "
+                f"{type(error).__name__}: {essential_message(error, limit=200)})"
+            ) from error
+        # As in the trace (`collect_nodes`): a layer that leaves a dimension
+        # unknown although its inputs know theirs (`EinsumDense(output_shape=
+        # (None, f))` leaves the sequence out) is asked TensorFlow's shape
+        # inference, or the replay could not tell that dimension is fixed.
+        outputs = precise_specs(operation, args, kwargs, outputs)
+        if len(outputs) != len(node.outputs):
+            raise TraceError(
+                f"{STATIC_BATCH_HINT} (the graph uses the batch size, and the shapes "
+                f"of `{node.name}` cannot be checked to follow it: it makes "
+                f"{len(outputs)} outputs at another batch size, {len(node.outputs)} in the trace)")
+        for value, tensor in zip(node.outputs, outputs):
+            replayed[id(value)] = tensor
+            shapes[id(value)] = tuple(tensor.shape)
+    return shapes
+
+
+def _unknown_dimension_reason(where, value):
+    return (
+        f"{STATIC_BATCH_HINT} (the graph computes with the batch size, but "
+        f"`{where or 'the input'}` has a tensor of shape {tuple(value.spec.shape)} "
+        "whose unknown dimension is not the batch size alone)"
+    )

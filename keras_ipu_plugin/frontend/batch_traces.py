@@ -1,0 +1,135 @@
+"""A `call` that needs its batch size as a number, traced at two of them
+and made one graph for any batch size (batch generalisation).
+
+The batch size is unknown (None) while tracing. An operation given it in a
+shape (`ops.broadcast_to(cls, (ops.shape(x)[0], 1, d))`) becomes a
+`BatchSizedOperation` that reads it when the graph runs (`keras_nodes.py`);
+a `call` that needs it as a number (`ops.broadcast_to` on a concrete mask,
+as keras_hub's decoders build their causal masks) is traced here at two
+batch sizes and the two graphs are made one (`batch_generalization.generalize_batch`).
+Both are checked by replaying the shapes at two other batch sizes
+(`batch_shapes.py`); what fails stays whole, with a reason saying to pass
+`static_batch=True`.
+
+Example:
+    >>> runs = trace_at_two_batch_sizes(layer, (x,), {}, placeholders, "", reads,
+    ...                                 None, error, tracer)
+    >>> nodes, outputs = one_graph_for_any_batch(runs, retrace)
+"""
+
+import keras
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.call_trace import CallTrace
+from keras_ipu_plugin.frontend.call_trace import anchor_of
+from keras_ipu_plugin.frontend.failures import TraceError
+from keras_ipu_plugin.frontend.training_modes import node_identity
+from keras_ipu_plugin.frontend.training_modes import trace_modes
+from keras_ipu_plugin.frontend.batch_generalization import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch_generalization import batch_signature
+from keras_ipu_plugin.frontend.batch_generalization import generalize_batch
+from keras_ipu_plugin.frontend.batch_generalization import has_offsets
+
+
+# The batch sizes a call is traced at when its symbolic trace fails on the
+# unknown batch size (see `trace_at_two_batch_sizes`). One of them is 1, so
+# that Python code branching on the batch size (`if ops.shape(x)[0] > 1`)
+# takes different branches in the two traces and is refused, not baked in.
+# A size with a constant added to the batch's (`batch + 1`) is confirmed by
+# traces at the second pair.
+TRIAL_BATCH_SIZES = (1, 3)
+CONFIRMING_BATCH_SIZES = (1, 2)
+
+
+def generalized(runs, batch_sizes, prefix):
+    """`generalize_batch` of the two traces `runs` made at `batch_sizes`."""
+    (first, small), (_, large) = runs
+    return generalize_batch(small, large, batch_sizes, first.placeholders[id(first.anchor)],
+                            same_operation, prefix)
+
+
+def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                             training, error, tracer, batch_sizes=TRIAL_BATCH_SIZES):
+    """Trace `call` with its inputs' unknown batch size set to each of
+    `TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
+    (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
+    as keras_hub's decoders build their causal masks). `generalize_batch`
+    then makes one graph of the two that works for any batch size, or says
+    why it cannot. Re-raises `error` when the inputs' batch size is known.
+    `tracer`: the `Tracer` of the trace that failed.
+
+    Returns `[(trace, (nodes, outputs))]` for each batch size.
+    """
+    symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+    anchor = anchor_of((args, kwargs))
+    batched = [t for t in symbols if t.shape and t.shape[0] is None]
+    if not any(t is anchor for t in batched) or any(
+        None in tuple(t.shape)[1:] for t in symbols
+    ):
+        raise error  # no unknown batch size to set, or other unknown sizes
+    runs = []
+    for batch_size in batch_sizes:
+        concrete = {
+            id(t): keras.KerasTensor((batch_size,) + tuple(t.shape)[1:], dtype=t.dtype)
+            for t in batched
+        }
+        swap = lambda leaf: concrete.get(id(leaf), leaf)  # noqa: E731
+        for tensor in batched:  # the masks the inputs carry, at this batch size
+            mask = _compat.keras_mask(tensor)
+            if isinstance(mask, keras.KerasTensor):
+                _compat.set_keras_mask(concrete[id(tensor)], swap(mask))
+        trace = CallTrace(
+            layer, keras.tree.map_structure(swap, args), keras.tree.map_structure(swap, kwargs),
+            {id(swap(t)): placeholders[id(t)] for t in symbols},
+            prefix, reads, anchor=concrete[id(anchor)], tracer=tracer,
+        )
+        trace.failure = error.reason if error is not None else None
+        try:
+            runs.append((trace, trace_modes(trace, training)))
+        except TraceError as failure:
+            if error is None:  # confirming a generalization: that failure says why not
+                raise NotBatchGeneral(f"and at batch size {batch_size} {failure.reason}") from None
+            if failure.reason == error.reason:
+                raise error from None
+            # What stops the trace at a known batch size is the cause to fix
+            # (Mixtral's MoE block: `add_loss` in training, after `B*T // T`).
+            raise TraceError(f"{error.reason}; traced at batch size {batch_size} instead, "
+                             f"{failure.reason}") from None
+    return runs
+
+
+def same_operation(node_a, node_b):
+    """Whether two traces called the same thing at these nodes (opaque ones
+    are kept out: their recorded output shapes hold a trial batch size)."""
+    return node_a.opaque_reason is None and node_identity(node_a) == node_identity(node_b)
+
+
+def one_graph_for_any_batch(runs, retrace, prefix):
+    """`(nodes, outputs)` of one graph for any batch size, made of the two
+    traces `runs` (`trace_at_two_batch_sizes`), checked to follow the batch
+    size; `retrace(batch_sizes)` traces again at other batch sizes (a size
+    that is the batch's plus a constant is confirmed by a third trace).
+    Raises `TraceError` saying why the traces are not one graph."""
+    try:
+        nodes, outputs = generalized(runs, TRIAL_BATCH_SIZES, prefix)
+        if has_offsets(nodes):
+            # `batch + 1`: two traces fit any line through their sizes (the
+            # batch squared too); a third, at another batch size, confirms it.
+            again = retrace(CONFIRMING_BATCH_SIZES)
+            if batch_signature(generalized(again, CONFIRMING_BATCH_SIZES, prefix)[0]) != \
+                    batch_signature(nodes):
+                raise NotBatchGeneral(
+                    "and a trace at batch size 2 shows a size that is no multiple of the "
+                    "batch size plus a constant")
+        check_batch_dimensions(nodes, prefix, multiples=True)
+    except NotBatchGeneral as mismatch:
+        raise TraceError(
+            f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
+        ) from None
+    return nodes, outputs
+
+
+__all__ = ["TRIAL_BATCH_SIZES", "CONFIRMING_BATCH_SIZES", "trace_at_two_batch_sizes",
+           "one_graph_for_any_batch", "same_operation"]

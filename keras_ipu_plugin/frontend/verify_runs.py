@@ -1,0 +1,231 @@
+"""Verification's runs of a model: outputs and the gradients of a fixed
+random projection of them, as NumPy, eagerly or as `fit` runs the model
+(`RunMode`), in a replica context under a strategy (`run_model`); and the
+refusal of trainable variables the forward pass reads that Keras does not
+track (`refuse_untracked_variables`). See `verify.py`.
+
+Example:
+    >>> run = run_model(model, x, model.trainable_variables, role="original")
+    >>> run.outputs, run.gradients, run.watched
+"""
+
+import inspect
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.errors import InputDataError
+from keras_ipu_plugin.frontend.failures import essential_message
+from keras_ipu_plugin.frontend.failures import failing_layer as _failing_layer
+from keras_ipu_plugin.frontend.verify_compare import as_numpy
+from keras_ipu_plugin.frontend.verify_compare import gradient_numpy
+from keras_ipu_plugin.runtime.distribution import owning_strategy
+
+
+# -- running the models -------------------------------------------------------------
+@dataclass
+class _Run:
+    outputs: object  # NumPy arrays, nested like the model's outputs
+    gradients: list  # NumPy arrays or None, one per variable
+    watched: list  # TensorFlow variables the forward pass read
+
+
+class RunMode:
+    """How verification runs the models: eagerly, as long as the original
+    runs eagerly; else, for a model that does not train eagerly (no
+    `run_eagerly=True`), in a `tf.function`, as `fit` runs it — a model
+    that only runs in graph mode (an op with no eager kernel) trains with
+    plain `fit`, so it must verify too. Eager first: tracing a function per
+    run would cost more than the training step verification stands in for.
+
+    Example:
+        >>> mode = RunMode(model)
+        >>> run_model(model, x, [], role="original", tape=False, mode=mode)
+        >>> mode.graph   # True once the original failed eagerly and ran as a function
+    """
+
+    def __init__(self, original, any_role=False):
+        self.graph = False
+        self.eager_error = None
+        self.allowed = not getattr(original, "run_eagerly", False)
+        self.any_role = any_role  # check_runs: the model checked is the only one
+
+    def may_switch(self, role):
+        return (not self.graph and self.allowed
+                and (self.any_role or role == "original"))
+
+    def describe(self):
+        error = self.eager_error
+        return (f"verified in graph mode, as fit runs the model: it fails eagerly "
+                f"({type(error).__name__}: {essential_message(error, limit=160)})")
+
+
+def run_model(model, x, variables, *, role, tape=True, mode=None, training=False):
+    """Outputs and gradients as NumPy (nothing of the run stays on the
+    device), computed in a replica context; in a `tf.function` when `mode`
+    (a `RunMode`) says so, or when the eager run of the original fails and
+    the model may run as `fit` runs it (the mode then stays graph).
+
+    Under a `tf.distribute` strategy scope the caller is in the cross-replica
+    context, where a mirrored variable has no single handle to differentiate
+    against; the computation then runs as one replica's step (every replica
+    sees the whole batch, so the first replica's result is the answer).
+    """
+    mode = mode or RunMode(model)
+    watched = []
+    try:
+        outputs, gradients = _computed(model, x, variables, tape, watched, mode.graph,
+                                       training)
+    except Exception as error:
+        if type(error).__module__.startswith("keras_ipu_plugin"):
+            raise  # already says what is wrong (a nested conversion, new variables)
+        if not mode.may_switch(role):
+            raise _call_error(model, role, error) from error
+        del watched[:]
+        try:
+            outputs, gradients = _computed(model, x, variables, tape, watched, True, training)
+        except Exception:
+            # Fails in graph mode too: the eager error is the one to see.
+            raise _call_error(model, role, error) from error
+        mode.graph, mode.eager_error = True, error
+    return _Run(
+        keras.tree.map_structure(as_numpy, outputs), [gradient_numpy(g) for g in gradients],
+        watched,
+    )
+
+
+def _computed(model, x, variables, tape, watched, graph, training=False):
+    """`(outputs, gradients)` of one run, eagerly or as one `tf.function`
+    (a new one each run: its trace reads the variables `watched`)."""
+    def compute(x):
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            strategy = tf.distribute.get_strategy()
+            outputs, gradients = strategy.run(
+                _outputs_and_gradients, args=(model, x, variables, tape, watched, training))
+
+            def first_replica(value):
+                return None if value is None else strategy.experimental_local_results(value)[0]
+
+            return (keras.tree.map_structure(first_replica, outputs),
+                    [first_replica(g) for g in gradients])
+        return _outputs_and_gradients(model, x, variables, tape, watched, training)
+
+    if graph:
+        return tf.function(compute)(x)
+    return compute(x)
+
+
+def _outputs_and_gradients(model, x, variables, tape, watched, training=False):
+    if not tape:
+        return model(x, training=training), []
+    with tf.GradientTape() as gradient_tape:
+        outputs = model(x, training=training)
+        scalar = _projection(outputs)
+    watched.extend(gradient_tape.watched_variables())
+    gradients = gradient_tape.gradient(scalar, [_tf_variable(v) for v in variables])
+    return outputs, gradients
+
+
+def _call_error(model, role, error):
+    where = _failing_layer(error)
+    text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
+    if role == "original":
+        return InputDataError(
+            f"Cannot verify: the original model `{model.name}` fails on the batch "
+            f"(in layer `{where or model.name}`): {text}"
+        )
+    return ConversionError(
+        f"The {role} model fails when called on the first batch, in layer "
+        f"`{where or model.name}`: {text}"
+    )
+
+
+def _tf_variable(variable):
+    return getattr(variable, "value", variable)
+
+
+def _projection(outputs):
+    total = tf.constant(0.0)
+    for index, tensor in enumerate(keras.tree.flatten(outputs)):
+        if tensor is None:
+            continue
+        tensor = tf.convert_to_tensor(tensor)
+        if not tensor.dtype.is_floating:
+            continue
+        weights = np.random.RandomState(index).uniform(
+            0.5, 1.5, size=[d or 1 for d in tensor.shape]
+        )
+        total += tf.reduce_sum(tf.cast(tensor, tf.float32) * weights.astype("float32"))
+    return total
+
+
+# -- untracked variables ----------------------------------------------------------
+def refuse_untracked_variables(original, watched):
+    """Raise when the forward pass read trainable TensorFlow variables that
+    are not variables of `original` (Keras does not see them: no gradient
+    of theirs is compared, `fit` does not train them, checkpoints miss them)."""
+    tracked = set()
+    for variable in original.variables:
+        handle = _tf_variable(variable)
+        tracked.update((id(variable), id(handle)))
+        # A mirrored variable is read through its per-device components.
+        strategy = owning_strategy(variable) or tf.distribute.get_strategy()
+        tracked.update(id(c) for c in strategy.experimental_local_results(handle))
+    untracked = [v for v in watched if id(v) not in tracked]
+    if not untracked:
+        return
+    names = _attribute_paths(original, untracked)
+    listed = ", ".join(
+        f"`{names[id(v)]}` (tf.Variable '{v.name}')" if id(v) in names
+        else f"tf.Variable '{v.name}'" for v in untracked[:8]
+    )
+    more = f" and {len(untracked) - 8} more" if len(untracked) > 8 else ""
+    raise ConversionError(
+        f"`{original.name}` reads trainable variables that Keras does not track: "
+        f"{listed}{more}. They are not in `model.trainable_variables`, so `fit` "
+        "would not train them and verification could not compare their "
+        "gradients. Make them Keras weights (`self.add_weight`), or hold the "
+        "layers or modules that own them directly as attributes of a Keras "
+        "layer (or in a list or dict attribute)."
+    )
+
+
+def _attribute_paths(root, variables, max_depth=6):
+    """`{id(tf variable): "attr.path"}` for `variables` reachable from `root`
+    through instance attributes, lists, tuples and dicts."""
+    wanted = {id(v) for v in variables}
+    found = {}
+    seen = set()
+    frontier = [(root, "")]
+    for _ in range(max_depth):
+        following = []
+        for obj, path in frontier:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            for handle in (obj, getattr(obj, "value", None) if isinstance(
+                    obj, keras.Variable) else None):
+                if handle is not None and id(handle) in wanted:
+                    found.setdefault(id(handle), path)
+            following.extend(_children(obj, path))
+        frontier = following
+    return found
+
+
+def _children(obj, path):
+    if isinstance(obj, (str, bytes, int, float, bool, np.ndarray, tf.Tensor, type)) or (
+            inspect.isroutine(obj) or inspect.ismodule(obj)):
+        return []
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif hasattr(obj, "__dict__"):
+        items = vars(obj).items()
+    else:
+        return []
+    return [(value, f"{path}.{key}" if path else str(key)) for key, value in items
+            if not (isinstance(key, str) and key.startswith("__"))]

@@ -1,0 +1,117 @@
+"""The one rule for what is user code, and the one probe for `training`.
+
+Tracing goes through the `call` of user code and stops at library code:
+Keras's own layers (their `call` is Keras's formula), TensorFlow's, ours.
+Keras's applications (`keras.src.applications`: ConvNeXt's `LayerScale`)
+are someone's model code, written with Keras layers like a user's, and
+count as user code. Every place that asks "is this user code?" (which
+layers tracing makes views of, which layers' attributes are put back after
+a trace, which frame of a traceback is the user's line, which classes a
+block's signature looks into, whose attribute paths are worth looking for)
+asks `is_user_module` of the module that wrote the code in question, and
+every place that asks whether a layer's `call` takes `training` asks
+`takes_training`. The frontend's `Tracer` (`frontend/tracer.py`) exposes
+both as overridable hooks for tracing.
+
+Example:
+    >>> is_user_module("keras.src.layers.core.dense"), is_user_module("my_model")
+    (False, True)
+    >>> takes_training(keras.layers.Dropout(0.1)), takes_training(keras.layers.Flatten())
+    (True, False)
+"""
+
+import functools
+import inspect
+import re
+
+import keras
+
+from keras_ipu_plugin import _compat
+
+# The library packages: code written there is not the user's. (optree is
+# Keras's tree library: its frames sit between the user's code and Keras's
+# in a traceback.)
+LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin", "optree")
+
+
+def is_user_module(module):
+    """Whether code of the module named `module` is user code: not of a
+    library package, or Keras's model code (its applications)."""
+    module = module or ""
+    return module.split(".")[0] not in LIBRARY_PACKAGES or _compat.is_keras_model_code(module)
+
+
+def is_user_class(cls):
+    """Whether class `cls` is written in user code (`is_user_module`)."""
+    return is_user_module(getattr(cls, "__module__", "") or "")
+
+
+def user_call(layer):
+    """The class's `call` when it is user code (`is_user_module` of the
+    module the `call` itself is written in: a user's subclass of `Dense`
+    that keeps `Dense.call` is traced no further than a `Dense`); None for
+    a `call` set on the instance by its owner (left as it is)."""
+    if "call" in vars(layer):
+        return None
+    function = getattr(type(layer), "call", None)
+    if function is None or not is_user_module(getattr(function, "__module__", "")):
+        return None
+    return function
+
+
+_LIBRARY_PATHS = re.compile(
+    r"[/\\](" + "|".join(re.escape(package) for package in LIBRARY_PACKAGES) + r")[/\\]")
+
+
+def is_user_source(filename):
+    """Whether the source file `filename` (a traceback frame's) is user
+    code: outside the library packages' folders. (A frame knows its file
+    before its module: AutoGraph's converted code has a module of its own.)"""
+    return not _LIBRARY_PATHS.search(filename or "")
+
+
+def takes_training(layer_or_function):
+    """Whether a layer's `call` (or a function) has a parameter named
+    `training`: Keras's own rule for handing a layer its training mode
+    (`Layer.__init__` reads the same signature), so a `call` that only
+    forwards `**kwargs` is not handed it. A signature Python cannot read
+    counts as none."""
+    function = layer_or_function
+    if isinstance(function, keras.layers.Layer):
+        function = function.call
+    function = getattr(function, "__func__", function)
+    try:
+        return _takes_training(function)
+    except TypeError:  # an unhashable callable
+        return _signature_takes_training(function)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_training(function):
+    # By the function (a class's `call`, not a bound method): Expand asks
+    # once per block of a model of hundreds.
+    return _signature_takes_training(function)
+
+
+def _signature_takes_training(function):
+    try:
+        return "training" in inspect.signature(function).parameters
+    except ValueError:  # no signature (a builtin)
+        return False
+
+
+def takes_keyword(function, name):
+    """Whether `function` can be called with keyword `name`: a parameter of
+    that name, or `**kwargs` (or a signature Python cannot read). For
+    functions other than a layer's `call`, which Keras hands whatever `call`
+    was given (a `compute_output_spec`)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+__all__ = ["LIBRARY_PACKAGES", "is_user_module", "is_user_class", "user_call",
+           "is_user_source", "takes_training", "takes_keyword"]

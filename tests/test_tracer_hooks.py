@@ -1,0 +1,157 @@
+"""The `Tracer`'s hooks: one rule for where tracing stops, one probe for
+`training`, overridable by subclassing (as torch.fx's `Tracer.is_leaf_module`)."""
+
+import keras
+import numpy as np
+from keras import layers
+
+import keras_ipu_plugin as kip
+from keras_ipu_plugin.frontend.tracer import DEFAULT_TRACER
+from keras_ipu_plugin.frontend.tracer import Tracer
+from keras_ipu_plugin.frontend.tracer import current_tracer
+from keras_ipu_plugin.frontend.tracing import trace_model
+from keras_ipu_plugin.frontend.inputs import input_specs
+from keras_ipu_plugin.passes import Expand
+from keras_ipu_plugin.layers import user_code
+from keras_ipu_plugin.layers.layer_kinds import is_expandable
+
+
+class Inner(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+
+    def call(self, x):
+        return self.dense(x) + x
+
+
+class Outer(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = Inner(name="inner")
+        self.norm = layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        return self.norm(self.inner(x))
+
+
+class Net(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [Outer(name=f"outer_{i}") for i in range(2)]
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class KeepInner(Tracer):
+    """Keeps every `Inner` whole: a leaf, as torch.fx's `is_leaf_module`."""
+
+    def is_user_code(self, layer):
+        return not isinstance(layer, Inner) and super().is_user_code(layer)
+
+
+class TunedDense(layers.Dense):
+    """A user's subclass of Dense that keeps Dense's own `call`."""
+
+
+def _model():
+    model = Net(name="net")
+    x = np.random.RandomState(0).normal(size=(3, 4)).astype("float32")
+    model(x)
+    return model, x
+
+
+def _operations(model):
+    return [node.operation for node in model.kip_graph.nodes]
+
+
+def test_by_default_expand_all_goes_through_every_user_layer():
+    model, x = _model()
+    expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert not any(isinstance(op, (Inner, Outer)) for op in _operations(expanded))
+    np.testing.assert_allclose(expanded(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_tracer_subclass_keeps_the_layers_it_calls_leaves_whole():
+    model, x = _model()
+    with KeepInner().tracing():
+        assert isinstance(current_tracer(), KeepInner)
+        expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert current_tracer() is DEFAULT_TRACER
+    operations = _operations(expanded)
+    kept = [op for op in operations if isinstance(op, Inner)]
+    assert kept == [block.inner for block in model.blocks]  # each Inner: one node
+    assert not any(isinstance(op, Outer) for op in operations)  # the rest expanded
+    assert sum(isinstance(op, layers.LayerNormalization) for op in operations) == 2
+    np.testing.assert_allclose(expanded(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_tracer_passed_to_a_trace_is_the_one_it_asks():
+    model, x = _model()
+    asked = []
+
+    class Recording(Tracer):
+        def takes_training(self, layer):
+            asked.append(layer)
+            return super().takes_training(layer)
+
+        def is_user_code(self, layer):
+            asked.append(layer)
+            return super().is_user_code(layer)
+
+    graph = trace_model(model, input_specs(x), tracer=Recording())
+    assert model in asked and model.blocks[0] in asked
+    assert [node.operation for node in graph.nodes] == model.blocks
+
+
+class Flag(layers.Layer):
+    def call(self, x, training=None):
+        return x * 2.0 if training else x
+
+
+class NoTraining(Tracer):
+    def takes_training(self, layer):
+        return not isinstance(layer, Flag) and super().takes_training(layer)
+
+
+def test_a_tracer_saying_a_call_takes_no_training_is_not_handed_it():
+    flag, x = Flag(name="flag"), np.ones((2, 3), "float32")
+    flag(x)
+    specs = input_specs(x)
+    # Handed `training`, `call` branches on it: one node holds both modes.
+    assert [type(node.operation).__name__ for node in trace_model(flag, specs).nodes] == [
+        "ModeSwitch"]
+    # Never handed it, `call` takes its `else` branch alone: `x` itself.
+    assert trace_model(flag, specs, tracer=NoTraining()).nodes == []
+
+
+def test_the_one_rule_for_user_code():
+    assert not user_code.is_user_module("keras.src.layers.core.dense")
+    assert not user_code.is_user_module("tensorflow.python.ops.math_ops")
+    assert not user_code.is_user_module("keras_ipu_plugin.layers.opaque")
+    assert user_code.is_user_module("keras.src.applications.convnext")  # model code
+    assert user_code.is_user_module("my_project.blocks")
+    assert user_code.user_call(Inner()) is Inner.call
+    assert user_code.user_call(layers.Dense(2)) is None
+    # A subclass keeping Keras's `call` is traced no further than a Dense,
+    # and Expand keeps it whole too.
+    tuned = TunedDense(2)
+    assert user_code.user_call(tuned) is None
+    assert not is_expandable(tuned) and is_expandable(Inner())
+    assert not DEFAULT_TRACER.is_user_code(tuned) and DEFAULT_TRACER.is_user_code(Inner())
+
+
+def test_the_one_probe_for_training():
+    class Forwards(layers.Layer):
+        def call(self, x, **kwargs):
+            return x
+
+    assert user_code.takes_training(layers.Dropout(0.1))
+    assert not user_code.takes_training(layers.LayerNormalization())
+    # As Keras decides: `**kwargs` alone is not handed `training`.
+    assert not user_code.takes_training(Forwards())
+    assert user_code.takes_keyword(Forwards().call, "training")
+    assert DEFAULT_TRACER.takes_training(layers.Dropout(0.1))
