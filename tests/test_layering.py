@@ -299,3 +299,15 @@ def test_a_subfolder_is_its_own_layer():
     assert _layer(f"{NAME}.passes") == _layer(f"{NAME}.passes.expand")
     assert _layer(f"{NAME}.layers.opaque") < _layer(f"{NAME}.runtime.executor")
     assert _layer(f"{NAME}.planning.node_costs") < _layer(f"{NAME}.passes.core.manager")
+
+
+def test_the_architecture_page_draws_the_layers_in_their_import_order():
+    """docs/architecture.md lists the layers in the order imports flow; the
+    list is LAYERS, folder for folder."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = text.split("The imports run in this order", 1)[1].split("```", 2)[1]
+    drawn = [line.split()[0].rstrip("/").replace("/", ".") for line in block.splitlines()
+             if line.strip()]
+    expected = ["base" if "_compat" in members else
+                "cli," if "cli" in members else next(iter(members)) for members in LAYERS]
+    assert drawn == expected
