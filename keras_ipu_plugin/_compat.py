@@ -20,6 +20,10 @@ gives each private access a name that says what it is for:
 No other module imports `keras.src` or `tensorflow.python`, or reads a
 private attribute of an object it did not make (`tests/test_layering.py`
 checks both), so a Keras upgrade is a change in this file.
+
+It is one concept over ~600 lines on purpose: the whole quarantine in one file
+is what makes that so. What the accesses are used for lives with its users
+(the trace-time patches in `frontend/traced_idioms.py`, for one).
 """
 
 import contextlib

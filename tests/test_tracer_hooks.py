@@ -136,12 +136,16 @@ def test_the_one_rule_for_user_code():
     assert user_code.is_user_module("my_project.blocks")
     assert user_code.user_call(Inner()) is Inner.call
     assert user_code.user_call(layers.Dense(2)) is None
-    # A subclass keeping Keras's `call` is traced no further than a Dense,
-    # and Expand keeps it whole too.
+    # A user's subclass of a Keras layer is user code (Expand may inline it),
+    # but the `call` it keeps is Keras's: tracing calls it as Keras calls a Dense.
     tuned = TunedDense(2)
+    assert user_code.is_user_layer(tuned) and not user_code.is_user_layer(layers.Dense(2))
     assert user_code.user_call(tuned) is None
-    assert not is_expandable(tuned) and is_expandable(Inner())
-    assert not DEFAULT_TRACER.is_user_code(tuned) and DEFAULT_TRACER.is_user_code(Inner())
+    assert is_expandable(tuned) and is_expandable(Inner())
+    assert not is_expandable(layers.Dense(2))
+    assert DEFAULT_TRACER.is_user_code(tuned) and DEFAULT_TRACER.traced_call(tuned) is None
+    assert DEFAULT_TRACER.traced_call(Inner()) is Inner.call
+    assert KeepInner().traced_call(Inner()) is None
 
 
 def test_the_one_probe_for_training():

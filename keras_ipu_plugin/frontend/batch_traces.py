@@ -14,7 +14,7 @@ Both are checked by replaying the shapes at two other batch sizes
 Example:
     >>> runs = trace_at_two_batch_sizes(layer, (x,), {}, placeholders, "", reads,
     ...                                 None, error, tracer)
-    >>> nodes, outputs = one_graph_for_any_batch(runs, retrace)
+    >>> nodes, outputs = one_graph_for_any_batch(runs, retrace, "")
 """
 
 import keras

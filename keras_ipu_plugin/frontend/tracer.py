@@ -33,10 +33,12 @@ class Tracer:
     docstring). The default instance is `DEFAULT_TRACER`."""
 
     def is_user_code(self, layer):
-        """Whether tracing goes through `layer`'s `call` (True), or keeps
-        the layer as one node, a leaf (False). Default: its class's `call`
-        is written in user code (`user_code.user_call`)."""
-        return user_code.user_call(layer) is not None
+        """Whether tracing goes through `layer` (True), or keeps it as one
+        node, a leaf (False). Default: the one rule, `user_code.is_user_layer`
+        (its class is not one `keras.layers` exports nor the plugin's own).
+        A nested functional model is inlined by Expand whatever this says of
+        it: its graph is no code of anyone's to trace."""
+        return user_code.is_user_layer(layer)
 
     def takes_training(self, layer):
         """Whether `layer`'s `call` is handed the `training` mode. Default:
@@ -45,12 +47,10 @@ class Tracer:
         return user_code.takes_training(layer)
 
     def traced_call(self, layer):
-        """The `call` tracing runs inline for `layer` (its class's), or
-        None for a leaf or a `call` set on the instance (not to be
-        overridden: override `is_user_code`)."""
-        if "call" in vars(layer) or not self.is_user_code(layer):
-            return None
-        return getattr(type(layer), "call", None)
+        """The `call` tracing runs inline for `layer` (its class's, when
+        written in user code: `user_code.user_call`), or None for a leaf;
+        override `is_user_code`, not this."""
+        return user_code.user_call(layer, self.is_user_code)
 
     @contextlib.contextmanager
     def tracing(self):

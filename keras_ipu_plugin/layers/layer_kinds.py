@@ -17,18 +17,17 @@ from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.random_draws import RandomDraw
 from keras_ipu_plugin.layers.reads import is_read
 from keras_ipu_plugin.layers.user_code import takes_training
-from keras_ipu_plugin.layers.user_code import user_call
+from keras_ipu_plugin.layers.user_code import is_user_layer
 from keras_ipu_plugin.layers.variable_write import VariableWrite
 
 
-def is_expandable(operation, is_user_code=None):
+def is_expandable(operation, is_user_code=is_user_layer):
     """Layers whose node Expand may inline: nested functional / sequential
     models, and layers of user code (`is_user_code(layer)`, by default the
-    one rule: their class's `call` is written in user code, keras_hub's and
-    Keras's applications' included; `user_code.user_call`), except the
-    plugin's own graph layers (opaque nodes, batch-sized operations,
-    variable reads). A user's subclass of a Keras layer that keeps Keras's
-    `call` (a tuned `Dense`) is a leaf, as tracing treats it.
+    one rule, `user_code.is_user_layer`: every layer whose class
+    `keras.layers` does not export, keras_hub's layers and classes of
+    `keras.src.applications` included), except the plugin's own graph
+    layers (opaque nodes, batch-sized operations, variable reads).
 
     Example:
         >>> is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
@@ -40,12 +39,8 @@ def is_expandable(operation, is_user_code=None):
         return False
     if is_read(operation):  # a variable or a constant: nothing to inline
         return False
-    if isinstance(operation, keras.Model) and user_call(operation) is None:
-        # a functional or sequential model (a user's subclass of one too):
-        # its graph is inlined
+    if isinstance(operation, keras.Model):
         return True
-    if is_user_code is None:
-        return user_call(operation) is not None
     return is_user_code(operation)
 
 

@@ -1,20 +1,29 @@
 """The one rule for what is user code, and the one probe for `training`.
 
-Tracing goes through the `call` of user code and stops at library code:
-Keras's own layers (their `call` is Keras's formula), TensorFlow's, ours.
-Keras's applications (`keras.src.applications`: ConvNeXt's `LayerScale`)
-are someone's model code, written with Keras layers like a user's, and
-count as user code. Every place that asks "is this user code?" (which
-layers tracing makes views of, which layers' attributes are put back after
-a trace, which frame of a traceback is the user's line, which classes a
-block's signature looks into, whose attribute paths are worth looking for)
-asks `is_user_module` of the module that wrote the code in question, and
-every place that asks whether a layer's `call` takes `training` asks
+Tracing goes through user code and stops at library code. For a layer the
+rule is `is_user_layer`: its class is not one `keras.layers` exports (whose
+`call` is Keras's formula) nor the plugin's own. A user's subclass of a Keras
+layer is user code, and so are the classes Keras ships without exporting
+them (`keras.src.applications`: ConvNeXt's `LayerScale`, model code written
+with Keras layers like a user's). For code (a module, a source file, a
+function) it is `is_user_module`: written outside the library packages, or
+in Keras's applications. Tracing runs a `call` inline only where both say
+so (`user_call`): a user's subclass of `Dense` that keeps `Dense.call` is a
+layer Expand may inline, but its `call` runs as Keras runs it.
+
+Every place that asks "is this user code?" asks one of these: which layers
+tracing makes views of (`user_call`), which layers Expand inlines
+(`is_user_layer`, through `layer_kinds.is_expandable` and the `Tracer`),
+which layers' attributes are put back after a trace and which frame of a
+traceback is the user's line (`is_user_class`, `is_user_source`). Every
+place that asks whether a layer's `call` takes `training` asks
 `takes_training`. The frontend's `Tracer` (`frontend/tracer.py`) exposes
-both as overridable hooks for tracing.
+the layer rule and the probe as overridable hooks.
 
 Example:
     >>> is_user_module("keras.src.layers.core.dense"), is_user_module("my_model")
+    (False, True)
+    >>> is_user_layer(keras.layers.Dense(2)), is_user_layer(MyBlock())
     (False, True)
     >>> takes_training(keras.layers.Dropout(0.1)), takes_training(keras.layers.Flatten())
     (True, False)
@@ -46,12 +55,31 @@ def is_user_class(cls):
     return is_user_module(getattr(cls, "__module__", "") or "")
 
 
-def user_call(layer):
-    """The class's `call` when it is user code (`is_user_module` of the
-    module the `call` itself is written in: a user's subclass of `Dense`
-    that keeps `Dense.call` is traced no further than a `Dense`); None for
-    a `call` set on the instance by its owner (left as it is)."""
-    if "call" in vars(layer):
+# The classes the public `keras.layers` namespace exports (exact classes: a
+# subclass is user code).
+_KERAS_LAYER_CLASSES = frozenset(
+    value for value in vars(keras.layers).values()
+    if isinstance(value, type) and issubclass(value, keras.layers.Layer)
+)
+
+
+def is_user_layer(layer):
+    """Whether `layer` is user code: its class is not one `keras.layers`
+    exports (exactly: a subclass is user code) nor the plugin's own.
+    (`tests/test_expand_public_architectures.py` pins a user's subclass of
+    `Dense` and Keras's applications' `LayerScale` as user code.)"""
+    cls = type(layer)
+    return cls not in _KERAS_LAYER_CLASSES and not (cls.__module__ or "").startswith(
+        "keras_ipu_plugin.")
+
+
+def user_call(layer, is_user=is_user_layer):
+    """The `call` tracing runs inline for `layer`: its class's, where the
+    layer is user code (`is_user(layer)`) and the `call` is written in user
+    code (`is_user_module`: a user's subclass of `Dense` keeping `Dense.call`
+    is called as Keras calls a `Dense`); None otherwise, and for a `call`
+    set on the instance by its owner (left as it is)."""
+    if "call" in vars(layer) or not is_user(layer):
         return None
     function = getattr(type(layer), "call", None)
     if function is None or not is_user_module(getattr(function, "__module__", "")):
@@ -113,5 +141,5 @@ def takes_keyword(function, name):
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-__all__ = ["LIBRARY_PACKAGES", "is_user_module", "is_user_class", "user_call",
+__all__ = ["LIBRARY_PACKAGES", "is_user_module", "is_user_class", "is_user_layer", "user_call",
            "is_user_source", "takes_training", "takes_keyword"]
