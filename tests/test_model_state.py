@@ -279,16 +279,19 @@ def test_unseeded_keras_random_verifies_and_keeps_the_global_seed_generator_stat
     np.testing.assert_array_equal(global_state.numpy(), before)
 
 
-def test_unseeded_tensorflow_draws_are_replayed_and_the_drawing_layer_stays_whole():
+def test_unseeded_tensorflow_draws_are_replayed_and_the_drawing_layer_says_how_to_expand():
     """Since issue 22 verification hands the original's `tf.random` draws to
-    the converted run: the model converts; the drawing layer runs whole,
-    saying how to make it expand."""
+    the converted run: the model converts. This draw's shape is
+    `ops.shape(z_mean)`, the batch size None while traced, which a graph
+    cannot draw with: the drawing layer runs whole, saying how to make it
+    expand (a shape given as `tf.shape(x)` expands: test_tracing_idioms_round3)."""
     model, x = VAE("tensorflow"), _x(8)
     model(x)
     before = _values(model.weights)
     converted = kip.convert_to_functional(model, x, verify=True)
     expanded = kip.apply_passes(converted, [kip.passes.Expand("all")])
-    assert "keras.random.SeedGenerator" in expanded.kip_report.opaque["sampling"]
+    reason = expanded.kip_report.opaque["sampling"]
+    assert "`tf.shape(x)`" in reason and "keras.random.SeedGenerator" in reason
     _assert_values(model.weights, before)
 
 

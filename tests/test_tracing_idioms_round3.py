@@ -13,7 +13,9 @@
   (`ops.reshape(x, (4, 6))`) stay whole saying what to write;
 - unseeded TensorFlow draws (`tf.random.normal(shape)`): verification
   replays the original's draws in the converted run and puts TensorFlow's
-  global random state back, so the model converts and trains;
+  global random state back, so the model converts and trains; the draw
+  is a `TFRandomDraw` graph node (drawing at each run as the original
+  does), so the drawing layer expands;
 - a layer with the name of a model input (keras.io's GRN/VSN `Embedding`
   "education"): conversion, Expand, Replace and saving keep both.
 """
@@ -34,6 +36,7 @@ from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.tf_function import TFFunction
+from keras_ipu_plugin.runtime.tf_random_draw import TFRandomDraw
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path
 from test_tracing_idioms import expands_exactly_at_any_batch_size
@@ -358,15 +361,18 @@ def _encoder(x):
     return model
 
 
-def test_an_unseeded_tensorflow_draw_converts_verified_and_its_layer_says_how_to_expand():
+def test_an_unseeded_tensorflow_draw_is_a_graph_node_that_draws_as_the_original():
+    """`tf.random.normal(shape=(batch, dim))` is a `TFRandomDraw` node: the
+    layer expands, and the graph draws afresh at every call, from the
+    distribution the original draws from."""
     x = _rand(8, 3)
     model = _encoder(x)
     converted = kip.convert_to_functional(model, x)  # refused before: "two runs differ"
-    assert "replays" in converted.kip_report.__str__() or converted.kip_report.opaque == {}
     passed = kip.apply_passes(converted, [Expand("all")])
-    reason = passed.kip_report.opaque["sampling"]
-    assert "TensorFlow function" in reason and "tf.random.normal" in reason
-    assert "keras.random.normal(shape, seed=self.seed_generator)" in reason
+    assert passed.kip_report.opaque == {}
+    draws = [node for node in passed.kip_graph.nodes if isinstance(node.operation, TFRandomDraw)]
+    assert [node.name for node in draws] == ["sampling.tf_normal"]
+    assert draws[0].operation.function == "random.normal"
     # The draws are the original's: the same statistics over a large batch
     # (z = mean + exp(log_var / 2) * eps, eps ~ N(0, 1)).
     large = _rand(4096, 3, seed=1)
@@ -374,6 +380,48 @@ def test_an_unseeded_tensorflow_draw_converts_verified_and_its_layer_says_how_to
     np.testing.assert_allclose(actual.mean(axis=0), expected.mean(axis=0), atol=0.15)
     np.testing.assert_allclose(actual.std(axis=0), expected.std(axis=0), rtol=0.1)
     assert not np.allclose(actual, expected), "two runs draw other numbers"
+    assert not np.allclose(passed(large), actual), "each call draws anew"
+
+
+class SeededNoise(layers.Layer):
+    """Noise with an op-level seed, its shape a symbolic tensor."""
+
+    def call(self, x):
+        return x + tf.random.uniform(tf.shape(x), minval=-1.0, maxval=1.0, seed=7)
+
+
+def test_a_tensorflow_draw_with_an_op_seed_draws_the_originals_numbers_in_a_tf_function():
+    """In a `tf.function` (as `fit` runs it) a draw with an op-level seed
+    gives the same numbers in the original and in the graph: the node makes
+    the original's call, seed included."""
+    x = _rand(6, 4)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, SeededNoise(name="noise")(layers.Dense(4, name="d")(inputs)))
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert passed.kip_report.opaque == {}
+    (draw,) = [n for n in passed.kip_graph.nodes if isinstance(n.operation, TFRandomDraw)]
+    assert draw.operation.function == "random.uniform"
+    tf.random.set_seed(11)
+    expected = tf.function(lambda t: model(t))(x)
+    tf.random.set_seed(11)
+    np.testing.assert_allclose(tf.function(lambda t: passed(t))(x), expected, rtol=1e-6)
+
+
+def test_a_tensorflow_draw_node_is_never_recomputed_and_saves_by_its_table_name(tmp_path):
+    from keras_ipu_plugin.runtime.executor import _has_forward_state
+
+    draw = TFRandomDraw("random.normal", name="tf_normal")
+    assert _has_forward_state(draw), "a recomputation would draw other numbers"
+    assert TFRandomDraw.from_config(draw.get_config()).function == "random.normal"
+    for refused in ("math.square", "io.write_file", "random.set_seed", "random.stateless_normal"):
+        with pytest.raises(LoadError, match="refusing"):
+            TFRandomDraw.from_config({"function": refused, "name": "evil"})
+    x = _rand(8, 3)
+    passed = kip.apply_passes(kip.convert_to_functional(_encoder(x), x), [Expand("all")])
+    passed.save(tmp_path / "drawing.keras")
+    loaded = keras.models.load_model(tmp_path / "drawing.keras")
+    assert any(isinstance(layer, TFRandomDraw) for layer in loaded.operations)
+    assert loaded(x).shape == (8, 3)
 
 
 def test_a_model_drawing_unseeded_with_tensorflow_trains_through_plugin_model():

@@ -13,9 +13,12 @@ Covered: TensorFlow's elementwise functions (unary and binary: `tf.math.*`,
 `tf.nn.relu`, ...) and the common non-elementwise ones (`tf.einsum`,
 `tf.range(tf.shape(x)[-1])`, `tf.stop_gradient`, ...): exactly the table
 `runtime/tf_function_table.py`, which is also all a saved model may name.
-Random functions are never recorded (the graph would not keep their seeds),
-nor is anything outside the table: those still raise, and the layer stays
-whole with that reason, as before.
+TensorFlow's random draws given a symbolic shape or tensor
+(`tf.random.normal(shape=(tf.shape(x)[0], dim))`) are recorded as
+`TFRandomDraw`s (`runtime/tf_random_draw.py`), which draw as the original
+does each time the graph runs (the table's `RANDOM_DRAWS`). Nothing outside
+the table is recorded: such a call still raises, and the layer stays whole
+with that reason, as before.
 
 The dispatch targets are registered once, on the first trace, and decline
 (`NotImplemented`, TensorFlow's own behaviour follows) on every call made
@@ -40,8 +43,11 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.tf_function import TFFunction
 from keras_ipu_plugin.runtime.tf_function import public_name_of
 from keras_ipu_plugin.runtime.tf_function_table import ELEMENTWISE
+from keras_ipu_plugin.runtime.tf_function_table import RANDOM_DRAWS
 from keras_ipu_plugin.runtime.tf_function_table import TENSOR_PARAMETERS
+from keras_ipu_plugin.runtime.tf_function_table import draw_function_at
 from keras_ipu_plugin.runtime.tf_function_table import function_at
+from keras_ipu_plugin.runtime.tf_random_draw import TFRandomDraw
 
 _LIST_PARAMETER = "*"
 
@@ -84,7 +90,22 @@ def _register_once():
                  if name.startswith(_LIST_PARAMETER) else symbolic}
                 for name in parameters if name.lstrip(_LIST_PARAMETER) in names
             ])
+        for path in RANDOM_DRAWS:
+            _register_draw(path)
         _registered.append(True)
+
+
+def _register_draw(path):
+    """Record `tf.<path>` (a random draw) called on symbolic tensors as a
+    `TFRandomDraw`. Its shape is often a list mixing symbolic sizes and
+    numbers (`(tf.shape(x)[0], dim)`), which the type-based dispatch cannot
+    describe; the draw fails converting it before drawing anything, and
+    TensorFlow's fallback dispatch is then consulted."""
+    function = draw_function_at(path, "tracing")
+    signature = inspect.signature(function)
+    target = _target(path, signature, operation=TFRandomDraw)
+    _compat.add_fallback_dispatch(function, lambda args, kwargs: (
+        target(*args, **kwargs) if _holds_symbolic((args, kwargs)) else NotImplemented))
 
 
 def _register(function, signatures_for, path=None):
@@ -115,9 +136,10 @@ def _holds_symbolic(structure):
     return any(isinstance(leaf, keras.KerasTensor) for leaf in keras.tree.flatten(structure))
 
 
-def _target(path, signature):
-    """The dispatch target of one TensorFlow function: a `TFFunction` call
-    while tracing on this thread; TensorFlow's own behaviour otherwise."""
+def _target(path, signature, operation=TFFunction):
+    """The dispatch target of one TensorFlow function: a call of
+    `operation` (a `TFFunction`, or a `TFRandomDraw` for a draw) while
+    tracing on this thread; TensorFlow's own behaviour otherwise."""
 
     def target(*args, **kwargs):
         if not _recording():
@@ -129,8 +151,8 @@ def _target(path, signature):
                 bound.arguments.get(parameter.name, {}).pop("name", None)
         short = "tf_" + path.rsplit(".", 1)[-1]
         uid = keras.backend.get_uid(short)
-        operation = TFFunction(path, name=short if uid == 1 else f"{short}_{uid - 1}")
-        return operation(*bound.args, **bound.kwargs)
+        made = operation(path, name=short if uid == 1 else f"{short}_{uid - 1}")
+        return made(*bound.args, **bound.kwargs)
 
     target.__signature__ = signature
     return target

@@ -1356,10 +1356,13 @@ def _describe_failure(error, default=None):
     if _compat.raised_in_tf_random_function(error):
         return (
             f"`call` draws random numbers with a TensorFlow function{_at(error, where)}: "
-            "a graph does not record TensorFlow's draws (their state is the kernel's), so the "
-            "layer runs whole (it still trains; verification replays its draws); draw them "
-            "with `keras.random.normal(shape, seed=self.seed_generator)` and a "
-            "`keras.random.SeedGenerator` the layer holds for the layer to expand"
+            "a graph records a TensorFlow draw only when its shape is given as tensors "
+            "(`tf.shape(x)`, `(tf.shape(x)[0], dim)`), not with the unknown batch size "
+            "written as None (`x.shape`, `ops.shape(x)`), so the layer runs whole (it "
+            "still trains; verification replays its draws); give the shape as "
+            "`tf.shape(x)`, or draw with `keras.random.normal(shape, "
+            "seed=self.seed_generator)` and a `keras.random.SeedGenerator` the layer "
+            "holds, for the layer to expand"
         )
     if _TF_ON_SYMBOL in str(error):
         # Keras's message lists what a KerasTensor is; say which line of the

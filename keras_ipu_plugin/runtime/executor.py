@@ -41,6 +41,7 @@ from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.runtime.layer_kinds import seed_states
 from keras_ipu_plugin.runtime.layer_kinds import training_agnostic
 from keras_ipu_plugin.runtime.layer_kinds import writes_variables
+from keras_ipu_plugin.runtime.tf_random_draw import draws_statefully
 from keras_ipu_plugin.runtime.variable_write import is_write_node
 
 
@@ -118,9 +119,10 @@ def _has_forward_state(operation):
     """Whether the layer updates state in its forward pass that a
     recomputation could not replay: anything but its random seeds (a
     non-trainable variable, or any variable its `call` was seen writing:
-    PixelCNN's masked kernel)."""
+    PixelCNN's masked kernel). A TensorFlow random draw's state is its
+    kernel's: a recomputation would draw other numbers."""
     if not isinstance(operation, keras.layers.Layer):
-        return False
+        return draws_statefully(operation)
     if writes_variables(operation):
         return True
     seeds = {id(state) for state in seed_states(operation)}
