@@ -409,6 +409,14 @@ def sub_layers(layer, recursive=True):
     return layer._flatten_layers(include_self=False, recursive=recursive)
 
 
+def clear_own_losses(layer):
+    """Forget the losses `layer` itself added (`add_loss`), as Keras does at
+    the outermost call of a model (`runtime/added_loss.py`: a graph's loss
+    node replaces what its previous run added). No public API clears them."""
+    layer._losses.clear()
+    layer._loss_ids.clear()
+
+
 def own_variables(layer):
     """The variables `layer` made itself (`add_weight`), not its
     sub-layers': what `layer.weights` adds to theirs, without walking them

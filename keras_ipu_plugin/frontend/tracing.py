@@ -62,6 +62,7 @@ from keras_ipu_plugin.frontend import training_branches
 from keras_ipu_plugin.frontend import write_nodes
 from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.runtime.layer_kinds import accepts_training
+from keras_ipu_plugin.frontend.losses import traced_add_loss
 from keras_ipu_plugin.runtime.layer_kinds import note_writes_variables
 from keras_ipu_plugin.runtime.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.runtime.batch_sized import NotBatchGeneral
@@ -602,14 +603,17 @@ class _Trace:
 def _inline_view_class(cls, function):
     """A subclass of `cls` whose symbolic calls run `call` inline (see the
     module docstring); classes that say their own output shape keep it."""
+    # `add_loss` of a symbolic loss is a graph node (`frontend/losses.py`).
     if _states_own_output_shape(cls):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                            "compute_output_spec": _own_output_spec,
-                                           "__call__": _lifting_call})
+                                           "__call__": _lifting_call,
+                                           "add_loss": traced_add_loss})
     return type(cls.__name__, (cls,), {
         "__module__": cls.__module__,
         "compute_output_spec": _inline_output_spec,
         "__call__": _lifting_call,
+        "add_loss": traced_add_loss,
     })
 
 
