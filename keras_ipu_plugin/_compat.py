@@ -417,6 +417,12 @@ def clear_own_losses(layer):
     layer._loss_ids.clear()
 
 
+def own_losses(layer):
+    """The losses `layer` itself added (`add_loss`), not its sub-layers'
+    (`training/step_losses.py`). No public API tells them apart."""
+    return layer._get_own_losses()
+
+
 def own_variables(layer):
     """The variables `layer` made itself (`add_weight`), not its
     sub-layers': what `layer.weights` adds to theirs, without walking them

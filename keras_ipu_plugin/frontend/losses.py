@@ -51,7 +51,8 @@ def traced_add_loss(view, loss):
                 return super(type(view), view).add_loss(loss)
             leaf = trace.lift((leaf,), {}, trace.layer, role="added_loss")[0][0]
         name = trace.unique_name("add_loss")
-        output = trace.record_layer(AddedLoss(name=name), name, leaf)
+        added = AddedLoss(adds_for=_user_layer(trace.layer), name=name)
+        output = trace.record_layer(added, name, leaf)
         recorder.writes.append(output)  # the call's first output comes after it
     return None
 

@@ -28,6 +28,8 @@ Example:
     >>> graph_model(x); graph_model.losses      # [the loss of this call]
 """
 
+import weakref
+
 import keras
 
 from keras_ipu_plugin import _compat
@@ -42,10 +44,14 @@ class AddedLoss(keras.layers.Layer):
         >>> AddedLoss(name="router.add_loss")(aux_loss)
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, adds_for=None, **kwargs):
         # The loss is added as `call` computed it: never cast by a policy.
         kwargs["autocast"] = False
         super().__init__(**kwargs)
+        # The user's layer whose `add_loss` this is (not saved, not tracked):
+        # what that layer added at an earlier call of the user's model is
+        # this node's to stand for (`training/step_losses.py`).
+        self.adds_for = None if adds_for is None else weakref.ref(adds_for)
         self.built = True
 
     def call(self, loss):
@@ -64,6 +70,12 @@ class AddedLoss(keras.layers.Layer):
         return config
 
 
+def loss_nodes(model):
+    """The `AddedLoss` layers of `model` (its graph, the `ModeSwitch` bodies
+    and nested graph models it holds)."""
+    return [layer for layer in _compat.all_layers(model) if isinstance(layer, AddedLoss)]
+
+
 def added_losses(model):
     """The losses the `AddedLoss` nodes of `model` (a graph's model, and the
     `ModeSwitch` bodies and nested graph models it holds) added at their
@@ -73,8 +85,7 @@ def added_losses(model):
         >>> converted(x)
         >>> added_losses(converted)     # [the quantizer's loss]
     """
-    return [loss for layer in _compat.all_layers(model) if isinstance(layer, AddedLoss)
-            for loss in layer.losses]
+    return [loss for layer in loss_nodes(model) for loss in layer.losses]
 
 
-__all__ = ["AddedLoss", "added_losses"]
+__all__ = ["AddedLoss", "added_losses", "loss_nodes"]
