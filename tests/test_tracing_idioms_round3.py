@@ -198,10 +198,16 @@ def test_ddpm_time_embedding_expands_although_keras_marks_its_product_sparse(tmp
     np.testing.assert_allclose(keras.models.load_model(path)(t), model(t), atol=1e-5)
 
 
-class AddsALoss(layers.Layer):
+class AddsALossInABranch(layers.Layer):
+    """`add_loss` inside `ops.cond` (an `add_loss` in `call` itself is a
+    graph node: tests/test_added_losses.py)."""
+
     def call(self, x):
-        self.add_loss(tf.reduce_mean(tf.stop_gradient(x) ** 2))
-        return x * 2.0
+        def adding():
+            self.add_loss(tf.reduce_mean(tf.stop_gradient(x) ** 2))
+            return x * 2.0
+
+        return ops.cond(ops.mean(x) > -100.0, adding, lambda: x * 2.0)
 
 
 class ShapeAsList(layers.Layer):
@@ -213,7 +219,7 @@ class ShapeAsList(layers.Layer):
 
 
 @pytest.mark.parametrize("block, expected", [
-    (AddsALoss, "adds a loss computed from its inputs"),
+    (AddsALossInABranch, "adds a loss (`self.add_loss(...)`) inside a branch"),
     (ShapeAsList, "fails when run on symbolic tensors"),
 ])
 def test_a_layer_kept_whole_says_what_happened_and_what_to_write(block, expected):

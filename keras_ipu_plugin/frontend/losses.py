@@ -38,17 +38,29 @@ def traced_add_loss(view, loss):
     """`add_loss` of a view of a user layer (see the module docstring)."""
     leaves = keras.tree.flatten(loss)
     recorder = write_nodes.current()
-    if recorder is None or not any(isinstance(leaf, keras.KerasTensor) for leaf in leaves):
+    symbolic = any(isinstance(leaf, keras.KerasTensor) for leaf in leaves)
+    if recorder is None:
         return super(type(view), view).add_loss(loss)
     trace = recorder.trace
     if view is not recorder.view and _user_layer(view) is not _user_layer(trace.layer):
-        return None  # a sub-layer's spec: its own node or trace adds the loss
+        if symbolic:
+            return None  # a sub-layer's spec: its own node or trace adds the loss
+        return super(type(view), view).add_loss(loss)
+    if not recorder.in_own_context():
+        raise write_nodes.WriteError(
+            "`call` adds a loss (`self.add_loss(...)`) inside a branch or a loop "
+            "(`ops.cond`, `ops.while_loop`, `ops.scan`...), which one graph node cannot "
+            "hold: write the loss outside it, added once, choosing with "
+            "`ops.where(condition, loss, 0.0)`, for the layer to expand")
+    if not all(isinstance(leaf, keras.KerasTensor) or keras.ops.is_tensor(leaf)
+               for leaf in leaves):
+        # a number: Keras refuses it, in the original's call as here
+        return super(type(view), view).add_loss(loss)
     for leaf in leaves:
         if not isinstance(leaf, keras.KerasTensor):
-            # the original's Keras refuses a number here; a concrete tensor
-            # (from no input) is held by the graph, as others are
-            if not keras.ops.is_tensor(leaf):
-                return super(type(view), view).add_loss(loss)
+            # computed eagerly while traced, from no input: held by the graph
+            # as other concrete tensors are (and checked not to be a weight
+            # the graph would freeze)
             leaf = trace.lift((leaf,), {}, trace.layer, role="added_loss")[0][0]
         name = trace.unique_name("add_loss")
         added = AddedLoss(adds_for=_user_layer(trace.layer), name=name)

@@ -382,7 +382,8 @@ def _trace_once(trace, training, pinned, opaque_layers):
             except TraceError:
                 raise
             except write_nodes.WriteError as error:  # a write no graph can hold
-                raise TraceError(error.reason) from error
+                # (without the banner Keras puts on it when raised in `ops.cond`)
+                raise TraceError(essential_message(error, limit=2000)) from error
             except Exception as error:  # user code failing on symbols
                 raise TraceError(_describe_failure(error)) from error
             outputs = _lifted_outputs(trace, outputs, layer)

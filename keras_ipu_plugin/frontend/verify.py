@@ -212,6 +212,8 @@ def check_equivalent(
         verification.outputs += 1
         verification.max_output_difference = max(
             verification.max_output_difference, difference)
+    # before the gradients, which the losses are part of: the clearer cause
+    _compare_losses(reference.losses, result.losses, rtol, atol, what)
     for variable, expected, actual in zip(variables, reference.gradients, result.gradients):
         if expected is None and actual is None:
             continue
@@ -240,6 +242,21 @@ def check_equivalent(
                 gradients=gradients, variables=variables, rows=rows,
                 before_each_run=before_each_run))
     return verification
+
+
+def _compare_losses(expected, actual, rtol, atol, what):
+    """The losses each model's call left in `model.losses` (a loss `call`
+    adds with `add_loss`, regularizers), summed, must agree: `compute_loss`
+    adds them to the training loss."""
+    if expected is None and actual is None:
+        return
+    if expected is None or actual is None:
+        which, other = ("original", what) if actual is None else (what, "original")
+        raise ConversionError(
+            f"The {which} model adds losses in its call (`model.losses`, e.g. "
+            f"`self.add_loss(...)`) and the {other} model adds none.")
+    _compare("the sum of the losses the call adds (`model.losses`)", expected, actual,
+             rtol, atol, what)
 
 
 def _check_mode(original, converted, x, training, **options):
@@ -619,6 +636,7 @@ class _Run:
     outputs: object  # NumPy arrays, nested like the model's outputs
     gradients: list  # NumPy arrays or None, one per variable
     watched: list  # TensorFlow variables the forward pass read
+    losses: object = None  # the sum of `model.losses` after the call, or None
 
 
 class RunMode:
@@ -679,9 +697,10 @@ def _run(model, x, variables, *, role, tape=True, mode=None, training=False):
             # Fails in graph mode too: the eager error is the one to see.
             raise _call_error(model, role, error) from error
         mode.graph, mode.eager_error = True, error
+    outputs, losses = outputs  # the call's outputs, and the losses it added
     return _Run(
         keras.tree.map_structure(_numpy, outputs), [_gradient_numpy(g) for g in gradients],
-        watched,
+        watched, None if losses is None else _numpy(losses),
     )
 
 
@@ -707,14 +726,26 @@ def _computed(model, x, variables, tape, watched, graph, training=False):
 
 
 def _outputs_and_gradients(model, x, variables, tape, watched, training=False):
+    """`((outputs, losses), gradients)`: `losses` the sum of what the call
+    left in `model.losses` (a loss `call` adds, regularizers), or None;
+    the gradients are of the outputs' projection plus that sum, so that a
+    loss the graph adds is checked with its gradient, as training uses it."""
     if not tape:
-        return model(x, training=training), []
+        outputs = model(x, training=training)
+        return (outputs, _loss_sum(model)), []
     with tf.GradientTape() as gradient_tape:
         outputs = model(x, training=training)
-        scalar = _projection(outputs)
+        losses = _loss_sum(model)
+        scalar = _projection(outputs) if losses is None else _projection(outputs) + losses
     watched.extend(gradient_tape.watched_variables())
     gradients = gradient_tape.gradient(scalar, [_tf_variable(v) for v in variables])
-    return outputs, gradients
+    return (outputs, losses), gradients
+
+
+def _loss_sum(model):
+    """The sum of `model.losses` (float32), None when it has none."""
+    losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in model.losses]
+    return tf.add_n(losses) if losses else None
 
 
 def _call_error(model, role, error):
