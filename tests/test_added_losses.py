@@ -262,3 +262,66 @@ def test_a_loss_added_in_training_only_is_held_by_the_training_mode():
     assert len(converted.losses) == 1
     converted(x, training=False)  # the inference mode adds none, as the original
     assert converted.losses == []
+
+
+# -- the Switch Transformer written as its reason says -----------------------------
+def _switch_written_with_minus_one():
+    """keras.io's Switch Transformer `Switch` (tests/zoo/switch_transformer.py)
+    with its token reshape written as `-1`, as the reason it stays whole
+    says to write: its router adds a loss, draws noise in training with
+    `tf.random.uniform(router_logits.shape)` (the batch size None while
+    traced) and dispatches with `tf.einsum`; all of it expands."""
+    from zoo import switch_transformer as zoo
+
+    class Switch(zoo.Switch):
+        def call(self, inputs):
+            batch_size = tf.shape(inputs)[0]
+            num_tokens_per_example = tf.shape(inputs)[1]
+            inputs = tf.reshape(inputs, [-1, self.embed_dim])
+            dispatch_tensor, combine_tensor = self.router(inputs)
+            expert_inputs = tf.einsum("ab,acd->cdb", inputs, dispatch_tensor)
+            expert_inputs = tf.reshape(
+                expert_inputs, [self.num_experts, self.expert_capacity, self.embed_dim])
+            expert_outputs = tf.stack(
+                [expert(part) for expert, part in
+                 zip(self.experts, tf.unstack(expert_inputs, axis=0))], axis=1)
+            combined = tf.einsum("abc,xba->xc", expert_outputs, combine_tensor)
+            return tf.reshape(combined, [batch_size, num_tokens_per_example, self.embed_dim])
+
+    keras.utils.set_random_seed(7)
+    switch = Switch(zoo.EXPERTS, zoo.EMBED, zoo.NUM_TOKENS_PER_BATCH, name="switch")
+    inputs = keras.Input((zoo.TOKENS, zoo.EMBED))
+    outputs = layers.Dense(2)(layers.GlobalAveragePooling1D()(switch(inputs)))
+    return keras.Model(inputs, outputs, name="switch_model")
+
+
+def test_the_switch_transformer_written_with_minus_one_expands_and_trains_as_plain_keras():
+    x = _rand(4, 4, 8)
+    y = np.random.RandomState(3).randint(0, 2, size=(4,)).astype("int32")
+    model = _switch_written_with_minus_one()
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+    kinds = {type(node.operation).__name__ for node in _all_nodes(passed.kip_graph)}
+    assert {"AddedLoss", "TFRandomDraw"} <= kinds
+
+    def fit(wrap):
+        trained = _switch_written_with_minus_one()
+        trainee = kip.PluginModel(trained, passes=[Expand("all")]) if wrap else trained
+        trainee.compile(optimizer=keras.optimizers.SGD(0.1),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        keras.utils.set_random_seed(11)
+        history = trainee.fit(x, y, batch_size=4, epochs=3, verbose=0, shuffle=False)
+        return history.history["loss"], [np.array(v) for v in trained.trainable_variables]
+
+    (plain_losses, plain_weights), (losses, weights) = fit(False), fit(True)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    for expected, actual in zip(plain_weights, weights):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def _all_nodes(graph):
+    nodes = list(graph.nodes)
+    for node in graph.nodes:
+        for branch in getattr(node.operation, "branch_graphs", {}).values():
+            nodes.extend(_all_nodes(branch))
+    return nodes

@@ -57,14 +57,19 @@ _registered = []
 
 
 @contextlib.contextmanager
-def recorded():
+def recorded(batch_anchor=None):
     """Record the TensorFlow functions called on symbolic tensors on this
-    thread as graph operations while the context lasts."""
+    thread as graph operations while the context lasts. `batch_anchor()`:
+    the graph tensor whose batch size a None in a random draw's shape is
+    (`tf.random.normal(ops.shape(x))` while the batch is unknown), or None."""
     _register_once()
     _state.depth = getattr(_state, "depth", 0) + 1
+    anchors = _state.__dict__.setdefault("batch_anchors", [])
+    anchors.append(batch_anchor)
     try:
         yield
     finally:
+        anchors.pop()
         _state.depth -= 1
 
 
@@ -104,8 +109,38 @@ def _register_draw(path):
     function = draw_function_at(path, "tracing")
     signature = inspect.signature(function)
     target = _target(path, signature, operation=TFRandomDraw)
-    _compat.add_fallback_dispatch(function, lambda args, kwargs: (
-        target(*args, **kwargs) if _holds_symbolic((args, kwargs)) else NotImplemented))
+
+    def fallback(args, kwargs):
+        if _holds_symbolic((args, kwargs)):
+            return target(*args, **kwargs)
+        # `tf.random.normal(ops.shape(x))`: the batch size is None while
+        # traced; the draw takes it from a graph tensor when the graph runs.
+        anchor = _batch_anchor() if _recording() else None
+        shape = _bound(signature, args, kwargs).get("shape")
+        if anchor is None or not _has_unknown_size(shape):
+            return NotImplemented
+        return target(*args, **kwargs, batch_of=anchor)
+
+    _compat.add_fallback_dispatch(function, fallback)
+
+
+def _batch_anchor():
+    anchors = getattr(_state, "batch_anchors", None)
+    provider = anchors[-1] if anchors else None
+    return None if provider is None else provider()
+
+
+def _bound(signature, args, kwargs):
+    try:
+        return signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return {}
+
+
+def _has_unknown_size(shape):
+    """Whether `shape` is a list of sizes (ints) and None, with a None."""
+    return isinstance(shape, (list, tuple)) and any(dim is None for dim in shape) and all(
+        dim is None or (isinstance(dim, int) and not isinstance(dim, bool)) for dim in shape)
 
 
 def _register(function, signatures_for, path=None):
@@ -141,7 +176,7 @@ def _target(path, signature, operation=TFFunction):
     `operation` (a `TFFunction`, or a `TFRandomDraw` for a draw) while
     tracing on this thread; TensorFlow's own behaviour otherwise."""
 
-    def target(*args, **kwargs):
+    def target(*args, batch_of=None, **kwargs):
         if not _recording():
             return NotImplemented
         bound = signature.bind(*args, **kwargs)
@@ -152,6 +187,8 @@ def _target(path, signature, operation=TFFunction):
         short = "tf_" + path.rsplit(".", 1)[-1]
         uid = keras.backend.get_uid(short)
         made = operation(path, name=short if uid == 1 else f"{short}_{uid - 1}")
+        if batch_of is not None:  # a draw whose shape holds the batch size as None
+            return made(*bound.args, **bound.kwargs, batch_of=batch_of)
         return made(*bound.args, **bound.kwargs)
 
     target.__signature__ = signature

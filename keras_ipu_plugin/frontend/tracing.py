@@ -84,6 +84,7 @@ from keras_ipu_plugin.frontend.attribute_paths import path_of
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.frontend.replay import output_specs_key
 from keras_ipu_plugin.runtime.reads import HeldConstant
+from keras_ipu_plugin.runtime.tf_random_draw import TFRandomDraw
 from keras_ipu_plugin.runtime.reads import ReadLayers
 from keras_ipu_plugin.runtime.reads import is_read
 from keras_ipu_plugin.runtime.variable_write import is_write_node
@@ -459,7 +460,8 @@ class _Trace:
             # followed (`_compat.traced_idioms`), and TensorFlow functions
             # on symbolic tensors are recorded (`tf_functions.recorded`).
             with _compat.node_lists_snapshot(self.reads.layers(), always=True), \
-                    _compat.traced_idioms(self.record_draw), tf_functions.recorded(), \
+                    _compat.traced_idioms(self.record_draw), \
+                    tf_functions.recorded(batch_anchor=self.batch_anchor), \
                     self.writes.recording():
                 yield
         finally:
@@ -556,6 +558,14 @@ class _Trace:
         if layer is owner or layer is self.layer:
             return None
         return path_of(layer, attribute_paths(owner))
+
+    def batch_anchor(self):
+        """The graph tensor whose batch size a None in a shape made inside
+        `call` is (`ops.shape(x)` while the batch is unknown), or None where
+        a None may be another unknown size."""
+        if self.anchor is None or not _only_the_batch_is_unknown(self):
+            return None
+        return self.anchor
 
     def record_draw(self, distribution, arguments):
         """The graph tensor of a `keras.random` draw `call` makes: the output
@@ -1208,6 +1218,8 @@ def _reject_unknown_dimensions(operation, structure, prefix):
     when the graph runs: `batch_sized.py`.)"""
     if type(operation).__name__ == "GetItem":  # `x[:, None]`: a new axis
         return
+    if isinstance(operation, TFRandomDraw) and keras.tree.flatten(structure[1].get("batch_of")):
+        return  # its None is the batch size of `batch_of` (`tf_random_draw.py`)
     for value in _sequences_in(structure):
         if any(item is None for item in value):
             raise TraceError(

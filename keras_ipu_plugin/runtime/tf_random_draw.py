@@ -25,7 +25,10 @@ Example:
     (None, 2)
 """
 
+import inspect
+
 import keras
+import tensorflow as tf
 
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
@@ -52,8 +55,28 @@ class TFRandomDraw(keras.Operation):
         self.function = function
         self._tf_callable = callable_
 
-    def call(self, *args, **kwargs):
+    def call(self, *args, batch_of=None, **kwargs):
+        # `batch_of`: a graph tensor whose batch size each None of the
+        # draw's `shape` is (`tf.random.normal(ops.shape(x))`, traced while
+        # the batch size was unknown).
+        if batch_of is not None:
+            bound = self._signature().bind(*args, **kwargs).arguments
+            batch = tf.shape(batch_of)[0]
+            bound["shape"] = [batch if dim is None else dim for dim in bound["shape"]]
+            return self._tf_callable(**bound)
         return self._tf_callable(*args, **kwargs)
+
+    def compute_output_spec(self, *args, batch_of=None, **kwargs):
+        if batch_of is None:
+            return super().compute_output_spec(*args, **kwargs)
+        bound = self._signature().bind(*args, **kwargs).arguments
+        dtype = bound.get("dtype") or "float32"
+        return keras.KerasTensor(
+            tuple(batch_of.shape[0] if dim is None else dim for dim in bound["shape"]),
+            dtype=keras.backend.standardize_dtype(dtype))
+
+    def _signature(self):
+        return inspect.signature(self._tf_callable)
 
     def get_config(self):
         return {"function": self.function, "name": self.name}
