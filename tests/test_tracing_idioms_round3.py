@@ -320,6 +320,32 @@ def test_a_fixed_batch_reshape_names_the_dimension_to_write():
     assert "`ops.reshape(x, (-1, 6))`" in reason and "ops.shape(x)[0]" in reason
 
 
+class RoutedTokens(layers.Layer):
+    """Mixtral's expert routing (keras_hub): the tokens flattened to
+    `(batch * tokens, dim)`, the batch size got back as
+    `ops.shape(flat)[0] // tokens`."""
+
+    def call(self, x):
+        flat = ops.reshape(x, (-1, ops.shape(x)[-1]))
+        batch = ops.shape(flat)[0] // ops.shape(x)[1]
+        return ops.reshape(flat * 2.0, (batch, -1, ops.shape(x)[-1]))
+
+
+class RoutedTokensInTensorFlow(layers.Layer):
+    def call(self, x):
+        flat = tf.reshape(x, [-1, tf.shape(x)[-1]])
+        batch = tf.shape(flat)[0] // tf.shape(x)[1]
+        return tf.reshape(flat * 2.0, [batch, -1, tf.shape(x)[-1]])
+
+
+@pytest.mark.parametrize("block", [RoutedTokens, RoutedTokensInTensorFlow])
+def test_a_multiple_of_the_batch_divided_back_is_followed_at_any_batch_size(block, tmp_path):
+    """Issue 22, item 4: `ops.shape(x)[0] // k` where x has `batch * k`
+    rows is the batch size at every batch size (`ops.shape(x)[0] // k` of
+    the batch itself is not: `Halved` above)."""
+    expands_exactly_at_any_batch_size(block(name="block"), tmp_path)
+
+
 @pytest.mark.parametrize("offsets, match", [
     ({"shape": "1"}, "offsets.shape"),
     ({"shape": [1.5, 0]}, "offsets.shape"),
@@ -411,6 +437,29 @@ def test_a_tensorflow_draw_with_an_op_seed_draws_the_originals_numbers_in_a_tf_f
     expected = tf.function(lambda t: model(t))(x)
     tf.random.set_seed(11)
     np.testing.assert_allclose(tf.function(lambda t: passed(t))(x), expected, rtol=1e-6)
+
+
+class NoiseOfTheInputsShape(layers.Layer):
+    """`tf.random.uniform(x.shape)`: the batch size None while traced."""
+
+    def call(self, x):
+        return x + tf.random.uniform(x.shape, minval=0.0, maxval=1e-3)
+
+
+def test_a_tensorflow_draw_of_a_shape_with_the_batch_as_none_takes_the_graph_s_batch(tmp_path):
+    x = _rand(6, 6)
+    model, converted = _converted(NoiseOfTheInputsShape(name="block"), x)
+    passed = kip.apply_passes(converted, [Expand("all")])
+    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+    (draw,) = [n for n in passed.kip_graph.nodes if isinstance(n.operation, TFRandomDraw)]
+    assert draw.kwargs.get("batch_of") is not None
+    path = str(tmp_path / "noise.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"Net": Net})
+    for batch in (1, 5):
+        other = _rand(batch, 6, seed=batch)
+        for graph in (passed, loaded):  # the noise is below 1e-3 in every row
+            np.testing.assert_allclose(graph(other), model(other), atol=1e-2)
 
 
 def test_a_tensorflow_draw_node_is_never_recomputed_and_saves_by_its_table_name(tmp_path):
