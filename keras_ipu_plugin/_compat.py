@@ -412,7 +412,13 @@ def sub_layers(layer, recursive=True):
 def clear_own_losses(layer):
     """Forget the losses `layer` itself added (`add_loss`), as Keras does at
     the outermost call of a model (`runtime/added_loss.py`: a graph's loss
-    node replaces what its previous run added). No public API clears them."""
+    node replaces what its previous run added); nothing in a stateless
+    scope, whose losses are the scope's (a recomputed segment: the executor
+    adds them to the layer afterwards). No public API clears them."""
+    from keras.src import backend
+
+    if backend.in_stateless_scope():
+        return
     layer._losses.clear()
     layer._loss_ids.clear()
 

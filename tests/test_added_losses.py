@@ -82,6 +82,32 @@ def test_an_added_loss_is_a_graph_node_and_the_graph_holds_the_originals_loss():
     np.testing.assert_allclose(_loss_values(passed), expected, rtol=1e-6)
 
 
+def test_blocks_of_one_kind_each_add_their_own_loss():
+    """Blocks traced once and replayed over the others (`replay.py`) must
+    not share one loss node: each block's loss is its own."""
+
+    class Blocks(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.blocks = [Commitment(name=f"c{i}") for i in range(3)]
+            self.head = layers.Dense(1)
+
+        def call(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    x = _rand(8, 4)
+    model = Blocks()
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert [node.name for node in passed.kip_graph.nodes if isinstance(node.operation, AddedLoss)
+            ] == ["blocks.0.add_loss", "blocks.1.add_loss", "blocks.2.add_loss"]
+    model(x)
+    passed(x)
+    np.testing.assert_allclose(_loss_values(passed), _loss_values(model), rtol=1e-6)
+
+
 def test_a_loss_added_in_the_model_s_own_call_is_a_node_of_the_converted_graph():
     class AddsItsOwn(keras.Model):
         def __init__(self):
@@ -150,20 +176,25 @@ class Trainer(keras.Model):
             total = ops.mean((prediction - y) ** 2) + sum(self.inner.losses)
         variables = self.inner.trainable_variables
         self.optimizer.apply_gradients(zip(tape.gradient(total, variables), variables))
-        return {"loss": total}
+        # read again after the backward pass (VQ-VAE's trainer logs them so),
+        # which a recomputed segment's second run must leave as they were
+        return {"loss": total, "added": sum(self.inner.losses)}
 
 
-def test_a_train_step_reading_a_sub_model_s_losses_trains_as_plain_keras():
+@pytest.mark.parametrize("recompute", [False, True], ids=["expand", "expand_recompute"])
+def test_a_train_step_reading_a_sub_model_s_losses_trains_as_plain_keras(recompute):
     x, y = _rand(16, 4), _rand(16, 1, seed=2)
+    passes = [Expand("all")] + ([Recompute(layers.Dense)] if recompute else [])
 
     def fit(wrap):
         keras.utils.set_random_seed(3)
         model = Trainer(x, name="trainer")
         model(x)
-        trainee = kip.PluginModel(model, passes=[Expand("all")]) if wrap else model
+        trainee = kip.PluginModel(model, passes=passes) if wrap else model
         trainee.compile(optimizer=keras.optimizers.SGD(0.1))
         history = trainee.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-        return history.history["loss"], [np.array(v) for v in model.trainable_variables]
+        return ([history.history["loss"], history.history["added"]],
+                [np.array(v) for v in model.trainable_variables])
 
     (plain_losses, plain_weights), (losses, weights) = fit(False), fit(True)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)

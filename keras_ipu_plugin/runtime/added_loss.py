@@ -55,11 +55,17 @@ class AddedLoss(keras.layers.Layer):
         self.built = True
 
     def call(self, loss):
-        # One node is one `add_loss` call of the original's `call`: what an
-        # earlier run added is this run's to replace.
-        _compat.clear_own_losses(self)
         self.add_loss(loss)
         return loss
+
+    def add_loss(self, loss):
+        # One node is one `add_loss` call of the original's `call`: what an
+        # earlier run added is this run's to replace. (Also when the
+        # executor adds the loss of a recomputed segment's run; a
+        # recomputation in the backward pass, in a stateless scope, leaves
+        # the forward pass's loss in place.)
+        _compat.clear_own_losses(self)
+        super().add_loss(loss)
 
     def compute_output_spec(self, loss):
         return keras.KerasTensor(loss.shape, dtype=loss.dtype)
