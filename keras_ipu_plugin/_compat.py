@@ -414,6 +414,26 @@ def sub_layers(layer, recursive=True):
     return layer._flatten_layers(include_self=False, recursive=recursive)
 
 
+def clear_own_losses(layer):
+    """Forget the losses `layer` itself added (`add_loss`), as Keras does at
+    the outermost call of a model (`layers/added_loss.py`: a graph's loss
+    node replaces what its previous run added); nothing in a stateless
+    scope, whose losses are the scope's (a recomputed segment: the executor
+    adds them to the layer afterwards). No public API clears them."""
+    from keras.src import backend
+
+    if backend.in_stateless_scope():
+        return
+    layer._losses.clear()
+    layer._loss_ids.clear()
+
+
+def own_losses(layer):
+    """The losses `layer` itself added (`add_loss`), not its sub-layers'
+    (`training/step_losses.py`). No public API tells them apart."""
+    return layer._get_own_losses()
+
+
 def own_variables(layer):
     """The variables `layer` made itself (`add_weight`), not its
     sub-layers': what `layer.weights` adds to theirs, without walking them

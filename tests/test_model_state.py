@@ -279,16 +279,21 @@ def test_unseeded_keras_random_verifies_and_keeps_the_global_seed_generator_stat
     np.testing.assert_array_equal(global_state.numpy(), before)
 
 
-def test_unseeded_tensorflow_draws_are_replayed_and_the_drawing_layer_stays_whole():
+def test_unseeded_tensorflow_draws_are_replayed_and_the_drawing_layer_expands():
     """Since issue 22 verification hands the original's `tf.random` draws to
-    the converted run: the model converts; the drawing layer runs whole,
-    saying how to make it expand."""
+    the converted run, and the draw is a graph node (its shape
+    `ops.shape(z_mean)`, the batch size None while traced, taken from the
+    graph when it runs): the model converts, the drawing layer expands, and
+    the model's state is as before."""
     model, x = VAE("tensorflow"), _x(8)
     model(x)
     before = _values(model.weights)
     converted = kip.convert_to_functional(model, x, verify=True)
     expanded = kip.apply_passes(converted, [kip.passes.Expand("all")])
-    assert "keras.random.SeedGenerator" in expanded.kip_report.opaque["sampling"]
+    assert expanded.kip_report.opaque == {}
+    assert "sampling.tf_normal" in [node.name for node in expanded.kip_graph.nodes]
+    for batch in (3, 16):
+        assert expanded(_x(batch)).shape == model(_x(batch)).shape
     _assert_values(model.weights, before)
 
 

@@ -32,6 +32,7 @@ from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.attribute_paths import path_of
 from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.failures import describe_failure
+from keras_ipu_plugin.frontend.failures import essential_message
 from keras_ipu_plugin.frontend.keras_nodes import collect_nodes
 from keras_ipu_plugin.frontend.trace_views import builtin_view_class
 from keras_ipu_plugin.frontend.trace_views import inline_view_class
@@ -96,7 +97,8 @@ class CallTrace:
             # on symbolic tensors are recorded (`tf_functions.recorded`).
             with trace_views.in_progress(self), \
                     _compat.node_lists_snapshot(self.reads.layers(), always=True), \
-                    traced_idioms(self.record_draw), tf_functions.recorded(), \
+                    traced_idioms(self.record_draw), \
+                    tf_functions.recorded(batch_anchor=self.batch_anchor), \
                     self.writes.recording():
                 yield
         finally:
@@ -193,6 +195,14 @@ class CallTrace:
             return None
         return path_of(layer, attribute_paths(owner))
 
+    def batch_anchor(self):
+        """The graph tensor whose batch size a None in a shape made inside
+        `call` is (`ops.shape(x)` while the batch is unknown), or None where
+        a None may be another unknown size."""
+        if self.anchor is None or not _only_the_batch_is_unknown(self):
+            return None
+        return self.anchor
+
     def record_draw(self, distribution, arguments):
         """The graph tensor of a `keras.random` draw `call` makes: the output
         of a `RandomDraw` node (`random_draws.py`) that makes it when the
@@ -286,7 +296,8 @@ def trace_once(trace, training, pinned, opaque_layers):
             except TraceError:
                 raise
             except write_nodes.WriteError as error:  # a write no graph can hold
-                raise TraceError(error.reason) from error
+                # (without the banner Keras puts on it when raised in `ops.cond`)
+                raise TraceError(essential_message(error, limit=2000)) from error
             except Exception as error:  # user code failing on symbols
                 raise TraceError(describe_failure(error)) from error
             outputs = _lifted_outputs(trace, outputs, layer)

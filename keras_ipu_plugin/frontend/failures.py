@@ -96,10 +96,14 @@ def describe_failure(error, default=None):
     if _compat.raised_in_tf_random_function(error):
         return (
             f"`call` draws random numbers with a TensorFlow function{_at(error, where)}: "
-            "a graph does not record TensorFlow's draws (their state is the kernel's), so the "
-            "layer runs whole (it still trains; verification replays its draws); draw them "
-            "with `keras.random.normal(shape, seed=self.seed_generator)` and a "
-            "`keras.random.SeedGenerator` the layer holds for the layer to expand"
+            "a graph records the draws of `tf.random.normal`, `uniform`, `truncated_normal`, "
+            "`categorical`, `gamma`, `poisson` and `shuffle` only, their shape given as "
+            "tensors (`tf.shape(x)`, `(tf.shape(x)[0], dim)`) or with the unknown batch size "
+            "alone written as None (`ops.shape(x)`), so the layer runs whole (it "
+            "still trains; verification replays its draws); give the shape as "
+            "`tf.shape(x)`, or draw with `keras.random.normal(shape, "
+            "seed=self.seed_generator)` and a `keras.random.SeedGenerator` the layer "
+            "holds, for the layer to expand"
         )
     if _TF_ON_SYMBOL in str(error):
         # Keras's message lists what a KerasTensor is; say which line of the

@@ -34,6 +34,7 @@ from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.frontend.batch_generalization import fixed_batch_reason
 from keras_ipu_plugin.frontend.batch_generalization import unknown_dimension_attributes
 from keras_ipu_plugin.layers.reads import is_read
+from keras_ipu_plugin.layers.tf_random_draw import TFRandomDraw
 from keras_ipu_plugin.layers.variable_write import is_write_node
 from keras_ipu_plugin.layers.views import viewed_layer
 
@@ -240,6 +241,8 @@ def _reject_unknown_dimensions(operation, structure, prefix):
     when the graph runs: `batch_sized.py`.)"""
     if type(operation).__name__ == "GetItem":  # `x[:, None]`: a new axis
         return
+    if isinstance(operation, TFRandomDraw) and keras.tree.flatten(structure[1].get("batch_of")):
+        return  # its None is the batch size of `batch_of` (`tf_random_draw.py`)
     for value in _sequences_in(structure):
         if any(item is None for item in value):
             raise TraceError(

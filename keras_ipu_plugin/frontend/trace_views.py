@@ -34,6 +34,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import write_nodes
 from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.frontend.failures import describe_failure
+from keras_ipu_plugin.frontend.losses import traced_add_loss
 from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.output_specs import precise_specs
 from keras_ipu_plugin.frontend.output_specs import states_own_output_shape
@@ -65,14 +66,17 @@ def in_progress(trace):
 def inline_view_class(cls, function):
     """A subclass of `cls` whose symbolic calls run `call` inline (see the
     module docstring); classes that say their own output shape keep it."""
+    # `add_loss` of a symbolic loss is a graph node (`frontend/losses.py`).
     if states_own_output_shape(cls):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                            "compute_output_spec": _own_output_spec,
-                                           "__call__": _lifting_call})
+                                           "__call__": _lifting_call,
+                                           "add_loss": traced_add_loss})
     return type(cls.__name__, (cls,), {
         "__module__": cls.__module__,
         "compute_output_spec": _inline_output_spec,
         "__call__": _lifting_call,
+        "add_loss": traced_add_loss,
     })
 
 

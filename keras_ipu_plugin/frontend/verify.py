@@ -216,6 +216,8 @@ def check_equivalent(
         verification.outputs += 1
         verification.max_output_difference = max(
             verification.max_output_difference, difference)
+    # before the gradients, which the losses are part of: the clearer cause
+    _compare_losses(reference.losses, result.losses, rtol, atol, what)
     for variable, expected, actual in zip(variables, reference.gradients, result.gradients):
         if expected is None and actual is None:
             continue
@@ -244,6 +246,21 @@ def check_equivalent(
                 gradients=gradients, variables=variables, rows=rows,
                 before_each_run=before_each_run))
     return verification
+
+
+def _compare_losses(expected, actual, rtol, atol, what):
+    """The losses each model's call left in `model.losses` (a loss `call`
+    adds with `add_loss`, regularizers), summed, must agree: `compute_loss`
+    adds them to the training loss."""
+    if expected is None and actual is None:
+        return
+    if expected is None or actual is None:
+        which, other = ("original", what) if actual is None else (what, "original")
+        raise ConversionError(
+            f"The {which} model adds losses in its call (`model.losses`, e.g. "
+            f"`self.add_loss(...)`) and the {other} model adds none.")
+    compare_values("the sum of the losses the call adds (`model.losses`)", expected, actual,
+                   rtol, atol, what)
 
 
 def _check_mode(original, converted, x, training, **options):

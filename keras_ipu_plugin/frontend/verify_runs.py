@@ -31,6 +31,7 @@ class _Run:
     outputs: object  # NumPy arrays, nested like the model's outputs
     gradients: list  # NumPy arrays or None, one per variable
     watched: list  # TensorFlow variables the forward pass read
+    losses: object = None  # the sum of `model.losses` after the call, or None
 
 
 class RunMode:
@@ -91,9 +92,10 @@ def run_model(model, x, variables, *, role, tape=True, mode=None, training=False
             # Fails in graph mode too: the eager error is the one to see.
             raise _call_error(model, role, error) from error
         mode.graph, mode.eager_error = True, error
+    outputs, losses = outputs  # the call's outputs, and the losses it added
     return _Run(
         keras.tree.map_structure(as_numpy, outputs), [gradient_numpy(g) for g in gradients],
-        watched,
+        watched, None if losses is None else as_numpy(losses),
     )
 
 
@@ -119,14 +121,26 @@ def _computed(model, x, variables, tape, watched, graph, training=False):
 
 
 def _outputs_and_gradients(model, x, variables, tape, watched, training=False):
+    """`((outputs, losses), gradients)`: `losses` the sum of what the call
+    left in `model.losses` (a loss `call` adds, regularizers), or None;
+    the gradients are of the outputs' projection plus that sum, so that a
+    loss the graph adds is checked with its gradient, as training uses it."""
     if not tape:
-        return model(x, training=training), []
+        outputs = model(x, training=training)
+        return (outputs, _loss_sum(model)), []
     with tf.GradientTape() as gradient_tape:
         outputs = model(x, training=training)
-        scalar = _projection(outputs)
+        losses = _loss_sum(model)
+        scalar = _projection(outputs) if losses is None else _projection(outputs) + losses
     watched.extend(gradient_tape.watched_variables())
     gradients = gradient_tape.gradient(scalar, [_tf_variable(v) for v in variables])
-    return outputs, gradients
+    return (outputs, losses), gradients
+
+
+def _loss_sum(model):
+    """The sum of `model.losses` (float32), None when it has none."""
+    losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in model.losses]
+    return tf.add_n(losses) if losses else None
 
 
 def _call_error(model, role, error):

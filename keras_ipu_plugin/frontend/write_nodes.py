@@ -99,6 +99,11 @@ class WriteRecorder:
         finally:
             _local.recorder = previous
 
+    def in_own_context(self):
+        """Whether code runs where `call`'s own code does (not in a branch
+        of `ops.cond` or a loop body, which run in scratch graphs)."""
+        return _context() == self._context
+
     # -- reads ---------------------------------------------------------------
     def held(self, variable, tensor, attribute):
         """A read of `variable` (as `attribute`) that `call` may use from now."""
@@ -390,10 +395,17 @@ def _unique(tensors):
 
 
 def _first_dense(structure):
-    for leaf in keras.tree.flatten(structure):
-        if isinstance(leaf, keras.KerasTensor) and not (leaf.sparse or leaf.ragged):
+    leaves = [leaf for leaf in keras.tree.flatten(structure)
+              if isinstance(leaf, keras.KerasTensor) and not leaf.ragged]
+    for leaf in leaves:
+        if not leaf.sparse:
             return leaf
-    return None
+    # Keras calls the product of a symbolic tensor and a number sparse
+    # (`x * 2.0`: `ops.multiply` takes what is not a KerasTensor for
+    # sparse); the tensors a kip graph carries are dense (sparse inputs are
+    # refused, `inputs.py`), and the tracer makes such specs dense
+    # (`tracing._dense_unless_given_sparse`).
+    return leaves[0] if leaves else None
 
 
 def _is_tensor(value):

@@ -100,6 +100,22 @@ TENSOR_PARAMETERS = {
 
 RECORDED = ELEMENTWISE | frozenset(TENSOR_PARAMETERS)
 
+# TensorFlow's stateful random draws a graph may make (`TFRandomDraw`,
+# `layers/tf_random_draw.py`), with the parameters that make a call on a
+# symbolic tensor (`tf.random.normal(shape=(tf.shape(x)[0], dim))`). Kept
+# apart from `RECORDED`: a draw is not side-effect free (it advances its
+# kernel's state), so a `TFFunction` never calls one, and a graph node
+# drawing is never recomputed.
+RANDOM_DRAWS = {
+    "random.normal": ("shape", "mean", "stddev"),
+    "random.uniform": ("shape", "minval", "maxval"),
+    "random.truncated_normal": ("shape", "mean", "stddev"),
+    "random.categorical": ("logits", "num_samples"),
+    "random.gamma": ("shape", "alpha", "beta"),
+    "random.poisson": ("shape", "lam"),
+    "random.shuffle": ("value",),
+}
+
 # Path parts that are never a pure tensor computation: refused whatever the
 # table says, with the reason (a second line of defence, and a clearer error
 # than "not in the table" for what an attacker would try first).
@@ -156,6 +172,24 @@ def function_at(path, entry):
     return function
 
 
+def draw_function_at(path, entry):
+    """The TensorFlow random function at `RANDOM_DRAWS` entry `path`;
+    `kip.LoadError` naming `entry` for anything else.
+
+    Example:
+        >>> draw_function_at("random.normal", "sampling.tf_normal") is tf.random.normal
+        True
+    """
+    function = _resolve(path) if isinstance(path, str) and path in RANDOM_DRAWS else None
+    if function is None:
+        raise LoadError(
+            f"TFRandomDraw `{entry}`: refusing {short_repr(path)} as a random draw: kip draws "
+            f"only with {', '.join('tf.' + name for name in sorted(RANDOM_DRAWS))} "
+            "(keras_ipu_plugin.layers.tf_function_table.RANDOM_DRAWS)."
+        )
+    return function
+
+
 def _resolve(path):
     # Only ever reached with a path of the table above, never a file's text.
     value = tf
@@ -166,4 +200,5 @@ def _resolve(path):
     return value if callable(value) else None
 
 
-__all__ = ["ELEMENTWISE", "RECORDED", "TENSOR_PARAMETERS", "function_at", "refused_reason"]
+__all__ = ["ELEMENTWISE", "RANDOM_DRAWS", "RECORDED", "TENSOR_PARAMETERS", "draw_function_at",
+           "function_at", "refused_reason"]

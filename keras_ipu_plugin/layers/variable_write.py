@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin.layers import saved_values
+from keras_ipu_plugin.layers.added_loss import AddedLoss
 from keras_ipu_plugin.layers.reads import HoldsVariable
 from keras_ipu_plugin.layers.reads import ReadTensor
 
@@ -126,9 +127,10 @@ class AfterWrites(keras.layers.Layer):
 
 
 def is_write_node(operation):
-    """Whether `operation` is one of the layers above (made by a trace,
-    never expanded, never recomputed)."""
-    return isinstance(operation, (VariableWrite, AfterWrites))
+    """Whether `operation` is one of the layers above, or a loss `call`
+    added (`AddedLoss`): a node a trace makes for an effect of `call`,
+    named by the trace, never expanded, run as itself."""
+    return isinstance(operation, (VariableWrite, AfterWrites, AddedLoss))
 
 
 __all__ = ["METHODS", "VariableWrite", "AfterWrites", "is_write_node"]

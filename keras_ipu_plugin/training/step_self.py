@@ -12,6 +12,8 @@ It holds no state of its own:
   (`self.generator(z)`);
 - optimizers come wrapped (`OptimizingFacade`), so that new variables are
   learnt;
+- `losses` adds to the model's those that the converted graphs' `add_loss`
+  nodes added in the step (`step_losses.py`);
 - every other attribute is the model's. With a `PluginModel`, what Keras's
   `compile` set (optimizer, compiled loss and metrics) is the wrapper's,
   the rest (layers, the attributes the model's own `compile` set) the
@@ -84,6 +86,13 @@ class StepSelf:
     trainable_weights = _variables_view("trainable_weights")
     non_trainable_weights = _variables_view("non_trainable_weights")
 
+    @property
+    def losses(self):
+        # The model's, as Keras reads them, and those the converted graphs'
+        # `add_loss` nodes added in this step (`step_losses.py`).
+        runtime = vars(self)[_RUNTIME]
+        return runtime.step_losses.losses(runtime.subject, super().losses)
+
     def __call__(self, *args, **kwargs):
         runtime = vars(self)[_RUNTIME]
         return runtime.call(runtime.subject, args, kwargs)
@@ -132,6 +141,12 @@ class CalleeStandIn:
 
     def __call__(self, *args, **kwargs):
         return self._kip_runtime.call(self._kip_callee, args, kwargs)
+
+    @property
+    def losses(self):
+        """The sub-model's losses, and those its converted graph's `add_loss`
+        nodes added in this step (`step_losses.py`)."""
+        return self._kip_runtime.step_losses.losses(self._kip_callee, self._kip_callee.losses)
 
     def __getattr__(self, name):
         return getattr(self._kip_callee, name)

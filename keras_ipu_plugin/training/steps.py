@@ -64,6 +64,7 @@ from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.training.step_self import CalleeStandIn
 from keras_ipu_plugin.training.step_self import step_self
+from keras_ipu_plugin.training.step_losses import StepLosses
 from keras_ipu_plugin.frontend.tracing import TraceError
 from keras_ipu_plugin.frontend.tracing import trace_model
 from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
@@ -112,6 +113,8 @@ class Runtime:
         self._fingerprint = None
         self._local = threading.local()  # per replica thread: misses, recording
         self._stand_ins = {}
+        # the conversions each thread ran, for the losses their graphs added
+        self.step_losses = StepLosses()
 
     #: What an entry point asks for when it is given nothing: a second entry
     #: point given these defers to the runtime that already trains the model.
@@ -400,7 +403,7 @@ class Runtime:
             return callee(*args, **kwargs)
         conversion = self.find(callee, call)
         if conversion is not None:
-            return conversion(call)
+            return self.step_losses.record(callee, conversion.model, conversion(call))
         if call.is_symbolic() or _compat.in_shape_inference():
             # Keras working out shapes (a symbolic build, on KerasTensors or
             # in its scratch graph): the original gives the same ones.
@@ -409,7 +412,8 @@ class Runtime:
             if _in_a_replica_of_many():
                 # Replicas run in threads here: convert outside them.
                 raise NeedsConversion([(callee, call.signature())])
-            return self.add_conversion(callee, call)(call)
+            conversion = self.add_conversion(callee, call)
+            return self.step_losses.record(callee, conversion.model, conversion(call))
         if getattr(self._local, "in_step", False):
             # Stop the trace right here: anything created further on (an
             # optimizer's slots) would be left half-made by the aborted trace.

@@ -90,6 +90,8 @@ class CheckResult:
     detail: str = ""
     seconds: float = 0.0
     trace: str = ""  # the traceback of an ERROR (benchmarks/zoo.py --traceback)
+    # `custom_left`: the classes of the custom layers Expand("all") left
+    classes_left: frozenset = frozenset()
 
     @property
     def ok(self):
@@ -390,10 +392,13 @@ def _custom_left_result(name, left, parts):
         _labelled(label, f"`{node}` ({cls})" + (f": {reason}" if reason else ""), parts)
         for label, node, cls, reason in (unexplained or left)
     )
+    classes = frozenset(cls for _, _, cls, _ in left)
     if unexplained:
         return CheckResult(name, "custom_left", FAIL,
-                           f"{len(left)} left, {len(unexplained)} without a reason: {listing}")
-    return CheckResult(name, "custom_left", PASS, f"{len(left)} left, each with a reason: {listing}")
+                           f"{len(left)} left, {len(unexplained)} without a reason: {listing}",
+                           classes_left=classes)
+    return CheckResult(name, "custom_left", PASS, f"{len(left)} left, each with a reason: {listing}",
+                       classes_left=classes)
 
 
 _KERAS_LAYER_CLASSES = frozenset(

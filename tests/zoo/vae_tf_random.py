@@ -5,7 +5,8 @@ keras.io/examples/generative/vae/) as it is often written with TensorFlow
 than with `keras.random.normal` and a SeedGenerator (issue 22:
 verification refused such a model, "two runs give different output", so
 it could not train through the plugin while plain Keras trains it; now
-verification replays the original's draws in the converted run).
+verification replays the original's draws in the converted run, and the
+draw is a `TFRandomDraw` graph node, so `Sampling` expands).
 
 The draw here carries an op-level seed (`seed=1337`), so that plain Keras
 and the plugin draw the same numbers in their training steps (both under

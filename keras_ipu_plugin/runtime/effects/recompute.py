@@ -46,6 +46,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.layers.layer_kinds import seed_states
 from keras_ipu_plugin.layers.layer_kinds import writes_variables
+from keras_ipu_plugin.layers.tf_random_draw import draws_statefully
 from keras_ipu_plugin.runtime.interpreter import RunEffect
 from keras_ipu_plugin.runtime.interpreter import register_run_effect
 from keras_ipu_plugin.runtime.run_graph import graph_to_run
@@ -146,14 +147,15 @@ def has_forward_state(operation):
     """Whether the layer updates state in its forward pass that a
     recomputation could not replay: anything but its random seeds (a
     non-trainable variable, or any variable its `call` was seen writing:
-    PixelCNN's masked kernel).
+    PixelCNN's masked kernel). A TensorFlow random draw's state is its
+    kernel's: a recomputation would draw other numbers.
 
     Example:
         >>> has_forward_state(keras.layers.BatchNormalization())
         True
     """
     if not isinstance(operation, keras.layers.Layer):
-        return False
+        return draws_statefully(operation)
     if writes_variables(operation):
         return True
     seeds = {id(state) for state in seed_states(operation)}
