@@ -19,7 +19,7 @@ Variants, each in its own process (peak memory is per process):
 - `hand-written`: each block's call wrapped in `tf.recompute_grad` by hand;
 - `kip-hand`: `Recompute(<block class>)` (a checkpoint after each block);
 - `kip-auto`: `Expand()` then `Recompute(auto=True)`;
-- `kip-budget`: `Expand()` then `Recompute(auto=True, memory_budget=0.5)`.
+- `kip-budget`: `Expand()` then `Recompute(auto=True, memory_budget=0.5)` (`--budget`).
 
 A variant that fails (Keras's modes refuse MultiHeadAttention under
 `tf.recompute_grad` in a traced step) is printed as failing, with its error.
@@ -54,7 +54,7 @@ from pathlib import Path
 # Children run this file by path: the repository's package, installed or not.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-STEPS, ROUNDS, MAX_TIME, TIME_SLACK = 5, 3, 1.35, 1.05
+STEPS, ROUNDS, MAX_TIME, TIME_SLACK, BUDGET = 5, 3, 1.35, 1.05, 0.5
 CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
 PEERS = ("keras-full", "keras-activations", "keras-larger_than", "keras-list_of_layers",
          "hand-written", "kip-hand")
@@ -173,8 +173,12 @@ def _hub(keras, tf, hand_written):
             self.backbone = keras_hub.models.BertBackbone(**HUB, name="backbone")
             self.head = keras.layers.Dense(2, name="head")
 
-        def call(self, inputs):
-            return self.head(self.backbone(inputs)["pooled_output"])
+        def call(self, inputs, training=None):
+            # `training` passed on: Keras's fit calls a model whose `call`
+            # takes no `training` as `self(x)`, in inference mode, so plain
+            # Keras trained the backbone without its Dropout while kip's
+            # converted graph (fitted with training=True) ran it.
+            return self.head(self.backbone(inputs, training=training)["pooled_output"])
 
     if hand_written:
         raise NotImplementedError(
@@ -233,8 +237,8 @@ def child(model_name, variant):
         passes = {
             "kip-hand": [kip.passes.Recompute(block_class)],
             "kip-auto": [kip.passes.Expand(), kip.passes.Recompute(auto=True)],
-            "kip-budget": [kip.passes.Expand(), kip.passes.Recompute(auto=True,
-                                                                     memory_budget=0.5)],
+            "kip-budget": [kip.passes.Expand(), kip.passes.Recompute(
+                auto=True, memory_budget=float(os.environ.get("REMAT_PEERS_BUDGET", BUDGET)))],
         }[variant]
         model = kip.apply_passes(model, passes, verify=False)
         plan = _plan_figures(model)
@@ -382,9 +386,15 @@ def main(argv=None):
                         help="the step time the goal compares: wall-clock, or the process's "
                              "CPU time (all its threads; steadier on a machine shared with "
                              "other jobs)")
+    parser.add_argument("--budget", type=float, default=BUDGET,
+                        help="kip-budget's memory_budget (a fraction of the estimated peak "
+                             "without recomputation); a small one makes the planner nest "
+                             "(recompute each layer inside its segment again), as "
+                             "RematScope('larger_than') does")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
                         help="only these variants (none always)")
     args = parser.parse_args(argv)
+    os.environ["REMAT_PEERS_BUDGET"] = str(args.budget)  # read by the children
     for model_name in args.models or MODELS:
         variants = [v for v in VARIANTS
                     if not args.variants or v == "none" or v in args.variants]
