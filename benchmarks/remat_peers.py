@@ -32,7 +32,13 @@ CPU the processes run with TensorFlow's BFC allocator
 (`TF_CPU_ALLOCATOR_USE_BFC=true`), so the counts are kept as on a GPU; on a
 GPU (when one is visible) they are device bytes. The variants of a model
 alternate over ROUNDS rounds and the median is printed: on a shared machine
-one step swings by tens of percent, so compare only within one run.
+one step swings by tens of percent, so compare only within one run. Each
+step's wall-clock time and the process's CPU time (all its threads) are both
+kept; `--clock cpu` makes the goal compare CPU time, which waiting for a core
+on a loaded machine does not inflate (wall-clock moved 2x between rounds of
+one variant there, CPU time about 30%). The step peak depends on the order in
+which TensorFlow's threads run the step's ops, so it too moves (up to about
+10% under load).
 
 The goal (issue 24): kip-auto's step peak <= the best peer's (the peer
 with the smallest step peak among those within MAX_TIME x none's step time)
@@ -40,6 +46,7 @@ at <= 1.05x that peer's step time, and <= MAX_TIME x none's step time.
 
     python benchmarks/remat_peers.py                    # all models, 3 rounds
     python benchmarks/remat_peers.py mlp --rounds 1 --variants keras-larger_than kip-auto
+    python benchmarks/remat_peers.py mlp --clock cpu --budget 0.115 --variants keras-larger_than kip-budget
 """
 
 import argparse
