@@ -1,0 +1,51 @@
+"""The remat peers benchmark's verdict compares the clock it is asked to:
+wall-clock step time or the process's CPU time (benchmarks/remat_peers.py)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "remat_peers.py"
+
+
+@pytest.fixture(scope="module")
+def remat_peers():
+    spec = importlib.util.spec_from_file_location("remat_peers", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _results():
+    # kip-auto is slower than the best peer by wall-clock (a loaded round),
+    # faster by CPU time.
+    mib = 2 ** 20
+    return {
+        "none": {"step_peak": 100 * mib, "step_s": 1.0, "step_cpu_s": 1.0, "plan": None},
+        "kip-hand": {"step_peak": 30 * mib, "step_s": 1.2, "step_cpu_s": 1.25, "plan": None},
+        "kip-auto": {"step_peak": 25 * mib, "step_s": 1.3, "step_cpu_s": 1.2,
+                     "plan": {"peak": 20 * mib}},
+    }
+
+
+def test_the_verdict_uses_wall_clock_time_by_default(remat_peers, capsys):
+    remat_peers.report("mlp", _results())
+    out = capsys.readouterr().out
+    assert "step time <= 1.05x its: NOT met (1.08x)" in out
+    assert "wall-clock step time" in out
+
+
+def test_the_verdict_uses_cpu_time_when_asked(remat_peers, capsys):
+    remat_peers.report("mlp", _results(), clock="step_cpu_s")
+    out = capsys.readouterr().out
+    assert "step time <= 1.05x its: met (0.96x)" in out
+    assert "step CPU time" in out
+
+
+def test_rounds_are_summarised_by_their_medians(remat_peers):
+    runs = [{"step_peak": p, "step_s": s, "step_cpu_s": c, "plan": None, "device": "CPU:0"}
+            for p, s, c in ((3, 0.5, 0.4), (1, 2.0, 0.6), (2, 1.0, 0.5))]
+    summary = remat_peers.summarise(runs + [{"error": "failed once"}])
+    assert (summary["step_peak"], summary["step_s"], summary["step_cpu_s"]) == (2, 1.0, 0.5)
+    assert summary["rounds"] == 3
