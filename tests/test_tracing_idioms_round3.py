@@ -463,10 +463,10 @@ def test_a_tensorflow_draw_of_a_shape_with_the_batch_as_none_takes_the_graph_s_b
 
 
 def test_a_tensorflow_draw_node_is_never_recomputed_and_saves_by_its_table_name(tmp_path):
-    from keras_ipu_plugin.runtime.executor import _has_forward_state
+    from keras_ipu_plugin.runtime.effects.recompute import has_forward_state
 
     draw = TFRandomDraw("random.normal", name="tf_normal")
-    assert _has_forward_state(draw), "a recomputation would draw other numbers"
+    assert has_forward_state(draw), "a recomputation would draw other numbers"
     assert TFRandomDraw.from_config(draw.get_config()).function == "random.normal"
     for refused in ("math.square", "io.write_file", "random.set_seed", "random.stateless_normal"):
         with pytest.raises(LoadError, match="refusing"):
