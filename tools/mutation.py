@@ -187,7 +187,7 @@ MUTATIONS = [
     M("executor-ignores-stages", "runtime/effects/stages.py",
       '        stage = node.annotations.get("stage", 0)',
       '        stage = 0',
-      "every layer runs in pipeline stage 0", PASSES),
+      "every layer runs in pipeline stage 0", "tests/test_run_effects.py", PASSES),
     # -- recompute.py ---------------------------------------------------------------
     M("recompute-keeps-activations", "runtime/recompute_grad.py",
       "        with _compat.stop_gradient_recording():\n            results = list(fn(*args))",
