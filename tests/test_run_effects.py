@@ -221,3 +221,22 @@ def test_stage_placement_puts_each_layer_on_its_stages_device():
             if f"/{layer}" in op.name and op.type == "MatMul":
                 devices[layer] = op.device
     assert devices["hidden"].endswith("CPU:0") and devices["head"].endswith("CPU:1"), devices
+
+
+def test_a_layer_with_forward_state_never_sits_in_a_recomputed_segment():
+    """A BatchNormalization's moving statistics would be updated by each
+    recomputation: it runs in a segment of its own, between recomputed ones."""
+    from keras_ipu_plugin.runtime.effects.recompute import make_plan
+
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, name="a")(inputs)
+    h = keras.layers.BatchNormalization(name="norm")(h)
+    h = keras.layers.Dense(8, name="b")(h)
+    outputs = keras.layers.Dense(8, name="c")(h)
+    model, x = keras.Model(inputs, outputs), _x()
+    passed = kip.apply_passes(kip.convert_to_functional(model, x),
+                              [kip.passes.Recompute(["b"])])
+    segments = make_plan(passed, get_backend())
+    recomputed = [[node.name for node in s.nodes] for s in segments if s.recompute]
+    assert recomputed and all("norm" not in names for names in recomputed), recomputed
+    assert ["norm"] in [[node.name for node in s.nodes] for s in segments]

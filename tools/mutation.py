@@ -154,7 +154,8 @@ MUTATIONS = [
       "                or notes.get(\"remat\") == \"keep\"):",
       "        if (not backend.recomputes_segments\n"
       "                or notes.get(\"remat\") == \"keep\"):",
-      "BatchNormalization / Dropout run inside recompute segments", GUARDED),
+      "BatchNormalization / Dropout run inside recompute segments", "tests/test_run_effects.py",
+      GUARDED),
     M("executor-outline-ignores-config", "runtime/effects/outline.py",
       "    return (type(layer), config, signature, repr(sorted(kwargs.items())))",
       "    return (type(layer), signature, repr(sorted(kwargs.items())))",
