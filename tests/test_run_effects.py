@@ -198,3 +198,45 @@ def test_register_run_effect_refuses_what_it_cannot_run(registries):
     with pytest.raises(TypeError, match="keys"):
         kip.passes.register_run_effect(Keyless)
     assert {"recompute", "outline", "stages"} <= set(interpreter_lib.registered_run_effects())
+
+
+def test_stage_placement_puts_each_layer_on_its_stages_device():
+    """The stage effect places a layer's ops on `kip_stage_devices[stage]`
+    (read from the ops of a traced call; on CPU the result is the same
+    wherever they run, so only the placement can show it)."""
+    model, x = _model(), _x()
+    converted = kip.convert_to_functional(model, x)
+    staged = kip.apply_passes(converted, [kip.passes.PipelineStages([["hidden"], ["head"]])])
+    assert staged.kip_stages["hidden"] == 0 and staged.kip_stages["head"] == 1
+    staged.kip_stage_devices = ["/cpu:0", "/cpu:1"]
+
+    @tf.function(autograph=False)
+    def call(x):
+        return staged(x)
+
+    graph = call.get_concrete_function(tf.TensorSpec((None, 4), "float32")).graph
+    devices = {}
+    for op in graph.get_operations():
+        for layer in ("hidden", "head"):
+            if f"/{layer}" in op.name and op.type == "MatMul":
+                devices[layer] = op.device
+    assert devices["hidden"].endswith("CPU:0") and devices["head"].endswith("CPU:1"), devices
+
+
+def test_a_layer_with_forward_state_never_sits_in_a_recomputed_segment():
+    """A BatchNormalization's moving statistics would be updated by each
+    recomputation: it runs in a segment of its own, between recomputed ones."""
+    from keras_ipu_plugin.runtime.effects.recompute import make_plan
+
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, name="a")(inputs)
+    h = keras.layers.BatchNormalization(name="norm")(h)
+    h = keras.layers.Dense(8, name="b")(h)
+    outputs = keras.layers.Dense(8, name="c")(h)
+    model, x = keras.Model(inputs, outputs), _x()
+    passed = kip.apply_passes(kip.convert_to_functional(model, x),
+                              [kip.passes.Recompute(["b"])])
+    segments = make_plan(passed, get_backend())
+    recomputed = [[node.name for node in s.nodes] for s in segments if s.recompute]
+    assert recomputed and all("norm" not in names for names in recomputed), recomputed
+    assert ["norm"] in [[node.name for node in s.nodes] for s in segments]

@@ -154,7 +154,8 @@ MUTATIONS = [
       "                or notes.get(\"remat\") == \"keep\"):",
       "        if (not backend.recomputes_segments\n"
       "                or notes.get(\"remat\") == \"keep\"):",
-      "BatchNormalization / Dropout run inside recompute segments", GUARDED),
+      "BatchNormalization / Dropout run inside recompute segments", "tests/test_run_effects.py",
+      GUARDED),
     M("executor-outline-ignores-config", "runtime/effects/outline.py",
       "    return (type(layer), config, signature, repr(sorted(kwargs.items())))",
       "    return (type(layer), signature, repr(sorted(kwargs.items())))",
@@ -187,7 +188,7 @@ MUTATIONS = [
     M("executor-ignores-stages", "runtime/effects/stages.py",
       '        stage = node.annotations.get("stage", 0)',
       '        stage = 0',
-      "every layer runs in pipeline stage 0", PASSES),
+      "every layer runs in pipeline stage 0", "tests/test_run_effects.py", PASSES),
     # -- recompute.py ---------------------------------------------------------------
     M("recompute-keeps-activations", "runtime/recompute_grad.py",
       "        with _compat.stop_gradient_recording():\n            results = list(fn(*args))",
