@@ -166,6 +166,32 @@ def _wire(segments, model):
         later_needs |= set(needed)
 
 
+def split_plan(segments, model, part_of):
+    """`segments` cut where `part_of(node)` (an int) changes, regrouped by
+    part (each part's pieces in plan order, parts ascending) and wired
+    again: `[(part, [Segment])]`. A recomputed segment cut in two is two
+    recomputed segments. The pipeline runs each part (a stage) alone.
+
+    Example:
+        >>> split_plan(executor.segments, model, lambda node: stage_of(model, node))
+        [(0, [Segment(...), ...]), (1, [...])]
+    """
+    pieces = []
+    for segment in segments:
+        run = []
+        for node in segment.nodes:
+            if run and part_of(node) != part_of(run[-1]):
+                pieces.append(Segment(run, recompute=segment.recompute))
+                run = []
+            run.append(node)
+        if run:
+            pieces.append(Segment(run, recompute=segment.recompute))
+    parts = sorted({part_of(piece.nodes[0]) for piece in pieces})
+    grouped = [(part, [p for p in pieces if part_of(p.nodes[0]) == part]) for part in parts]
+    _wire([piece for _, part_pieces in grouped for piece in part_pieces], model)
+    return grouped
+
+
 def _variables_of(nodes):
     """The Keras variables of the layers run by `nodes`, each once."""
     return union_of_variables(
@@ -187,13 +213,19 @@ class Executor:
         tensors = {
             id(x): y for x, y in zip(self.model.inputs, keras.tree.flatten(inputs))
         }
-        for segment in self.segments:
+        self.run_segments(self.segments, tensors, training, context)
+        outputs = [tensors[id(t)] for t in self.model.outputs]
+        return keras.tree.pack_sequence_as(_compat.output_structure(self.model), outputs)
+
+    def run_segments(self, segments, tensors, training, context):
+        """Run `segments` (this plan's, or a part of `split_plan`'s) on
+        `tensors` (KerasTensor id -> value), adding what they produce: the
+        pipeline (`runtime/pipeline.py`) runs one stage at a time this way."""
+        for segment in segments:
             if segment.recompute:
                 self._run_recomputed(segment, tensors, training, context)
             else:
                 self._run_nodes(segment.nodes, tensors, training, context)
-        outputs = [tensors[id(t)] for t in self.model.outputs]
-        return keras.tree.pack_sequence_as(_compat.output_structure(self.model), outputs)
 
     def _run_recomputed(self, segment, tensors, training, context, inside=False):
         count = len(segment.inputs)
