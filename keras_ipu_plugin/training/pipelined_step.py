@@ -256,7 +256,12 @@ class _Run:
                     tape.watch(self.values[m][i])
                 for loss in added:
                     tape.watch(loss)
-                with keras.StatelessScope(collect_losses=True) as scope:
+                # A scope of its own, so that `compute_loss` reads none of the
+                # losses the layers hold from other calls, only the weight
+                # regularizers' (which read their weights from the scope).
+                regularized = [(v, _compat.current_value(v)) for v in self.trainable
+                               if getattr(v, "regularizer", None) is not None]
+                with _compat.stateless_scope(regularized, collect_losses=True) as scope:
                     loss = self.proxy.compute_loss(
                         x=self.xs[m], y=self.ys[m], y_pred=y_pred,
                         sample_weight=self.ws[m], training=True)
@@ -266,7 +271,7 @@ class _Run:
                 scaled = share
                 if self.proxy.optimizer is not None:
                     scaled = self.proxy.optimizer.scale_loss(share)
-            self._write_back(scope, "the loss")  # its per-output loss trackers
+            self._write_back(scope, "the loss", regularized)  # per-output loss trackers
             sources = [self.values[m][i] for i in outputs] + added + self.trainable
             gradients = tape.gradient(scaled, sources)
         self.losses[m] = share
@@ -322,12 +327,14 @@ class _Run:
                 parts.append(g)
 
     # -- state -----------------------------------------------------------------
-    def _write_back(self, scope, where):
+    def _write_back(self, scope, where, given=()):
         """Assign what a stage (or the loss) wrote inside its stateless
-        scope: moving statistics, seed states, loss trackers."""
+        scope: moving statistics, seed states, loss trackers. `given`: the
+        `(variable, value)` pairs the scope was made with (no writes)."""
+        given = {id(variable): value for variable, value in given}
         for variable in self.state:
             value = scope.get_current_value(variable)
-            if value is None:
+            if value is None or value is given.get(id(variable)):
                 continue
             if variable.trainable:
                 raise ValueError(
@@ -430,13 +437,14 @@ def _split(structure, count, what):
                 f"PipelineStages(microbatches={count}): a batch of {rows} rows (`{what}`) "
                 f"cannot be split into {count} equal microbatches; use a batch size that "
                 f"{count} divides (drop_remainder=True on a dataset whose size it does not).")
-        if rows is None and tf.executing_eagerly() is False:
-            check = tf.debugging.assert_equal(
-                tf.math.floormod(tf.shape(tensor)[0], count), 0,
-                message=(f"PipelineStages(microbatches={count}): the batch size (`{what}`, "
-                         f"printed below) cannot be split into {count} equal microbatches; "
-                         f"use a batch size that {count} divides"),
-                data=[tf.shape(tensor)[0]], summarize=1)
+        if rows is None and not tf.executing_eagerly():
+            batch = tf.shape(tensor)[0]
+            check = tf.debugging.Assert(
+                tf.equal(tf.math.floormod(batch, count), 0),
+                [f"PipelineStages(microbatches={count}): a batch of", batch,
+                 f"rows (`{what}`) cannot be split into {count} equal microbatches; use a "
+                 f"batch size that {count} divides (drop_remainder=True on a dataset whose "
+                 f"size it does not)."])
             with tf.control_dependencies([check]):
                 tensor = tf.identity(tensor)
         pieces.append(tf.split(tensor, count, axis=0))
