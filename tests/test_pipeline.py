@@ -9,6 +9,7 @@ device; what is not supported is refused with errors naming it.
 """
 
 import importlib.util
+import re
 from pathlib import Path
 
 import keras
@@ -221,34 +222,46 @@ def _traced_step(passes, build=Tower):
         tf.TensorSpec([None, 8]), tf.TensorSpec([None], tf.int32)).graph
 
 
+LAYER_DEVICES = {"block_0": "CPU:0", "block_1": "CPU:0", "block_2": "CPU:1", "head": "CPU:1"}
+COMPUTE = ("MatMul", "BiasAdd", "Tanh", "TanhGrad", "BiasAddGrad")
+
+
+def _compute_ops(graph):
+    """`(layer, backward?, op)` for the compute ops of each layer: forward
+    ops in the layer's name scope (`block_0_3/MatMul`, made unique per
+    call), backward ops in the tape's (`gradient_tape/block_0_3/...`)."""
+    found = []
+    for op in graph.get_operations():
+        match = re.match(r"(gradient_tape/)?(block_\d|head)(_\d+)?/", op.name)
+        if match and op.type in COMPUTE:
+            found.append((match.group(2), bool(match.group(1)), op))
+    return found
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_each_stage_runs_its_forward_and_backward_on_its_device(schedule):
     graph = _traced_step([_pipelined(schedule)])
-    layers = {"block_0": "CPU:0", "block_1": "CPU:0", "block_2": "CPU:1", "head": "CPU:1"}
-    seen = {(layer, backward): 0 for layer in layers for backward in (False, True)}
-    for op in graph.get_operations():
-        if op.type in ("ReadVariableOp", "Placeholder", "VarHandleOp", "NoOp"):
-            continue  # reads run where the variable lives
-        for layer, device in layers.items():
-            forward = op.name.startswith(f"{layer}/")
-            backward = op.name.startswith(f"gradient_tape/{layer}/")
-            if (forward or backward) and op.type in ("MatMul", "BiasAdd", "Tanh", "TanhGrad",
-                                                     "BiasAddGrad"):
-                assert op.device.endswith(device), (op.name, op.device)
-                seen[(layer, backward)] += 1
-    # Every stage's layers have forward and backward ops, once per microbatch.
+    seen = {(layer, backward): 0 for layer in LAYER_DEVICES for backward in (False, True)}
+    for layer, backward, op in _compute_ops(graph):
+        assert op.device.endswith(LAYER_DEVICES[layer]), (op.name, op.device)
+        seen[(layer, backward)] += 1
+    # Every layer has forward and backward ops for each of the 4 microbatches.
     assert all(count >= 4 for count in seen.values()), seen
 
 
 def test_recomputed_segments_run_on_their_stage_device():
     graph = _traced_step([Recompute(["blocks.0"]), _pipelined()])
-    calls = [op for op in graph.get_operations()
-             if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
-    assert calls, "no recomputed segment was called"
-    for op in calls:
-        assert op.device.endswith("CPU:0") or op.device.endswith("CPU:1"), (op.name, op.device)
-    gradient_calls = [op for op in calls if op.name.startswith("gradient_tape")]
-    assert gradient_calls and all(op.device.endswith("CPU:0") for op in gradient_calls)
+    ops = _compute_ops(graph)
+    for layer, _, op in ops:
+        assert op.device.endswith(LAYER_DEVICES[layer]), (op.name, op.device)
+    # block_0's segment runs forward once per microbatch and again in its
+    # backward pass (recomputed there, on its stage's device).
+    forward = [op for layer, backward, op in ops if layer == "block_0" and not backward
+               and op.type == "MatMul"]
+    assert len(forward) == 8, [op.name for op in forward]
+    checkpoints = [op for op in graph.get_operations()
+                   if op.type == "IdentityN" and not op.name.startswith("adam/")]
+    assert len(checkpoints) == 4 and all(op.device.endswith("CPU:0") for op in checkpoints)
 
 
 # -- schedules -------------------------------------------------------------------------
