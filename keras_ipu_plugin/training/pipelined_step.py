@@ -202,7 +202,8 @@ class _Run:
         first = next(leaf for leaf in tf.nest.flatten(self.x) if leaf is not None)
         _compat.loss_tracker(proxy).update_state(total, sample_weight=tf.shape(first)[0])
         if self.trainable:
-            gradients = [_summed(parts) for parts in self.grads]
+            rows = {id(leaf) for xm in self.xs for leaf in tf.nest.flatten(xm)}
+            gradients = [_summed(parts, rows) for parts in self.grads]
             proxy.optimizer.apply_gradients(zip(gradients, self.trainable))
         else:
             warnings.warn("The model does not have any trainable weights.")
@@ -466,18 +467,60 @@ def _differentiable(tensor):
     return tf.is_tensor(tensor) and (tensor.dtype.is_floating or tensor.dtype.is_complex)
 
 
-def _summed(parts):
-    """The sum of one variable's gradients from the microbatches and stages.
+def _summed(parts, rows):
+    """The sum of one variable's gradients from the microbatches and stages,
+    in the form the whole batch's gradient takes (`rows`: the microbatches'
+    input tensors).
 
-    Dense, also for IndexedSlices (an Embedding's): joined as one
-    IndexedSlices (values and indices concatenated), Keras's Adam trained
-    the gallery transformer's position embedding differently from the whole
-    batch's gradient; summed dense, it trains alike."""
+    Keras's optimizers are not indifferent to that form: Adam squares an
+    IndexedSlices gradient (an Embedding's) slice by slice, before repeated
+    indices are summed. So an IndexedSlices sum is made as the whole batch's
+    would be: where the gathered indices come from the microbatch's rows
+    (token ids), the slices are joined; where they do not (a position
+    embedding over `arange(length)`: every microbatch gathers the same
+    rows), their values are added slice by slice."""
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0]
+    if all(isinstance(p, tf.IndexedSlices) for p in parts):
+        return _summed_slices(parts, rows)
     return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+def _summed_slices(parts, rows):
+    indices = [p.indices for p in parts]
+    if tf.executing_eagerly():  # no graph to read: the values tell
+        fixed = len({tuple(i.shape) for i in indices}) == 1 and all(
+            bool(tf.reduce_all(tf.equal(i, indices[0]))) for i in indices[1:])
+    else:
+        fixed = not any(_depends_on(i, rows) for i in indices)
+    if not fixed:
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat(indices, 0), parts[0].dense_shape)
+    checks = [] if tf.executing_eagerly() else [
+        tf.debugging.assert_equal(i, indices[0], message=(
+            "pipelined step: the microbatches' gradients of one embedding gather "
+            "indices that do not come from their rows, yet differ")) for i in indices[1:]]
+    with tf.control_dependencies(checks):
+        values = tf.add_n([p.values for p in parts])
+    return tf.IndexedSlices(values, indices[0], parts[0].dense_shape)
+
+
+def _depends_on(tensor, sources):
+    """Whether graph tensor `tensor` is computed from any tensor whose id is
+    in `sources` (walking the ops' inputs)."""
+    seen, stack = set(), [tensor]
+    while stack:
+        current = stack.pop()
+        if id(current) in sources:
+            return True
+        op = current.op
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        stack.extend(op.inputs)
+    return False
 
 
 def _on(device):
