@@ -275,11 +275,11 @@ class _Run:
             self._write_back(scope, "the loss", regularized)  # per-output loss trackers
             sources = [self.values[m][i] for i in outputs] + added + self.trainable
             gradients = tape.gradient(scaled, sources)
+            self._accumulate(gradients[len(outputs) + len(added):])
         self.losses[m] = share
         for i, g in zip(outputs, gradients):
             self._seed(m, i, g)
         self._add_loss_seeds(m, gradients[len(outputs):len(outputs) + len(added)])
-        self._accumulate(gradients[len(outputs) + len(added):])
 
     # -- backward --------------------------------------------------------------
     def _backward(self, s, m):
@@ -306,7 +306,7 @@ class _Run:
                                       output_gradients=seeds)
             for i, g in zip(watched, gradients):
                 self._seed(m, i, g)
-        self._accumulate(gradients[len(watched):])
+            self._accumulate(gradients[len(watched):])
         self.done[("B", s, m)] = [g for g in gradients if isinstance(g, tf.Tensor)]
 
     def _seed(self, m, i, gradient):
@@ -323,9 +323,18 @@ class _Run:
             self.loss_seeds[(s, m)], gradients = gradients[:count], gradients[count:]
 
     def _accumulate(self, gradients):
+        """Add a stage's (or the loss's) weight gradients to the sums, on its
+        device. Dense ones are summed as they come, so one gradient per
+        weight stays alive rather than one per microbatch; IndexedSlices are
+        kept to be joined as the whole batch's would be (`_summed`)."""
         for parts, g in zip(self.grads, gradients):
-            if g is not None:
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices) or not parts or isinstance(
+                    parts[-1], tf.IndexedSlices):
                 parts.append(g)
+            else:
+                parts[-1] = parts[-1] + g
 
     # -- state -----------------------------------------------------------------
     def _write_back(self, scope, where, given=()):
