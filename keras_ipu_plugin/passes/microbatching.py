@@ -80,12 +80,4 @@ def report_pipeline(graph, settings, stage_devices_of_model, report, step):
                        "the IPU (training differs from unpipelined)")
 
 
-def batch_dependent_layers(model):
-    """The names of `model`'s layers (nested ones too) whose result depends
-    on the whole batch they see."""
-    return [layer.name for layer in _compat.all_layers(model)
-            if isinstance(layer, BATCH_DEPENDENT)]
-
-
-__all__ = ["BATCH_DEPENDENT", "batch_dependent_layers", "check_pipeline_settings",
-           "pipelines", "report_pipeline"]
+__all__ = ["BATCH_DEPENDENT", "check_pipeline_settings", "pipelines", "report_pipeline"]
