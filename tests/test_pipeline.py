@@ -229,7 +229,7 @@ def _traced_step(passes, build=Tower):
     runtime = model._kip_runtime
     step = pipelined_train_step(runtime, keras.Model.train_step, NeedsConversion)
     proxy = runtime.step_self()
-    function = tf.function(lambda x, y: step(proxy, (x, y)))
+    function = tf.function(lambda x, y: step(proxy, (x, y)), autograph=False)  # as Keras
     return function.get_concrete_function(
         tf.TensorSpec([None, 8]), tf.TensorSpec([None], tf.int32)).graph
 

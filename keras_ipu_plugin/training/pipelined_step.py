@@ -215,9 +215,13 @@ class _Run:
     # -- forward ---------------------------------------------------------------
     def _forward(self, s, m):
         stage = self.staged.stages[s]
-        waits = []
+        # A stage runs one microbatch at a time, as a device would: its
+        # forward of m after its forward of m - 1 (else TensorFlow starts
+        # several at once, holding their activations and taking the other
+        # stage's threads).
+        waits = list(self.done.get(("F", s, m - 1), []))
         if self.owner.schedule == "1f1b" and m >= self.num_stages - s:
-            waits = self.done.get(("B", s, m - (self.num_stages - s)), [])
+            waits += self.done.get(("B", s, m - (self.num_stages - s)), [])
         tensors = {i: self.values[m][i] for i in stage.inputs}
         watched = [i for i in stage.inputs if _differentiable(tensors[i])]
         with _on(self.devices[s]), tf.control_dependencies(waits):
@@ -297,9 +301,14 @@ class _Run:
         if not targets:
             self.done[("B", s, m)] = []
             return
-        waits = []
+        # One backward at a time per stage too (each holds its weight
+        # gradients until they are summed), after the forward the schedule
+        # puts before it.
+        waits = list(self.done.get(("B", s, m - 1), []))
         if self.owner.schedule == "gpipe":  # all of this stage's forwards first
-            waits = [t for k in range(self.count) for t in self.done[("F", s, k)]]
+            waits += self.done[("F", s, self.count - 1)]
+        else:
+            waits += self.done[("F", s, min(m + self.num_stages - s - 1, self.count - 1))]
         tensors = self.values[m]
         with _on(self.devices[s]), tf.control_dependencies(waits):
             gradients = tape.gradient(targets, [tensors[i] for i in watched] + self.trainable,
