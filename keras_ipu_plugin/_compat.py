@@ -1132,3 +1132,17 @@ def _module_called(function):
     except (ValueError, TypeError):
         return ""
     return getattr(target if callable(target) else function, "__module__", None) or ""
+
+
+def loss_tracker(model):
+    """The `Mean` metric Keras's own `train_step` feeds the loss to (no
+    public accessor; `model.metrics` lists it without saying which it is).
+    The pipelined step (`training/pipelined_step.py`) feeds it the same."""
+    return model._loss_tracker
+
+
+def added_loss(layer, loss):
+    """Whether `layer` added `loss` (`add_loss`, or its activity
+    regularizer) inside the current `keras.StatelessScope`: Keras keeps the
+    ids of the losses a layer added there, and no public accessor."""
+    return id(loss) in getattr(layer, "_loss_ids", ())

@@ -39,6 +39,8 @@ from keras_ipu_plugin.planning.graph_planning import check_auto
 from keras_ipu_plugin.planning.graph_planning import check_memory_budget
 from keras_ipu_plugin.planning.graph_planning import plan_recompute
 from keras_ipu_plugin.planning.graph_planning import plan_stages
+from keras_ipu_plugin.passes.microbatching import check_pipeline_settings
+from keras_ipu_plugin.passes.microbatching import report_pipeline
 
 
 @register_pass("outline", order=2)
@@ -216,14 +218,29 @@ class PipelineStages(Pass):
     backward pass timed alone on the first batch's shapes). The report holds
     the plan's table.
 
+    Training through PluginModel, PluginCallback or kip.scope with
+    `microbatches=M > 1` (or `devices`) is pipelined (`training/
+    pipelined_step.py`): each batch is split into M microbatches, stage s
+    runs its forward and backward passes on `devices[s % len(devices)]`
+    (default: the visible GPUs when there are at least as many as stages,
+    else the current device, which makes it gradient accumulation), in the
+    order of `schedule` ("gpipe": all forwards, then the backwards; "1f1b":
+    one forward, one backward, at most S microbatches' activations alive per
+    stage), and one optimizer step per batch equals the whole batch's.
+
     Example:
         >>> kip.passes.PipelineStages([["encoder"], ["decoder", "head"]])
         >>> kip.passes.PipelineStages(num_stages=4, balance="time")
+        >>> kip.passes.PipelineStages(num_stages=2, microbatches=4,
+        ...                           devices=["/GPU:0", "/GPU:1"], schedule="1f1b")
     """
 
     step = "pipeline_stages"
 
-    def __init__(self, stages=None, *, num_stages=None, balance="params"):
+    def __init__(self, stages=None, *, num_stages=None, balance="params", microbatches=1,
+                 devices=None, schedule="gpipe"):
+        self.microbatches, self.devices, self.schedule = check_pipeline_settings(
+            microbatches, devices, schedule)
         if balance not in BALANCES:
             raise PassError(f"PipelineStages: balance is one of {', '.join(map(repr, BALANCES))}; "
                             f"got {short_repr(balance)}.", field="balance")
@@ -255,12 +272,22 @@ class PipelineStages(Pass):
                 targets_config(stage, "PipelineStages") for stage in self.stages],
             "num_stages": self.num_stages,
             "balance": self.balance,
+            "microbatches": self.microbatches,
+            "devices": None if self.devices is None else list(self.devices),
+            "schedule": self.schedule,
         }
+
+    @property
+    def pipeline_settings(self):
+        """`(microbatches, devices or None, schedule)`: what the pipelined
+        training step runs (`training/pipelined_step.py`)."""
+        return self.microbatches, self.devices, self.schedule
 
     @classmethod
     def from_config(cls, config):
         config = saved_config(config, "PipelineStages", required=(),
-                              optional=("stages", "num_stages", "balance"))
+                              optional=("stages", "num_stages", "balance", "microbatches",
+                                        "devices", "schedule"))
         stages = config.get("stages")
         if stages is not None and not isinstance(stages, list):
             raise PassError(
@@ -269,14 +296,18 @@ class PipelineStages(Pass):
         if stages is not None:
             stages = [targets_from_config(stage, "PipelineStages") for stage in stages]
         return cls(stages, num_stages=config.get("num_stages"),
-                   balance=config.get("balance", "params"))
+                   balance=config.get("balance", "params"),
+                   microbatches=config.get("microbatches", 1), devices=config.get("devices"),
+                   schedule=config.get("schedule", "gpipe"))
 
     @classmethod
     def from_user_config(cls, value, path, reader):
         """`pipeline_stages: [[encoder], [decoder, head]]`, or
-        `pipeline_stages: {num_stages: 4, balance: time}`."""
+        `pipeline_stages: {num_stages: 4, balance: time}` (and `microbatches`,
+        `devices`, `schedule`)."""
         if isinstance(value, dict):
-            arguments = _user_arguments(value, path, ("stages", "num_stages", "balance"))
+            arguments = _user_arguments(value, path, ("stages", "num_stages", "balance",
+                                                      "microbatches", "devices", "schedule"))
             stages = arguments.pop("stages", None)
             if stages is not None:
                 if not isinstance(stages, list) or not stages:
@@ -293,6 +324,7 @@ class PipelineStages(Pass):
     def run(self, graph, report):
         if self.num_stages is not None:
             plan_stages(graph, self.num_stages, self.balance, report, self.step)
+            report_pipeline(graph, self.pipeline_settings, None, report, self.step)
             return graph
         assigned = {}
         for targets in self.stages:
@@ -322,6 +354,7 @@ class PipelineStages(Pass):
             assigned[id(node)] = stage
             node.annotations["stage"] = stage
             report.add(self.step, node.name, f"stage {stage}")
+        report_pipeline(graph, self.pipeline_settings, None, report, self.step)
         return graph
 
 

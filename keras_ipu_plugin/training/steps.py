@@ -72,6 +72,7 @@ from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
 from keras_ipu_plugin.passes.replace import copy_weights_by_name
 from keras_ipu_plugin.passes.core.base import serialize_pass
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.training.pipelined_step import pipelined_train_step
 
 _MAX_REBUILDS_PER_STEP = 8
 
@@ -635,6 +636,9 @@ class StepFunction:
         proxy = runtime.step_self()
 
         across_workers = _compat.reduces_across_workers(runtime.strategy)
+        # PipelineStages(microbatches=M): the pipelined step replaces Keras's
+        # train_step (training/pipelined_step.py); None otherwise.
+        pipelined = pipelined_train_step(runtime, step, NeedsConversion)
 
         def run_step(batch):
             runtime.traces += 1
@@ -642,7 +646,7 @@ class StepFunction:
             # watch sees every variable the step tries to create, at no cost
             # to compiled steps.
             with runtime.watch.watching(), runtime.tracing_step():
-                logs = step(proxy, batch)
+                logs = step(proxy, batch) if pipelined is None else pipelined(proxy, batch)
             if across_workers:
                 # Keras (to at least 3.15) reduces step outputs across workers
                 # with `strategy.reduce("MEAN", v, axis=0)`, which fails on

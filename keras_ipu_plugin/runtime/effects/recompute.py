@@ -107,7 +107,7 @@ def segments_of(nodes, outputs, backend):
     if current:
         segments.append(Segment(current))
     _keep_last_segment(segments)
-    _wire(segments, outputs)
+    wire_segments(segments, outputs)
     return segments
 
 
@@ -179,8 +179,9 @@ def _refuse_writes_in_segment(node, variables, given, scope):
                 "out of recomputed segments), or leave this layer out of Recompute's targets.")
 
 
-def _wire(segments, outputs):
-    """Fill each segment's crossing Values."""
+def wire_segments(segments, outputs):
+    """Fill each segment's crossing Values (`segments` in run order;
+    `outputs`: the Values the graph returns)."""
     later_needs = set(keras.tree.flatten(outputs))
     for segment in reversed(segments):
         produced = {value for node in segment.nodes for value in node.outputs}

@@ -1,0 +1,548 @@
+"""The pipelined training step: microbatches through stages on devices.
+
+With `PipelineStages(microbatches=M, devices=..., schedule=...)` among a
+runtime's passes, the train function of PluginModel, PluginCallback and
+kip.scope runs this step instead of Keras's `train_step`:
+
+1. the batch (x, y, sample weights; class weights are sample weights by
+   then) is split into M equal microbatches: a batch size M does not divide
+   is an error naming both;
+2. for each microbatch, each stage s runs its forward pass under its own
+   `tf.GradientTape` inside `tf.device(devices[s])`; the loss of the
+   microbatch (Keras's `compute_loss`, weight regularization included) is
+   taken on the last stage's device, weighted by the microbatch's share
+   (1/M: the loss is a mean over the batch);
+3. the backward pass of each stage is its own `tape.gradient(stage outputs,
+   [stage inputs] + weights, output_gradients=...)`, on the stage's device:
+   a stage's forward and backward ops sit on its device and only the tensors
+   crossing a stage boundary (and their gradients) go between devices;
+4. the gradients of all microbatches are summed and the optimizer applies
+   them once; the metrics are the whole batch's.
+
+Schedules: `"gpipe"`, every forward of a stage before its backwards (each
+stage's backward waits on its last forward); `"1f1b"`, one forward, one
+backward: a stage's forward of microbatch m waits on its backward of
+microbatch m - (S - s), so at most S - s microbatches' activations are
+alive on stage s. In graph mode TensorFlow's executor runs independent ops
+on different devices at once, which is where stages overlap. Under XLA
+(`jit_compile=True`) the step compiles to one cluster on one device: the
+results are the same, the placement and overlap are not.
+
+Equal to the unpipelined step (up to float rounding) for losses that are
+means over the batch (Keras's default reduction), with sample and class
+weights, weight regularizers and Keras's activity regularizers. Not equal:
+layers whose result depends on the whole batch (BatchNormalization: batch
+statistics over a microbatch, moving statistics updated M times), and
+random draws (each microbatch draws its own Dropout mask). Refused with a
+clear error: a custom `train_step` / `compute_loss` / `compute_metrics`, a
+strategy with several replicas, a loss reduction that is not a mean over the
+batch, an output carrying a Keras mask, a layer that adds a loss of its own
+(`add_loss`) or writes a trainable weight in its forward pass.
+
+Example:
+    >>> model = kip.PluginModel(MyModel(), passes=[kip.passes.PipelineStages(
+    ...     num_stages=2, microbatches=4, devices=["/GPU:0", "/GPU:1"])])
+    >>> model.compile("adam", "mse"); model.fit(x, y, batch_size=32)
+"""
+
+import contextlib
+import inspect
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.passes.annotate import PipelineStages
+from keras_ipu_plugin.passes.microbatching import pipelines
+from keras_ipu_plugin.runtime.backends import get_backend
+from keras_ipu_plugin.runtime.pipeline import StagedModel
+from keras_ipu_plugin.runtime.pipeline import stage_devices
+from keras_ipu_plugin.runtime.variables import union_of_variables
+from keras_ipu_plugin.training.calls import CallArguments
+
+#: Loss reductions that are means over the batch's entries: the whole
+#: batch's loss is the mean of M equal microbatches' losses.
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+#: Activity regularizers that add over a layer's output entries; Keras
+#: divides their value by the batch size, so they are means over the batch.
+ADDITIVE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+
+
+def pipeline_settings(passes):
+    """`(microbatches, devices or None, schedule)` of the one
+    `PipelineStages` pass in `passes` that asks for pipelined training, or
+    None when none does."""
+    found = [p for p in passes or () if isinstance(p, PipelineStages)
+             and pipelines(p.pipeline_settings)]
+    if len(found) > 1:
+        raise ValueError("Two PipelineStages passes ask for pipelined training (microbatches "
+                         "or devices); give those settings to one of them.")
+    return found[0].pipeline_settings if found else None
+
+
+def pipelined_train_step(runtime, step, needs_conversion):
+    """The step to run instead of `step` (a train function's `train_step`),
+    or None when the runtime's passes ask for no pipeline or `step` is not
+    a training step. `needs_conversion`: the exception that stops a trace
+    meeting a call with no conversion (`steps.NeedsConversion`).
+
+    Example:
+        >>> step = pipelined_train_step(runtime, keras.Model.train_step, NeedsConversion)
+        >>> logs = step(runtime.step_self(), (x, y))
+    """
+    settings = pipeline_settings(runtime.passes)
+    if settings is None or getattr(step, "__name__", None) != "train_step":
+        return None
+    _refuse_unsupported(runtime, step, settings[0])
+    return PipelinedStep(runtime, settings, needs_conversion)
+
+
+def _refuse_unsupported(runtime, step, microbatches):
+    name = runtime.subject.name
+    owner = f"PipelineStages(microbatches={microbatches})"
+    cls = type(runtime.subject)
+    if step is not keras.Model.train_step:
+        overridden = "train_step"
+    elif cls.compute_loss is not keras.Model.compute_loss:
+        overridden = "compute_loss"
+    elif cls.compute_metrics is not keras.Model.compute_metrics:
+        overridden = "compute_metrics"
+    else:
+        overridden = None
+    if overridden:
+        raise ValueError(
+            f"{owner}: model `{name}` overrides `{overridden}`. The pipelined step runs "
+            "each stage's forward and backward passes itself, in place of Keras's own "
+            "train_step, so a custom one is not supported yet. Leave microbatches and "
+            "devices out of PipelineStages to train it with its own step.")
+    replicas = runtime.strategy.num_replicas_in_sync
+    if replicas > 1:
+        raise ValueError(
+            f"{owner}: model `{name}` trains under a strategy with {replicas} replicas "
+            f"({type(runtime.strategy).__name__}); pipelined training with several "
+            "replicas is not supported yet. Train it under one replica, or leave "
+            "microbatches and devices out of PipelineStages.")
+    if get_backend().name != "portable":
+        raise ValueError(
+            f"{owner}: the pipelined step is the portable backend's; on the "
+            f"{get_backend().name} backend the stages go to its own pipeline.")
+
+
+class PipelinedStep:
+    """`step(proxy, data) -> logs`: the pipelined train step (module doc)."""
+
+    def __init__(self, runtime, settings, needs_conversion):
+        self.runtime = runtime
+        self.microbatches, self.devices, self.schedule = settings
+        self.needs_conversion = needs_conversion
+        self._staged = {}  # id(converted model) -> (model, StagedModel)
+        call = type(runtime.subject).call
+        self.training = True if "training" in inspect.signature(call).parameters else None
+
+    def staged(self, model):
+        kept = self._staged.get(id(model))
+        if kept is None or kept[0] is not model:
+            kept = (model, StagedModel(model, get_backend()))
+            self._staged[id(model)] = kept
+        return kept[1]
+
+    def __call__(self, proxy, data):
+        runtime = self.runtime
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        call = CallArguments(x, training=self.training)
+        conversion = runtime.find(runtime.subject, call)
+        if conversion is None:
+            # As `Runtime.call` does: stop here, the step function converts.
+            raise self.needs_conversion([(runtime.subject, call.signature())])
+        if not conversion.simple:
+            raise ValueError(f"PipelineStages: model `{runtime.subject.name}` is called with "
+                             "arguments other than its inputs; the pipelined step takes `x`.")
+        _check_loss_reductions(proxy, self.microbatches)
+        run = _Run(self, proxy, conversion.model, x, y, sample_weight)
+        return run.step()
+
+
+class _Run:
+    """One traced (or eager) pipelined step."""
+
+    def __init__(self, owner, proxy, model, x, y, sample_weight):
+        self.owner, self.proxy, self.model = owner, proxy, model
+        self.staged = owner.staged(model)
+        self.count = owner.microbatches
+        self.num_stages = self.staged.num_stages
+        self.devices = stage_devices(owner.devices, model.kip_stage_devices, self.num_stages)
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.xs = _split(x, self.count, "x")
+        self.ys = _split(y, self.count, "y")
+        self.ws = _split(sample_weight, self.count, "sample_weight")
+        self.trainable = list(proxy.trainable_weights)
+        self.state = union_of_variables(
+            list(runtime_variables(owner.runtime)) + list(model.variables),
+            _compat.global_seed_variables())
+        self.values = [self.staged.input_tensors(xm) for xm in self.xs]
+        self.forward = {}  # (stage position, m) -> (tape, watched ids, outputs, losses)
+        self.seeds = [dict() for _ in range(self.count)]  # tensor id -> gradient
+        self.loss_seeds = {}  # (stage position, m) -> gradients of its added losses
+        self.done = {}  # (kind, stage position, m) -> tensors to wait on
+        self.grads = [[] for _ in self.trainable]
+        self.losses = [None] * self.count
+        self.y_preds = [None] * self.count
+
+    def step(self):
+        for kind, s, m in schedule_order(self.num_stages, self.count, self.owner.schedule):
+            if kind == "F":
+                self._forward(s, m)
+                if s == self.num_stages - 1:
+                    self._loss(m)
+            else:
+                self._backward(s, m)
+        proxy = self.proxy
+        total = tf.add_n(self.losses)
+        first = next(leaf for leaf in tf.nest.flatten(self.x) if leaf is not None)
+        _compat.loss_tracker(proxy).update_state(total, sample_weight=tf.shape(first)[0])
+        if self.trainable:
+            rows = {id(leaf) for xm in self.xs for leaf in tf.nest.flatten(xm)}
+            gradients = [_summed(parts, rows) for parts in self.grads]
+            proxy.optimizer.apply_gradients(zip(gradients, self.trainable))
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        with _on(self.devices[-1]):
+            y_pred = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0),
+                                           *self.y_preds)
+        return proxy.compute_metrics(self.x, self.y, y_pred, sample_weight=self.sample_weight)
+
+    # -- forward ---------------------------------------------------------------
+    def _forward(self, s, m):
+        stage = self.staged.stages[s]
+        # A stage runs one microbatch at a time, as a device would: its
+        # forward of m after its forward of m - 1 (else TensorFlow starts
+        # several at once, holding their activations and taking the other
+        # stage's threads).
+        waits = list(self.done.get(("F", s, m - 1), []))
+        if self.owner.schedule == "1f1b" and m >= self.num_stages - s:
+            waits += self.done.get(("B", s, m - (self.num_stages - s)), [])
+        tensors = {i: self.values[m][i] for i in stage.inputs}
+        watched = [i for i in stage.inputs if _differentiable(tensors[i])]
+        with _on(self.devices[s]), tf.control_dependencies(waits):
+            with tf.GradientTape() as tape:
+                for i in watched:
+                    tape.watch(tensors[i])
+                with keras.StatelessScope(collect_losses=True) as scope:
+                    self.staged.run_stage(stage, tensors, self.owner.training)
+                losses = list(scope.losses)
+            self._write_back(scope, f"stage {stage.index}")
+        self._check_added_losses(losses, stage)
+        outputs = {i: tensors[i] for i in stage.outputs}
+        for i in stage.outputs:
+            self.values[m][i] = tensors[i]
+        self.forward[(s, m)] = (tape, watched, outputs, losses)
+        self.done[("F", s, m)] = list(outputs.values()) + losses
+
+    def _loss(self, m):
+        """Microbatch m's loss on the last stage's device; its gradients
+        with respect to the outputs and added losses seed the backward pass."""
+        y_pred = self.staged.outputs(self.values[m])
+        self.y_preds[m] = y_pred
+        ids = list(dict.fromkeys(keras.tree.flatten(self.staged.graph.outputs)))  # Values
+        for i in ids:
+            if _compat.keras_mask(self.values[m][i]) is not None:
+                raise ValueError(
+                    f"PipelineStages(microbatches={self.count}): an output of "
+                    f"`{self.model.name}` (of `{self.staged.tensor_names()[i]}`) carries a "
+                    "Keras mask; a masked loss is a mean over the batch's unmasked entries, "
+                    "which differ between microbatches, so the pipelined step would not "
+                    "equal the whole batch's. Not supported yet.")
+        outputs = [i for i in ids if _differentiable(self.values[m][i])]
+        added = [loss for s in range(self.num_stages) for loss in self.forward[(s, m)][3]]
+        with _on(self.devices[-1]):
+            with tf.GradientTape() as tape:
+                for i in outputs:
+                    tape.watch(self.values[m][i])
+                for loss in added:
+                    tape.watch(loss)
+                # A scope of its own, so that `compute_loss` reads none of the
+                # losses the layers hold from other calls, only the weight
+                # regularizers' (which read their weights from the scope).
+                regularized = [(v, _compat.current_value(v)) for v in self.trainable
+                               if getattr(v, "regularizer", None) is not None]
+                with _compat.stateless_scope(regularized, collect_losses=True) as scope:
+                    loss = self.proxy.compute_loss(
+                        x=self.xs[m], y=self.ys[m], y_pred=y_pred,
+                        sample_weight=self.ws[m], training=True)
+                if added:
+                    loss = loss + tf.add_n([tf.cast(a, loss.dtype) for a in added])
+                share = loss / self.count
+                scaled = share
+                if self.proxy.optimizer is not None:
+                    scaled = self.proxy.optimizer.scale_loss(share)
+            self._write_back(scope, "the loss", regularized)  # per-output loss trackers
+            sources = [self.values[m][i] for i in outputs] + added + self.trainable
+            gradients = tape.gradient(scaled, sources)
+            self._accumulate(gradients[len(outputs) + len(added):])
+        self.losses[m] = share
+        for i, g in zip(outputs, gradients):
+            self._seed(m, i, g)
+        self._add_loss_seeds(m, gradients[len(outputs):len(outputs) + len(added)])
+
+    # -- backward --------------------------------------------------------------
+    def _backward(self, s, m):
+        stage = self.staged.stages[s]
+        tape, watched, outputs, losses = self.forward.pop((s, m))
+        targets, seeds = [], []
+        for i, tensor in outputs.items():
+            if self.seeds[m].get(i) is not None:
+                targets.append(tensor)
+                seeds.append(self.seeds[m][i])
+        for loss, g in zip(losses, self.loss_seeds.pop((s, m), [])):
+            if g is not None:
+                targets.append(loss)
+                seeds.append(g)
+        if not targets:
+            self.done[("B", s, m)] = []
+            return
+        # One backward at a time per stage too (each holds its weight
+        # gradients until they are summed), after the forward the schedule
+        # puts before it.
+        waits = list(self.done.get(("B", s, m - 1), []))
+        if self.owner.schedule == "gpipe":  # all of this stage's forwards first
+            waits += self.done[("F", s, self.count - 1)]
+        else:
+            waits += self.done[("F", s, min(m + self.num_stages - s - 1, self.count - 1))]
+        tensors = self.values[m]
+        with _on(self.devices[s]), tf.control_dependencies(waits):
+            gradients = tape.gradient(targets, [tensors[i] for i in watched] + self.trainable,
+                                      output_gradients=seeds)
+            for i, g in zip(watched, gradients):
+                self._seed(m, i, g)
+            self._accumulate(gradients[len(watched):])
+        self.done[("B", s, m)] = [g for g in gradients if isinstance(g, tf.Tensor)]
+
+    def _seed(self, m, i, gradient):
+        if gradient is None:
+            return
+        gradient = tf.convert_to_tensor(gradient)
+        known = self.seeds[m].get(i)
+        self.seeds[m][i] = gradient if known is None else known + gradient
+
+    def _add_loss_seeds(self, m, gradients):
+        gradients = list(gradients)
+        for s in range(self.num_stages):
+            count = len(self.forward[(s, m)][3])
+            self.loss_seeds[(s, m)], gradients = gradients[:count], gradients[count:]
+
+    def _accumulate(self, gradients):
+        """Add a stage's (or the loss's) weight gradients to the sums, on its
+        device. Dense ones are summed as they come, so one gradient per
+        weight stays alive rather than one per microbatch; IndexedSlices are
+        kept to be joined as the whole batch's would be (`_summed`)."""
+        for parts, g in zip(self.grads, gradients):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices) or not parts or isinstance(
+                    parts[-1], tf.IndexedSlices):
+                parts.append(g)
+            else:
+                parts[-1] = parts[-1] + g
+
+    # -- state -----------------------------------------------------------------
+    def _write_back(self, scope, where, given=()):
+        """Assign what a stage (or the loss) wrote inside its stateless
+        scope: moving statistics, seed states, loss trackers. `given`: the
+        `(variable, value)` pairs the scope was made with (no writes)."""
+        given = {id(variable): value for variable, value in given}
+        for variable in self.state:
+            value = scope.get_current_value(variable)
+            if value is None or value is given.get(id(variable)):
+                continue
+            if variable.trainable:
+                raise ValueError(
+                    f"PipelineStages(microbatches={self.count}): {where} of "
+                    f"`{self.model.name}` writes the trainable variable `{variable.path}` in "
+                    "its forward pass; the pipelined step does not support that yet.")
+            variable.assign(value)
+
+    def _check_added_losses(self, losses, stage):
+        """Losses added in the forward pass are taken as means over the batch
+        (what Keras's activity regularizers are); a layer's own `add_loss`
+        may be anything: refused, naming it."""
+        if not losses:
+            return
+        layers = _compat.all_layers(self.model)
+        for loss in losses:
+            owner = next((layer for layer in layers if _compat.added_loss(layer, loss)), None)
+            regularizer = getattr(owner, "activity_regularizer", None)
+            if owner is None or type(regularizer) not in ADDITIVE_REGULARIZERS:
+                who = f"layer `{owner.name}`" if owner is not None else "a layer"
+                raise ValueError(
+                    f"PipelineStages(microbatches={self.count}): {who} of stage "
+                    f"{stage.index} adds a loss in its forward pass (add_loss, or an activity "
+                    "regularizer other than keras.regularizers L1 / L2 / L1L2). How it "
+                    "aggregates over the batch is unknown, so the microbatches' losses "
+                    "cannot be weighed to equal the whole batch's. Not supported yet.")
+
+
+def runtime_variables(runtime):
+    """Every variable a step may write: the model's, and the metrics' (the
+    compiled loss's per-output trackers are written inside `compute_loss`)."""
+    found = list(runtime.subject.variables)
+    for model in (runtime.owner, runtime.subject):
+        found += list(model.metrics_variables)
+    return found
+
+
+def schedule_order(num_stages, count, schedule):
+    """The order in which the step builds (and eagerly runs) forward `F`
+    and backward `B` passes `(kind, stage, microbatch)`: each stage's own
+    sequence (GPipe: all forwards then all backwards; 1F1B: S - s - 1
+    forwards, then one forward and one backward in turn), interleaved one
+    action per stage per round as their inputs are ready.
+
+    Example:
+        >>> schedule_order(2, 2, "1f1b")
+        [('F', 0, 0), ('F', 1, 0), ('F', 0, 1), ('B', 1, 0), ('B', 0, 0), ('F', 1, 1), ...]
+    """
+    queues = []
+    for s in range(num_stages):
+        if schedule == "gpipe":
+            queue = [("F", s, m) for m in range(count)] + [("B", s, m) for m in range(count)]
+        else:
+            warmup = min(num_stages - s - 1, count)
+            queue = [("F", s, m) for m in range(warmup)]
+            for k in range(count - warmup):
+                queue += [("F", s, warmup + k), ("B", s, k)]
+            queue += [("B", s, m) for m in range(count - warmup, count)]
+        queues.append(queue)
+    done, order = set(), []
+
+    def ready(action):
+        kind, s, m = action
+        if kind == "F":
+            return all(("F", t, m) in done for t in range(s))
+        return ("F", num_stages - 1, m) in done and all(
+            ("B", t, m) in done for t in range(s + 1, num_stages))
+
+    while any(queues):
+        progressed = False
+        for queue in queues:
+            if queue and ready(queue[0]):
+                action = queue.pop(0)
+                done.add(action)
+                order.append(action)
+                progressed = True
+        if not progressed:  # a bug in the queues above, never the user's
+            raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked: {queues}")
+    return order
+
+
+def _split(structure, count, what):
+    """`count` structures of equal row slices of `structure`'s tensors (a
+    None stays None in each)."""
+    if structure is None:
+        return [None] * count
+    leaves = tf.nest.flatten(structure)
+    pieces = []
+    for leaf in leaves:
+        if leaf is None:
+            pieces.append([None] * count)
+            continue
+        tensor = tf.convert_to_tensor(leaf)
+        rows = tensor.shape[0] if tensor.shape.rank else None
+        if tensor.shape.rank == 0:
+            raise ValueError(f"PipelineStages(microbatches={count}): `{what}` holds a scalar; "
+                             "it cannot be split into microbatches.")
+        if rows is not None and rows % count:
+            raise ValueError(
+                f"PipelineStages(microbatches={count}): a batch of {rows} rows (`{what}`) "
+                f"cannot be split into {count} equal microbatches; use a batch size that "
+                f"{count} divides (drop_remainder=True on a dataset whose size it does not).")
+        if rows is None and not tf.executing_eagerly():
+            batch = tf.shape(tensor)[0]
+            check = tf.debugging.Assert(
+                tf.equal(tf.math.floormod(batch, count), 0),
+                [f"PipelineStages(microbatches={count}): a batch of", batch,
+                 f"rows (`{what}`) cannot be split into {count} equal microbatches; use a "
+                 f"batch size that {count} divides (drop_remainder=True on a dataset whose "
+                 f"size it does not)."])
+            with tf.control_dependencies([check]):
+                tensor = tf.identity(tensor)
+        pieces.append(tf.split(tensor, count, axis=0))
+    return [tf.nest.pack_sequence_as(structure, [p[m] for p in pieces]) for m in range(count)]
+
+
+def _check_loss_reductions(proxy, count):
+    for loss in keras.tree.flatten(getattr(proxy, "loss", None)):
+        reduction = getattr(loss, "reduction", "sum_over_batch_size")
+        if isinstance(loss, keras.losses.Loss) and reduction not in MEAN_REDUCTIONS:
+            raise ValueError(
+                f"PipelineStages(microbatches={count}): loss `{loss.name}` has "
+                f"reduction={reduction!r}; the pipelined step weighs each microbatch's "
+                "loss by its share of the batch, which equals the whole batch's loss only "
+                f"for means over the batch ({', '.join(map(repr, MEAN_REDUCTIONS))}).")
+
+
+def _differentiable(tensor):
+    return tf.is_tensor(tensor) and (tensor.dtype.is_floating or tensor.dtype.is_complex)
+
+
+def _summed(parts, rows):
+    """The sum of one variable's gradients from the microbatches and stages,
+    in the form the whole batch's gradient takes (`rows`: the microbatches'
+    input tensors).
+
+    Keras's optimizers are not indifferent to that form: Adam squares an
+    IndexedSlices gradient (an Embedding's) slice by slice, before repeated
+    indices are summed. So an IndexedSlices sum is made as the whole batch's
+    would be: where the gathered indices come from the microbatch's rows
+    (token ids), the slices are joined; where they do not (a position
+    embedding over `arange(length)`: every microbatch gathers the same
+    rows), their values are added slice by slice."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, tf.IndexedSlices) for p in parts):
+        return _summed_slices(parts, rows)
+    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+def _summed_slices(parts, rows):
+    indices = [p.indices for p in parts]
+    if tf.executing_eagerly():  # no graph to read: the values tell
+        fixed = len({tuple(i.shape) for i in indices}) == 1 and all(
+            bool(tf.reduce_all(tf.equal(i, indices[0]))) for i in indices[1:])
+    else:
+        fixed = not any(_depends_on(i, rows) for i in indices)
+    if not fixed:
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat(indices, 0), parts[0].dense_shape)
+    checks = [] if tf.executing_eagerly() else [
+        tf.debugging.assert_equal(i, indices[0], message=(
+            "pipelined step: the microbatches' gradients of one embedding gather "
+            "indices that do not come from their rows, yet differ")) for i in indices[1:]]
+    with tf.control_dependencies(checks):
+        values = tf.add_n([p.values for p in parts])
+    return tf.IndexedSlices(values, indices[0], parts[0].dense_shape)
+
+
+def _depends_on(tensor, sources):
+    """Whether graph tensor `tensor` is computed from any tensor whose id is
+    in `sources` (walking the ops' inputs)."""
+    seen, stack = set(), [tensor]
+    while stack:
+        current = stack.pop()
+        if id(current) in sources:
+            return True
+        op = current.op
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        stack.extend(op.inputs)
+    return False
+
+
+def _on(device):
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+__all__ = ["PipelinedStep", "pipeline_settings", "pipelined_train_step", "schedule_order"]
