@@ -684,6 +684,48 @@ def test_the_dry_run_leaves_no_trace(entry):
     assert int(trained.optimizer.iterations.numpy()) == 8
 
 
+class CountsItsTraces(CountsItsSteps):
+    """`CountsItsSteps`, counting the Python runs of its step (its traces)."""
+
+    runs = 0
+
+    def train_step(self, data):
+        CountsItsTraces.runs += 1
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize("entry", ["plugin_model", "callback"])
+def test_the_dry_run_traces_the_step_once_and_builds_the_optimizer_after_it(entry):
+    """An optimizer the step builds at its first apply is built after the
+    dry run, not in it: a variable made while TensorFlow traces the dry run
+    would make it trace the dry run again. The step then runs in Python
+    twice (the dry run, the step's trace), and the optimizer is built on
+    what plain Keras builds it on."""
+    x, _ = _classification()
+    y = x[:, :1]
+
+    def train(how):
+        keras.utils.set_random_seed(4)
+        model = CountsItsTraces()
+        model(x[:2])  # built: the dry run makes no weight of the model either
+        trained = kip.PluginModel(model) if how == "plugin_model" else model
+        trained.compile(optimizer=keras.optimizers.Adam(0.01))
+        callbacks = [kip.PluginCallback()] if how == "callback" else []
+        CountsItsTraces.runs = 0
+        trained.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        return model, trained.optimizer
+
+    reference, plain_optimizer = train(None)
+    model, optimizer = train(entry)
+    assert CountsItsTraces.runs == 2
+    # the same slots, in the same order (names follow each twin's layer names)
+    assert ([tuple(v.shape) for v in optimizer.variables]
+            == [tuple(v.shape) for v in plain_optimizer.variables])
+    for mine, theirs in zip(optimizer.variables, plain_optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=1e-6, err_msg=mine.path)
+    _assert_same_weights(model, reference)
+
+
 class PenaltySetPerInstance(keras.Model):
     """An instance attribute hiding a method of the class, as Python allows:
     `self.penalty` is the one given to `__init__`."""

@@ -174,14 +174,18 @@ class OptimizingFacade:
     With `rebuild=False` it raises `NewVariablesError` naming the variables
     and their layers instead (Keras's behaviour, with a clearer message).
     While `skip()` is true it applies nothing (a step run only to see what
-    it calls, see `training.StepFunction`).
+    it calls, see `training.StepFunction`); an optimizer not built yet is
+    built there, or, given `defer_build`, handed to it with the variables
+    to build on (`defer_build(optimizer, variables)`), for the caller to
+    build once the run is over.
     """
 
-    def __init__(self, optimizer, rebuild=True, owner=None, skip=None):
+    def __init__(self, optimizer, rebuild=True, owner=None, skip=None, defer_build=None):
         object.__setattr__(self, "_kip_optimizer", optimizer)
         object.__setattr__(self, "_kip_rebuild", rebuild)
         object.__setattr__(self, "_kip_owner", owner)
         object.__setattr__(self, "_kip_skip", skip or (lambda: False))
+        object.__setattr__(self, "_kip_defer_build", defer_build)
 
     def __getattr__(self, name):
         return getattr(self._kip_optimizer, name)
@@ -204,9 +208,13 @@ class OptimizingFacade:
         return self._kip_optimizer.apply_gradients(grads_and_vars)
 
     def _build_only(self, variables):
-        # What the first apply would build, built, and nothing applied.
+        # What the first apply would build, built (or left to the caller
+        # to build), and nothing applied.
         if variables is not None and not self._kip_optimizer.built:
-            self._kip_optimizer.build(list(variables))
+            if self._kip_defer_build is not None:
+                self._kip_defer_build(self._kip_optimizer, list(variables))
+            else:
+                self._kip_optimizer.build(list(variables))
         return None
 
     def _learn(self, variables):

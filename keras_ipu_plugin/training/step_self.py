@@ -110,7 +110,7 @@ class StepSelf:
         if isinstance(value, keras.optimizers.Optimizer):
             return OptimizingFacade(
                 value, runtime.rebuild_on_new_variables, runtime.subject,
-                skip=runtime.dry_running)
+                skip=runtime.dry_running, defer_build=runtime.build_after_the_dry_run)
         if isinstance(value, keras.Model) and value is not runtime.subject:
             return runtime.callee_stand_in(value)
         return value

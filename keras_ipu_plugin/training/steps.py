@@ -116,6 +116,7 @@ class Runtime:
         self._stand_ins = {}
         # the conversions each thread ran, for the losses their graphs added
         self.step_losses = StepLosses()
+        self._builds_after_the_dry_run = {}  # id(optimizer) -> (optimizer, variables)
 
     #: What an entry point asks for when it is given nothing: a second entry
     #: point given these defers to the runtime that already trains the model.
@@ -437,6 +438,18 @@ class Runtime:
     def dry_running(self):
         return getattr(self._local, "recorded", None) is not None
 
+    def build_after_the_dry_run(self, optimizer, variables):
+        """Note that the dry run's step applied `optimizer`, not built yet,
+        to `variables`: `record_calls` builds it on them after the run.
+
+        Built inside the run, its variables would be made while TensorFlow
+        traces the run, and TensorFlow then traces the run a second time
+        (a custom step's dry run cost two traces of the step, not one).
+        The first list an optimizer is applied to is the one it is built
+        on, as when it builds at its first `apply`.
+        """
+        self._builds_after_the_dry_run.setdefault(id(optimizer), (optimizer, variables))
+
     def record_calls(self, step, data):
         """Run `step` once on `data` as a dry run; return the concrete
         `(callee, CallArguments)` of every call it made (one replica's).
@@ -468,10 +481,15 @@ class Runtime:
         function = tf.function(
             lambda batch: strategy.run(replica, args=(batch,)), autograph=False)
         snapshot = VariableValues(self._state_variables())
+        self._builds_after_the_dry_run.clear()
         try:
             with strategy.scope():
                 flat = function(data)
+                for optimizer, variables in self._builds_after_the_dry_run.values():
+                    if not optimizer.built:
+                        optimizer.build(variables)
         finally:
+            self._builds_after_the_dry_run.clear()
             snapshot.restore()
             # Metrics not seen before the run (built in it: Keras's compiled
             # metrics before their first step) still hold its update.
