@@ -6,8 +6,8 @@ from keras_ipu_plugin.passes.core.manager import validate_passes
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.scope import plugged_in
 from keras_ipu_plugin.training.steps import Runtime
-from keras_ipu_plugin.training.steps import StepFunction
-from keras_ipu_plugin.training.steps import install
+from keras_ipu_plugin.training.step_functions import StepFunction
+from keras_ipu_plugin.training.step_functions import install
 
 
 class PluginCallback(keras.callbacks.Callback):

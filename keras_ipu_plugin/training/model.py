@@ -24,8 +24,8 @@ from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.passes.core.base import deserialize_pass
 from keras_ipu_plugin.passes.core.base import serialize_pass
 from keras_ipu_plugin.training.steps import Runtime
-from keras_ipu_plugin.training.steps import PredictFunction
-from keras_ipu_plugin.training.steps import StepFunction
+from keras_ipu_plugin.training.step_functions import PredictFunction
+from keras_ipu_plugin.training.step_functions import StepFunction
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
 from keras_ipu_plugin.runtime.functional import refuse_hdf5

@@ -1,7 +1,7 @@
 """How `fit` reaches the converted graph: one route per backend.
 
 Portable: Keras's own `fit` / `evaluate` call `model.train_function`, which
-the plugin sets (`steps.StepFunction`), so PluginModel, PluginCallback and
+the plugin sets (`step_functions.StepFunction`), so PluginModel, PluginCallback and
 `kip.scope` all work through it.
 
 IPU (Graphcore's SDK, written against SDK 3.4 and never run on an IPU, see

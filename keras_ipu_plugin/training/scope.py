@@ -21,8 +21,8 @@ from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.training.model import PluginModel
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.steps import Runtime
-from keras_ipu_plugin.training.steps import install as install_functions
-from keras_ipu_plugin.training.steps import installed_runtime
+from keras_ipu_plugin.training.step_functions import install as install_functions
+from keras_ipu_plugin.training.step_functions import installed_runtime
 
 
 @contextlib.contextmanager

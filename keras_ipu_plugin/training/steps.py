@@ -3,8 +3,9 @@
 One `Runtime` per model holds what every entry point shares: the
 conversions made so far (one per kind of call a step makes, see
 `calls.py`), the `VariableWatch`, the step's `self` (`step_self.py`).
-`StepFunction` is the `train_function` / `test_function` that `fit` /
-`evaluate` call (Keras honours one set before the first step).
+`StepFunction` (`step_functions.py`) is the `train_function` /
+`test_function` that `fit` / `evaluate` call (Keras honours one set before
+the first step); this module is what it runs on.
 
 What is converted is what the step calls, with the arguments it passes:
 `self(x)` for Keras's own steps, but also `self([source, target[:, :-1]])`
@@ -51,11 +52,8 @@ from keras_ipu_plugin.training.calls import convert_call
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import assigned_outside
 from keras_ipu_plugin.runtime.distribution import check_built_under
-from keras_ipu_plugin.training.dynamic import NeedsExtension
-from keras_ipu_plugin.training.dynamic import NewVariablesError
 from keras_ipu_plugin.training.dynamic import VariableWatch
 from keras_ipu_plugin.training.dynamic import describe_new_variables
-from keras_ipu_plugin.training.dynamic import extend_optimizer
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
@@ -72,9 +70,6 @@ from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
 from keras_ipu_plugin.passes.replace import copy_weights_by_name
 from keras_ipu_plugin.passes.core.base import serialize_pass
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.training.pipelined_step import pipelined_train_step
-
-_MAX_REBUILDS_PER_STEP = 8
 
 
 class NeedsConversion(Exception):
@@ -583,216 +578,6 @@ def _in_a_replica_of_many():
     return strategy.num_replicas_in_sync > 1 and not tf.distribute.in_cross_replica_context()
 
 
-class StepFunction:
-    """A `train_function` / `test_function` running `step(self_, data)`.
-
-    `step` is the unbound step method to run (the user's override, or
-    Keras's own), e.g. `type(model).train_step`.
-    """
-
-    def __init__(self, runtime, step):
-        self.runtime = runtime
-        self.step = step
-        self.function = None
-        self._iterator = None
-
-    @property
-    def calls_self_on_x(self):
-        return calls_self_on_x(self.runtime, self.step)
-
-    def __call__(self, iterator):
-        runtime = self.runtime
-        if self.function is None:
-            data = _next(iterator)
-            self._iterator = iterator
-            if self.calls_self_on_x:
-                runtime.convert(_first_x(runtime.owner, data))
-            elif not runtime.owner.run_eagerly:
-                convert_calls(runtime, self.step, data)  # eager steps convert as they call
-            self._build_optimizer_before_the_trace()
-            self._make()
-            if runtime.owner.run_eagerly:
-                return self._run([data])
-            return self._run(_first_batch_as_iterated(iterator, data))
-        if iterator is not self._iterator:  # a new epoch: a new iterator
-            self._iterator = iterator
-            if runtime.structure_changed():
-                if not runtime.rebuild_on_new_variables:
-                    # Training on would run the old graph: the switched
-                    # branch would silently never run.
-                    raise NewVariablesError(describe_structure_change(runtime))
-                runtime.rebuild("a Python attribute switched a branch of `call`")
-                self._make()
-        if runtime.owner.run_eagerly:
-            return self._run([_next(iterator)])
-        return self._run(iterator)
-
-    def _build_optimizer_before_the_trace(self):
-        """Build the optimizer on the variables Keras's own `train_step` will
-        hand it, before the step is traced.
-
-        Keras (to at least 3.15, no strategy) builds it inside the first
-        traced step; TensorFlow then traces the step again because variables
-        were made in it. Built here on the same list, in the same order, the
-        step is traced once. A custom step may train another list: it is left
-        to build its optimizer as it does alone.
-        """
-        runtime = self.runtime
-        if self.step is not keras.Model.train_step or not self.calls_self_on_x or (
-                runtime.owner.run_eagerly):
-            return
-        proxy = runtime.step_self()
-        optimizer = getattr(proxy, "optimizer", None)
-        variables = list(proxy.trainable_weights)
-        if optimizer is None or optimizer.built or not variables:
-            return
-        with runtime.strategy.scope():
-            optimizer.build(variables)
-
-    def _make(self):
-        runtime, step = self.runtime, self.step
-        proxy = runtime.step_self()
-
-        across_workers = _compat.reduces_across_workers(runtime.strategy)
-        # PipelineStages(microbatches=M): the pipelined step replaces Keras's
-        # train_step (training/pipelined_step.py); None otherwise.
-        pipelined = pipelined_train_step(runtime, step, NeedsConversion)
-
-        def run_step(batch):
-            runtime.traces += 1
-            # Runs in Python only while the step is traced (or eagerly): the
-            # watch sees every variable the step tries to create, at no cost
-            # to compiled steps.
-            with runtime.watch.watching(), runtime.tracing_step():
-                logs = step(proxy, batch) if pipelined is None else pipelined(proxy, batch)
-            if across_workers:
-                # Keras (to at least 3.15) reduces step outputs across workers
-                # with `strategy.reduce("MEAN", v, axis=0)`, which fails on
-                # the scalar logs ("Invalid reduction dimension 0 for input
-                # with 0 dimensions"); a length-1 axis reduces to the mean.
-                logs = tf.nest.map_structure(_with_leading_axis, logs)
-            return logs
-
-        self.function = _compat.make_step_function(runtime.owner, run_step)
-
-    def _run(self, source):
-        runtime = self.runtime
-        eager = runtime.owner.run_eagerly
-        for _ in range(_MAX_REBUILDS_PER_STEP):
-            traces = runtime.traces
-            runtime.watch.take()
-            try:
-                # In graph mode variables can only appear while the step is
-                # traced, which `runtime.traces` counts: the compiled steps
-                # pay nothing. Eager steps run under the watch's creator scope.
-                with runtime.watch.watching() if eager else contextlib.nullcontext():
-                    outputs = self.function(source)
-            except NeedsExtension as need:
-                # Met while tracing (or in a replica): nothing ran; extend the
-                # optimizer outside, under its strategy, and trace anew.
-                added = extend_optimizer(need.optimizer, need.variables)
-                for conversion in runtime.conversions:
-                    conversion.model.kip_report.add(
-                        "rebuild", need.optimizer.name, "optimizer extended",
-                        ", ".join(v.path for v in added))
-                self._make()
-                continue
-            except NeedsConversion as need:
-                # Met while tracing: nothing ran. One batch (the one the step
-                # would have read) shows the concrete arguments; it is then
-                # trained on as usual.
-                data = source[0] if isinstance(source, list) else _next(source)
-                for callee, signature in need.misses:
-                    convert_calls(runtime, self.step, data, callee, signature)
-                self._make()
-                source = [data]
-                continue
-            except Exception as error:
-                if not runtime.watch.refused:
-                    raise  # the user's own error, as it was raised
-                # A variable creation failed: variables created on a later
-                # trace of the tf.function than its first.
-                if not runtime.rebuild_on_new_variables:
-                    raise NewVariablesError(describe_new_variables(
-                        runtime.new_variables(), runtime.subject)) from error
-                runtime.rebuild("variables created while tracing")
-                self._make()
-                continue
-            created = runtime.watch.changed if eager else runtime.traces != traces
-            new = runtime.new_variables() if created else []
-            if new:
-                if not runtime.rebuild_on_new_variables:
-                    raise NewVariablesError(describe_new_variables(new, runtime.subject))
-                runtime.rebuild("variables created in a step")
-                self._make()
-            return outputs
-        raise RuntimeError(
-            f"keras_ipu_plugin: model `{runtime.subject.name}` kept creating "
-            "variables or calls to convert; gave up after repeated rebuilds in one step."
-        )
-
-
-
-class PredictFunction:
-    """Keras's `predict_function`, converting first a call its trace meets
-    without a conversion (predicting at a new image size: Keras traces the
-    function again with the size left open)."""
-
-    def __init__(self, runtime, step, function):
-        self.runtime = runtime
-        self.step = step
-        self.function = function
-
-    def __call__(self, data):
-        for _ in range(_MAX_REBUILDS_PER_STEP):
-            try:
-                return self.function(data)
-            except NeedsConversion as need:
-                # Keras hands over the batches of one execution, concrete.
-                for callee, signature in need.misses:
-                    convert_calls(self.runtime, self.step, data[0], callee, signature)
-        raise RuntimeError(
-            f"keras_ipu_plugin: predicting with `{self.runtime.subject.name}` kept "
-            "meeting calls to convert; gave up."
-        )
-
-
-def calls_self_on_x(runtime, step):
-    """Keras's own steps call `self(x)` with the batch's `x`, and nothing
-    else unless the model's own `compute_loss` / `compute_metrics` do."""
-    cls = type(runtime.subject)
-    own = (keras.Model.train_step, keras.Model.test_step, keras.Model.predict_step)
-    return step in own and (
-        cls.compute_loss is keras.Model.compute_loss
-        and cls.compute_metrics is keras.Model.compute_metrics
-    )
-
-
-def convert_calls(runtime, step, data, callee=None, signature=None):
-    """Convert the calls `step` makes on `data`: all of them, or the one to
-    `callee` that `signature` (from a trace) describes."""
-    if callee is runtime.subject and calls_self_on_x(runtime, step):
-        x = _first_x(runtime.owner, data)
-        runtime.add_conversion(callee, CallArguments(x), signature)
-        return
-    examples = runtime.record_calls(step, data)
-    if callee is None:
-        for made_by, call in examples:
-            if runtime.find(made_by, call) is None:
-                runtime.add_conversion(made_by, call)
-        return
-    example = next((call for made_by, call in examples
-                    if made_by is callee and signature.accepts(call.signature())), None)
-    if example is None:
-        raise ConversionError(
-            f"The step calls `{callee.name}` on {signature.describe()} when "
-            "traced, but made no such call when run on a batch, so there is "
-            "nothing to convert it from. Does the step branch on something "
-            "that differs between tracing and running?"
-        )
-    runtime.add_conversion(callee, example, signature)
-
-
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -827,67 +612,6 @@ def _spec_of_input(tensor):
     return InputSpec(name=tensor.name, shape=tuple(tensor.shape[1:]), dtype=tensor.dtype)
 
 
-def _with_leading_axis(value):
-    value = tf.convert_to_tensor(value)
-    return tf.reshape(value, [1]) if value.shape.rank == 0 else value
-
-
-def _next(iterator):
-    if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-        try:
-            return iterator.get_next()
-        except tf.errors.OutOfRangeError:
-            raise StopIteration
-    return next(iter(iterator))
-
-
-def _first_batch_as_iterated(iterator, data):
-    """A source for `StepFunction._run` holding only `data`, the batch just
-    read from `iterator` to convert from, with the shapes `iterator` gives.
-
-    Handed over concrete (a list), the batch would trace the compiled step
-    with its static shapes (`(4, 8, 8, 3)`), where `fit` traces it with the
-    iterator's (`(None, 8, 8, 3)`). TensorFlow optimises the two graphs
-    differently, so the first step rounds differently from plain Keras: a
-    gradient that is zero but for rounding (a bias before a softmax) then
-    takes another Adam step, and training differs. A one-batch iterator
-    whose elements have the original iterator's shapes traces the graph
-    `fit` traces. (A distributed iterator takes the batch as it is.)
-
-    Example:
-        >>> source = _first_batch_as_iterated(iterator, data)
-        >>> _next(source) is not None   # `data`, with `iterator`'s shapes
-        True
-    """
-    spec = getattr(iterator, "element_spec", None)
-    if not isinstance(iterator, tf.data.Iterator) or not all(
-        isinstance(leaf, tf.TensorSpec) for leaf in tf.nest.flatten(spec)
-    ):
-        return [data]
-    try:
-        tf.nest.assert_same_structure(data, spec)
-    except (TypeError, ValueError):
-        return [data]
-
-    def as_iterated(batch):
-        return tf.nest.map_structure(
-            lambda tensor, leaf: tf.compat.v1.placeholder_with_default(tensor, leaf.shape),
-            batch, spec,
-        )
-
-    single = tf.data.Dataset.from_tensors((data,)).map(as_iterated)
-    return iter(single)
-
-
-def _first_x(model, data):
-    """`x` of one replica's share of a (possibly distributed) batch."""
-    strategy = model.distribute_strategy
-    local = tf.nest.map_structure(
-        lambda v: strategy.experimental_local_results(v)[0], data
-    )
-    return keras.utils.unpack_x_y_sample_weight(local)[0]
-
-
 def _layer_sequence(converted):
     graph = converted.kip_graph
     return None if graph is None else [id(layer) for layer in graph.layers()]
@@ -896,26 +620,6 @@ def _layer_sequence(converted):
 def _is_opaque(converted):
     graph = getattr(converted, "kip_graph", None)
     return graph is not None and any(isinstance(n.operation, OpaqueLayer) for n in graph.nodes)
-
-
-def installed_runtime(model):
-    """The runtime whose train / test functions `model` holds now (given by
-    `kip.scope` or a callback; a later `compile` resets them), or None."""
-    for attribute in ("train_function", "test_function"):
-        function = vars(model).get(attribute)
-        if isinstance(function, StepFunction) and function.runtime.owner is model:
-            return function.runtime
-    return None
-
-
-def install(model, runtime):
-    """Give `model` plugin train / test functions (what the callback and
-    `kip.scope` do), keeping ones already given for the same runtime so a
-    second `fit` does not trace the step again."""
-    for attribute, step in (("train_function", "train_step"), ("test_function", "test_step")):
-        current = getattr(model, attribute, None)
-        if not (isinstance(current, StepFunction) and current.runtime is runtime):
-            setattr(model, attribute, StepFunction(runtime, getattr(type(model), step)))
 
 
 __all__ = [
