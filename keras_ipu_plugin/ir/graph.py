@@ -24,6 +24,10 @@ rewiring lists by hand (a miswired node is a silently wrong model):
 Each node has one metadata dict, `node.meta` (the pass annotations, why it
 is opaque, the blocks it was inlined from...), copied with the graph.
 
+This module is one concept, the IR and its editing primitives, and stays
+one file although it is over 600 lines: the primitives keep `Value.users`
+and masks consistent with each other, which is easier to check side by side.
+
 Example:
     >>> graph = converted.kip_graph
     >>> [node.name for node in graph.nodes]
