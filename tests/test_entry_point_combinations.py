@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
+from keras_ipu_plugin.training import step_functions
 from keras_ipu_plugin.training import steps as steps_module
 
 
@@ -194,7 +195,7 @@ def test_a_model_compiled_by_its_plugin_model_inside_the_scope_trains_through_th
         plugin.compile(optimizer="sgd", loss="mse", scale=2.0)
     # Compiled inside the scope by the wrapper's `compile`: not plugged in
     # by itself (a second runtime around a model the wrapper trains).
-    assert not isinstance(vars(wrapped).get("train_function"), steps_module.StepFunction)
+    assert not isinstance(vars(wrapped).get("train_function"), step_functions.StepFunction)
     assert kip.scope_report(wrapped) is None
     plugin.fit(x, y, batch_size=16, verbose=0)
     assert kip.scope_report(plugin) is plugin.kip_report is not None
