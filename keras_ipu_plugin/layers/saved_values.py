@@ -94,5 +94,24 @@ def saved_user_layer(value, entry, key="layer"):
     return layer
 
 
-__all__ = ["refuse", "saved_bool", "saved_dtype", "saved_keras_object", "saved_number",
+def saved_function_config(entry, config):
+    """`(function, name)` of a saved `{'function': path, 'name': name}`
+    config of a layer that calls a TensorFlow function by its table path
+    (`TFFunction`, `TFRandomDraw`: the path is resolved from their own
+    table afterwards); `entry` names the layer class in the error.
+
+    Example:
+        >>> saved_function_config("TFFunction", {"function": "math.square", "name": "sq"})
+        ('math.square', 'sq')
+    """
+    if not isinstance(config, dict) or set(config) - {"function", "name"} or (
+            "function" not in config):
+        raise LoadError(
+            f"{entry}: a saved config is {{'function': path, 'name': name}}; got "
+            f"{short_repr(config)}."
+        )
+    return config["function"], config.get("name")
+
+
+__all__ = ["refuse", "saved_bool", "saved_function_config", "saved_dtype", "saved_keras_object", "saved_number",
            "saved_shape", "saved_str", "saved_user_layer"]

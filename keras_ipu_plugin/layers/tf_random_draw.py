@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.layers.saved_values import saved_function_config
 from keras_ipu_plugin.layers.tf_function_table import draw_function_at
 
 
@@ -83,13 +84,8 @@ class TFRandomDraw(keras.Operation):
 
     @classmethod
     def from_config(cls, config):
-        if not isinstance(config, dict) or set(config) - {"function", "name"} or (
-                "function" not in config):
-            raise LoadError(
-                f"TFRandomDraw: a saved config is {{'function': path, 'name': name}}; got "
-                f"{short_repr(config)}."
-            )
-        return cls(config["function"], name=config.get("name"))
+        function, name = saved_function_config(cls.__name__, config)
+        return cls(function, name=name)
 
 
 def draws_statefully(operation):
