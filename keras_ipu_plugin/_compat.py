@@ -774,6 +774,19 @@ def adopt_call_signature(alias, layer):
         object.__setattr__(alias, name, getattr(layer, name))
 
 
+def call_takes_training_argument(layer):
+    """Whether Keras hands `layer.__call__`'s `training` on to its `call`
+    (`_call_has_training_arg`, also what `fit` reads to call a model as
+    `model(x, training=True)` or as `model(x)`)."""
+    return layer._call_has_training_arg
+
+
+def set_call_takes_training_argument(layer, value):
+    """Set what `call_takes_training_argument` reads (a converted model
+    takes it from the model it was converted from)."""
+    object.__setattr__(layer, "_call_has_training_arg", value)
+
+
 def stop_gradient_recording():
     """A context in which no gradient tape records (TensorFlow's own
     `tf.recompute_grad` runs its forward pass so: the tape then keeps none

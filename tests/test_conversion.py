@@ -184,6 +184,86 @@ def test_training_flag_reaches_dropout():
     assert converted.kip_graph.node(model.dropout.name).training == FOLLOW
 
 
+class DropoutNoTrainingArgument(keras.Model):
+    """A `call` without `training`: Keras's `fit` calls it as `model(x)`, so
+    its Dropout runs in inference mode."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+        self.dropout = keras.layers.Dropout(0.5)
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.dropout(self.dense(x)))
+
+
+class DropoutWithTrainingArgument(DropoutNoTrainingArgument):
+    def call(self, x, training=None):
+        return self.head(self.dropout(self.dense(x), training=training))
+
+
+def _fit_losses(model, x, y):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    return history.history["loss"], [w.numpy() for w in model.trainable_weights]
+
+
+@pytest.mark.parametrize("model_class", [DropoutNoTrainingArgument,
+                                         DropoutWithTrainingArgument])
+@pytest.mark.parametrize("how", ["converted", "expanded", "loaded"])
+def test_a_converted_model_fits_as_the_original_calls_training(model_class, how, tmp_path):
+    """`converted.fit` puts Dropout in the mode `model.fit` puts it in: off
+    for a `call` without `training` (it was on, a silently other training),
+    on for one with it; after `apply_passes` and a save / load too."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(7)
+        model = model_class()
+        model(x[:8])
+        return model
+
+    expected_losses, expected_weights = _fit_losses(build(), x, y)
+    model = build()
+    converted = kip.convert_to_functional(model, x[:8])
+    takes = model_class is DropoutWithTrainingArgument
+    assert converted.kip_call_takes_training is takes
+    if how == "expanded":
+        converted = kip.apply_passes(converted, [kip.passes.Expand("all")])
+    if how == "loaded":
+        converted.save(tmp_path / "m.keras")
+        converted = keras.models.load_model(tmp_path / "m.keras")
+    assert converted.kip_call_takes_training is takes
+    keras.utils.set_random_seed(7)  # the same dropout masks as the plain fit's
+    losses, weights = _fit_losses(converted, x, y)
+    if how == "loaded" and takes:
+        # A loaded Dropout draws from a new seed generator: its masks are
+        # not the plain fit's, but it must be on (the fit without it differs).
+        def without_dropout():
+            keras.utils.set_random_seed(7)
+            plain = DropoutNoTrainingArgument()
+            plain(x[:8])
+            return plain
+
+        assert not np.allclose(losses, _fit_losses(without_dropout(), x, y)[0])
+        return
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    for got, want in zip(weights, expected_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_saved_call_takes_training_that_is_not_a_bool_is_refused(tmp_path):
+    model, x = zoo.make_mlp()
+    converted = kip.convert_to_functional(model, x)
+    config = converted.get_config()
+    config["kip_call_takes_training"] = "yes"
+    with pytest.raises(kip.LoadError, match="kip_call_takes_training"):
+        kip.KipFunctional.from_config(config)
+
+
 def test_training_flag_reaches_batch_normalization():
     """In training mode BN normalises with batch statistics and updates its
     moving statistics: the converted model must do both, like the original."""

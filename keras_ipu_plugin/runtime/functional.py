@@ -115,9 +115,11 @@ class KipFunctional(_compat.Functional):
         kip_stage_devices=None,
         kip_original_mask=MASK_ON_INPUTS,
         kip_layer_paths=None,
+        kip_call_takes_training=True,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        self.kip_call_takes_training = kip_call_takes_training
         if kip_original_mask not in (MASK_ON_INPUTS, MASK_ABSENT, MASK_ARGUMENT):
             raise ValueError(f"Unknown kip_original_mask {kip_original_mask!r}.")
         self.kip_original_mask = kip_original_mask
@@ -133,6 +135,27 @@ class KipFunctional(_compat.Functional):
         # replaced layers' variables are not this model's
         object.__setattr__(self, "kip_replaced", ())
         self._kip_executor = None
+
+    @property
+    def kip_call_takes_training(self):
+        """Whether the `call` of the model this graph was converted from has a
+        `training` argument.
+
+        Keras's `fit` calls a model whose `call` has none as `model(x)`, not
+        `model(x, training=True)`, so its Dropout layers and the like run in
+        inference mode unless a caller says otherwise; the converted model is
+        fitted the same way (its own `call` takes `training`, which would
+        otherwise make `fit` train with them on).
+
+        Example:
+            >>> kip.convert_to_functional(model, x).kip_call_takes_training
+            False
+        """
+        return _compat.call_takes_training_argument(self)
+
+    @kip_call_takes_training.setter
+    def kip_call_takes_training(self, value):
+        _compat.set_call_takes_training_argument(self, bool(value))
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None):
@@ -307,6 +330,7 @@ class KipFunctional(_compat.Functional):
         }
         config["kip_stage_devices"] = list(self.kip_stage_devices)
         config["kip_layer_paths"] = dict(self.kip_layer_paths)
+        config["kip_call_takes_training"] = self.kip_call_takes_training
         # A variable two layers hold (a conv's kernel and its write node) is
         # loaded as one (`shared_variables.py`).
         mark_shared_variables(self, config)
@@ -372,6 +396,8 @@ def _check_saved_kip_entries(config, entry):
     if mask not in (MASK_ON_INPUTS, MASK_ABSENT, MASK_ARGUMENT):
         saved_values.refuse(entry, "kip_original_mask",
                             f"one of {MASK_ON_INPUTS}, {MASK_ABSENT}, {MASK_ARGUMENT}", mask)
+    saved_values.saved_bool(config.get("kip_call_takes_training", True), entry,
+                            "kip_call_takes_training")
     pinned = config.get("kip_pinned_training") or {}
     if not (isinstance(pinned, dict) and all(isinstance(v, bool) for v in pinned.values())):
         saved_values.refuse(entry, "kip_pinned_training", "a mapping of layer names to true / "

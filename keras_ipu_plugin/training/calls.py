@@ -320,6 +320,7 @@ def _traced_bound_call(callee, call, tensors, specs, reference):
         graph = Graph(specs, values, nodes, outputs, name=callee.name)
         converted = rebuild(graph, name=f"{callee.name}_functional")
         converted.kip_original_mask = mask_semantics(reference)
+        converted.kip_call_takes_training = takes_training(reference)
         for node in graph.nodes:
             report.add("convert", node.name, "traced", type(node.operation).__name__)
     except TraceError as error:

@@ -109,6 +109,7 @@ def _apply_passes(model, passes, verify, reuse_replacements):
     result = _rebuilt(graph, model, passes)
     if isinstance(model, KipFunctional):
         result.kip_original_mask = model.kip_original_mask
+        result.kip_call_takes_training = model.kip_call_takes_training
     result.kip_report = report
     first_batch = getattr(model, "kip_first_batch", None)
     if verify:
