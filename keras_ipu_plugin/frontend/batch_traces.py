@@ -41,16 +41,52 @@ from keras_ipu_plugin.frontend.batch_generalization import has_offsets
 TRIAL_BATCH_SIZES = (1, 3)
 CONFIRMING_BATCH_SIZES = (1, 2)
 
+# The leading sizes of each input in the two traces of a call whose inputs'
+# leading dimensions may be independent of each other (`per_input`): one
+# pair per input, the first `TRIAL_BATCH_SIZES`. Their ratios differ, so a
+# dimension that follows one input's size, or a multiple of it, follows no
+# other's, and the graph tells which input each size is read from.
+PER_INPUT_SIZES = ((1, 3), (2, 5), (4, 11), (6, 17), (8, 23), (10, 29))
+
 
 def generalized(runs, batch_sizes, prefix):
-    """`generalize_batch` of the two traces `runs` made at `batch_sizes`."""
+    """`generalize_batch` of the two traces `runs` made at `batch_sizes`
+    (or, traced `per_input`, at each input's sizes)."""
     (first, small), (_, large) = runs
     return generalize_batch(small, large, batch_sizes, first.placeholders[id(first.anchor)],
-                            same_operation, prefix)
+                            same_operation, prefix, groups=first.batch_groups)
+
+
+def input_groups(runs):
+    """{id(input Value): index} of the inputs traced at sizes of their own
+    (`per_input`), for `check_batch_dimensions`; {} otherwise."""
+    groups = runs[0][0].batch_groups or []
+    return {id(value): index for index, (value, _) in enumerate(groups)} \
+        if len(groups) > 1 else {}
+
+
+def independent_inputs(args, kwargs):
+    """The distinct symbolic inputs of a call whose leading (batch)
+    dimension is unknown, the anchor first, when there are two or more and
+    every other dimension is known: their leading sizes may be independent
+    of each other (a graph's node features and edge list), which one
+    symbolic trace cannot tell apart; else []."""
+    symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+    anchor = anchor_of((args, kwargs))
+    batched = []
+    for tensor in [anchor] + symbols:
+        if tensor is not None and tensor.shape and tensor.shape[0] is None and not any(
+                tensor is seen for seen in batched):
+            batched.append(tensor)
+    if len(batched) < 2 or any(None in tuple(t.shape)[1:] for t in symbols):
+        return []
+    return batched
 
 
 def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                             training, error, tracer, batch_sizes=TRIAL_BATCH_SIZES):
+                             training, error, tracer, batch_sizes=TRIAL_BATCH_SIZES,
+                             per_input=False):
     """Trace `call` with its inputs' unknown batch size set to each of
     `TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
     (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
@@ -58,6 +94,10 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     then makes one graph of the two that works for any batch size, or says
     why it cannot. Re-raises `error` when the inputs' batch size is known.
     `tracer`: the `Tracer` of the trace that failed.
+
+    With `per_input`, each input whose leading size is unknown is traced
+    at sizes of its own (`PER_INPUT_SIZES`; `independent_inputs`), so that
+    the graph follows each input's leading size, never one shared batch.
 
     Returns `[(trace, (nodes, outputs))]` for each batch size.
     """
@@ -70,9 +110,15 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     ):
         raise error  # no unknown batch size to set, or other unknown sizes
     runs = []
-    for batch_size in batch_sizes:
+    groups = independent_inputs(args, kwargs) if per_input else []
+    if per_input and not 2 <= len(groups) <= len(PER_INPUT_SIZES):
+        raise error
+    group_of = {id(t): index for index, t in enumerate(groups)}
+    for run, batch_size in enumerate(batch_sizes):
         concrete = {
-            id(t): keras.KerasTensor((batch_size,) + tuple(t.shape)[1:], dtype=t.dtype)
+            id(t): keras.KerasTensor(
+                (PER_INPUT_SIZES[group_of[id(t)]][run] if groups else batch_size,)
+                + tuple(t.shape)[1:], dtype=t.dtype)
             for t in batched
         }
         swap = lambda leaf: concrete.get(id(leaf), leaf)  # noqa: E731
@@ -86,6 +132,8 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             prefix, reads, anchor=concrete[id(anchor)], tracer=tracer,
         )
         trace.failure = error.reason if error is not None else None
+        trace.batch_groups = [(placeholders[id(t)], PER_INPUT_SIZES[index])
+                              for index, t in enumerate(groups)] or None
         try:
             runs.append((trace, trace_modes(trace, training)))
         except TraceError as failure:
@@ -98,6 +146,49 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             raise TraceError(f"{error.reason}; traced at batch size {batch_size} instead, "
                              f"{failure.reason}") from None
     return runs
+
+
+def per_input_runs(runs, layer, args, kwargs, placeholders, prefix, reads, training, tracer):
+    """`runs` (one symbolic trace), or, where that trace reads an input's
+    unknown leading size (a `BatchSizedOperation`, a draw of the batch
+    size) while two or more inputs have one (`independent_inputs`), the
+    call traced at sizes of each input's own: one symbolic trace takes
+    every None for the anchor's batch size, and GAT's
+    `ops.reshape(x, (ops.shape(edges)[0], -1))` would read the node count.
+
+    Where the call cannot run with its inputs' leading sizes different (it
+    adds them row by row), they are one batch, and the symbolic trace
+    stands. Where it can, the per-input traces decide, and where they are
+    not one graph the layer stays whole, with the reason."""
+    from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
+
+    inputs = independent_inputs(args, kwargs)
+    readers = [node.name for _, (nodes, _) in runs for node in with_branch_nodes(nodes)
+               if _reads_leading_size(node)]
+    if not inputs or not readers:
+        return runs
+    reason = (
+        f"`{readers[0]}` reads the unknown leading size of an input (`ops.shape(x)[0]`), "
+        f"and {len(inputs)} inputs of the call have one, which may differ")
+    try:
+        return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                                        training, TraceError(reason), tracer, per_input=True)
+    except TraceError:
+        return runs  # fails at independent sizes: the inputs are one batch
+
+
+def _reads_leading_size(node):
+    """Whether `node` fills an unknown dimension from its anchor's leading
+    size when the graph runs."""
+    from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+    from keras_ipu_plugin.layers.random_draws import RandomDraw
+
+    operation = node.operation
+    if isinstance(operation, BatchSizedOperation):
+        return True
+    if isinstance(operation, RandomDraw):
+        return None in tuple(operation.draw_shape)
+    return node.kwargs.get("batch_of") is not None
 
 
 def same_operation(node_a, node_b):
@@ -123,7 +214,7 @@ def one_graph_for_any_batch(runs, retrace, prefix):
                 raise NotBatchGeneral(
                     "and a trace at batch size 2 shows a size that is no multiple of the "
                     "batch size plus a constant")
-        check_batch_dimensions(nodes, prefix, multiples=True)
+        check_batch_dimensions(nodes, prefix, multiples=True, groups=input_groups(runs))
     except NotBatchGeneral as mismatch:
         raise TraceError(
             f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
@@ -131,5 +222,6 @@ def one_graph_for_any_batch(runs, retrace, prefix):
     return nodes, outputs
 
 
-__all__ = ["TRIAL_BATCH_SIZES", "CONFIRMING_BATCH_SIZES", "trace_at_two_batch_sizes",
-           "one_graph_for_any_batch", "same_operation"]
+__all__ = ["TRIAL_BATCH_SIZES", "CONFIRMING_BATCH_SIZES", "PER_INPUT_SIZES",
+           "independent_inputs", "trace_at_two_batch_sizes", "one_graph_for_any_batch",
+           "same_operation"]
