@@ -45,9 +45,6 @@ STAYS_WHOLE = {
     # written as a constant (written with -1 it expands:
     # tests/test_added_losses.py)
     "switch_transformer": {"Switch"},
-    # `ops.segment_sum(..., num_segments=ops.max(edges[:, 0]) + 1)`: a size
-    # computed from the data
-    "gat": {"GraphAttention"},
 }
 
 
