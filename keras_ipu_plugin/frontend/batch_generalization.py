@@ -82,7 +82,9 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         if len(used) > 1:
             raise NotBatchGeneral(
                 f"`{name}` holds the leading sizes of {len(used)} inputs whose leading "
-                "dimensions are independent of each other")
+                "dimensions are independent of each other, which no one graph tensor "
+                "gives when the graph runs; compute it from one input's size, or pass "
+                "static_batch=True to trace with the first batch's sizes")
         return anchors[next(iter(used))] if used else anchors[0]
     if len(nodes_s) != len(nodes_l):
         raise NotBatchGeneral("the two traces call different layers")

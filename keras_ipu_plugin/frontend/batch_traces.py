@@ -60,9 +60,33 @@ def generalized(runs, batch_sizes, prefix):
 def input_groups(runs):
     """{id(input Value): index} of the inputs traced at sizes of their own
     (`per_input`), for `check_batch_dimensions`; {} otherwise."""
-    groups = runs[0][0].batch_groups or []
-    return {id(value): index for index, (value, _) in enumerate(groups)} \
-        if len(groups) > 1 else {}
+    return getattr(runs[0][0], "group_of", None) or {}
+
+
+# Beyond this many inputs with an unknown leading size, only all apart and
+# all one batch are tried (the groupings of n inputs grow faster than 2**n).
+_MOST_GROUPED = 4
+
+
+def _groupings(inputs):
+    """The ways to group `inputs` (lists of lists, each list one group of
+    inputs taken to share a leading size), with two groups or more, most
+    groups first: all apart first, one batch never (the caller's default)."""
+    if len(inputs) > _MOST_GROUPED:
+        return [[[t] for t in inputs]]
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for partition in partitions(rest):
+            yield [[first]] + partition
+            for index in range(len(partition)):
+                yield partition[:index] + [[first] + partition[index]] + partition[index + 1:]
+
+    found = [p for p in partitions(list(inputs)) if len(p) >= 2]
+    return sorted(found, key=lambda p: -len(p))
 
 
 def independent_inputs(args, kwargs):
@@ -86,7 +110,7 @@ def independent_inputs(args, kwargs):
 
 def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
                              training, error, tracer, batch_sizes=TRIAL_BATCH_SIZES,
-                             per_input=False):
+                             per_input=False, blocks=None):
     """Trace `call` with its inputs' unknown batch size set to each of
     `TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
     (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
@@ -98,6 +122,10 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     With `per_input`, each input whose leading size is unknown is traced
     at sizes of its own (`PER_INPUT_SIZES`; `independent_inputs`), so that
     the graph follows each input's leading size, never one shared batch.
+    Where the call cannot run so (it adds two inputs row by row), the
+    inputs are grouped, finest grouping first (`_groupings`), each group
+    at sizes of its own; the error is raised where no grouping of two or
+    more groups traces. `blocks`: one grouping to trace (lists of inputs).
 
     Returns `[(trace, (nodes, outputs))]` for each batch size.
     """
@@ -109,11 +137,30 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
         None in tuple(t.shape)[1:] for t in symbols
     ):
         raise error  # no unknown batch size to set, or other unknown sizes
-    runs = []
-    groups = independent_inputs(args, kwargs) if per_input else []
-    if per_input and not 2 <= len(groups) <= len(PER_INPUT_SIZES):
+    if per_input and blocks is None:
+        for grouping in _groupings(independent_inputs(args, kwargs)):
+            try:
+                return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix,
+                                                reads, training, error, tracer, blocks=grouping)
+            except TraceError:
+                continue
         raise error
-    group_of = {id(t): index for index, t in enumerate(groups)}
+    if error is not None and not per_input and blocks is None \
+            and independent_inputs(args, kwargs):
+        # Inputs whose leading sizes may differ: traced at sizes of their
+        # own first, so that a size the call computes with is read from
+        # the input it is of; at one shared size only where the call
+        # cannot run with them different (it adds them row by row).
+        try:
+            return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                                            training, error, tracer, per_input=True)
+        except TraceError:
+            pass
+    runs = []
+    groups = list(blocks or [])
+    if groups and not 2 <= len(groups) <= len(PER_INPUT_SIZES):
+        raise error
+    group_of = {id(t): index for index, block in enumerate(groups) for t in block}
     for run, batch_size in enumerate(batch_sizes):
         concrete = {
             id(t): keras.KerasTensor(
@@ -132,8 +179,10 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             prefix, reads, anchor=concrete[id(anchor)], tracer=tracer,
         )
         trace.failure = error.reason if error is not None else None
-        trace.batch_groups = [(placeholders[id(t)], PER_INPUT_SIZES[index])
-                              for index, t in enumerate(groups)] or None
+        trace.batch_groups = [(placeholders[id(block[0])], PER_INPUT_SIZES[index])
+                              for index, block in enumerate(groups)] or None
+        trace.group_of = {id(placeholders[id(t)]): index
+                          for index, block in enumerate(groups) for t in block}
         try:
             runs.append((trace, trace_modes(trace, training)))
         except TraceError as failure:
