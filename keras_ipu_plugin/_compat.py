@@ -615,6 +615,7 @@ def tensor_size_attributes():
     }
 
 
+@functools.lru_cache(maxsize=None)
 def segment_functions():
     """`[(module, name)]` where `keras.ops.segment_sum` / `segment_max` are
     reachable as module attributes (`keras.ops`, `keras.ops.math`, Keras's
@@ -623,7 +624,7 @@ def segment_functions():
     `ops.shape(x)[0]` while tracing)."""
     from keras.src.ops import math as keras_math
 
-    found = []
+    found = []  # (a tuple: cached)
     for name in ("segment_sum", "segment_max"):
         function = getattr(keras_math, name)
         for module in list(sys.modules.values()):
@@ -631,7 +632,7 @@ def segment_functions():
             if module_name.startswith("keras") and isinstance(module, types.ModuleType) \
                     and getattr(module, "__dict__", {}).get(name) is function:
                 found.append((module, name))
-    return found
+    return tuple(found)
 
 
 # -- TensorFlow functions on symbolic tensors (frontend/tf_functions.py) ------

@@ -63,6 +63,33 @@ def input_groups(runs):
     return getattr(runs[0][0], "group_of", None) or {}
 
 
+def _sizes_followed(runs):
+    """Whether every output of the two per-input traces `runs` has, at each
+    dimension, one size in both, or one input's two sizes (or a multiple of
+    them): a call that cannot run with its inputs' sizes different may
+    still trace, Keras's shape inference not checking every operation (an
+    attention between two inputs gives a size in one trace and None in the
+    other), and its inputs are then one batch."""
+    (first, (nodes_a, _)), (_, (nodes_b, _)) = runs
+    pairs = [sizes for _, sizes in first.batch_groups]
+    if len(nodes_a) != len(nodes_b):
+        return False
+    for node_a, node_b in zip(nodes_a, nodes_b):
+        if len(node_a.outputs) != len(node_b.outputs):
+            return False
+        for value_a, value_b in zip(node_a.outputs, node_b.outputs):
+            shape_a, shape_b = tuple(value_a.spec.shape), tuple(value_b.spec.shape)
+            if len(shape_a) != len(shape_b):
+                return False
+            for a, b in zip(shape_a, shape_b):
+                if a == b:
+                    continue
+                if a is None or b is None or not any(
+                        a % small == 0 and b == a // small * large for small, large in pairs):
+                    return False
+    return True
+
+
 # Beyond this many inputs with an unknown leading size, only all apart and
 # all one batch are tried (the groupings of n inputs grow faster than 2**n).
 _MOST_GROUPED = 4
@@ -140,10 +167,12 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     if per_input and blocks is None:
         for grouping in _groupings(independent_inputs(args, kwargs)):
             try:
-                return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix,
+                runs = trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix,
                                                 reads, training, error, tracer, blocks=grouping)
             except TraceError:
                 continue
+            if _sizes_followed(runs):
+                return runs
         raise error
     if error is not None and not per_input and blocks is None \
             and independent_inputs(args, kwargs):

@@ -10,6 +10,13 @@ shape is None where its repeats are (the tracer then makes it a
 `BatchSizedOperation` that reads the batch size when the graph runs) and
 a bare key is recorded as the same key in a tuple. Outside, and on other
 threads, Keras is exactly as it was; what changes only ever raised before.
+A `keras.ops` call given a graph tensor where Keras takes a Python size
+(`ops.segment_sum(..., num_segments=ops.max(ids) + 1)`, `ops.repeat(x,
+counts)`, `ops.one_hot`, `ops.bincount(minlength=...)`; the table
+`_compat.tensor_size_attributes`) is recorded as a `TensorSizedOperation`
+taking the tensor as a graph input, and a `num_segments` given explicitly
+as None (`ops.shape(x)[0]` of an unknown dimension) is marked for the
+tracer to fill from the graph (`unknown_sizes`).
 A `keras.random.normal / uniform / truncated_normal` draw is handed to the
 tracer's `record_draw` (which records it as a graph node, or returns None
 to let it run as Keras runs it): run eagerly, it would draw once, freeze
@@ -182,10 +189,12 @@ def _tensor_sized_call(placeholders):
     {attribute: what it holds in the recorded operation's config}."""
     def make(original):
         def symbolic_call(self, *args, **kwargs):
+            if not _in_traced_idioms():
+                return original(self, *args, **kwargs)
             KerasTensor = _compat.traced_idiom_targets().keras_tensor  # noqa: N806
             given = [name for name in placeholders
                      if isinstance(vars(self).get(name), KerasTensor)]
-            if not _in_traced_idioms() or not given:
+            if not given:
                 return original(self, *args, **kwargs)
             from keras_ipu_plugin.layers.tensor_sized import TensorSizedOperation
 
@@ -316,4 +325,4 @@ def traced_idioms(record_draw=None):
                 _unpatch_all()
 
 
-__all__ = ["traced_idioms"]
+__all__ = ["traced_idioms", "unknown_sizes"]
