@@ -91,8 +91,9 @@ def _sizes_followed(runs):
 
 
 # Beyond this many inputs with an unknown leading size, only all apart and
-# all one batch are tried (the groupings of n inputs grow faster than 2**n).
-_MOST_GROUPED = 4
+# all one batch are tried (the groupings of n inputs grow faster than 2**n,
+# each a pair of traces; 3 inputs have 4 groupings of two groups or more).
+_MOST_GROUPED = 3
 
 
 def _groupings(inputs):

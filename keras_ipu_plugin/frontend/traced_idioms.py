@@ -233,9 +233,12 @@ def _explicit_none_segments(original):
     def segment(*args, **kwargs):
         if not _in_traced_idioms():
             return original(*args, **kwargs)
-        bound = inspect.signature(original).bind(*args, **kwargs)
+        try:
+            given = inspect.signature(original).bind(*args, **kwargs).arguments
+        except TypeError:  # Keras's own error follows
+            given = {}
         result = original(*args, **kwargs)
-        if "num_segments" in bound.arguments and bound.arguments["num_segments"] is None:
+        if "num_segments" in given and given["num_segments"] is None:
             node, _ = _compat.producing_node(result)
             if node is not None:
                 _unknown_sizes[node.operation] = ("num_segments",)
