@@ -38,6 +38,12 @@ class NotBatchGeneral(Exception):
     """Two traces at different batch sizes differ other than by it."""
 
 
+class MixedLeadingSizes(NotBatchGeneral):
+    """An operation holds the leading sizes of two inputs whose leading
+    dimensions are independent of each other: no one graph tensor gives
+    both when the graph runs."""
+
+
 def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="",
                      groups=None):
     """One graph for any batch size from two traces of the same call, made
@@ -80,7 +86,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         """The Value whose leading size the dimensions `used` (group
         indices) follow."""
         if len(used) > 1:
-            raise NotBatchGeneral(
+            raise MixedLeadingSizes(
                 f"`{name}` holds the leading sizes of {len(used)} inputs whose leading "
                 "dimensions are independent of each other, which no one graph tensor "
                 "gives when the graph runs; compute it from one input's size, or pass "
@@ -452,5 +458,5 @@ def _general_spec(a, b, batch_sizes, name):
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 
-__all__ = ["NotBatchGeneral", "batch_signature", "fixed_batch_reason", "generalize_batch",
+__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason", "generalize_batch",
            "has_offsets", "unknown_dimension_attributes"]

@@ -26,6 +26,7 @@ from keras_ipu_plugin.frontend.call_trace import anchor_of
 from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.training_modes import node_identity
 from keras_ipu_plugin.frontend.training_modes import trace_modes
+from keras_ipu_plugin.frontend.batch_generalization import MixedLeadingSizes
 from keras_ipu_plugin.frontend.batch_generalization import NotBatchGeneral
 from keras_ipu_plugin.frontend.batch_generalization import batch_signature
 from keras_ipu_plugin.frontend.batch_generalization import generalize_batch
@@ -166,14 +167,34 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     ):
         raise error  # no unknown batch size to set, or other unknown sizes
     if per_input and blocks is None:
+        mixed = None
         for grouping in _groupings(independent_inputs(args, kwargs)):
             try:
                 runs = trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix,
                                                 reads, training, error, tracer, blocks=grouping)
             except TraceError:
                 continue
-            if _sizes_followed(runs):
-                return runs
+            if not _sizes_followed(runs):
+                continue
+            # Made one graph and replayed here: a grouping whose graph does
+            # not follow its inputs' sizes (an einsum of two inputs that
+            # TensorFlow's shape inference refuses at two sizes) is no
+            # grouping of this call's inputs.
+            try:
+                nodes, outputs = generalized(runs, None, prefix)
+                check_batch_dimensions(nodes, prefix, multiples=True, groups=input_groups(runs))
+            except MixedLeadingSizes as failure:
+                mixed = mixed or failure
+                continue
+            except (NotBatchGeneral, TraceError):
+                continue
+            runs[0][0].generalized = (nodes, outputs)
+            return runs
+        if mixed is not None:
+            failure = TraceError(
+                f"{error.reason}; traced with each input at sizes of its own instead, {mixed}")
+            failure.mixed = True  # the inputs' sizes are apart, and one graph cannot hold it
+            raise failure
         raise error
     if error is not None and not per_input and blocks is None \
             and independent_inputs(args, kwargs):
@@ -184,8 +205,9 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
         try:
             return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
                                             training, error, tracer, per_input=True)
-        except TraceError:
-            pass
+        except TraceError as failure:
+            if getattr(failure, "mixed", False):
+                raise  # one shared size would read one input's size for another's
     runs = []
     groups = list(blocks or [])
     if groups and not 2 <= len(groups) <= len(PER_INPUT_SIZES):
@@ -252,7 +274,9 @@ def per_input_runs(runs, layer, args, kwargs, placeholders, prefix, reads, train
     try:
         return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
                                         training, TraceError(reason), tracer, per_input=True)
-    except TraceError:
+    except TraceError as failure:
+        if getattr(failure, "mixed", False):
+            raise  # the symbolic trace would read one input's size for another's
         return runs  # fails at independent sizes: the inputs are one batch
 
 
@@ -282,6 +306,9 @@ def one_graph_for_any_batch(runs, retrace, prefix):
     size; `retrace(batch_sizes)` traces again at other batch sizes (a size
     that is the batch's plus a constant is confirmed by a third trace).
     Raises `TraceError` saying why the traces are not one graph."""
+    done = getattr(runs[0][0], "generalized", None)
+    if done is not None:  # traced per input, and made one graph then
+        return done
     try:
         nodes, outputs = generalized(runs, TRIAL_BATCH_SIZES, prefix)
         if has_offsets(nodes):
