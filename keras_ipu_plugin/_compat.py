@@ -591,6 +591,50 @@ def traced_idiom_targets():
         random_backend=random.backend.random)
 
 
+def tensor_size_attributes():
+    """`{keras.ops operation class: {attribute: placeholder}}`: the operations
+    whose size (or weights) a traced call may give as a graph tensor, where
+    Keras takes a Python value (`ops.segment_sum(..., num_segments=tensor)`,
+    `ops.repeat(x, tensor)`), with the value each attribute holds in a saved
+    `layers.tensor_sized.TensorSizedOperation` (the tensor fills it when the
+    graph runs). TensorFlow's functions under them take a tensor there.
+    Also what `frontend/traced_idioms.py` wraps the `symbolic_call` of."""
+    from keras.src.ops.math import SegmentMax
+    from keras.src.ops.math import SegmentSum
+    from keras.src.ops.math import TopK
+    from keras.src.ops.nn import MultiHot
+    from keras.src.ops.nn import OneHot
+    from keras.src.ops.numpy import Bincount
+    from keras.src.ops.numpy import Repeat
+
+    return {
+        SegmentSum: {"num_segments": None}, SegmentMax: {"num_segments": None},
+        Repeat: {"repeats": None}, OneHot: {"num_classes": None},
+        MultiHot: {"num_classes": 1}, Bincount: {"weights": None, "minlength": 0},
+        TopK: {"k": None},
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def segment_functions():
+    """`[(module, name)]` where `keras.ops.segment_sum` / `segment_max` are
+    reachable as module attributes (`keras.ops`, `keras.ops.math`, Keras's
+    own `keras.src.ops.math`): `frontend/traced_idioms.py` wraps them to
+    see a `num_segments` given explicitly as None (an unknown dimension,
+    `ops.shape(x)[0]` while tracing)."""
+    from keras.src.ops import math as keras_math
+
+    found = []  # (a tuple: cached)
+    for name in ("segment_sum", "segment_max"):
+        function = getattr(keras_math, name)
+        for module in list(sys.modules.values()):
+            module_name = getattr(module, "__name__", "") or ""
+            if module_name.startswith("keras") and isinstance(module, types.ModuleType) \
+                    and getattr(module, "__dict__", {}).get(name) is function:
+                found.append((module, name))
+    return tuple(found)
+
+
 # -- TensorFlow functions on symbolic tensors (frontend/tf_functions.py) ------
 # TensorFlow's type-based dispatch (`tf.experimental.dispatch_for_api`, public)
 # consults its targets only for argument types registered as dispatchable,

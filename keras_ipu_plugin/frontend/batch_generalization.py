@@ -38,9 +38,25 @@ class NotBatchGeneral(Exception):
     """Two traces at different batch sizes differ other than by it."""
 
 
-def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix=""):
+class MixedLeadingSizes(NotBatchGeneral):
+    """An operation holds the leading sizes of two inputs whose leading
+    dimensions are independent of each other: no one graph tensor gives
+    both when the graph runs."""
+
+
+def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="",
+                     groups=None):
     """One graph for any batch size from two traces of the same call, made
     with its inputs' batch size set to `batch_sizes = (s, l)`.
+
+    `groups`: for inputs whose leading sizes are independent of each other
+    (a graph's node features and its edge list), `[(anchor, (s, l))]`, one
+    per input, each traced at sizes of its own; then `batch_sizes` and
+    `anchor` are unused. Each dimension is then matched to the one input
+    whose sizes it follows (their ratios differ, so no dimension follows
+    two), and an operation reads it from that input's Value; an operation
+    holding the sizes of two inputs, or a size that is one plus a constant,
+    raises `NotBatchGeneral`.
 
     `small` / `large`: `(nodes, outputs)` of the two traces. They must match
     node for node (`same_operation(a, b)`), and differ only where the batch
@@ -61,6 +77,21 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     from keras_ipu_plugin.layers.reads import HeldConstant
 
     (nodes_s, outputs_s), (nodes_l, outputs_l) = small, large
+    if groups is None:
+        groups = [(anchor, tuple(batch_sizes))]
+    anchors = [group_anchor for group_anchor, _ in groups]
+    batch_sizes = [tuple(sizes) for _, sizes in groups]
+
+    def anchor_for(used, name):
+        """The Value whose leading size the dimensions `used` (group
+        indices) follow."""
+        if len(used) > 1:
+            raise MixedLeadingSizes(
+                f"`{name}` holds the leading sizes of {len(used)} inputs whose leading "
+                "dimensions are independent of each other, which no one graph tensor "
+                "gives when the graph runs; compute it from one input's size, or pass "
+                "static_batch=True to trace with the first batch's sizes")
+        return anchors[next(iter(used))] if used else anchors[0]
     if len(nodes_s) != len(nodes_l):
         raise NotBatchGeneral("the two traces call different layers")
     value_of = {}  # id(Value of the large trace) -> Value of the small one
@@ -71,6 +102,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         dimensions) in the graph; returns the Value of the broadcast."""
         base = node_name[len(prefix):] if node_name.startswith(prefix) else node_name
         held = HeldConstant(constant.slice, name=f"{prefix}{base}_slice")
+        anchor = anchor_for(constant.groups, node_name)
         held_node = Node(held.name, held, (anchor,), {}, output_structure=None)
         held_node.outputs = [Value(held_node, 0, keras.KerasTensor(
             constant.slice.shape, dtype=str(constant.slice.dtype)))]
@@ -122,8 +154,11 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
                 value_of[id(node_s.outputs[0])] = value
                 continue
         elif not isinstance(operation, keras.layers.Layer):
-            shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name)
+            used = set()
+            shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name,
+                                         used)
             if shapes:
+                anchor = anchor_for(used, node_s.name)
                 multiples, offsets = _multiples_of(shapes), _offsets_of(shapes)
                 shapes = {key: _with_none(shape) for key, shape in shapes.items()}
                 operation = BatchSizedOperation(
@@ -229,18 +264,39 @@ class BatchMultiple:
         return self.multiple * batch_size + self.offset
 
 
-def _batch_dimension(a, b, batch_sizes, name, multiples=False):
+def _size_pairs(batch_sizes):
+    """`[(s, l)]`: one pair of trial sizes, or one per independent input."""
+    if len(batch_sizes) == 2 and all(_is_int(size) for size in batch_sizes):
+        return [tuple(batch_sizes)]
+    return [tuple(pair) for pair in batch_sizes]
+
+
+def _batch_dimension(a, b, batch_sizes, name, multiples=False, used=None):
     """None where `(a, b)` are the two batch sizes, the size where they are
     equal; with `multiples`, a `BatchMultiple` where they are the same
-    multiple of both; `NotBatchGeneral` otherwise."""
+    multiple of both; `NotBatchGeneral` otherwise. `batch_sizes`: `(s, l)`,
+    or one such pair per input of independent leading size (see
+    `generalize_batch`); the index of the pair matched is added to `used`."""
     if a == b:
         return a
-    small, large = batch_sizes
-    if (a, b) == (small, large):
-        return None
-    if (multiples and _is_int(a) and _is_int(b) and a > 0 and a % small == 0
-            and b == a // small * large):
-        return BatchMultiple(a // small)
+    pairs = _size_pairs(batch_sizes)
+    for index, (small, large) in enumerate(pairs):
+        if (a, b) == (small, large):
+            if used is not None:
+                used.add(index)
+            return None
+    for index, (small, large) in enumerate(pairs):
+        if (multiples and _is_int(a) and _is_int(b) and a > 0 and a % small == 0
+                and b == a // small * large):
+            if used is not None:
+                used.add(index)
+            return BatchMultiple(a // small)
+    if len(pairs) > 1:
+        raise NotBatchGeneral(
+            f"`{name}` has a dimension {a} in one trace and {b} in the other, which is "
+            "no multiple of the leading size of one of its inputs (whose leading "
+            "dimensions are independent of each other)")
+    small, large = pairs[0]
     if multiples and _is_int(a) and _is_int(b) and b > a and (b - a) % (large - small) == 0:
         # `batch + 1`, `2 * batch - 1`: a multiple of the batch size plus a
         # constant, which a third trace confirms (`confirm_batch_general`).
@@ -293,7 +349,8 @@ def _with_none(shape):
 
 def _general_constant(a, b, batch_sizes, name):
     """None when the constants are equal; a `_BatchConstant` when they are
-    one slice repeated along their batch dimensions."""
+    one slice repeated along their batch dimensions (its `groups`: the
+    inputs whose leading sizes those are)."""
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype != b.dtype or a.ndim != b.ndim:
         raise NotBatchGeneral(f"`{name}` holds other constants")
@@ -301,7 +358,8 @@ def _general_constant(a, b, batch_sizes, name):
         if not np.array_equal(a, b):
             raise NotBatchGeneral(f"`{name}` holds other constants")
         return None
-    shape = tuple(_batch_dimension(x, y, batch_sizes, name, multiples=True)
+    used = set()
+    shape = tuple(_batch_dimension(x, y, batch_sizes, name, multiples=True, used=used)
                   for x, y in zip(a.shape, b.shape))
     index = tuple(slice(0, 1) if dim is None or isinstance(dim, BatchMultiple) else slice(None)
                   for dim in shape)
@@ -309,10 +367,12 @@ def _general_constant(a, b, batch_sizes, name):
     if not (np.array_equal(np.broadcast_to(slice_, a.shape), a)
             and np.array_equal(np.broadcast_to(slice_, b.shape), b)):
         raise NotBatchGeneral(f"`{name}` holds a constant that varies along the batch")
-    return _BatchConstant(slice_, shape)
+    constant = _BatchConstant(slice_, shape)
+    constant.groups = used
+    return constant
 
 
-def _general_attributes(a, b, batch_sizes, name):
+def _general_attributes(a, b, batch_sizes, name, used=None):
     """`{attribute: shape with None}` for the shape attributes of operation
     `a` that hold the batch size (`b`: the same operation in the other trace)."""
     shapes = {}
@@ -328,19 +388,37 @@ def _general_attributes(a, b, batch_sizes, name):
             continue
         if value == other:
             continue
+        if _same_held_operation(value, other):
+            continue  # `TensorSizedOperation.operation`: its sizes are graph tensors
         if _is_int(value) and _is_int(other):
             # One dimension (`ops.repeat(table, ops.shape(x)[0], axis=0)`).
-            shapes[key] = _batch_dimension(value, other, batch_sizes, name, multiples=True)
+            shapes[key] = _batch_dimension(value, other, batch_sizes, name, multiples=True,
+                                           used=used)
             continue
         if (isinstance(value, (list, tuple)) and type(value) is type(other)
                 and len(value) == len(other)
                 and all(isinstance(x, int) and isinstance(y, int) for x, y in zip(value, other))):
             shapes[key] = type(value)(
-                _batch_dimension(x, y, batch_sizes, name, multiples=True)
+                _batch_dimension(x, y, batch_sizes, name, multiples=True, used=used)
                 for x, y in zip(value, other))
             continue
         raise NotBatchGeneral(f"`{name}` is given {value!r} and {other!r} ({key})")
     return shapes
+
+
+def _same_held_operation(a, b):
+    """Whether `a` and `b` are `keras.ops` operations configured alike
+    (names aside): an operation held by another (`TensorSizedOperation`)."""
+    if not (isinstance(a, keras.Operation) and type(a) is type(b)) or isinstance(
+            a, keras.layers.Layer):
+        return False
+    try:
+        config_a, config_b = a.get_config(), b.get_config()
+    except NotImplementedError:
+        return False
+    config_a.pop("name", None)
+    config_b.pop("name", None)
+    return config_a == config_b
 
 
 def _is_int(value):
@@ -380,5 +458,5 @@ def _general_spec(a, b, batch_sizes, name):
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 
-__all__ = ["NotBatchGeneral", "batch_signature", "fixed_batch_reason", "generalize_batch",
+__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason", "generalize_batch",
            "has_offsets", "unknown_dimension_attributes"]

@@ -24,7 +24,14 @@ from keras_ipu_plugin.frontend.output_specs import states_own_output_shape
 from keras_ipu_plugin.ir.graph import map_values
 
 
-def check_batch_dimensions(nodes, prefix, multiples=False):
+# The leading sizes the inputs are replayed at, a pair per input whose
+# leading size is independent of the others' (see `groups`); the first is
+# the batch size of every other input. The ratios differ, so a dimension
+# that follows one input's size (or a multiple of it) follows no other's.
+REPLAY_SIZES = ((3, 7), (5, 11), (13, 23), (17, 31), (19, 37), (29, 53))
+
+
+def check_batch_dimensions(nodes, prefix, multiples=False, groups=None):
     """Raise `TraceError` unless every unknown dimension in `nodes` is the
     batch size of the traced call's inputs (what a `BatchSizedOperation`
     fills in when the graph runs).
@@ -39,18 +46,32 @@ def check_batch_dimensions(nodes, prefix, multiples=False):
     `batch_generalization.BatchMultiple`), a dimension may be a fixed multiple of
     the batch size too (3k and 7k: Swin's `batch * windows` rows).
     The outputs' shapes are then set to what the replay showed.
+
+    `groups` ({id(input Value): index}): inputs whose leading sizes are
+    independent of each other (a graph's node features and its edge list,
+    traced at sizes of their own: `batch_generalization.generalize_batch`)
+    are replayed each at sizes of its own (`REPLAY_SIZES`), and each
+    dimension must follow one of them: an operation reading the wrong
+    input's size fails here, which one shared batch size would hide. An
+    input not in `groups` has the first group's sizes.
     """
-    shapes = [_replayed_shapes(nodes, prefix, batch_size) for batch_size in (3, 7)]
+    groups = groups or {}
+    pairs = REPLAY_SIZES[:max(groups.values(), default=0) + 1]
+    shapes = [_replayed_shapes(nodes, prefix, [pair[run] for pair in pairs], groups)
+              for run in (0, 1)]
     for node in nodes:
         for value in node.outputs:
             small, large = shapes[0][id(value)], shapes[1][id(value)]
             recorded = tuple(value.spec.shape)
             if len(small) != len(recorded) or not all(
                 (a == b and c in (None, a))  # a fixed size
-                or ((a, b) == (3, 7) and c is None)  # the batch size
-                or (multiples and a % 3 == 0 and b == a // 3 * 7 and c is None)
+                or (c is None and a is not None and b is not None and any(
+                    (a, b) == (s, l)  # an input's leading size
+                    or (multiples and a % s == 0 and b == a // s * l)
+                    for s, l in pairs))
                 # a multiple plus a constant (`batch + 1`), confirmed by a trace
-                or (multiples and b > a and (b - a) % 4 == 0 and c is None)
+                or (multiples and len(pairs) == 1 and c is None and a is not None
+                    and b is not None and b > a and (b - a) % 4 == 0)
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))
@@ -62,9 +83,10 @@ def check_batch_dimensions(nodes, prefix, multiples=False):
             )
 
 
-def _replayed_shapes(nodes, prefix, batch_size):
+def _replayed_shapes(nodes, prefix, batch_sizes, groups):
     """`{id(Value): shape}` of `nodes`' outputs, worked out by Keras with the
-    inputs' (leading, unknown) batch dimension set to `batch_size`."""
+    inputs' (leading, unknown) batch dimension set to `batch_sizes[group]`
+    (`groups`: {id(input Value): group}; 0 for an input not in it)."""
     replayed, shapes = {}, {}
 
     def known(value):
@@ -73,7 +95,7 @@ def _replayed_shapes(nodes, prefix, batch_size):
             if any(dim is None for dim in shape[1:]):
                 raise TraceError(_unknown_dimension_reason(prefix.rstrip("."), value))
             if shape and shape[0] is None:
-                shape = (batch_size,) + shape[1:]
+                shape = (batch_sizes[groups.get(id(value), 0)],) + shape[1:]
             replayed[id(value)] = keras.KerasTensor(shape, dtype=value.spec.dtype)
         return replayed[id(value)]
 

@@ -69,6 +69,11 @@ class CallTrace:
         self.reads = reads
         self.anchor = anchor_of((args, kwargs)) if anchor is None else anchor
         self.failure = None  # why the symbolic trace failed, for a retry
+        # [(input Value, its two trial sizes)] of a call traced per input
+        # (`batch_traces.trace_at_two_batch_sizes`), else None
+        self.batch_groups = None
+        self.group_of = None  # {id(input Value): its group in batch_groups}
+        self.generalized = None  # (nodes, outputs) made one graph per input
         self.lift_for = set()  # ids of the views whose concrete calls are lifted
         self.read_names = {}  # id(Keras node of a read) -> its node name
         # id(Keras node) -> (the node, its output structure, None leaves and

@@ -21,6 +21,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.attribute_paths import path_of
 from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.traced_idioms import unknown_sizes
 from keras_ipu_plugin.frontend.failures import STATIC_BATCH_HINT
 from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.output_specs import dense_unless_given_sparse
@@ -96,7 +97,7 @@ def collect_nodes(outputs, placeholders, prefix, pinned, opaque_layers=None, rea
                                        prefix + _node_name(operation, paths))
             if fixed is not None:
                 raise TraceError(fixed)
-            unknown = unknown_dimension_attributes(operation)
+            unknown = unknown_dimension_attributes(operation) + unknown_sizes(operation)
             if unknown:
                 if anchor is None or not anchor.shape or anchor.shape[0] is not None:
                     raise TraceError(

@@ -10,6 +10,13 @@ shape is None where its repeats are (the tracer then makes it a
 `BatchSizedOperation` that reads the batch size when the graph runs) and
 a bare key is recorded as the same key in a tuple. Outside, and on other
 threads, Keras is exactly as it was; what changes only ever raised before.
+A `keras.ops` call given a graph tensor where Keras takes a Python size
+(`ops.segment_sum(..., num_segments=ops.max(ids) + 1)`, `ops.repeat(x,
+counts)`, `ops.one_hot`, `ops.bincount(minlength=...)`; the table
+`_compat.tensor_size_attributes`) is recorded as a `TensorSizedOperation`
+taking the tensor as a graph input, and a `num_segments` given explicitly
+as None (`ops.shape(x)[0]` of an unknown dimension) is marked for the
+tracer to fill from the graph (`unknown_sizes`).
 A `keras.random.normal / uniform / truncated_normal` draw is handed to the
 tracer's `record_draw` (which records it as a graph node, or returns None
 to let it run as Keras runs it): run eagerly, it would draw once, freeze
@@ -36,6 +43,7 @@ import copy
 import inspect
 import threading
 import types
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -172,6 +180,73 @@ def _ndim_symbolic_call(original):
     return symbolic_call
 
 
+def _tensor_sized_call(placeholders):
+    """`symbolic_call` of a Keras operation that takes a size as a Python
+    value (`SegmentSum.num_segments`, `Repeat.repeats`): given a symbolic
+    tensor there while tracing (`num_segments=ops.max(ids) + 1`), the call
+    is recorded as a `TensorSizedOperation` taking that tensor as a graph
+    input (Keras would fail working out the shape); `placeholders`:
+    {attribute: what it holds in the recorded operation's config}."""
+    def make(original):
+        def symbolic_call(self, *args, **kwargs):
+            if not _in_traced_idioms():
+                return original(self, *args, **kwargs)
+            KerasTensor = _compat.traced_idiom_targets().keras_tensor  # noqa: N806
+            given = [name for name in placeholders
+                     if isinstance(vars(self).get(name), KerasTensor)]
+            if not given:
+                return original(self, *args, **kwargs)
+            from keras_ipu_plugin.layers.tensor_sized import TensorSizedOperation
+
+            parameters = inspect.signature(type(self).__init__).parameters.values()
+            config = {parameter.name: getattr(self, parameter.name) for parameter in parameters
+                      if parameter.name not in ("self", "name")
+                      and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD,
+                                             parameter.KEYWORD_ONLY)}
+            config.update({name: placeholders[name] for name in given})
+            recorded = TensorSizedOperation(type(self)(**config), given, name=self.name)
+            return recorded(*[getattr(self, name) for name in given], *args, **kwargs)
+
+        return symbolic_call
+
+    return make
+
+
+# {operation: attributes}: Keras operations made while tracing by a call
+# given None explicitly for a size (`ops.segment_sum(x, ids,
+# num_segments=ops.shape(x)[0])`, the unknown batch size): that None is an
+# unknown dimension, which the tracer fills from the graph when it runs.
+# Keras's default (no `num_segments`: as many segments as ids) is not one.
+_unknown_sizes = weakref.WeakKeyDictionary()
+
+
+def unknown_sizes(operation):
+    """The attributes of `operation` (a Keras operation recorded while
+    tracing) that hold an unknown dimension as None given explicitly."""
+    try:
+        return list(_unknown_sizes.get(operation, ()))
+    except TypeError:  # not weakly referenceable: none recorded
+        return []
+
+
+def _explicit_none_segments(original):
+    def segment(*args, **kwargs):
+        if not _in_traced_idioms():
+            return original(*args, **kwargs)
+        try:
+            given = inspect.signature(original).bind(*args, **kwargs).arguments
+        except TypeError:  # Keras's own error follows
+            given = {}
+        result = original(*args, **kwargs)
+        if "num_segments" in given and given["num_segments"] is None:
+            node, _ = _compat.producing_node(result)
+            if node is not None:
+                _unknown_sizes[node.operation] = ("num_segments",)
+        return result
+
+    return segment
+
+
 def _patch(owner, name, make):
     """Put `make(original)` in place of `owner.name`, to be undone by `_unpatch_all`."""
     original = getattr(owner, name, _NOT_SET)
@@ -231,6 +306,10 @@ def traced_idioms(record_draw=None):
                 _patch(keras_objects.ndim, "symbolic_call", _ndim_symbolic_call)
                 for kind in _DRAWS:
                     _patch(keras_objects.random_backend, kind, _named_draw(kind))
+                for operation, placeholders in _compat.tensor_size_attributes().items():
+                    _patch(operation, "symbolic_call", _tensor_sized_call(placeholders))
+                for module, name in _compat.segment_functions():
+                    _patch(module, name, _explicit_none_segments)
             except BaseException:
                 _unpatch_all()  # Keras exactly as it was, not half-changed
                 raise
@@ -249,4 +328,4 @@ def traced_idioms(record_draw=None):
                 _unpatch_all()
 
 
-__all__ = ["traced_idioms"]
+__all__ = ["traced_idioms", "unknown_sizes"]

@@ -42,6 +42,7 @@ import tensorflow as tf
 from keras_ipu_plugin.frontend import training_branches
 from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.frontend.batch_traces import one_graph_for_any_batch
+from keras_ipu_plugin.frontend.batch_traces import per_input_runs
 from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
 from keras_ipu_plugin.frontend.call_trace import CallTrace
 from keras_ipu_plugin.frontend.failures import TraceError
@@ -123,7 +124,8 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
         tape.watch(variables)
         trace = CallTrace(layer, args, kwargs, placeholders, prefix, reads, tracer=tracer)
         try:
-            runs = [(trace, trace_modes(trace, training))]
+            runs = per_input_runs([(trace, trace_modes(trace, training))], layer, args,
+                                  kwargs, placeholders, prefix, reads, training, tracer)
         except TraceError as error:
             runs = trace_at_two_batch_sizes(
                 layer, args, kwargs, placeholders, prefix, reads, training, error, tracer
