@@ -240,11 +240,12 @@ COMPUTE = ("MatMul", "BiasAdd", "Tanh", "TanhGrad", "BiasAddGrad")
 
 def _compute_ops(graph):
     """`(layer, backward?, op)` for the compute ops of each layer: forward
-    ops in the layer's name scope (`block_0_3/MatMul`, made unique per
-    call), backward ops in the tape's (`gradient_tape/block_0_3/...`)."""
+    ops in the pass's and the layer's name scopes (`F0_1/block_0/MatMul`:
+    stage 0's forward of microbatch 1), backward ops in the tape's
+    (`gradient_tape/F0_1/block_0/...`)."""
     found = []
     for op in graph.get_operations():
-        match = re.match(r"(gradient_tape/)?(block_\d|head)(_\d+)?/", op.name)
+        match = re.match(r"(gradient_tape/)?(?:[FB]\d+_\d+/)?(block_\d|head)(_\d+)?/", op.name)
         if match and op.type in COMPUTE:
             found.append((match.group(2), bool(match.group(1)), op))
     return found

@@ -224,7 +224,7 @@ class _Run:
             waits += self.done.get(("B", s, m - (self.num_stages - s)), [])
         tensors = {i: self.values[m][i] for i in stage.inputs}
         watched = [i for i in stage.inputs if _differentiable(tensors[i])]
-        with _on(self.devices[s]), tf.control_dependencies(waits):
+        with _on(self.devices[s]), tf.name_scope(f"F{s}_{m}"), tf.control_dependencies(waits):
             with tf.GradientTape() as tape:
                 for i in watched:
                     tape.watch(tensors[i])
@@ -255,7 +255,7 @@ class _Run:
                     "equal the whole batch's. Not supported yet.")
         outputs = [i for i in ids if _differentiable(self.values[m][i])]
         added = [loss for s in range(self.num_stages) for loss in self.forward[(s, m)][3]]
-        with _on(self.devices[-1]):
+        with _on(self.devices[-1]), tf.name_scope(f"L_{m}"):
             with tf.GradientTape() as tape:
                 for i in outputs:
                     tape.watch(self.values[m][i])
@@ -310,7 +310,7 @@ class _Run:
         else:
             waits += self.done[("F", s, min(m + self.num_stages - s - 1, self.count - 1))]
         tensors = self.values[m]
-        with _on(self.devices[s]), tf.control_dependencies(waits):
+        with _on(self.devices[s]), tf.name_scope(f"B{s}_{m}"), tf.control_dependencies(waits):
             gradients = tape.gradient(targets, [tensors[i] for i in watched] + self.trainable,
                                       output_gradients=seeds)
             for i, g in zip(watched, gradients):
