@@ -277,6 +277,24 @@ def test_recomputed_segments_run_on_their_stage_device():
     assert len(checkpoints) == 4 and all(op.device.endswith("CPU:0") for op in checkpoints)
 
 
+def test_each_stage_reads_its_weights_once_a_step_onto_its_device():
+    # Read once a step (scope `W<stage>`), on the stage's device, and used by
+    # every microbatch's forward and backward: no pass reads a variable, so
+    # a weight crosses from the device holding it once, not once per
+    # microbatch (the loss's regularizers and the optimizer read their own).
+    graph = _traced_step([_pipelined()])
+    ops = graph.get_operations()
+    in_passes = [op.name for op in ops if op.type == "ReadVariableOp"
+                 and re.match(r"(gradient_tape/)?[FB]\d+_\d+/", op.name)]
+    assert not in_passes
+    copies = [op for op in ops if re.fullmatch(r"W\d/Identity(_\d+)?", op.name)]
+    # Stage 0: block_0, block_1; stage 1: block_2, head; a kernel and a bias each.
+    assert sorted(op.name[1] for op in copies) == ["0"] * 4 + ["1"] * 4
+    for op in copies:
+        assert op.device.endswith(DEVICES[int(op.name[1])].lstrip("/")), (op.name, op.device)
+        assert op.inputs[0].op.type == "ReadVariableOp"
+
+
 # -- schedules -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stages,count", [(2, 4), (3, 8), (4, 2)])

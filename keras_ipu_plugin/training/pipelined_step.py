@@ -15,7 +15,9 @@ kip.scope runs this step instead of Keras's `train_step`:
 3. the backward pass of each stage is its own `tape.gradient(stage outputs,
    [stage inputs] + weights, output_gradients=...)`, on the stage's device:
    a stage's forward and backward ops sit on its device and only the tensors
-   crossing a stage boundary (and their gradients) go between devices;
+   crossing a stage boundary (and their gradients) go between devices, but
+   for the stage's weights, read once a step onto its device (the
+   variables stay where Keras made them, where the optimizer updates them);
 4. the gradients of all microbatches are summed and the optimizer applies
    them once; the metrics are the whole batch's.
 
@@ -182,6 +184,7 @@ class _Run:
             _compat.global_seed_variables())
         self.values = [self.staged.input_tensors(xm) for xm in self.xs]
         self.forward = {}  # (stage position, m) -> (tape, watched ids, outputs, losses)
+        self.weights = {}  # stage position -> [(trainable variable, its value on the stage's device)]
         self.seeds = [dict() for _ in range(self.count)]  # tensor id -> gradient
         self.loss_seeds = {}  # (stage position, m) -> gradients of its added losses
         self.done = {}  # (kind, stage position, m) -> tensors to wait on
@@ -224,20 +227,43 @@ class _Run:
             waits += self.done.get(("B", s, m - (self.num_stages - s)), [])
         tensors = {i: self.values[m][i] for i in stage.inputs}
         watched = [i for i in stage.inputs if _differentiable(tensors[i])]
+        weights = self._stage_weights(s)
         with _on(self.devices[s]), tf.name_scope(f"F{s}_{m}"), tf.control_dependencies(waits):
             with tf.GradientTape() as tape:
                 for i in watched:
                     tape.watch(tensors[i])
-                with keras.StatelessScope(collect_losses=True) as scope:
+                for _, value in weights:
+                    tape.watch(value)
+                with _compat.stateless_scope(weights, collect_losses=True) as scope:
                     self.staged.run_stage(stage, tensors, self.owner.training)
                 losses = list(scope.losses)
-            self._write_back(scope, f"stage {stage.index}")
+            self._write_back(scope, f"stage {stage.index}", weights)
         self._check_added_losses(losses, stage)
         outputs = {i: tensors[i] for i in stage.outputs}
         for i in stage.outputs:
             self.values[m][i] = tensors[i]
         self.forward[(s, m)] = (tape, watched, outputs, losses)
         self.done[("F", s, m)] = list(outputs.values()) + losses
+
+    def _stage_weights(self, s):
+        """`(variable, value)` for the trainable weights of stage s's
+        layers, each read once a step onto the stage's device: every
+        microbatch's forward and backward pass runs on that value, so a
+        weight crosses from the device holding it once a step, not once
+        per microbatch. Its gradient is taken with respect to the value
+        (and to the variable, which an op reading it directly would reach)."""
+        if s not in self.weights:
+            trainable = {id(v) for v in self.trainable}
+            stage = self.staged.stages[s]
+            owned = union_of_variables(
+                [v for segment in stage.segments for node in segment.nodes
+                 for v in getattr(node.operation, "trainable_variables", ())
+                 if id(v) in trainable], [])
+            # Read before any of the schedule's waits: the reads depend on
+            # nothing but the variables.
+            with _on(self.devices[s]), tf.name_scope(f"W{s}"), tf.control_dependencies(None):
+                self.weights[s] = [(v, tf.identity(_compat.stored_value(v))) for v in owned]
+        return self.weights[s]
 
     def _loss(self, m):
         """Microbatch m's loss on the last stage's device; its gradients
@@ -310,12 +336,16 @@ class _Run:
         else:
             waits += self.done[("F", s, min(m + self.num_stages - s - 1, self.count - 1))]
         tensors = self.values[m]
+        weights = self.weights.get(s, [])
         with _on(self.devices[s]), tf.name_scope(f"B{s}_{m}"), tf.control_dependencies(waits):
-            gradients = tape.gradient(targets, [tensors[i] for i in watched] + self.trainable,
-                                      output_gradients=seeds)
+            sources = ([tensors[i] for i in watched] + [value for _, value in weights]
+                       + self.trainable)
+            gradients = tape.gradient(targets, sources, output_gradients=seeds)
             for i, g in zip(watched, gradients):
                 self._seed(m, i, g)
-            self._accumulate(gradients[len(watched):])
+            self._accumulate(_per_variable(
+                self.trainable, weights, gradients[len(watched):len(watched) + len(weights)],
+                gradients[len(watched) + len(weights):]))
         self.done[("B", s, m)] = [g for g in gradients if isinstance(g, tf.Tensor)]
 
     def _seed(self, m, i, gradient):
@@ -433,6 +463,24 @@ def schedule_order(num_stages, count, schedule):
         if not progressed:  # a bug in the queues above, never the user's
             raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked: {queues}")
     return order
+
+
+def _per_variable(trainable, weights, value_gradients, variable_gradients):
+    """The gradient of each of `trainable`: with respect to its value read
+    for the stage (`weights`: `(variable, value)` pairs, `value_gradients`
+    in their order) plus with respect to the variable itself (a direct
+    read), either possibly None."""
+    by_value = {id(v): g for (v, _), g in zip(weights, value_gradients)}
+    merged = []
+    for variable, direct in zip(trainable, variable_gradients):
+        through_value = by_value.get(id(variable))
+        if through_value is None or direct is None:
+            merged.append(direct if through_value is None else through_value)
+        elif isinstance(direct, tf.IndexedSlices) or isinstance(through_value, tf.IndexedSlices):
+            merged.append(tf.convert_to_tensor(direct) + tf.convert_to_tensor(through_value))
+        else:
+            merged.append(direct + through_value)
+    return merged
 
 
 def _split(structure, count, what):
