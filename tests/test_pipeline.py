@@ -295,6 +295,34 @@ def test_each_stage_reads_its_weights_once_a_step_onto_its_device():
         assert op.inputs[0].op.type == "ReadVariableOp"
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_hands_each_microbatch_over_before_its_next_pass(schedule):
+    # Stage 0's forward output of microbatch m is copied onto stage 1's
+    # device by an op of its own (`F0_<m>_to_1`), and stage 1's input
+    # gradient onto stage 0's (`B1_<m>_to_0`); the stage's next pass waits
+    # on that copy. (Left to TensorFlow, a device of one thread sent its
+    # outputs only once it had nothing else to run.)
+    graph = _traced_step([_pipelined(schedule)])
+    ops = graph.get_operations()
+    waiting_on = {}
+    for op in ops:
+        for control in op.control_inputs:
+            waiting_on.setdefault(control.name, []).append(op.name)
+    for m in range(4):
+        forward = graph.get_operation_by_name(f"F0_{m}_to_1/Identity")
+        backward = graph.get_operation_by_name(f"B1_{m}/B1_{m}_to_0/Identity")
+        assert forward.device.endswith("CPU:1") and backward.device.endswith("CPU:0")
+        if m < 3:
+            assert any(name.startswith(f"F0_{m + 1}/") for name in waiting_on[forward.name])
+            assert any(f"F1_{m + 1}/" in name or name.startswith(f"B1_{m + 1}/")
+                       for name in waiting_on[backward.name])
+    # The model's inputs get no gradient: block_0's backward is its weight
+    # gradient alone (one MatMul a microbatch, none for the input).
+    input_side = [op.name for op in ops if op.type == "MatMul"
+                  and re.match(r"gradient_tape/F0_\d/block_0(_\d+)?/", op.name)]
+    assert len(input_side) == 4, input_side
+
+
 # -- schedules -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stages,count", [(2, 4), (3, 8), (4, 2)])

@@ -185,6 +185,7 @@ class _Run:
         self.values = [self.staged.input_tensors(xm) for xm in self.xs]
         self.forward = {}  # (stage position, m) -> (tape, watched ids, outputs, losses)
         self.weights = {}  # stage position -> [(trainable variable, its value on the stage's device)]
+        self.produced_in, self.read_in = _crossings(self.staged)
         self.seeds = [dict() for _ in range(self.count)]  # tensor id -> gradient
         self.loss_seeds = {}  # (stage position, m) -> gradients of its added losses
         self.done = {}  # (kind, stage position, m) -> tensors to wait on
@@ -226,7 +227,10 @@ class _Run:
         if self.owner.schedule == "1f1b" and m >= self.num_stages - s:
             waits += self.done.get(("B", s, m - (self.num_stages - s)), [])
         tensors = {i: self.values[m][i] for i in stage.inputs}
-        watched = [i for i in stage.inputs if _differentiable(tensors[i])]
+        # The gradients a backward pass sends are those of the activations
+        # from earlier stages; the model's inputs need none.
+        watched = [i for i in stage.inputs
+                   if i in self.produced_in and _differentiable(tensors[i])]
         weights = self._stage_weights(s)
         with _on(self.devices[s]), tf.name_scope(f"F{s}_{m}"), tf.control_dependencies(waits):
             with tf.GradientTape() as tape:
@@ -240,10 +244,30 @@ class _Run:
             self._write_back(scope, f"stage {stage.index}", weights)
         self._check_added_losses(losses, stage)
         outputs = {i: tensors[i] for i in stage.outputs}
+        arrived = []
         for i in stage.outputs:
-            self.values[m][i] = tensors[i]
+            self.values[m][i] = self._hand_over(tensors[i], s, self.read_in[i], f"F{s}_{m}")
+            if self.values[m][i] is not tensors[i]:
+                arrived.append(self.values[m][i])
         self.forward[(s, m)] = (tape, watched, outputs, losses)
-        self.done[("F", s, m)] = list(outputs.values()) + losses
+        self.done[("F", s, m)] = list(outputs.values()) + losses + arrived
+
+    def _hand_over(self, tensor, s, reader, what):
+        """`tensor` (computed on stage s's device) copied to the device of
+        the stage that reads it first.
+
+        The copy is an op of its own, and the stage's next pass waits on
+        it (`done`): a stage hands its microbatch over before it starts the
+        next. Left implicit, TensorFlow sends it when the producing device
+        has nothing else to run: a device of one thread (a device's
+        executor keeps running a chain of dependent ops inline) sent a
+        stage's four forward outputs only after computing all four, so the
+        next stage waited for all of them (traced: docs/branch-notes/pipe25b.md)."""
+        source, target = self.devices[s], self.devices[reader]
+        if target is None or target == source or not isinstance(tensor, tf.Tensor):
+            return tensor
+        with _on(target), tf.name_scope(f"{what}_to_{reader}"):
+            return tf.identity(tensor)
 
     def _stage_weights(self, s):
         """`(variable, value)` for the trainable weights of stage s's
@@ -341,12 +365,16 @@ class _Run:
             sources = ([tensors[i] for i in watched] + [value for _, value in weights]
                        + self.trainable)
             gradients = tape.gradient(targets, sources, output_gradients=seeds)
+            arrived = []
             for i, g in zip(watched, gradients):
-                self._seed(m, i, g)
+                moved = self._hand_over(g, s, self.produced_in[i], f"B{s}_{m}")
+                if moved is not g:
+                    arrived.append(moved)
+                self._seed(m, i, moved)
             self._accumulate(_per_variable(
                 self.trainable, weights, gradients[len(watched):len(watched) + len(weights)],
                 gradients[len(watched) + len(weights):]))
-        self.done[("B", s, m)] = [g for g in gradients if isinstance(g, tf.Tensor)]
+        self.done[("B", s, m)] = [g for g in gradients if isinstance(g, tf.Tensor)] + arrived
 
     def _seed(self, m, i, gradient):
         if gradient is None:
@@ -463,6 +491,24 @@ def schedule_order(num_stages, count, schedule):
         if not progressed:  # a bug in the queues above, never the user's
             raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked: {queues}")
     return order
+
+
+def _crossings(staged):
+    """`(produced_in, read_in)`: for each Value a stage sends on, the
+    position of the stage producing it and that of the first later stage
+    reading it (the last stage's for the model's outputs, which the loss
+    reads there)."""
+    produced_in, read_in = {}, {}
+    for position, stage in enumerate(staged.stages):
+        for i in stage.inputs:
+            if i in produced_in and i not in read_in:
+                read_in[i] = position
+        for i in stage.outputs:
+            produced_in[i] = position
+    last = staged.num_stages - 1
+    for i in produced_in:
+        read_in.setdefault(i, last)
+    return produced_in, read_in
 
 
 def _per_variable(trainable, weights, value_gradients, variable_gradients):
