@@ -346,7 +346,7 @@ def report(model_name, timing, memory, proxy, gpu, steps):
     print(f"{'schedule':<9}{'M':>3}{'step s':>9}{'CPU s':>8}{'x M=1':>8}{'ideal x':>9}"
           f"{'bubble':>8}{'GPipe bound':>13}{'step peak MiB':>15}")
     speedups = {}
-    for (count, schedule), rounds in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (count, schedule), rounds in sorted(results.items(), key=lambda kv: (kv[0][0] > 1, kv[0][1], kv[0][0])):
         if count == 1 and schedule != "gpipe":
             continue  # one order for one microbatch
         step = statistics.median(r["step_s"] for r in rounds)

@@ -323,6 +323,24 @@ def test_a_stage_hands_each_microbatch_over_before_its_next_pass(schedule):
     assert len(input_side) == 4, input_side
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_adds_in_its_weight_gradients_before_its_next_backward(schedule):
+    # Microbatch m's weight gradients are added to the sums (AddV2 in scope
+    # B<s>_<m>) before the stage's backward of m + 1 makes its own: else
+    # TensorFlow may hold every microbatch's gradients at once.
+    graph = _traced_step([_pipelined(schedule)])
+    ops = graph.get_operations()
+    for s in (0, 1):
+        for m in (1, 2):
+            sums = {op.name for op in ops if op.type == "AddV2"
+                    and op.name.startswith(f"B{s}_{m}/")}
+            assert sums, (s, m)
+            waiting = [op.name for op in ops if f"F{s}_{m + 1}/" in op.name
+                       and op.name.startswith("gradient_tape/")
+                       and sums & {c.name for c in op.control_inputs}]
+            assert waiting, (s, m)
+
+
 # -- schedules -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stages,count", [(2, 4), (3, 8), (4, 2)])

@@ -371,10 +371,13 @@ class _Run:
                 if moved is not g:
                     arrived.append(moved)
                 self._seed(m, i, moved)
-            self._accumulate(_per_variable(
+            sums = self._accumulate(_per_variable(
                 self.trainable, weights, gradients[len(watched):len(watched) + len(weights)],
                 gradients[len(watched) + len(weights):]))
-        self.done[("B", s, m)] = [g for g in gradients if isinstance(g, tf.Tensor)] + arrived
+        # The stage's next backward waits on the sums too: one microbatch's
+        # weight gradients are added in before the next one's are made.
+        self.done[("B", s, m)] = ([g for g in gradients if isinstance(g, tf.Tensor)] + arrived
+                                  + sums)
 
     def _seed(self, m, i, gradient):
         if gradient is None:
@@ -393,7 +396,9 @@ class _Run:
         """Add a stage's (or the loss's) weight gradients to the sums, on its
         device. Dense ones are summed as they come, so one gradient per
         weight stays alive rather than one per microbatch; IndexedSlices are
-        kept to be joined as the whole batch's would be (`_summed`)."""
+        kept to be joined as the whole batch's would be (`_summed`).
+        Returns the sums it made."""
+        sums = []
         for parts, g in zip(self.grads, gradients):
             if g is None:
                 continue
@@ -402,6 +407,8 @@ class _Run:
                 parts.append(g)
             else:
                 parts[-1] = parts[-1] + g
+                sums.append(parts[-1])
+        return sums
 
     # -- state -----------------------------------------------------------------
     def _write_back(self, scope, where, given=()):
