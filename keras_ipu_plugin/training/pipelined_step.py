@@ -62,6 +62,7 @@ from keras_ipu_plugin.runtime.pipeline import StagedModel
 from keras_ipu_plugin.runtime.pipeline import stage_devices
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.training.calls import CallArguments
+from keras_ipu_plugin.training import microbatches
 
 #: Loss reductions that are means over the batch's entries: the whole
 #: batch's loss is the mean of M equal microbatches' losses.
@@ -175,9 +176,9 @@ class _Run:
         self.num_stages = self.staged.num_stages
         self.devices = stage_devices(owner.devices, model.kip_stage_devices, self.num_stages)
         self.x, self.y, self.sample_weight = x, y, sample_weight
-        self.xs = _split(x, self.count, "x")
-        self.ys = _split(y, self.count, "y")
-        self.ws = _split(sample_weight, self.count, "sample_weight")
+        self.xs = microbatches.split(x, self.count, "x")
+        self.ys = microbatches.split(y, self.count, "y")
+        self.ws = microbatches.split(sample_weight, self.count, "sample_weight")
         self.trainable = list(proxy.trainable_weights)
         self.state = union_of_variables(
             list(runtime_variables(owner.runtime)) + list(model.variables),
@@ -207,7 +208,7 @@ class _Run:
         _compat.loss_tracker(proxy).update_state(total, sample_weight=tf.shape(first)[0])
         if self.trainable:
             rows = {id(leaf) for xm in self.xs for leaf in tf.nest.flatten(xm)}
-            gradients = [_summed(parts, rows) for parts in self.grads]
+            gradients = [microbatches.summed(parts, rows) for parts in self.grads]
             proxy.optimizer.apply_gradients(zip(gradients, self.trainable))
         else:
             warnings.warn("The model does not have any trainable weights.")
@@ -371,7 +372,7 @@ class _Run:
                 if moved is not g:
                     arrived.append(moved)
                 self._seed(m, i, moved)
-            sums = self._accumulate(_per_variable(
+            sums = self._accumulate(microbatches.per_variable(
                 self.trainable, weights, gradients[len(watched):len(watched) + len(weights)],
                 gradients[len(watched) + len(weights):]))
         # The stage's next backward waits on the sums too: one microbatch's
@@ -396,7 +397,7 @@ class _Run:
         """Add a stage's (or the loss's) weight gradients to the sums, on its
         device. Dense ones are summed as they come, so one gradient per
         weight stays alive rather than one per microbatch; IndexedSlices are
-        kept to be joined as the whole batch's would be (`_summed`).
+        kept to be joined as the whole batch's would be (`microbatches.summed`).
         Returns the sums it made."""
         sums = []
         for parts, g in zip(self.grads, gradients):
@@ -518,59 +519,6 @@ def _crossings(staged):
     return produced_in, read_in
 
 
-def _per_variable(trainable, weights, value_gradients, variable_gradients):
-    """The gradient of each of `trainable`: with respect to its value read
-    for the stage (`weights`: `(variable, value)` pairs, `value_gradients`
-    in their order) plus with respect to the variable itself (a direct
-    read), either possibly None."""
-    by_value = {id(v): g for (v, _), g in zip(weights, value_gradients)}
-    merged = []
-    for variable, direct in zip(trainable, variable_gradients):
-        through_value = by_value.get(id(variable))
-        if through_value is None or direct is None:
-            merged.append(direct if through_value is None else through_value)
-        elif isinstance(direct, tf.IndexedSlices) or isinstance(through_value, tf.IndexedSlices):
-            merged.append(tf.convert_to_tensor(direct) + tf.convert_to_tensor(through_value))
-        else:
-            merged.append(direct + through_value)
-    return merged
-
-
-def _split(structure, count, what):
-    """`count` structures of equal row slices of `structure`'s tensors (a
-    None stays None in each)."""
-    if structure is None:
-        return [None] * count
-    leaves = tf.nest.flatten(structure)
-    pieces = []
-    for leaf in leaves:
-        if leaf is None:
-            pieces.append([None] * count)
-            continue
-        tensor = tf.convert_to_tensor(leaf)
-        rows = tensor.shape[0] if tensor.shape.rank else None
-        if tensor.shape.rank == 0:
-            raise ValueError(f"PipelineStages(microbatches={count}): `{what}` holds a scalar; "
-                             "it cannot be split into microbatches.")
-        if rows is not None and rows % count:
-            raise ValueError(
-                f"PipelineStages(microbatches={count}): a batch of {rows} rows (`{what}`) "
-                f"cannot be split into {count} equal microbatches; use a batch size that "
-                f"{count} divides (drop_remainder=True on a dataset whose size it does not).")
-        if rows is None and not tf.executing_eagerly():
-            batch = tf.shape(tensor)[0]
-            check = tf.debugging.Assert(
-                tf.equal(tf.math.floormod(batch, count), 0),
-                [f"PipelineStages(microbatches={count}): a batch of", batch,
-                 f"rows (`{what}`) cannot be split into {count} equal microbatches; use a "
-                 f"batch size that {count} divides (drop_remainder=True on a dataset whose "
-                 f"size it does not)."])
-            with tf.control_dependencies([check]):
-                tensor = tf.identity(tensor)
-        pieces.append(tf.split(tensor, count, axis=0))
-    return [tf.nest.pack_sequence_as(structure, [p[m] for p in pieces]) for m in range(count)]
-
-
 def _check_loss_reductions(proxy, count):
     for loss in keras.tree.flatten(getattr(proxy, "loss", None)):
         reduction = getattr(loss, "reduction", "sum_over_batch_size")
@@ -584,62 +532,6 @@ def _check_loss_reductions(proxy, count):
 
 def _differentiable(tensor):
     return tf.is_tensor(tensor) and (tensor.dtype.is_floating or tensor.dtype.is_complex)
-
-
-def _summed(parts, rows):
-    """The sum of one variable's gradients from the microbatches and stages,
-    in the form the whole batch's gradient takes (`rows`: the microbatches'
-    input tensors).
-
-    Keras's optimizers are not indifferent to that form: Adam squares an
-    IndexedSlices gradient (an Embedding's) slice by slice, before repeated
-    indices are summed. So an IndexedSlices sum is made as the whole batch's
-    would be: where the gathered indices come from the microbatch's rows
-    (token ids), the slices are joined; where they do not (a position
-    embedding over `arange(length)`: every microbatch gathers the same
-    rows), their values are added slice by slice."""
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    if all(isinstance(p, tf.IndexedSlices) for p in parts):
-        return _summed_slices(parts, rows)
-    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
-
-
-def _summed_slices(parts, rows):
-    indices = [p.indices for p in parts]
-    if tf.executing_eagerly():  # no graph to read: the values tell
-        fixed = len({tuple(i.shape) for i in indices}) == 1 and all(
-            bool(tf.reduce_all(tf.equal(i, indices[0]))) for i in indices[1:])
-    else:
-        fixed = not any(_depends_on(i, rows) for i in indices)
-    if not fixed:
-        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
-                                tf.concat(indices, 0), parts[0].dense_shape)
-    checks = [] if tf.executing_eagerly() else [
-        tf.debugging.assert_equal(i, indices[0], message=(
-            "pipelined step: the microbatches' gradients of one embedding gather "
-            "indices that do not come from their rows, yet differ")) for i in indices[1:]]
-    with tf.control_dependencies(checks):
-        values = tf.add_n([p.values for p in parts])
-    return tf.IndexedSlices(values, indices[0], parts[0].dense_shape)
-
-
-def _depends_on(tensor, sources):
-    """Whether graph tensor `tensor` is computed from any tensor whose id is
-    in `sources` (walking the ops' inputs)."""
-    seen, stack = set(), [tensor]
-    while stack:
-        current = stack.pop()
-        if id(current) in sources:
-            return True
-        op = current.op
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        stack.extend(op.inputs)
-    return False
 
 
 def _on(device):
