@@ -4,39 +4,60 @@ Two stages on two devices, `PipelineStages(stages, microbatches=M,
 devices=[...], schedule=...)` through `PluginModel.fit`, for M = 1, 2, 4, 8
 and both schedules ("gpipe", "1f1b"):
 
-- `mlp`: 8 GELU Dense layers of 1024 and a head, batch 256, 4 layers a stage;
+- `mlp`: 8 GELU Dense layers of 1024 and a head, batch 1024 (M = 4: 256
+  rows a microbatch), 4 layers a stage;
 - `transformer`: the gallery's text transformer (`examples/text_transformer.py`)
   with 4 blocks of width 128, 64 tokens, batch 32; the embedding and 2
   blocks in stage 0, 2 blocks and the head in stage 1.
 
-Devices: by default two logical CPU devices, TensorFlow's intra-op pool at one
-thread and its inter-op pool at two, so each stage's op runs on one thread
-and the two stages' ops can run at once: a proxy for two accelerators, not
-two accelerators (they share the memory, the caches and, here, a machine
-other people's jobs load too). With `--gpu` the stages go to two GPUs (two
-logical GPUs on one where there is only one).
+Devices (`--proxy`, on the CPU):
 
-Each configuration runs in its own process (peak memory is per process):
-`fit` traces and warms up on one batch, then the allocator's peak is reset
-and STEPS steps are timed (median). Memory is TensorFlow's BFC allocator
-(`TF_CPU_ALLOCATOR_USE_BFC=true` on the CPU, as benchmarks/recompute_memory.py
-does): the step peak is what the steps added over what it held before them
-(weights, optimizer state, data).
+- `workers` (the default): two TensorFlow servers in this process, each a
+  device with ONE thread running its ops (inter-op and intra-op pools of
+  one), tensors between them over gRPC on localhost. A device runs one op at
+  a time, as an accelerator's stream does: the proxy for two accelerators.
+- `logical`: two logical CPU devices, intra-op pool of one, inter-op pool of
+  two. TensorFlow gives every CPU device of a process the SAME inter-op
+  pool (and one intra-op pool), so these are not two devices of one thread
+  each: one stage runs two of its own ops at once where they are
+  independent (a layer's input and weight gradients), and M = 1 already
+  keeps both threads busy for part of its step. Measured for comparison.
 
-Printed per configuration: the step time, the throughput against M = 1 (the
-same stages, run one after the other), the measured bubble, 1 - T(1) / (S *
-T(M)) (the fraction of the S devices' time idle, taking M = 1's step as the
-work), against GPipe's bound (S - 1) / (M + S - 1), and the step peak.
+With `--gpu` the stages go to two GPUs (two logical GPUs on one where there
+is only one).
+
+Timing: one process per model builds every configuration and runs them in
+turn, ROUNDS rounds of STEPS steps each (the machine is shared: alternating
+keeps every configuration under the same load). Per configuration: the
+median over rounds of the step time, its throughput against M = 1 in the
+same round, the CPU seconds the process spent per step, and the load
+average of the machine at each round. The bubble is 1 - T(1) / (S * T(M))
+(the fraction of the S devices' time idle, taking M = 1's step as the
+work), against GPipe's bound (S - 1) / (M + S - 1).
+
+Memory: each configuration in a process of its own (peaks are per process),
+on two logical CPU devices (`TF_CPU_ALLOCATOR_USE_BFC=true`, as
+benchmarks/recompute_memory.py does; the same graph as the workers run): the
+step peak is what the steps added over what the allocator held before them.
+
+`--trace MODEL M SCHEDULE`: one profiled step (tf.profiler), its ops grouped
+by pass (the step names them `F<stage>_<m>`, `B<stage>_<m>`), each stage's
+time running ops, and the time both stages run ops at once.
+
 Goals (issue 25): M = 4 at least 1.3x the throughput of M = 1; the 1F1B
 peak below GPipe's at M = 8.
 
     python benchmarks/pipeline_throughput.py                  # both models
-    python benchmarks/pipeline_throughput.py mlp --steps 4 --rounds 2
+    python benchmarks/pipeline_throughput.py mlp --rounds 7 --proxy logical
+    python benchmarks/pipeline_throughput.py --trace mlp 4 gpipe
 """
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,63 +66,68 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-STEPS, ROUNDS = 5, 1
+STEPS, ROUNDS = 4, 5
 COUNTS = (1, 2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-WIDTH, DEPTH, MLP_BATCH = 1024, 8, 256
+WIDTH, DEPTH, MLP_BATCH = 1024, 8, 1024
 TEXT = dict(vocab=1000, length=64, dim=128, heads=4, classes=2, blocks=4)
 TEXT_BATCH = 32
 STAGE_COUNT = 2
+PROXIES = {
+    "workers": "two in-process TensorFlow servers, one thread each (a device runs one op "
+               "at a time, as an accelerator's stream does; tensors between them over gRPC "
+               "on localhost): a proxy for two accelerators, not two accelerators",
+    "logical": "two logical CPU devices, intra-op 1, inter-op 2: both devices share the "
+               "process's two inter-op threads, so a stage can run two of its ops at once "
+               "and M=1 is already partly parallel; NOT a proxy for two accelerators",
+}
 
 
-def child(model_name, count, schedule, steps, gpu):
+# -- devices -------------------------------------------------------------------------
+def configure(proxy, gpu):
+    """Set TensorFlow's devices up (before it starts) and return
+    `(devices, servers kept alive)`."""
     import tensorflow as tf
 
     if gpu:
-        devices = _gpu_devices(tf)
-    else:
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            raise SystemExit("--gpu: no GPU visible")
+        if len(gpus) == 1:  # two logical GPUs on the one there is
+            tf.config.set_logical_device_configuration(
+                gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=8192)] * 2)
+        return ["/GPU:0", "/GPU:1"], []
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    if proxy == "logical":
         cpus = tf.config.list_physical_devices("CPU")
         tf.config.set_logical_device_configuration(
             cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-        tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(2)
-        devices = ["/CPU:0", "/CPU:1"]
-    import keras
-    import numpy as np
-
-    import keras_ipu_plugin as kip
-
-    keras.utils.set_random_seed(0)
-    build, stages, x, y, loss = _setup(model_name, keras, np)
-    passes = [kip.passes.PipelineStages(stages, microbatches=count, devices=devices,
-                                        schedule=schedule)]
-    model = kip.PluginModel(build(), passes=passes, verify=False)
-    model.compile(optimizer="adam", loss=loss)
-    batch = len(x) // steps
-    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=2, verbose=0)  # trace, warm up
-    memory_device = devices[0].lstrip("/")
-    held = tf.config.experimental.get_memory_info(memory_device)["current"]
-    tf.config.experimental.reset_memory_stats(memory_device)
-    times = _step_times(keras)
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[times])
-    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] - held
-    print(json.dumps({"step_s": statistics.median(times.times), "step_peak": peak,
-                      "devices": devices, "memory_device": memory_device}))
+        return ["/CPU:0", "/CPU:1"], []
+    # Each server's own pools run what is placed on it: one thread each.
+    # The client (this process's eager context) runs only the input
+    # pipeline and dispatch; its pool is one thread too (the servers' pools
+    # are made from the client's settings when it connects).
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    spec = tf.train.ClusterSpec({"worker": [f"localhost:{_free_port()}" for _ in range(2)]})
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1,
+                                      intra_op_parallelism_threads=1)
+    servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, config=config)
+               for i in range(2)]
+    tf.config.experimental_connect_to_cluster(spec)
+    return [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(2)], servers
 
 
-def _gpu_devices(tf):
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        raise SystemExit("--gpu: no GPU visible")
-    if len(gpus) == 1:  # two logical GPUs on the one there is
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=8192)] * 2)
-    return ["/GPU:0", "/GPU:1"]
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
-def _setup(model_name, keras, np):
+# -- models --------------------------------------------------------------------------
+def _setup(model_name, keras, np, steps):
     rng = np.random.default_rng(0)
     if model_name == "mlp":
         class DeepMLP(keras.Model):
@@ -119,22 +145,38 @@ def _setup(model_name, keras, np):
         half = DEPTH // 2
         stages = [[f"hidden.{i}" for i in range(half)],
                   [f"hidden.{i}" for i in range(half, DEPTH)] + ["head"]]
-        x = rng.random((MLP_BATCH * STEPS_RUN[0], WIDTH), dtype=np.float32)
-        y = rng.random((MLP_BATCH * STEPS_RUN[0], 1), dtype=np.float32)
-        return DeepMLP, stages, x, y, "mse"
+        x = rng.random((MLP_BATCH * steps, WIDTH), dtype=np.float32)
+        y = rng.random((MLP_BATCH * steps, 1), dtype=np.float32)
+        return DeepMLP, stages, x, y, "mse", MLP_BATCH
     sys.path.insert(0, str(EXAMPLES))
     import text_transformer
 
     half = TEXT["blocks"] // 2
     stages = [["embedding"] + [f"blocks.{i}" for i in range(half)],
               [f"blocks.{i}" for i in range(half, TEXT["blocks"])] + ["pool", "head"]]
-    x = rng.integers(1, TEXT["vocab"], size=(TEXT_BATCH * STEPS_RUN[0], TEXT["length"]))
-    y = rng.integers(0, 2, size=(TEXT_BATCH * STEPS_RUN[0],))
+    x = rng.integers(1, TEXT["vocab"], size=(TEXT_BATCH * steps, TEXT["length"]))
+    y = rng.integers(0, 2, size=(TEXT_BATCH * steps,))
     return (lambda: text_transformer.TextClassifier(**TEXT), stages, x.astype("int32"),
-            y.astype("int32"), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            y.astype("int32"), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            TEXT_BATCH)
 
 
-STEPS_RUN = [STEPS]
+def _fitted(model_name, count, schedule, devices, steps):
+    """A PluginModel for one configuration, traced and warmed up, and its
+    data: `(model, x, y, batch)`."""
+    import keras
+    import numpy as np
+
+    import keras_ipu_plugin as kip
+
+    keras.utils.set_random_seed(0)
+    build, stages, x, y, loss, batch = _setup(model_name, keras, np, steps)
+    passes = [kip.passes.PipelineStages(stages, microbatches=count, devices=devices,
+                                        schedule=schedule)]
+    model = kip.PluginModel(build(), passes=passes, verify=False)
+    model.compile(optimizer="adam", loss=loss)
+    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=2, verbose=0)
+    return model, x, y, batch
 
 
 def _step_times(keras):
@@ -152,52 +194,186 @@ def _step_times(keras):
     return Times()
 
 
+def _weights_on(devices, servers):
+    """Where the variables are made: on the first stage's device with the
+    workers (as on a first GPU); the logical devices share memory."""
+    import tensorflow as tf
+
+    return tf.device(devices[0]) if servers else contextlib.nullcontext()
+
+
+# -- children ------------------------------------------------------------------------
+def timing_child(model_name, configs, steps, rounds, proxy, gpu):
+    import keras
+
+    devices, servers = configure(proxy, gpu)
+    runs = {}
+    with _weights_on(devices, servers):
+        for count, schedule in configs:
+            runs[(count, schedule)] = _fitted(model_name, count, schedule, devices, steps)
+        results = {key: [] for key in runs}
+        loads = []
+        for _ in range(rounds):
+            for key, (model, x, y, batch) in runs.items():
+                times = _step_times(keras)
+                cpu = time.process_time()
+                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                          callbacks=[times])
+                results[key].append({"step_s": statistics.median(times.times),
+                                     "cpu_s": (time.process_time() - cpu) / len(times.times)})
+            loads.append(os.getloadavg()[0])
+    print(json.dumps({"devices": devices, "loads": loads,
+                      "results": [[list(key), r] for key, r in results.items()]}))
+
+
+def memory_child(model_name, count, schedule, steps, gpu):
+    import keras
+    import tensorflow as tf
+
+    devices, _ = configure("logical", gpu)
+    model, x, y, batch = _fitted(model_name, count, schedule, devices, steps)
+    memory_device = devices[0].lstrip("/")
+    held = tf.config.experimental.get_memory_info(memory_device)["current"]
+    tf.config.experimental.reset_memory_stats(memory_device)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[_step_times(keras)])
+    peak = tf.config.experimental.get_memory_info(memory_device)["peak"] - held
+    print(json.dumps({"step_peak": peak, "memory_device": memory_device}))
+
+
+PASS = re.compile(r"(?:^|/)(F|B)(\d+)_(\d+)(?:_\d+)?/")
+
+
+def trace_child(model_name, count, schedule, proxy, gpu):
+    """Profile one step; print each stage's op time and the time both
+    stages run ops at once (ops of a pass: those in its name scope; a
+    backward op is named after its forward op, under `gradient_tape/`)."""
+    import tempfile
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    devices, servers = configure(proxy, gpu)
+    with _weights_on(devices, servers):
+        model, x, y, batch = _fitted(model_name, count, schedule, devices, 1)
+        with tempfile.TemporaryDirectory() as logdir:
+            tf.profiler.experimental.start(logdir)
+            model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
+            tf.profiler.experimental.stop()
+            space = xplane_pb2.XSpace()
+            path = next(Path(logdir).rglob("*.xplane.pb"))
+            space.ParseFromString(path.read_bytes())
+    spans = {0: [], 1: []}
+    passes = {}
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                match = PASS.search(name)
+                if not match:
+                    continue
+                kind = "B" if "gradient_tape/" in name[:match.start() + 1] else match.group(1)
+                stage, micro = int(match.group(2)), int(match.group(3))
+                start = line.timestamp_ns * 1000 + event.offset_ps
+                spans.setdefault(stage, []).append((start, start + event.duration_ps))
+                passes.setdefault((kind, stage, micro), []).append(
+                    (start, start + event.duration_ps))
+    first = min(s for v in spans.values() for s, _ in v)
+    last = max(e for v in spans.values() for _, e in v)
+    ms = 1e9
+    print(f"one step of {model_name}, M={count}, {schedule}, on {proxy if not gpu else 'GPUs'}:")
+    for key in sorted(passes, key=lambda k: min(s for s, _ in passes[k])):
+        busy = _union(passes[key])
+        start = min(s for s, _ in passes[key])
+        print(f"  {key[0]}{key[1]}_{key[2]}: first op at {(start - first) / ms:8.1f} ms, "
+              f"ops running {busy / ms:7.1f} ms")
+    busy = [_union(spans[s]) for s in (0, 1)]
+    both = _both(spans[0], spans[1])
+    print(f"step {(last - first) / ms:.1f} ms; stage 0 runs ops {busy[0] / ms:.1f} ms, stage 1 "
+          f"{busy[1] / ms:.1f} ms, both at once {both / ms:.1f} ms "
+          f"({both / max(min(busy), 1):.0%} of the less busy stage's); load average "
+          f"{os.getloadavg()[0]:.2f}")
+
+
+def _union(intervals):
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def _both(a, b):
+    """The time at least one interval of `a` and one of `b` are open."""
+    points = sorted([(s, 0, 1) for s, _ in a] + [(e, 0, -1) for _, e in a]
+                    + [(s, 1, 1) for s, _ in b] + [(e, 1, -1) for _, e in b])
+    open_, last, total = [0, 0], None, 0
+    for t, side, step in points:
+        if last is not None and open_[0] > 0 and open_[1] > 0:
+            total += t - last
+        open_[side] += step
+        last = t
+    return total
+
+
 # -- the parent ----------------------------------------------------------------------
-def run(model_name, count, schedule, steps, gpu):
-    command = [sys.executable, __file__, "--child", model_name, str(count), schedule,
-               "--steps", str(steps)] + (["--gpu"] if gpu else [])
+def _child(args, extra_env=None):
+    command = [sys.executable, __file__] + args
     done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, **CHILD_ENV})
+                          env={**os.environ, **CHILD_ENV, **(extra_env or {})})
     if done.returncode != 0:
-        raise RuntimeError(f"child {model_name} M={count} {schedule} failed:\n"
-                           f"{done.stderr[-3000:]}")
+        raise RuntimeError(f"child {args} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def report(model_name, results, gpu):
+def report(model_name, timing, memory, proxy, gpu, steps):
     mib = 2 ** 20
+    results = {tuple(key): rounds for key, rounds in timing["results"]}
     base = results[(1, "gpipe")]
-    where = ("two GPUs" if gpu else
-             "two logical CPU devices, one intra-op thread each (a proxy for two "
-             "accelerators, not two accelerators)")
+    where = "two GPUs" if gpu else PROXIES[proxy]
     print(f"\n== {model_name}: {STAGE_COUNT} stages on {where} ==")
-    print(f"(step peak: TensorFlow's BFC allocator on {base['memory_device']}, over what it "
-          "held before the timed steps; the logical CPU devices share one allocator)")
-    print(f"{'schedule':<9}{'M':>3}{'step s':>9}{'x M=1':>8}{'ideal x':>9}"
+    print(f"devices {timing['devices']}; {len(base)} rounds of {steps} steps, every "
+          f"configuration in each round; load average (1 min) at each round: "
+          f"{', '.join(f'{load:.2f}' for load in timing['loads'])} on {os.cpu_count()} CPUs")
+    print("(step s: median over rounds; x M=1: median of the rounds' ratios; CPU s: the "
+          "process's CPU time per step, all threads; step peak: TensorFlow's BFC allocator "
+          "on two logical CPU devices, over what it held before the timed steps)")
+    print(f"{'schedule':<9}{'M':>3}{'step s':>9}{'CPU s':>8}{'x M=1':>8}{'ideal x':>9}"
           f"{'bubble':>8}{'GPipe bound':>13}{'step peak MiB':>15}")
-    for (count, schedule), r in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    speedups = {}
+    for (count, schedule), rounds in sorted(results.items(), key=lambda kv: (kv[0][0] > 1, kv[0][1], kv[0][0])):
         if count == 1 and schedule != "gpipe":
             continue  # one order for one microbatch
-        speedup = base["step_s"] / r["step_s"]
+        step = statistics.median(r["step_s"] for r in rounds)
+        cpu = statistics.median(r["cpu_s"] for r in rounds)
+        speedup = statistics.median(b["step_s"] / r["step_s"] for b, r in zip(base, rounds))
+        speedups[(count, schedule)] = speedup
         ideal = STAGE_COUNT * count / (count + STAGE_COUNT - 1)
-        bubble = 1 - base["step_s"] / (STAGE_COUNT * r["step_s"])
+        bubble = 1 - 1 / (STAGE_COUNT * speedup)
         bound = (STAGE_COUNT - 1) / (count + STAGE_COUNT - 1)
         label = "both" if count == 1 else schedule
-        print(f"{label:<9}{count:>3}{r['step_s']:>9.3f}{speedup:>8.2f}{ideal:>9.2f}"
-              f"{bubble:>8.2f}{bound:>13.2f}{r['step_peak'] / mib:>15.1f}")
+        peak = memory.get((count, schedule))
+        peak = f"{peak['step_peak'] / mib:15.1f}" if peak else f"{'-':>15}"
+        print(f"{label:<9}{count:>3}{step:>9.3f}{cpu:>8.3f}{speedup:>8.2f}{ideal:>9.2f}"
+              f"{bubble:>8.2f}{bound:>13.2f}{peak}")
     for schedule in SCHEDULES:
-        four = results.get((4, schedule))
-        if four:
-            speedup = base["step_s"] / four["step_s"]
+        if (4, schedule) in speedups:
+            speedup = speedups[(4, schedule)]
             print(f"goal {schedule} M=4 >= 1.3x the throughput of M=1: {speedup:.2f} "
                   f"({'met' if speedup >= 1.3 else 'NOT met'})")
-    gpipe, one = results.get((8, "gpipe")), results.get((8, "1f1b"))
+    gpipe, one = memory.get((8, "gpipe")), memory.get((8, "1f1b"))
     if gpipe and one:
         print(f"goal 1F1B peak < GPipe peak at M=8: {one['step_peak'] / mib:.1f} vs "
               f"{gpipe['step_peak'] / mib:.1f} MiB "
               f"({'met' if one['step_peak'] < gpipe['step_peak'] else 'NOT met'})")
-    print("(the machine is shared with other engineers' jobs: step times swing by tens of "
-          "percent between runs; more --rounds give medians)")
+    if max(timing["loads"]) > 0.5 * (os.cpu_count() or 1):
+        print("(the machine was loaded by other jobs during the run: the step times, and "
+              "most of all the overlap, depend on free cores)")
 
 
 def main(argv=None):
@@ -206,27 +382,36 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--counts", type=int, nargs="+", default=list(COUNTS))
+    parser.add_argument("--proxy", choices=sorted(PROXIES), default="workers")
     parser.add_argument("--gpu", action="store_true", help="two GPUs (or two logical on one)")
-    parser.add_argument("--child", nargs=3, metavar=("MODEL", "M", "SCHEDULE"),
+    parser.add_argument("--no-memory", action="store_true", help="timing only")
+    parser.add_argument("--trace", nargs=3, metavar=("MODEL", "M", "SCHEDULE"))
+    parser.add_argument("--timing-child", nargs=2, metavar=("MODEL", "CONFIGS"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", nargs=3, metavar=("MODEL", "M", "SCHEDULE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    STEPS_RUN[0] = args.steps
-    if args.child:
-        model_name, count, schedule = args.child
-        return child(model_name, int(count), schedule, args.steps, args.gpu)
+    if args.trace:
+        model_name, count, schedule = args.trace
+        return trace_child(model_name, int(count), schedule, args.proxy, args.gpu)
+    if args.timing_child:
+        model_name, configs = args.timing_child
+        configs = [(int(c), s) for c, s in (item.split(":") for item in configs.split(","))]
+        return timing_child(model_name, configs, args.steps, args.rounds, args.proxy, args.gpu)
+    if args.memory_child:
+        model_name, count, schedule = args.memory_child
+        return memory_child(model_name, int(count), schedule, args.steps, args.gpu)
     counts = sorted(set(args.counts) | {1})
+    configs = [(c, s) for c in counts for s in (("gpipe",) if c == 1 else SCHEDULES)]
+    flags = ["--steps", str(args.steps), "--proxy", args.proxy] + (["--gpu"] if args.gpu else [])
     for model_name in args.models or ["mlp", "transformer"]:
-        runs = {}
-        for _ in range(args.rounds):
-            for count in counts:
-                for schedule in (("gpipe",) if count == 1 else SCHEDULES):
-                    runs.setdefault((count, schedule), []).append(
-                        run(model_name, count, schedule, args.steps, args.gpu))
-        results = {key: {"step_s": statistics.median(r["step_s"] for r in rs),
-                         "step_peak": statistics.median(r["step_peak"] for r in rs),
-                         "memory_device": rs[-1]["memory_device"]}
-                   for key, rs in runs.items()}
-        report(model_name, results, args.gpu)
+        timing = _child(["--timing-child", model_name,
+                         ",".join(f"{c}:{s}" for c, s in configs), "--rounds", str(args.rounds)]
+                        + flags)
+        memory = {} if args.no_memory else {
+            (c, s): _child(["--memory-child", model_name, str(c), s] + flags)
+            for c, s in configs if c in (1, 4, 8)}
+        report(model_name, timing, memory, args.proxy, args.gpu, args.steps)
 
 
 if __name__ == "__main__":

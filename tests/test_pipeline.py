@@ -240,11 +240,12 @@ COMPUTE = ("MatMul", "BiasAdd", "Tanh", "TanhGrad", "BiasAddGrad")
 
 def _compute_ops(graph):
     """`(layer, backward?, op)` for the compute ops of each layer: forward
-    ops in the layer's name scope (`block_0_3/MatMul`, made unique per
-    call), backward ops in the tape's (`gradient_tape/block_0_3/...`)."""
+    ops in the pass's and the layer's name scopes (`F0_1/block_0/MatMul`:
+    stage 0's forward of microbatch 1), backward ops in the tape's
+    (`gradient_tape/F0_1/block_0/...`)."""
     found = []
     for op in graph.get_operations():
-        match = re.match(r"(gradient_tape/)?(block_\d|head)(_\d+)?/", op.name)
+        match = re.match(r"(gradient_tape/)?(?:[FB]\d+_\d+/)?(block_\d|head)(_\d+)?/", op.name)
         if match and op.type in COMPUTE:
             found.append((match.group(2), bool(match.group(1)), op))
     return found
@@ -274,6 +275,70 @@ def test_recomputed_segments_run_on_their_stage_device():
     checkpoints = [op for op in graph.get_operations()
                    if op.type == "IdentityN" and not op.name.startswith("adam/")]
     assert len(checkpoints) == 4 and all(op.device.endswith("CPU:0") for op in checkpoints)
+
+
+def test_each_stage_reads_its_weights_once_a_step_onto_its_device():
+    # Read once a step (scope `W<stage>`), on the stage's device, and used by
+    # every microbatch's forward and backward: no pass reads a variable, so
+    # a weight crosses from the device holding it once, not once per
+    # microbatch (the loss's regularizers and the optimizer read their own).
+    graph = _traced_step([_pipelined()])
+    ops = graph.get_operations()
+    in_passes = [op.name for op in ops if op.type == "ReadVariableOp"
+                 and re.match(r"(gradient_tape/)?[FB]\d+_\d+/", op.name)]
+    assert not in_passes
+    copies = [op for op in ops if re.fullmatch(r"W\d/Identity(_\d+)?", op.name)]
+    # Stage 0: block_0, block_1; stage 1: block_2, head; a kernel and a bias each.
+    assert sorted(op.name[1] for op in copies) == ["0"] * 4 + ["1"] * 4
+    for op in copies:
+        assert op.device.endswith(DEVICES[int(op.name[1])].lstrip("/")), (op.name, op.device)
+        assert op.inputs[0].op.type == "ReadVariableOp"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_hands_each_microbatch_over_before_its_next_pass(schedule):
+    # Stage 0's forward output of microbatch m is copied onto stage 1's
+    # device by an op of its own (`F0_<m>_to_1`), and stage 1's input
+    # gradient onto stage 0's (`B1_<m>_to_0`); the stage's next pass waits
+    # on that copy. (Left to TensorFlow, a device of one thread sent its
+    # outputs only once it had nothing else to run.)
+    graph = _traced_step([_pipelined(schedule)])
+    ops = graph.get_operations()
+    waiting_on = {}
+    for op in ops:
+        for control in op.control_inputs:
+            waiting_on.setdefault(control.name, []).append(op.name)
+    for m in range(4):
+        forward = graph.get_operation_by_name(f"F0_{m}_to_1/Identity")
+        backward = graph.get_operation_by_name(f"B1_{m}/B1_{m}_to_0/Identity")
+        assert forward.device.endswith("CPU:1") and backward.device.endswith("CPU:0")
+        if m < 3:
+            assert any(name.startswith(f"F0_{m + 1}/") for name in waiting_on[forward.name])
+            assert any(f"F1_{m + 1}/" in name or name.startswith(f"B1_{m + 1}/")
+                       for name in waiting_on[backward.name])
+    # The model's inputs get no gradient: block_0's backward is its weight
+    # gradient alone (one MatMul a microbatch, none for the input).
+    input_side = [op.name for op in ops if op.type == "MatMul"
+                  and re.match(r"gradient_tape/F0_\d/block_0(_\d+)?/", op.name)]
+    assert len(input_side) == 4, input_side
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_adds_in_its_weight_gradients_before_its_next_backward(schedule):
+    # Microbatch m's weight gradients are added to the sums (AddV2 in scope
+    # B<s>_<m>) before the stage's backward of m + 1 makes its own: else
+    # TensorFlow may hold every microbatch's gradients at once.
+    graph = _traced_step([_pipelined(schedule)])
+    ops = graph.get_operations()
+    for s in (0, 1):
+        for m in (1, 2):
+            sums = {op.name for op in ops if op.type == "AddV2"
+                    and op.name.startswith(f"B{s}_{m}/")}
+            assert sums, (s, m)
+            waiting = [op.name for op in ops if f"F{s}_{m + 1}/" in op.name
+                       and op.name.startswith("gradient_tape/")
+                       and sums & {c.name for c in op.control_inputs}]
+            assert waiting, (s, m)
 
 
 # -- schedules -------------------------------------------------------------------------

@@ -15,7 +15,9 @@ kip.scope runs this step instead of Keras's `train_step`:
 3. the backward pass of each stage is its own `tape.gradient(stage outputs,
    [stage inputs] + weights, output_gradients=...)`, on the stage's device:
    a stage's forward and backward ops sit on its device and only the tensors
-   crossing a stage boundary (and their gradients) go between devices;
+   crossing a stage boundary (and their gradients) go between devices, but
+   for the stage's weights, read once a step onto its device (the
+   variables stay where Keras made them, where the optimizer updates them);
 4. the gradients of all microbatches are summed and the optimizer applies
    them once; the metrics are the whole batch's.
 
@@ -60,6 +62,7 @@ from keras_ipu_plugin.runtime.pipeline import StagedModel
 from keras_ipu_plugin.runtime.pipeline import stage_devices
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.training.calls import CallArguments
+from keras_ipu_plugin.training import microbatches
 
 #: Loss reductions that are means over the batch's entries: the whole
 #: batch's loss is the mean of M equal microbatches' losses.
@@ -173,15 +176,17 @@ class _Run:
         self.num_stages = self.staged.num_stages
         self.devices = stage_devices(owner.devices, model.kip_stage_devices, self.num_stages)
         self.x, self.y, self.sample_weight = x, y, sample_weight
-        self.xs = _split(x, self.count, "x")
-        self.ys = _split(y, self.count, "y")
-        self.ws = _split(sample_weight, self.count, "sample_weight")
+        self.xs = microbatches.split(x, self.count, "x")
+        self.ys = microbatches.split(y, self.count, "y")
+        self.ws = microbatches.split(sample_weight, self.count, "sample_weight")
         self.trainable = list(proxy.trainable_weights)
         self.state = union_of_variables(
             list(runtime_variables(owner.runtime)) + list(model.variables),
             _compat.global_seed_variables())
         self.values = [self.staged.input_tensors(xm) for xm in self.xs]
         self.forward = {}  # (stage position, m) -> (tape, watched ids, outputs, losses)
+        self.weights = {}  # stage position -> [(trainable variable, its value on the stage's device)]
+        self.produced_in, self.read_in = _crossings(self.staged)
         self.seeds = [dict() for _ in range(self.count)]  # tensor id -> gradient
         self.loss_seeds = {}  # (stage position, m) -> gradients of its added losses
         self.done = {}  # (kind, stage position, m) -> tensors to wait on
@@ -203,7 +208,7 @@ class _Run:
         _compat.loss_tracker(proxy).update_state(total, sample_weight=tf.shape(first)[0])
         if self.trainable:
             rows = {id(leaf) for xm in self.xs for leaf in tf.nest.flatten(xm)}
-            gradients = [_summed(parts, rows) for parts in self.grads]
+            gradients = [microbatches.summed(parts, rows) for parts in self.grads]
             proxy.optimizer.apply_gradients(zip(gradients, self.trainable))
         else:
             warnings.warn("The model does not have any trainable weights.")
@@ -223,21 +228,67 @@ class _Run:
         if self.owner.schedule == "1f1b" and m >= self.num_stages - s:
             waits += self.done.get(("B", s, m - (self.num_stages - s)), [])
         tensors = {i: self.values[m][i] for i in stage.inputs}
-        watched = [i for i in stage.inputs if _differentiable(tensors[i])]
-        with _on(self.devices[s]), tf.control_dependencies(waits):
+        # The gradients a backward pass sends are those of the activations
+        # from earlier stages; the model's inputs need none.
+        watched = [i for i in stage.inputs
+                   if i in self.produced_in and _differentiable(tensors[i])]
+        weights = self._stage_weights(s)
+        with _on(self.devices[s]), tf.name_scope(f"F{s}_{m}"), tf.control_dependencies(waits):
             with tf.GradientTape() as tape:
                 for i in watched:
                     tape.watch(tensors[i])
-                with keras.StatelessScope(collect_losses=True) as scope:
+                for _, value in weights:
+                    tape.watch(value)
+                with _compat.stateless_scope(weights, collect_losses=True) as scope:
                     self.staged.run_stage(stage, tensors, self.owner.training)
                 losses = list(scope.losses)
-            self._write_back(scope, f"stage {stage.index}")
+            self._write_back(scope, f"stage {stage.index}", weights)
         self._check_added_losses(losses, stage)
         outputs = {i: tensors[i] for i in stage.outputs}
+        arrived = []
         for i in stage.outputs:
-            self.values[m][i] = tensors[i]
+            self.values[m][i] = self._hand_over(tensors[i], s, self.read_in[i], f"F{s}_{m}")
+            if self.values[m][i] is not tensors[i]:
+                arrived.append(self.values[m][i])
         self.forward[(s, m)] = (tape, watched, outputs, losses)
-        self.done[("F", s, m)] = list(outputs.values()) + losses
+        self.done[("F", s, m)] = list(outputs.values()) + losses + arrived
+
+    def _hand_over(self, tensor, s, reader, what):
+        """`tensor` (computed on stage s's device) copied to the device of
+        the stage that reads it first.
+
+        The copy is an op of its own, and the stage's next pass waits on
+        it (`done`): a stage hands its microbatch over before it starts the
+        next. Left implicit, TensorFlow sends it when the producing device
+        has nothing else to run: a device of one thread (a device's
+        executor keeps running a chain of dependent ops inline) sent a
+        stage's four forward outputs only after computing all four, so the
+        next stage waited for all of them (traced: docs/branch-notes/pipe25b.md)."""
+        source, target = self.devices[s], self.devices[reader]
+        if target is None or target == source or not isinstance(tensor, tf.Tensor):
+            return tensor
+        with _on(target), tf.name_scope(f"{what}_to_{reader}"):
+            return tf.identity(tensor)
+
+    def _stage_weights(self, s):
+        """`(variable, value)` for the trainable weights of stage s's
+        layers, each read once a step onto the stage's device: every
+        microbatch's forward and backward pass runs on that value, so a
+        weight crosses from the device holding it once a step, not once
+        per microbatch. Its gradient is taken with respect to the value
+        (and to the variable, which an op reading it directly would reach)."""
+        if s not in self.weights:
+            trainable = {id(v) for v in self.trainable}
+            stage = self.staged.stages[s]
+            owned = union_of_variables(
+                [v for segment in stage.segments for node in segment.nodes
+                 for v in getattr(node.operation, "trainable_variables", ())
+                 if id(v) in trainable], [])
+            # Read before any of the schedule's waits: the reads depend on
+            # nothing but the variables.
+            with _on(self.devices[s]), tf.name_scope(f"W{s}"), tf.control_dependencies(None):
+                self.weights[s] = [(v, tf.identity(_compat.stored_value(v))) for v in owned]
+        return self.weights[s]
 
     def _loss(self, m):
         """Microbatch m's loss on the last stage's device; its gradients
@@ -255,7 +306,7 @@ class _Run:
                     "equal the whole batch's. Not supported yet.")
         outputs = [i for i in ids if _differentiable(self.values[m][i])]
         added = [loss for s in range(self.num_stages) for loss in self.forward[(s, m)][3]]
-        with _on(self.devices[-1]):
+        with _on(self.devices[-1]), tf.name_scope(f"L_{m}"):
             with tf.GradientTape() as tape:
                 for i in outputs:
                     tape.watch(self.values[m][i])
@@ -310,13 +361,24 @@ class _Run:
         else:
             waits += self.done[("F", s, min(m + self.num_stages - s - 1, self.count - 1))]
         tensors = self.values[m]
-        with _on(self.devices[s]), tf.control_dependencies(waits):
-            gradients = tape.gradient(targets, [tensors[i] for i in watched] + self.trainable,
-                                      output_gradients=seeds)
+        weights = self.weights.get(s, [])
+        with _on(self.devices[s]), tf.name_scope(f"B{s}_{m}"), tf.control_dependencies(waits):
+            sources = ([tensors[i] for i in watched] + [value for _, value in weights]
+                       + self.trainable)
+            gradients = tape.gradient(targets, sources, output_gradients=seeds)
+            arrived = []
             for i, g in zip(watched, gradients):
-                self._seed(m, i, g)
-            self._accumulate(gradients[len(watched):])
-        self.done[("B", s, m)] = [g for g in gradients if isinstance(g, tf.Tensor)]
+                moved = self._hand_over(g, s, self.produced_in[i], f"B{s}_{m}")
+                if moved is not g:
+                    arrived.append(moved)
+                self._seed(m, i, moved)
+            sums = self._accumulate(microbatches.per_variable(
+                self.trainable, weights, gradients[len(watched):len(watched) + len(weights)],
+                gradients[len(watched) + len(weights):]))
+        # The stage's next backward waits on the sums too: one microbatch's
+        # weight gradients are added in before the next one's are made.
+        self.done[("B", s, m)] = ([g for g in gradients if isinstance(g, tf.Tensor)] + arrived
+                                  + sums)
 
     def _seed(self, m, i, gradient):
         if gradient is None:
@@ -335,7 +397,9 @@ class _Run:
         """Add a stage's (or the loss's) weight gradients to the sums, on its
         device. Dense ones are summed as they come, so one gradient per
         weight stays alive rather than one per microbatch; IndexedSlices are
-        kept to be joined as the whole batch's would be (`_summed`)."""
+        kept to be joined as the whole batch's would be (`microbatches.summed`).
+        Returns the sums it made."""
+        sums = []
         for parts, g in zip(self.grads, gradients):
             if g is None:
                 continue
@@ -344,6 +408,8 @@ class _Run:
                 parts.append(g)
             else:
                 parts[-1] = parts[-1] + g
+                sums.append(parts[-1])
+        return sums
 
     # -- state -----------------------------------------------------------------
     def _write_back(self, scope, where, given=()):
@@ -435,39 +501,22 @@ def schedule_order(num_stages, count, schedule):
     return order
 
 
-def _split(structure, count, what):
-    """`count` structures of equal row slices of `structure`'s tensors (a
-    None stays None in each)."""
-    if structure is None:
-        return [None] * count
-    leaves = tf.nest.flatten(structure)
-    pieces = []
-    for leaf in leaves:
-        if leaf is None:
-            pieces.append([None] * count)
-            continue
-        tensor = tf.convert_to_tensor(leaf)
-        rows = tensor.shape[0] if tensor.shape.rank else None
-        if tensor.shape.rank == 0:
-            raise ValueError(f"PipelineStages(microbatches={count}): `{what}` holds a scalar; "
-                             "it cannot be split into microbatches.")
-        if rows is not None and rows % count:
-            raise ValueError(
-                f"PipelineStages(microbatches={count}): a batch of {rows} rows (`{what}`) "
-                f"cannot be split into {count} equal microbatches; use a batch size that "
-                f"{count} divides (drop_remainder=True on a dataset whose size it does not).")
-        if rows is None and not tf.executing_eagerly():
-            batch = tf.shape(tensor)[0]
-            check = tf.debugging.Assert(
-                tf.equal(tf.math.floormod(batch, count), 0),
-                [f"PipelineStages(microbatches={count}): a batch of", batch,
-                 f"rows (`{what}`) cannot be split into {count} equal microbatches; use a "
-                 f"batch size that {count} divides (drop_remainder=True on a dataset whose "
-                 f"size it does not)."])
-            with tf.control_dependencies([check]):
-                tensor = tf.identity(tensor)
-        pieces.append(tf.split(tensor, count, axis=0))
-    return [tf.nest.pack_sequence_as(structure, [p[m] for p in pieces]) for m in range(count)]
+def _crossings(staged):
+    """`(produced_in, read_in)`: for each Value a stage sends on, the
+    position of the stage producing it and that of the first later stage
+    reading it (the last stage's for the model's outputs, which the loss
+    reads there)."""
+    produced_in, read_in = {}, {}
+    for position, stage in enumerate(staged.stages):
+        for i in stage.inputs:
+            if i in produced_in and i not in read_in:
+                read_in[i] = position
+        for i in stage.outputs:
+            produced_in[i] = position
+    last = staged.num_stages - 1
+    for i in produced_in:
+        read_in.setdefault(i, last)
+    return produced_in, read_in
 
 
 def _check_loss_reductions(proxy, count):
@@ -483,62 +532,6 @@ def _check_loss_reductions(proxy, count):
 
 def _differentiable(tensor):
     return tf.is_tensor(tensor) and (tensor.dtype.is_floating or tensor.dtype.is_complex)
-
-
-def _summed(parts, rows):
-    """The sum of one variable's gradients from the microbatches and stages,
-    in the form the whole batch's gradient takes (`rows`: the microbatches'
-    input tensors).
-
-    Keras's optimizers are not indifferent to that form: Adam squares an
-    IndexedSlices gradient (an Embedding's) slice by slice, before repeated
-    indices are summed. So an IndexedSlices sum is made as the whole batch's
-    would be: where the gathered indices come from the microbatch's rows
-    (token ids), the slices are joined; where they do not (a position
-    embedding over `arange(length)`: every microbatch gathers the same
-    rows), their values are added slice by slice."""
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    if all(isinstance(p, tf.IndexedSlices) for p in parts):
-        return _summed_slices(parts, rows)
-    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
-
-
-def _summed_slices(parts, rows):
-    indices = [p.indices for p in parts]
-    if tf.executing_eagerly():  # no graph to read: the values tell
-        fixed = len({tuple(i.shape) for i in indices}) == 1 and all(
-            bool(tf.reduce_all(tf.equal(i, indices[0]))) for i in indices[1:])
-    else:
-        fixed = not any(_depends_on(i, rows) for i in indices)
-    if not fixed:
-        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
-                                tf.concat(indices, 0), parts[0].dense_shape)
-    checks = [] if tf.executing_eagerly() else [
-        tf.debugging.assert_equal(i, indices[0], message=(
-            "pipelined step: the microbatches' gradients of one embedding gather "
-            "indices that do not come from their rows, yet differ")) for i in indices[1:]]
-    with tf.control_dependencies(checks):
-        values = tf.add_n([p.values for p in parts])
-    return tf.IndexedSlices(values, indices[0], parts[0].dense_shape)
-
-
-def _depends_on(tensor, sources):
-    """Whether graph tensor `tensor` is computed from any tensor whose id is
-    in `sources` (walking the ops' inputs)."""
-    seen, stack = set(), [tensor]
-    while stack:
-        current = stack.pop()
-        if id(current) in sources:
-            return True
-        op = current.op
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        stack.extend(op.inputs)
-    return False
 
 
 def _on(device):
