@@ -27,6 +27,13 @@ the chain into runs of these):
   nodes' outputs and recomputes each node's internals once more;
 - *recompute from a checkpoint*: a node of a segment of several nodes.
 
+Independently of these, a Dense layer may recompute only its activation
+from its kept pre-activation (`activation_remat`: PyTorch's selective
+checkpointing for one layer). That choice is made before the search, from
+each layer's traced costs (`graph_planning.runs_split`): it keeps less in
+every kind above at a few percent of the layer's cost, so the chain the
+search sees already has it (`NodeCost.recompute_flops`).
+
 Memory is estimated for the whole training step the way the backward pass
 frees it: at the backward of node `t`, what the forward pass kept for the
 nodes before `t`, what `t` keeps, its weight gradients and its output's
