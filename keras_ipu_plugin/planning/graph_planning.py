@@ -218,7 +218,7 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
             + (", nested" if last in plan.nested else "") + ")"
             for first, last in plan.segments) or "none"),
         ("per node", _kinds_text(plan, len(order))),
-        ("activation recomputed from the pre-activation",
+        ("activation recomputed",  # from its kept pre-activation (Dense split)
          _names([node.name for node in split]) or "none"),
     ]
     fixed = [cost.name for cost in costs if cost.fixed]
