@@ -285,3 +285,22 @@ def test_without_a_budget_the_plan_recomputes_at_most_one_forward_pass():
     # nesting reaches lower, at more recomputation
     assert free.peak < capped.peak and free.extra_flops > capped.forward_flops
     assert free.nested
+
+
+def test_what_each_node_recomputes_of_its_own_counts_in_every_plan_and_in_the_cap():
+    # A split Dense recomputes its activation whatever the plan: the plan's
+    # extra compute includes it, and the cap of one extra forward pass
+    # leaves that much less for segments.
+    import dataclasses
+
+    plain = _dense_gelu_chain(24)
+    own = 0.2 * plain[0].flops
+    split = [dataclasses.replace(cost, recompute_flops=own) for cost in plain]
+    nothing = recompute_plan.describe_plan(split, ())
+    assert nothing.extra_flops == pytest.approx(24 * own)
+    capped = recompute_plan.plan_smallest_peak(split)
+    assert capped.extra_flops <= capped.forward_flops * (1 + 1e-9)
+    assert capped.extra_flops >= 24 * own
+    # ... which binds: without the nodes' own recomputation the plan's
+    # segments spend more than the cap leaves them
+    assert recompute_plan.plan_smallest_peak(plain).extra_flops > 24 - 24 * own

@@ -33,6 +33,9 @@ from keras_ipu_plugin.planning import stage_timing
 layers = keras.layers
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 WIDTH, FEATURES, BATCH = 64, 16, 64
+#: A budget the tower meets only with recomputed segments: its gelu Dense
+#: layers, split (`activation_remat`), already bring it to 0.59x.
+BUDGET = 0.45
 
 
 class WideBlock(layers.Layer):
@@ -136,11 +139,12 @@ def test_auto_recompute_runs_the_segments_it_planned():
     text = str(passed.kip_report)
     assert "Recompute plan of 'tower'" in text and "estimated peak with the plan" in text
     assert passed.kip_report.touched("recompute") == (
-        plan.figures["checkpoints"] + plan.figures["keeps"] + plan.figures["inside_notes"])
+        plan.figures["checkpoints"] + plan.figures["keeps"] + plan.figures["inside_notes"]
+        + plan.figures["activation_remat"])
 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
-@pytest.mark.parametrize("budget", [None, 0.6], ids=["smallest_peak", "budget"])
+@pytest.mark.parametrize("budget", [None, BUDGET], ids=["smallest_peak", "budget"])
 def test_planned_recompute_gives_the_gradients_of_the_unplanned_model(jit_compile, budget):
     x, y = _data()
     converted = _converted()
@@ -260,7 +264,7 @@ def test_planning_without_a_known_batch_is_a_clear_error():
         kip.apply_passes(model, [Recompute(auto=True)])
 
 
-@pytest.mark.parametrize("budget", [None, 0.6], ids=["smallest_peak", "budget"])
+@pytest.mark.parametrize("budget", [None, BUDGET], ids=["smallest_peak", "budget"])
 def test_planning_under_mirrored_strategy_uses_the_per_replica_batch_and_trains_alike(
         mirrored, budget):
     x, y = _data(4 * BATCH)
@@ -482,14 +486,14 @@ def test_too_many_stages_is_a_clear_error():
 def test_planning_passes_from_a_yaml_config(tmp_path):
     config = tmp_path / "passes.yaml"
     config.write_text("expand: all\n"
-                      "recompute: {auto: true, memory_budget: 0.6}\n"
+                      "recompute: {auto: true, memory_budget: 0.45}\n"
                       "pipeline_stages: {num_stages: 2, balance: time}\n")
     passes = kip.passes_from_config(config)
-    assert passes[1] == Recompute(auto=True, memory_budget=0.6)
+    assert passes[1] == Recompute(auto=True, memory_budget=0.45)
     assert passes[2] == PipelineStages(num_stages=2, balance="time")
     passed = kip.apply_passes(_converted(), passes)
     text = str(passed.kip_report)
-    assert "Recompute plan of 'tower'" in text and "(0.6 of the estimated peak)" in text
+    assert "Recompute plan of 'tower'" in text and "(0.45 of the estimated peak)" in text
     assert "Pipeline stages of 'tower' (balance='time')" in text
     assert set(passed.kip_stages.values()) == {0, 1} and _executor_segments(passed)
 

@@ -69,7 +69,32 @@ PLANS = {
         "blocks.2.dense.0": "keep",
         "blocks.2.dense.1": "checkpoint",
     },
+    # every Dense keeps its pre-activation and recomputes gelu from it
+    # (`activation_remat`), run normally
+    "activation": {f"blocks.{b}.dense.{i}": "activation" for b in range(3) for i in range(3)},
+    # split Dense layers in every kind of run: a plain segment (block 0), a
+    # nested one whose layers also run under their own checkpoint (block 1)
+    # and kept (block 2)
+    "activation-mixed": {
+        **{f"blocks.{b}.dense.{i}": "activation" for b in range(3) for i in range(3)},
+        "blocks.0.add": "checkpoint",
+        "blocks.1.dense.0": "inside+activation", "blocks.1.dense.1": "inside+activation",
+        "blocks.1.add": "checkpoint",
+    },
 }
+
+
+def _notes(kind):
+    """The annotations of a `PLANS` kind."""
+    notes = {}
+    for part in kind.split("+"):
+        if part == "checkpoint":
+            notes["recompute"] = True
+        elif part == "activation":
+            notes["activation_remat"] = True
+        else:
+            notes["remat"] = part
+    return notes
 
 
 def _passed(plan):
@@ -79,8 +104,7 @@ def _passed(plan):
     passed = kip.apply_passes(converted, [Expand()])
     for path, kind in PLANS[plan].items():
         name = _name(passed, path)
-        note = {"recompute": True} if kind == "checkpoint" else {"remat": kind}
-        passed.kip_annotations.setdefault(name, {}).update(note)
+        passed.kip_annotations.setdefault(name, {}).update(_notes(kind))
     return passed
 
 
@@ -171,13 +195,63 @@ def _plain_keras(jit_compile):
 def test_gradients_and_adam_weights_equal_plain_keras(plan, jit_compile):
     expected, want = _plain_keras(jit_compile)
     passed = _passed(plan)
-    if plan != "inside":  # (inside notes run within one plain segment)
+    if plan not in ("inside", "activation"):  # (these notes run within one plain segment)
         assert len(_segments(passed)) > 1
     for got, want_gradient in zip(_gradients(passed, jit_compile), expected):
         np.testing.assert_allclose(got, want_gradient, rtol=1e-5, atol=1e-6)
     got = _adam_weights(_passed(plan), jit_compile)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=0, atol=ADAM_ATOL)
+
+
+def test_an_activation_note_keeps_the_pre_activation_and_recomputes_gelu(monkeypatch):
+    from keras_ipu_plugin.runtime import backends
+
+    wrapped = []
+    original = backends.PortableBackend.checkpoint_segment
+
+    def counting(self, fn, anchored=None):
+        wrapped.append(anchored)
+        return original(self, fn, anchored)
+
+    monkeypatch.setattr(backends.PortableBackend, "checkpoint_segment", counting)
+    model = _passed("activation")
+    x = _data()[0][:8]
+    np.testing.assert_array_equal(model(x, training=True).numpy(),
+                                  _model()(x, training=True).numpy())
+    assert wrapped == [1] * 9  # each Dense's activation alone, from its one input
+
+
+def test_a_layer_that_is_not_a_plain_dense_runs_as_it_is_under_the_note():
+    from keras_ipu_plugin.runtime.effects.activation_remat import splittable
+
+    class Scaled(keras.layers.Dense):  # a subclass may change `call`
+        def call(self, x):
+            return 2 * super().call(x)
+
+    layers = [Scaled(4, activation="gelu"), keras.layers.Dense(4),
+              keras.layers.Dense(4, activation="gelu", dtype="mixed_float16"),
+              keras.layers.Dense(4, activation="gelu", activity_regularizer="l2")]
+    for layer in layers:
+        layer.build((None, 3))
+        assert not splittable(layer), layer
+    plain = keras.layers.Dense(4, activation="gelu")
+    assert not splittable(plain)  # not built
+    plain.build((None, 3))
+    assert splittable(plain)
+
+
+def test_the_auto_plan_splits_a_gelu_dense_and_says_so():
+    passed = _passed("auto")
+    figures = next(p for p in passed.kip_report.plans
+                   if p.title.startswith("Recompute plan")).figures
+    split = figures["activation_remat"]
+    assert len(split) == 9
+    for name in split:
+        assert passed.kip_annotations[_name(passed, name)]["activation_remat"] is True
+    # the baseline is without recomputation of any kind: splitting alone
+    # is estimated below it
+    assert figures["peak"] < figures["baseline_peak"]
 
 
 def test_the_auto_plan_mixes_kinds_and_its_report_names_them():

@@ -7,6 +7,7 @@ Example:
     >>> print(report)          # ... and a "Recompute plan" table
 """
 
+import dataclasses
 import math
 
 import keras
@@ -18,6 +19,7 @@ from keras_ipu_plugin.planning import recompute_plan
 from keras_ipu_plugin.planning import stage_balance
 from keras_ipu_plugin.planning import stage_timing
 from keras_ipu_plugin.report import PlanTable
+from keras_ipu_plugin.runtime.effects import activation_remat
 
 BALANCES = ("params", "activations", "time")
 
@@ -78,9 +80,11 @@ def check_memory_budget(memory_budget, auto):
 
 
 # -- Recompute(auto=True) --------------------------------------------------------------
-def recompute_costs(graph, order, profiles, batch):
+def recompute_costs(graph, order, profiles, batch, split=True):
     """The `recompute_plan.NodeCost` chain of `graph` in `order` (the
-    executor's), from `profiles` (graph order) at `batch` rows."""
+    executor's), from `profiles` (graph order) at `batch` rows; `split`:
+    with the Dense layers that `runs_split` picks split (False: every node
+    as it runs without recomputation)."""
     by_node = {id(profile.node): profile for profile in profiles}
     position = {id(node): index for index, node in enumerate(order)}
     producer = {id(value): node for node in graph.nodes for value in node.outputs}
@@ -91,15 +95,16 @@ def recompute_costs(graph, order, profiles, batch):
     costs, live = [], {}
     for index, node in enumerate(order):
         profile = by_node[id(node)]
-        kept = profile.internal
-        for value, size in zip(node.input_values, profile.kept_inputs):
+        figures = _as_run(node, profile, split)
+        kept = figures.internal
+        for value, size in zip(node.input_values, figures.kept_inputs):
             source = producer.get(id(value))
             if source is not None and position[id(source)] != index - 1:
                 kept += size  # from further back (the previous node's: at the cut)
         after = order[index + 1] if index + 1 < len(order) else None
         by_next = 0
         if after is not None:
-            following = by_node[id(after)]
+            following = _as_run(after, by_node[id(after)], split)
             by_next = sum(size for value, size in zip(after.input_values, following.kept_inputs)
                           if producer.get(id(value)) is node)
         for value in node.outputs:
@@ -107,15 +112,36 @@ def recompute_costs(graph, order, profiles, batch):
         live = {key: item for key, item in live.items() if item[1] > index}
         boundary = sum(node_costs.value_bytes(value, batch) for value, _ in live.values())
         costs.append(recompute_plan.NodeCost(
-            name=node.name, kept=kept, kept_output=profile.kept_output,
+            name=node.name, kept=kept, kept_output=figures.kept_output,
             kept_by_consumer=by_next, boundary=boundary, flops=profile.flops,
             grads=profile.grad_bytes,
-            output=profile.output_bytes + profile.backward_bytes,
+            output=profile.output_bytes + figures.backward_bytes,
             weights=profile.weight_bytes,
             elements=profile.output_elements, fixed=profile.fixed,
             can_checkpoint=calls[id(node.operation)] == 1,
+            recompute_flops=figures.recompute_flops,
         ))
     return costs
+
+
+def runs_split(node, profile):
+    """Whether the plan recomputes the node's activation from its kept
+    pre-activation (the `activation_remat` note): where the traced backward
+    of the split layer keeps less than the layer's own, at the cost of
+    recomputing the activation (a few percent of a Dense's matmul). Not
+    where an outlined body replaces the layer's call."""
+    split = profile.split
+    return (split is not None and "outline" not in node.annotations
+            and split.kept_bytes < profile.kept_bytes)
+
+
+def _as_run(node, profile, split=True):
+    """The figures of `profile` as the node will run: split (`runs_split`,
+    when `split`), or as it is."""
+    if split and runs_split(node, profile):
+        return profile.split
+    return node_costs.SplitProfile(profile.internal, profile.kept_output,
+                                   tuple(profile.kept_inputs), profile.backward_bytes, 0.0)
 
 
 def _last_readers(graph, order, position):
@@ -139,20 +165,23 @@ def plan_recompute(graph, memory_budget, report, step):
     profiles = node_costs.profile_nodes(graph, batch)
     order = node_costs.execution_order(graph)
     costs = recompute_costs(graph, order, profiles, batch)
-    baseline = recompute_plan.estimate_peak(costs)
+    # Without recomputation of any kind: no activation split either.
+    baseline = recompute_plan.estimate_peak(
+        recompute_costs(graph, order, profiles, batch, split=False))
     budget = None
     if memory_budget is not None:
         budget = memory_budget * baseline if isinstance(memory_budget, float) else memory_budget
     try:
         plan = (recompute_plan.plan_smallest_peak(costs) if budget is None
                 else recompute_plan.plan_for_budget(costs, budget))
+        plan = dataclasses.replace(plan, baseline_peak=baseline)
     except recompute_plan.UnmeetableBudget as error:
         fixed = [cost.name for cost in costs if cost.fixed]
         raise PassError(
             f"{step}: the memory budget {_budget_text(memory_budget, budget)} cannot be met "
             f"for `{graph.name}` at a batch of {batch}: the smallest estimated peak any "
             f"checkpoint plan reaches is {_mib(error.smallest)} (without recomputation "
-            f"{_mib(error.baseline)}). The estimate covers {ESTIMATE_COVERS}."
+            f"{_mib(baseline)}). The estimate covers {ESTIMATE_COVERS}."
             + (f" Layers with forward state are never recomputed: "
                f"{_names(fixed)}." if fixed else "")
             + " Raise the budget, or lower the batch.") from None
@@ -168,12 +197,19 @@ def plan_recompute(graph, memory_budget, report, step):
         order[index].annotations["remat"] = "inside"
         report.add(step, order[index].name, "recomputed inside its layer",
                    "planned (Recompute(auto=True)): nested in its segment")
+    by_node = {id(profile.node): profile for profile in profiles}
+    split = [node for node in order if runs_split(node, by_node[id(node)])]
+    for node in split:
+        node.annotations[activation_remat.KEY] = True
+        report.add(step, node.name, "activation recomputed from its kept pre-activation",
+                   "planned (Recompute(auto=True)): keeps less at a few percent of its cost")
     report.add_plan(_recompute_table(graph, costs, order, plan, batch, memory_budget, budget,
-                                     profiles))
+                                     profiles, split))
     return plan
 
 
-def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, profiles):
+def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, profiles,
+                     split=()):
     rows = [
         ("batch (per replica)", str(batch)),
         ("checkpoints", _names([order[i].name for i in plan.checkpoints]) or "none"),
@@ -182,6 +218,8 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
             + (", nested" if last in plan.nested else "") + ")"
             for first, last in plan.segments) or "none"),
         ("per node", _kinds_text(plan, len(order))),
+        ("activation recomputed",  # from its kept pre-activation (Dense split)
+         _names([node.name for node in split]) or "none"),
     ]
     fixed = [cost.name for cost in costs if cost.fixed]
     if fixed:
@@ -220,6 +258,7 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         "inside": [order[i].name for i in range(len(order)) if plan.kind(i) == "inside"],
         "kinds": {order[i].name: plan.kind(i) for i in range(len(order))},
         "extra_fraction": plan.extra_fraction,
+        "activation_remat": [node.name for node in split],
     }
     return PlanTable(f"Recompute plan of {graph.name!r}", ("quantity", "value"), tuple(rows),
                      figures)

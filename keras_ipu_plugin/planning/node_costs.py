@@ -54,10 +54,31 @@ class NodeProfile:
     writes: bool = False  # its run writes a variable other than a seed state
     note: str = ""  # why the figures are only shape estimates, when they are
     key: object = None  # equal keys: identical layer on identical inputs
+    #: the same figures with its activation recomputed from its kept
+    #: pre-activation (`activation_remat`), for a Dense that may be split
+    split: "SplitProfile | None" = None
 
     @property
     def kept_bytes(self):
         """All it keeps for the backward pass, inputs and outputs included."""
+        return self.internal + self.kept_output + sum(self.kept_inputs)
+
+
+@dataclass(frozen=True)
+class SplitProfile:
+    """What a Dense keeps when its activation is recomputed from its kept
+    pre-activation (the `activation_remat` note), traced as it runs so: its
+    kept intermediates and outputs, its backward's working memory, and the
+    FLOPs its backward recomputes (the activation's)."""
+
+    internal: int
+    kept_output: int
+    kept_inputs: tuple
+    backward_bytes: int
+    recompute_flops: float
+
+    @property
+    def kept_bytes(self):
         return self.internal + self.kept_output + sum(self.kept_inputs)
 
 
@@ -148,8 +169,42 @@ def profile_nodes(graph, batch):
             profile.weight_bytes = int(sum(
                 np.prod(v.shape) * _itemsize(v.dtype) for v in operation.weights))
         profile.fixed = _has_forward_state(operation)
+        if not profile.fixed and not profile.note:
+            profile.split = _split_profile(node, batch, profile.key, traced)
         profiles.append(profile)
     return profiles
+
+
+def _split_profile(node, batch, key, traced):
+    """The node's `SplitProfile` when its layer may run split (see
+    `activation_remat.splittable`), else None; traced once per key."""
+    from keras_ipu_plugin.runtime.effects import activation_remat
+    from keras_ipu_plugin.runtime.recompute_grad import recompute_grad
+
+    if not activation_remat.splittable(node.operation) or len(node.input_values) != 1:
+        return None
+    split_key = None if key is None else (key, "split")
+    if split_key is not None and split_key in traced:
+        return traced[split_key]
+    operation = node.operation
+
+    def split(x, training=None):  # Dense ignores `training`
+        return activation_remat.split_call(operation, x, recompute_grad)
+
+    try:
+        result = _trace(node, batch, call=split)
+        layer = getattr(operation, "aliased_layer", operation)
+        spec = tf.TensorSpec(*_shape_and_dtype(node.outputs[0].spec, batch))
+        activation = tf.function(lambda z: layer.activation(z), autograph=False)
+        graph = activation.get_concrete_function(spec).graph
+        flops = sum(_op_flops(op) for op in graph.get_operations() if op.type != "Placeholder")
+        found = SplitProfile(result.internal, result.kept_output, tuple(result.kept_inputs),
+                             result.backward_bytes, float(flops))
+    except Exception:  # noqa: BLE001 - not traced split: planned as it runs unsplit
+        found = None
+    if split_key is not None:
+        traced[split_key] = found
+    return found
 
 
 def _has_forward_state(operation):
@@ -237,8 +292,11 @@ def _call_arguments(node, tensors):
     return args, kwargs
 
 
-def _trace(node, batch):
+def _trace(node, batch, call=None):
+    """The node traced forward and backward alone; `call`: what runs
+    instead of its operation (the same arguments), when given."""
     operation = node.operation
+    run = operation if call is None else call
     values = node.input_values
     weights = list(operation.weights) if isinstance(operation, keras.layers.Layer) else []
     trainable = {id(v) for v in getattr(operation, "trainable_weights", [])}
@@ -259,7 +317,7 @@ def _trace(node, batch):
             with _compat.stateless_scope(list(zip(weights, weight_values)),
                                                   collect_losses=True) as scope:
                 args, kwargs = _call_arguments(node, tensors)
-                outputs = keras.tree.flatten(operation(*args, **kwargs))
+                outputs = keras.tree.flatten(run(*args, **kwargs))
                 # A write the node's own run makes (a block whose sub-layer
                 # masks its kernel, which a conversion's trace kept as one
                 # node): a recomputation could not replay it.

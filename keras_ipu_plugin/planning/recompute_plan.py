@@ -27,6 +27,13 @@ the chain into runs of these):
   nodes' outputs and recomputes each node's internals once more;
 - *recompute from a checkpoint*: a node of a segment of several nodes.
 
+Independently of these, a Dense layer may recompute only its activation
+from its kept pre-activation (`activation_remat`: PyTorch's selective
+checkpointing for one layer). That choice is made before the search, from
+each layer's traced costs (`graph_planning.runs_split`): it keeps less in
+every kind above at a few percent of the layer's cost, so the chain the
+search sees already has it (`NodeCost.recompute_flops`).
+
 Memory is estimated for the whole training step the way the backward pass
 frees it: at the backward of node `t`, what the forward pass kept for the
 nodes before `t`, what `t` keeps, its weight gradients and its output's
@@ -93,6 +100,10 @@ class NodeCost:
         compares to keep the last segment; see `executor._keep_last_segment`).
     fixed: it has forward state and never sits in a recomputed segment.
     can_checkpoint: a segment may end after it.
+    recompute_flops: forward cost its own backward recomputes whatever the
+        plan (a Dense whose activation is recomputed from its kept
+        pre-activation: the activation's); counted in every plan's
+        `extra_flops`.
     """
 
     name: str
@@ -107,6 +118,7 @@ class NodeCost:
     elements: float = 0
     fixed: bool = False
     can_checkpoint: bool = True
+    recompute_flops: float = 0
 
 
 @dataclass(frozen=True)
@@ -194,7 +206,8 @@ def describe_plan(costs, checkpoints, held_gradients=False, keeps=(), nested=())
                    for index in range(first, last + 1) if _nests(costs[index]))
     return RecomputePlan(
         checkpoints=tuple(sorted(set(checkpoints))), segments=recomputed, peak=peak,
-        baseline_peak=estimate_peak(costs, (), held_gradients), extra_flops=extra,
+        baseline_peak=estimate_peak(costs, (), held_gradients),
+        extra_flops=extra + _own_recompute_flops(costs),
         forward_flops=float(sum(cost.flops for cost in costs)),
         keeps=tuple(sorted(set(keeps))),
         nested=tuple(last for _, last, again, deep in segments if again and deep),
@@ -230,6 +243,13 @@ _START, _NORMAL, _FIXED, _RECOMPUTED = 0, 1, 2, 3
 #: that run normally the plan marks the last of them `keep` (the executor
 #: would otherwise fold the run into the segment).
 _SEGMENT_MAY_FOLLOW = (_START, _NORMAL, _FIXED, _RECOMPUTED)
+
+
+def _own_recompute_flops(costs):
+    """What the nodes' own backward passes recompute in every plan (see
+    `NodeCost.recompute_flops`): the same for all plans, so the search
+    leaves it out and the plan adds it."""
+    return float(sum(cost.recompute_flops for cost in costs))
 
 
 def _nests(cost):
@@ -551,5 +571,6 @@ def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE, held_gradients=
     cap = None
     if max_extra_forwards is not None:
         cap = max_extra_forwards * sum(cost.flops for cost in costs) * (1 + 1e-9)
+        cap = max(0.0, cap - _own_recompute_flops(costs))
     smallest = smallest_peak(costs, held_gradients, cap)
     return plan_for_budget(costs, smallest * (1 + tolerance), held_gradients)

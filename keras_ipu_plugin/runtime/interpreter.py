@@ -78,7 +78,7 @@ def registered_run_effects():
 
     Example:
         >>> sorted(registered_run_effects())
-        ['outline', 'recompute', 'stages']
+        ['activation_remat', 'outline', 'recompute', 'stages']
     """
     return dict(_EFFECTS)
 
