@@ -32,6 +32,20 @@ class MLP(keras.Model):
         return self.head(x)
 
 
+class BlockBetweenDense(keras.Model):
+    """`block` between two Dense layers, on inputs of shape (batch, any):
+    the smallest model around a layer under test."""
+
+    def __init__(self, block, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Dense(6, name="embed")
+        self.block = block
+        self.head = keras.layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
 def make_mlp(batch=8, features=6):
     x = np.random.RandomState(0).normal(size=(batch, features)).astype("float32")
     return MLP(), x

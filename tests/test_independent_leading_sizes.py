@@ -29,6 +29,7 @@ from keras_ipu_plugin.layers.tensor_sized import TensorSizedOperation
 from keras_ipu_plugin.passes import Expand
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path
+from models import BlockBetweenDense as Net  # tests/models.py
 
 
 def _rand(*shape, seed=0):
@@ -76,15 +77,6 @@ class PerClassStatistics(layers.Layer):
                 + ops.sum(repeated) + ops.sum(best))
 
 
-class Net(keras.Model):
-    def __init__(self, block, **kwargs):
-        super().__init__(**kwargs)
-        self.embed = layers.Dense(6, name="embed")
-        self.block = block
-        self.head = layers.Dense(2, name="head")
-
-    def call(self, x):
-        return self.head(self.block(self.embed(x)))
 
 
 def test_keras_ops_given_a_graph_tensor_for_a_size_expand_to_keras_own_operations(tmp_path):

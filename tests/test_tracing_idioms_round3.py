@@ -40,6 +40,7 @@ from keras_ipu_plugin.layers.tf_random_draw import TFRandomDraw
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path
 from test_tracing_idioms import expands_exactly_at_any_batch_size
+from models import BlockBetweenDense as Net  # tests/models.py
 
 
 def _rand(*shape, seed=0):
@@ -51,17 +52,6 @@ def _functions(passed):
                    if isinstance(node.operation, TFFunction)})
 
 
-class Net(keras.Model):
-    """A block between two Dense layers, on inputs of shape (batch, 6)."""
-
-    def __init__(self, block, **kwargs):
-        super().__init__(**kwargs)
-        self.embed = layers.Dense(6, name="embed")
-        self.block = block
-        self.head = layers.Dense(2, name="head")
-
-    def call(self, x):
-        return self.head(self.block(self.embed(x)))
 
 
 def _converted(block, x):
