@@ -287,12 +287,19 @@ def test_a_layer_computing_with_tensorflow_functions_stays_whole_with_the_line_t
     assert "keras.ops" in reason
 
 
-def test_a_layer_sized_by_tensor_values_stays_whole_saying_so():
+def test_a_layer_sized_by_tensor_values_expands_to_keras_own_operation():
+    """A size only the data knows (`num_segments=ops.max(segments) + 1`)
+    stayed whole; it is now a `TensorSizedOperation` node, so the layer
+    expands and the graph follows the data's size at every call."""
     values, segments = keras.Input((), batch_size=5), keras.Input((), batch_size=5, dtype="int32")
     model = keras.Model([values, segments], DataSizedSum(name="sum")(values, segments))
     x = [np.arange(5, dtype="float32"), np.array([0, 0, 1, 1, 2], "int32")]
-    reason = _reason_left(model, x, DataSizedSum)
-    assert "computed from tensor values" in reason and "ops.segment_sum" in reason
+    passed = _expand_all(model, x)
+    assert "DataSizedSum" not in _classes(passed)
+    assert "TensorSizedOperation" in _classes(passed)
+    more_segments = [np.arange(5, dtype="float32"), np.array([0, 1, 2, 3, 3], "int32")]
+    np.testing.assert_allclose(passed(more_segments), model(more_segments))
+    assert np.asarray(passed(more_segments)).shape == (4,)
 
 
 class CacheFirstAttention(layers.Layer):
