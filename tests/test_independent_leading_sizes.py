@@ -58,6 +58,17 @@ def _kinds(model, cls):
                   if isinstance(node.operation, cls))
 
 
+def _assert_equal_on_other_data_and_after_loading(model, passed, others, reloaded_on, tmp_path):
+    """`passed` computes as `model` on each of `others` (other sizes than the
+    traced ones), and so does `passed` saved and loaded, on `reloaded_on`."""
+    for other in others:
+        np.testing.assert_allclose(passed(other), model(other), rtol=1e-5, atol=1e-5)
+    path = str(tmp_path / "passed.keras")
+    passed.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded(reloaded_on), model(reloaded_on), rtol=1e-5, atol=1e-5)
+
+
 # -- sizes given as graph tensors (one input) ---------------------------------------
 class PerClassStatistics(layers.Layer):
     """Per-class statistics of a batch, the classes' count known only from
@@ -77,8 +88,6 @@ class PerClassStatistics(layers.Layer):
                 + ops.sum(repeated) + ops.sum(best))
 
 
-
-
 def test_keras_ops_given_a_graph_tensor_for_a_size_expand_to_keras_own_operations(tmp_path):
     x = _rand(8, 4)
     model = Net(PerClassStatistics(name="stats"), name="net")
@@ -86,14 +95,9 @@ def test_keras_ops_given_a_graph_tensor_for_a_size_expand_to_keras_own_operation
     assert _kinds(passed, TensorSizedOperation) == [
         "Bincount", "OneHot", "Repeat", "SegmentMax", "SegmentSum", "TopK"]
     assert_equivalent(model, passed, x)
-    for rows in (3, 11):  # other batches, other numbers of classes
-        other = _rand(rows, 4, seed=rows)
-        np.testing.assert_allclose(passed(other), model(other), rtol=1e-5, atol=1e-5)
-    path = str(tmp_path / "stats.keras")
-    passed.save(path)
-    loaded = keras.models.load_model(path)
-    other = _rand(5, 4, seed=5)
-    np.testing.assert_allclose(loaded(other), model(other), rtol=1e-5, atol=1e-5)
+    _assert_equal_on_other_data_and_after_loading(
+        model, passed, [_rand(rows, 4, seed=rows) for rows in (3, 11)],  # other numbers of classes
+        _rand(5, 4, seed=5), tmp_path)
 
 
 def test_keras_ops_given_python_sizes_are_recorded_as_keras_records_them():
@@ -201,14 +205,10 @@ def test_inputs_with_independent_leading_sizes_each_give_their_own_size(tmp_path
                    and type(node.operation.operation).__name__ == "Reshape")
     assert reshape.args[0] is inputs[1]  # the items', not the queries'
     assert_equivalent(model, passed, x)
-    for queries, items in ((3, 7), (6, 5), (2, 13)):
-        other = _sets(queries, items, seed=queries + items)
-        np.testing.assert_allclose(passed(other), model(other), rtol=1e-5, atol=1e-5)
-    path = str(tmp_path / "pool.keras")
-    passed.save(path)
-    loaded = keras.models.load_model(path)
-    other = _sets(5, 9, seed=3)
-    np.testing.assert_allclose(loaded(other), model(other), rtol=1e-5, atol=1e-5)
+    _assert_equal_on_other_data_and_after_loading(
+        model, passed,
+        [_sets(queries, items, seed=queries + items) for queries, items in ((3, 7), (6, 5), (2, 13))],
+        _sets(5, 9, seed=3), tmp_path)
 
 
 def test_inputs_with_independent_leading_sizes_train_through_plugin_model():
