@@ -20,12 +20,11 @@ from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import InputTypeError
-from keras_ipu_plugin.runtime.functional import mask_semantics
+from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.layers.opaque import output_specs_of
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
@@ -111,8 +110,7 @@ class Converter:
                 graph, report = self.trace(model, x, specs, state)
                 state.settle()
                 converted = rebuild(graph, name=f"{model.name}_functional")
-                converted.kip_original_mask = mask_semantics(model)
-                converted.kip_call_takes_training = takes_training(model)
+                adopt_call_semantics(converted, model)
                 report.timings.append(("convert", model.name, time.perf_counter() - start))
                 if self.verify:
                     with report.timed("verify", model.name):

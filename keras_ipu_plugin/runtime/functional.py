@@ -34,6 +34,7 @@ from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.layers.shared_variables import link_shared_variables
 from keras_ipu_plugin.layers.shared_variables import mark_shared_variables
+from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-in run-time effects)
 from keras_ipu_plugin.runtime.interpreter import needs_interpreter
 
@@ -61,6 +62,25 @@ def mask_semantics(model):
     if "mask" in inspect.signature(model.call).parameters:
         return MASK_ARGUMENT
     return MASK_ABSENT
+
+
+def adopt_call_semantics(converted, source):
+    """Make the `KipFunctional` `converted` take a mask and `fit`'s `training`
+    as the model it was made from takes them: `source`, the user's model it
+    was converted from, or the `KipFunctional` passes were applied to (whose
+    own are then kept).
+
+    Example:
+        >>> adopt_call_semantics(converted, model)
+        >>> converted.kip_original_mask, converted.kip_call_takes_training
+        ('absent', False)
+    """
+    if isinstance(source, KipFunctional):
+        converted.kip_original_mask = source.kip_original_mask
+        converted.kip_call_takes_training = source.kip_call_takes_training
+    else:
+        converted.kip_original_mask = mask_semantics(source)
+        converted.kip_call_takes_training = takes_training(source)
 
 
 def refuse_hdf5(model, filepath=None, zipped=None):

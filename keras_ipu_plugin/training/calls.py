@@ -35,7 +35,7 @@ from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import Converter
 from keras_ipu_plugin.frontend.convert import ModelState
 from keras_ipu_plugin.frontend.convert import as_tensors
-from keras_ipu_plugin.runtime.functional import mask_semantics
+from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.report import Report
@@ -319,8 +319,7 @@ def _traced_bound_call(callee, call, tensors, specs, reference):
             callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="")
         graph = Graph(specs, values, nodes, outputs, name=callee.name)
         converted = rebuild(graph, name=f"{callee.name}_functional")
-        converted.kip_original_mask = mask_semantics(reference)
-        converted.kip_call_takes_training = takes_training(reference)
+        adopt_call_semantics(converted, reference)
         for node in graph.nodes:
             report.add("convert", node.name, "traced", type(node.operation).__name__)
     except TraceError as error:

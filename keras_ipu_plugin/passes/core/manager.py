@@ -17,6 +17,7 @@ from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.runtime.executor import train_graph_ops
 from keras_ipu_plugin.runtime.functional import KipFunctional
+from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.core.base import EQUAL
@@ -108,8 +109,7 @@ def _apply_passes(model, passes, verify, reuse_replacements):
         _lint(graph, f"after pass {type(one_pass).__name__}")
     result = _rebuilt(graph, model, passes)
     if isinstance(model, KipFunctional):
-        result.kip_original_mask = model.kip_original_mask
-        result.kip_call_takes_training = model.kip_call_takes_training
+        adopt_call_semantics(result, model)
     result.kip_report = report
     first_batch = getattr(model, "kip_first_batch", None)
     if verify:
