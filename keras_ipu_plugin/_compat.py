@@ -189,6 +189,38 @@ def run_functional_graph(model, inputs, mask, operation_fn):
     return outputs
 
 
+def graph_call_through(model, wrap):
+    """`model.call` where it is Keras's run of a graph of layers
+    (`Functional.call`, or a built `Sequential`'s, which runs its inner
+    functional model), as a function of that `call`'s arguments that calls
+    `wrap(operation)` in place of each operation, handing it the call-context
+    arguments (`training`) exactly as `Functional.call` does; None for any
+    other `call` (a subclass's own).
+
+    Example:
+        >>> run = graph_call_through(backbone, lambda op: op)   # same as backbone.call
+        >>> outputs = run(inputs, training=True)
+    """
+    import keras
+    from keras.src.models import functional as functional_lib
+
+    call = getattr(type(model), "call", None)
+    if call is Functional.call:
+        graph = model
+    elif (isinstance(model, keras.Sequential) and call is keras.Sequential.call
+          and getattr(model, "_functional", None) is not None):
+        graph = model._functional
+    else:
+        return None
+
+    def run(inputs, training=None, mask=None, **kwargs):
+        return run_functional_graph(
+            graph, inputs, mask,
+            lambda op: functional_lib.operation_fn(wrap(op), training=training, **kwargs))
+
+    return run
+
+
 def call_context_args(operation):
     return getattr(operation, "_call_context_args", ())
 

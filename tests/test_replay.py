@@ -610,3 +610,27 @@ def test_a_block_holding_an_array_is_signed_by_its_values():
     _built([a, b, c])
     a.table, b.table, c.table = np.arange(3.0), np.arange(3.0), np.arange(1.0, 4.0)
     assert layer_signature(a) == layer_signature(b) != layer_signature(c)
+
+
+class HoldsAnIdentityOfItsPolicy(layers.Layer):
+    """keras_hub's DINOv2 layer: `layers.Identity(dtype=self.dtype_policy)`,
+    of which Keras has no config (`get_config` raises)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4, name="dense")
+        self.drop_path = layers.Identity(dtype=self.dtype_policy, name="drop_path")
+
+    def call(self, x):
+        return x + self.drop_path(self.dense(x))
+
+
+def test_a_block_holding_a_layer_keras_has_no_config_of_is_traced_on_its_own():
+    model, x = _built([HoldsAnIdentityOfItsPolicy(name=f"block_{i}") for i in range(2)])
+    with pytest.raises(NotImplementedError):
+        model.blocks[0].drop_path.get_config()
+    assert layer_signature(model.blocks[0]) is None
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
+    assert {type(n.operation).__name__ for n in passed.kip_graph.nodes if n.is_layer} >= {
+        "Dense", "Identity"}
+    np.testing.assert_allclose(passed(x), model(x), rtol=1e-6)

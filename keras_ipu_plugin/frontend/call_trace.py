@@ -21,6 +21,7 @@ Example:
 """
 
 import contextlib
+import functools
 
 import keras
 
@@ -295,7 +296,7 @@ def trace_once(trace, training, pinned, opaque_layers):
             trace.hold_attributes(view)
         with _compat.call_context(layer, training):
             try:
-                outputs = type(layer).call(view, *trace.args, **kwargs)
+                outputs = _traced_call(layer, view)(*trace.args, **kwargs)
                 # every write `call` made is before an output (`write_nodes.py`)
                 outputs = trace.writes.finish(outputs)
             except TraceError:
@@ -309,6 +310,17 @@ def trace_once(trace, training, pinned, opaque_layers):
         return collect_nodes(outputs, trace.placeholders, trace.prefix, pinned,
                              opaque_layers, trace.read_names, trace.anchor,
                              trace.none_leaves, owner=layer)
+
+
+def _traced_call(layer, view):
+    """The `call` the trace runs for `layer` on `view`: its class's, but a
+    functional model's graph is run calling its layers as
+    `trace_views.graph_operation` says (one whose `compute_output_spec`
+    takes no `training` is not handed it there)."""
+    run = _compat.graph_call_through(view, trace_views.graph_operation)
+    if run is not None:
+        return run
+    return functools.partial(type(layer).call, view)
 
 
 def _lifted_outputs(trace, outputs, layer):

@@ -40,6 +40,8 @@ from keras_ipu_plugin.frontend.output_specs import precise_specs
 from keras_ipu_plugin.frontend.output_specs import states_own_output_shape
 from keras_ipu_plugin.frontend.replay import output_specs_key
 from keras_ipu_plugin.layers.user_code import takes_keyword
+from keras_ipu_plugin.layers.user_code import takes_training
+from keras_ipu_plugin.layers.views import shallow_view
 from keras_ipu_plugin.layers.views import viewed_layer
 
 _active = threading.local()  # the stack of traces in progress, on this thread
@@ -228,6 +230,43 @@ def _lifting_call(self, *args, **kwargs):
         keras_node = _compat.producing_node(outputs[0])[0]
         trace.none_leaves[id(keras_node)] = (keras_node, structure)
     return structure
+
+
+def graph_operation(operation):
+    """`operation`, one of the layers of a functional model whose graph a
+    trace runs, as the trace calls it: `Functional.call` hands `training` to
+    every layer whose `call` takes it, and a symbolic call hands it on to
+    the layer's `compute_output_spec`, which may not take it (keras_hub's
+    `DINOV2Embedding.compute_output_spec(inputs)`: Keras builds the model
+    without `training`, so never calls it with one). Such a layer is called
+    through a view whose `compute_output_spec` is called without it, as
+    Keras calls it; its node still records `training`, which its `call`
+    is handed when the graph runs.
+
+    Example:
+        >>> run = _compat.graph_call_through(backbone, graph_operation)
+    """
+    if not isinstance(operation, keras.layers.Layer) or not takes_training(operation):
+        return operation
+    if not _spec_refuses_training(type(operation)):
+        return operation
+    return shallow_view(operation, _spec_without_training_class(type(operation)))
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_refuses_training(cls):
+    return not takes_keyword(cls.compute_output_spec, "training")
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_without_training_class(cls):
+    def compute_output_spec(self, *args, **kwargs):
+        kwargs = {key: value for key, value in kwargs.items() if key != "training"}
+        return super(view_class, self).compute_output_spec(*args, **kwargs)
+
+    view_class = type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                             "compute_output_spec": compute_output_spec})
+    return view_class
 
 
 @functools.lru_cache(maxsize=None)
