@@ -623,6 +623,33 @@ def traced_idiom_targets():
         random_backend=random.backend.random)
 
 
+def eager_tensor_array_targets():
+    """`(class, write, stack)`: TensorFlow's eager `TensorArray` implementation
+    (what `tf.TensorArray` is while a trace runs `call` eagerly) and the names
+    of the methods `frontend/traced_idioms.py` wraps (`frontend/tensor_arrays.py`)."""
+    from tensorflow.python.ops import tensor_array_ops
+
+    return tensor_array_ops._EagerTensorArray, "_write", "stack"
+
+
+def tensor_array_state(array):
+    """`(items, dtype, dynamic_size, infer_shape, element_shape)` of an eager
+    TensorArray implementation: `items` is its own list of elements (None
+    where unwritten), to change in place."""
+    return (array._tensor_array, array._dtype, array._dynamic_size, array._infer_shape,
+            array._element_shape)
+
+
+def set_tensor_array_element_shape(array, shape):
+    array._element_shape = shape
+
+
+def tensor_array_zeros(array, index):
+    """TensorFlow's zeros for an unwritten element (kept in the array, as its
+    `stack` keeps them)."""
+    return array._maybe_zero(index)
+
+
 def tensor_size_attributes():
     """`{keras.ops operation class: {attribute: placeholder}}`: the operations
     whose size (or weights) a traced call may give as a graph tensor, where

@@ -21,6 +21,9 @@ A `keras.random.normal / uniform / truncated_normal` draw is handed to the
 tracer's `record_draw` (which records it as a graph node, or returns None
 to let it run as Keras runs it): run eagerly, it would draw once, freeze
 the numbers into the graph and advance the layer's seed generator.
+A `tf.TensorArray` written with symbolic tensors in a Python loop and
+stacked (keras_hub's RWKV-7) keeps them in its list and stacks them with
+`keras.ops.stack` (`tensor_arrays.py`).
 Every change is thread-confined: the wrappers put on Keras's classes while
 any thread is inside the context consult this thread-local state and do
 exactly what Keras does on every other thread; a class attribute (NumPy's
@@ -49,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend import tensor_arrays
 
 _idioms_state = threading.local()
 _idioms_lock = threading.Lock()
@@ -310,6 +314,11 @@ def traced_idioms(record_draw=None):
                     _patch(operation, "symbolic_call", _tensor_sized_call(placeholders))
                 for module, name in _compat.segment_functions():
                     _patch(module, name, _explicit_none_segments)
+                array, write, stack = _compat.eager_tensor_array_targets()
+                _patch(array, write, lambda original: tensor_arrays.symbolic_write(
+                    original, _in_traced_idioms))
+                _patch(array, stack, lambda original: tensor_arrays.symbolic_stack(
+                    original, _in_traced_idioms))
             except BaseException:
                 _unpatch_all()  # Keras exactly as it was, not half-changed
                 raise
