@@ -1,0 +1,184 @@
+"""A `call` that divides the batch size (`ops.shape(x)[0] // k`), traced at
+multiples of what it divides by.
+
+keras_hub's Swin `WindowAttention` gets rows of `batch * windows` and
+reshapes them to `(B_ // num_win, num_win, ...)`. Traced at the trial batch
+sizes (`batch_traces.TRIAL_BATCH_SIZES`, 1 and 3), `B_ // num_win` is 0,
+and the layer stayed whole. Here the call is first traced once with its
+inputs' leading size a `_TracedSize`, an int that notes what it is divided
+by (`//`, `%`, `/`, `divmod`; sums and products of it note theirs too);
+the two trial traces are then made at that many times the trial sizes
+(`trial_sizes`), where the divisions are exact.
+
+What such traces show holds at multiples of the divisor only (`b // 4 * 4`
+is the batch size there, and not at 5), so the graph made of them refuses
+any other batch size when it runs: every dimension that divides the batch
+is a `BatchSizedOperation` with a divisor, which raises on a batch size
+that is no multiple of it, and each batch-led output passes a check of the
+same (`divisibility_guards`). A third trace, at other multiples, confirms
+the graph (`batch_traces.one_graph_for_any_batch`).
+
+Only a size read from an input itself (`ops.shape(x)[0]`) notes its
+divisions: Keras computes the shapes of what the call makes as plain ints.
+A division of those stays as before (`ops.shape(flat)[0] // t` of a
+`(b * t, d)` tensor is the batch size at every trial size).
+
+Example:
+    >>> trial_sizes(layer, (x,), {}, placeholders, "", reads, None, tracer)
+    (4, 12)
+"""
+
+import math
+
+import keras
+
+from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
+from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+
+# The size the probe trace gives its inputs' leading dimension: that of the
+# second trial trace, so that code branching on a batch of one does not
+# hide the division.
+PROBE_SIZE = TRIAL_BATCH_SIZES[1]
+
+# Past this, a divisor is not taken to be the batch's (the trial traces
+# would be of batches this many times larger).
+LARGEST_DIVISOR = 4096
+
+
+class _TracedSize(int):
+    """An int standing for an input's leading size in the probe trace,
+    noting in `divisors` each int it is divided by; what is computed from
+    it by `+`, `-` and `*` is one too."""
+
+    def __new__(cls, value, divisors):
+        size = super().__new__(cls, value)
+        size.divisors = divisors
+        return size
+
+    def _noted(self, other):
+        if isinstance(other, int) and not isinstance(other, bool) and abs(other) > 1:
+            self.divisors.append(abs(int(other)))
+
+    def _derived(self, value):
+        return _TracedSize(value, self.divisors) if isinstance(value, int) else value
+
+    def __floordiv__(self, other):
+        self._noted(other)
+        return int(self) // other
+
+    def __mod__(self, other):
+        self._noted(other)
+        return int(self) % other
+
+    def __truediv__(self, other):
+        self._noted(other)
+        return int(self) / other
+
+    def __divmod__(self, other):
+        self._noted(other)
+        return divmod(int(self), other)
+
+    def __add__(self, other):
+        return self._derived(int(self) + other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._derived(int(self) - other)
+
+    def __rsub__(self, other):
+        return self._derived(other - int(self))
+
+    def __mul__(self, other):
+        return self._derived(int(self) * other)
+
+    __rmul__ = __mul__
+
+
+class _ProbeTensor(keras.KerasTensor):
+    """A KerasTensor whose leading size, as `call` reads it, is a
+    `_TracedSize` (Keras keeps plain ints in the shapes it computes)."""
+
+    def __init__(self, shape, dtype, divisors):
+        super().__init__(shape, dtype=dtype)
+        self.probe_size = _TracedSize(shape[0], divisors)
+
+    @property
+    def shape(self):
+        shape = tuple(super().shape)
+        return (self.probe_size,) + shape[1:]
+
+
+def batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tracer):
+    """The least common multiple of what `call` divides its inputs' leading
+    size by (1 where nothing), seen in one trace at `PROBE_SIZE`."""
+    divisors = []
+
+    def probe(shape, dtype):
+        return _ProbeTensor(shape, dtype, divisors)
+
+    try:
+        trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads, training,
+                                 None, tracer, batch_sizes=(PROBE_SIZE,), make_input=probe)
+    except Exception:  # noqa: BLE001 - a probe: the trial traces say why a call fails
+        pass
+    divisor = math.lcm(1, *divisors)
+    return divisor if divisor <= LARGEST_DIVISOR else 1
+
+
+def trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training, tracer):
+    """The batch sizes to trace `call` at: `TRIAL_BATCH_SIZES` times what it
+    divides the batch size by (`batch_divisor`)."""
+    divisor = batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tracer)
+    return tuple(divisor * size for size in TRIAL_BATCH_SIZES)
+
+
+def divisibility_guards(outputs, anchor, scale, leading, prefix):
+    """`(nodes, outputs)`: where the graph was traced at multiples of `scale`
+    (> 1), each output whose leading size follows the batch passes a
+    `BatchSizedOperation` that refuses a batch size of `anchor` that is no
+    multiple of `scale` (an identity `broadcast_to` of it), so the graph
+    never runs where the traces do not tell what it computes (`b // 4 * 4`
+    is the batch size at multiples of 4 only). `leading`: each flat
+    output's leading size in the two traces, `(a, b)` at `(scale, 3 * scale)`.
+    Raises `ValueError` where no output follows the batch.
+    """
+    from fractions import Fraction
+
+    from keras_ipu_plugin import _compat
+
+    nodes, guarded = [], {}
+    small, large = (scale * size for size in TRIAL_BATCH_SIZES)
+    flat = []
+    map_values(flat.append, outputs)
+    for index, value in enumerate(flat):
+        shape = tuple(value.spec.shape)
+        sizes = leading[index] if index < len(leading) else None
+        if (id(value) in guarded or value.mask is not None or not shape or shape[0] is not None or None in shape[1:]
+                or sizes is None or not sizes[0] or sizes[0] * large != sizes[1] * small):
+            continue
+        ratio = Fraction(sizes[0], small) * scale  # rows per `scale` rows of the anchor
+        if ratio.denominator != 1:
+            continue
+        name = f"{prefix}batch_multiple_of_{scale}_{len(nodes)}"
+        check = BatchSizedOperation(
+            _compat.broadcast_to_operation(shape), ["shape"],
+            multiples={"shape": [int(ratio)] + [1] * (len(shape) - 1)},
+            divisors={"shape": [scale] + [1] * (len(shape) - 1)},
+            name=name.replace(".", "_"))
+        node = Node(name, check, (anchor, value), {}, output_structure=None)
+        node.outputs = [Value(node, 0, keras.KerasTensor(shape, dtype=value.spec.dtype))]
+        nodes.append(node)
+        guarded[id(value)] = node.outputs[0]
+    if not nodes:
+        raise ValueError(
+            f"traced at multiples of {scale} (the call divides the batch size by it), "
+            "and no output's leading size follows the batch size, to refuse others")
+    return nodes, map_values(lambda v: guarded.get(id(v), v), outputs)
+
+
+__all__ = ["batch_divisor", "divisibility_guards", "trial_sizes"]
