@@ -8,7 +8,8 @@ and the layer stayed whole. Here the call is first traced once with its
 inputs' leading size a `_TracedSize`, an int that notes what it is divided
 by (`//`, `%`, `/`, `divmod`; sums and products of it note theirs too);
 the two trial traces are then made at that many times the trial sizes
-(`trial_sizes`), where the divisions are exact.
+(`divided_trial_sizes`), where the divisions are exact. That is done only
+where the trial traces fail: what traces at them is left as it was.
 
 What such traces show holds at multiples of the divisor only (`b // 4 * 4`
 is the batch size there, and not at 5), so the graph made of them refuses
@@ -24,7 +25,7 @@ A division of those stays as before (`ops.shape(flat)[0] // t` of a
 `(b * t, d)` tensor is the batch size at every trial size).
 
 Example:
-    >>> trial_sizes(layer, (x,), {}, placeholders, "", reads, None, tracer)
+    >>> divided_trial_sizes(layer, (x,), {}, placeholders, "", reads, None, tracer)
     (4, 12)
 """
 
@@ -50,21 +51,28 @@ LARGEST_DIVISOR = 4096
 
 
 class _TracedSize(int):
-    """An int standing for an input's leading size in the probe trace,
-    noting in `divisors` each int it is divided by; what is computed from
-    it by `+`, `-` and `*` is one too."""
+    """An int standing for `multiple` times an input's leading size (plus a
+    constant) in the probe trace, noting in `divisors` what the batch size
+    must be a multiple of for each division of it by an int to be exact
+    (`(b * 40) // 8`, as Keras works out a reshape's -1, needs nothing;
+    `b // 4` needs 4); what is computed from it by adding or multiplying
+    an int is one too."""
 
-    def __new__(cls, value, divisors):
+    def __new__(cls, value, divisors, multiple=1):
         size = super().__new__(cls, value)
-        size.divisors = divisors
+        size.divisors, size.multiple = divisors, multiple
         return size
 
     def _noted(self, other):
         if isinstance(other, int) and not isinstance(other, bool) and abs(other) > 1:
-            self.divisors.append(abs(int(other)))
+            needed = abs(int(other)) // math.gcd(abs(int(other)), self.multiple)
+            if needed > 1:
+                self.divisors.append(needed)
 
-    def _derived(self, value):
-        return _TracedSize(value, self.divisors) if isinstance(value, int) else value
+    def _derived(self, value, multiple=None):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return value
+        return _TracedSize(value, self.divisors, self.multiple if multiple is None else multiple)
 
     def __floordiv__(self, other):
         self._noted(other)
@@ -83,18 +91,25 @@ class _TracedSize(int):
         return divmod(int(self), other)
 
     def __add__(self, other):
+        if isinstance(other, _TracedSize):  # `b + b`
+            return self._derived(int(self) + int(other), self.multiple + other.multiple)
         return self._derived(int(self) + other)
 
     __radd__ = __add__
 
     def __sub__(self, other):
+        if isinstance(other, _TracedSize):
+            return int(self) - int(other)  # no longer a multiple of the batch alone
         return self._derived(int(self) - other)
 
     def __rsub__(self, other):
-        return self._derived(other - int(self))
+        return int(other) - int(self) if isinstance(other, int) else other - int(self)
 
     def __mul__(self, other):
-        return self._derived(int(self) * other)
+        if isinstance(other, _TracedSize) or not isinstance(other, int) or isinstance(
+                other, bool):
+            return int(self) * other  # `b * b`: no multiple of the batch
+        return self._derived(int(self) * other, self.multiple * other)
 
     __rmul__ = __mul__
 
@@ -130,11 +145,25 @@ def batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tr
     return divisor if divisor <= LARGEST_DIVISOR else 1
 
 
-def trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training, tracer):
-    """The batch sizes to trace `call` at: `TRIAL_BATCH_SIZES` times what it
-    divides the batch size by (`batch_divisor`)."""
+def divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training, tracer):
+    """The batch sizes to trace `call` at again, where its trace failed and
+    it divides its inputs' leading size: `TRIAL_BATCH_SIZES` times what it
+    divides by (`batch_divisor`); None where it divides by nothing."""
     divisor = batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tracer)
+    if divisor == 1:
+        return None
     return tuple(divisor * size for size in TRIAL_BATCH_SIZES)
+
+
+def divided_failure(failure, again, sizes):
+    """The reason a call that divides the batch size fails: why its trace
+    failed (`failure`), and why the traces at `sizes` (multiples of the
+    divisor) do (`again`), without the first part twice."""
+    tail = again.reason
+    if tail.startswith(failure.reason.split(";")[0]):
+        tail = tail.split("; ", 1)[-1]
+    return (f"{failure.reason}; `call` divides the batch size by {sizes[0]}, and traced at "
+            f"multiples of it ({', '.join(map(str, sizes))}) instead, {tail}")
 
 
 def divisibility_guards(outputs, anchor, scale, leading, prefix):
@@ -181,4 +210,4 @@ def divisibility_guards(outputs, anchor, scale, leading, prefix):
     return nodes, map_values(lambda v: guarded.get(id(v), v), outputs)
 
 
-__all__ = ["batch_divisor", "divisibility_guards", "trial_sizes"]
+__all__ = ["batch_divisor", "divided_failure", "divided_trial_sizes", "divisibility_guards"]

@@ -47,7 +47,7 @@ class MixedLeadingSizes(NotBatchGeneral):
 
 
 def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="",
-                     groups=None):
+                     groups=None, known=None):
     """One graph for any batch size from two traces of the same call, made
     with its inputs' batch size set to `batch_sizes = (s, l)`.
 
@@ -71,9 +71,17 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     Anything else raises `NotBatchGeneral`: the call computes with the batch
     size in a way one graph cannot follow.
 
+    A `ModeSwitch` in both (a call branching on `training` in Python) is
+    made one of its modes' graphs, each generalized so
+    (`batch_switches.py`). `known`: {id(Value of the large trace): Value of
+    the small one} for the inputs the two traces read apart (a switch's
+    graphs').
+
     Returns `(nodes, outputs)` of `small`, generalized (its Nodes are
     reused; new ones are named `prefix + ...`).
     """
+    from keras_ipu_plugin.frontend.batch_switches import are_switches
+    from keras_ipu_plugin.frontend.batch_switches import general_switch
     from keras_ipu_plugin.ir.graph import Node
     from keras_ipu_plugin.ir.graph import Value
     from keras_ipu_plugin.layers.reads import HeldConstant
@@ -96,7 +104,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         return anchors[next(iter(used))] if used else anchors[0]
     if len(nodes_s) != len(nodes_l):
         raise NotBatchGeneral("the two traces call different layers")
-    value_of = {}  # id(Value of the large trace) -> Value of the small one
+    value_of = dict(known or {})  # id(Value of the large trace) -> Value of the small one
     result = []
 
     def broadcast_node(constant, node_name):
@@ -140,14 +148,20 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         return a
 
     for node_s, node_l in zip(nodes_s, nodes_l):
-        if not same_operation(node_s, node_l):
+        switches = are_switches(node_s, node_l)
+        if not switches and not same_operation(node_s, node_l):
             raise NotBatchGeneral(f"`{node_s.name}` is not called in both traces")
         if len(node_s.outputs) != len(node_l.outputs):
             raise NotBatchGeneral(f"`{node_s.name}` has other outputs")
         args = argument(node_s.args, node_l.args, node_s.name)
         kwargs = argument(node_s.kwargs, node_l.kwargs, node_s.name)
         operation = node_s.operation
-        if isinstance(operation, HeldConstant):
+        if switches:
+            inputs = [leaf for leaf in keras.tree.flatten(args) if isinstance(leaf, Value)]
+            operation = general_switch(node_s, node_l, inputs,
+                                       batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes,
+                                       anchors[0], same_operation, prefix)
+        elif isinstance(operation, HeldConstant):
             constant = _general_constant(operation.value, node_l.operation.value,
                                          batch_sizes, node_s.name)
             if constant is not None:  # a lifted tensor with the batch in it
@@ -221,11 +235,12 @@ def fixed_batch_reason(operation, arguments, outputs, name):
 
 
 def has_offsets(nodes):
-    """Whether a `BatchSizedOperation` among `nodes` adds a constant to a
-    multiple of the batch size, or divides it."""
+    """Whether a `BatchSizedOperation` among `nodes` (or the graphs of a
+    `ModeSwitch` among them) adds a constant to a multiple of the batch
+    size, or divides it."""
     return any(isinstance(node.operation, BatchSizedOperation)
                and (node.operation.offsets or node.operation.divisors)
-               for node in nodes)
+               for node in _with_branches(nodes))
 
 
 def batch_signature(nodes):
@@ -237,8 +252,14 @@ def batch_signature(nodes):
         (type(node.operation.operation).__name__,
          {name: getattr(node.operation.operation, name) for name in node.operation.attributes},
          node.operation.multiples, node.operation.offsets, node.operation.divisors)
-        for node in nodes if isinstance(node.operation, BatchSizedOperation)
+        for node in _with_branches(nodes) if isinstance(node.operation, BatchSizedOperation)
     ]
+
+
+def _with_branches(nodes):
+    from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
+
+    return with_branch_nodes(nodes)
 
 
 class _BatchConstant:
@@ -317,7 +338,7 @@ def _batch_dimension(a, b, batch_sizes, name, multiples=False, used=None):
     small, large = pairs[0]
     if multiples and _is_int(a) and _is_int(b) and a > 0 and a * large == b * small:
         # `batch // windows`, traced at multiples of the windows
-        # (`batch_divisions.trial_sizes`): a fraction of the batch size,
+        # (`batch_divisions.divided_trial_sizes`): a fraction of the batch size,
         # confirmed by a third trace (`has_offsets`).
         found = _fraction_of(Fraction(int(a), int(small)), small)
         if found is not None:
@@ -497,6 +518,13 @@ def _as_tuple(shape):
     return tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
 
 
+def general_spec(a, b, batch_sizes, name):
+    """The spec of a Value for any batch size, of its specs `a` and `b` in
+    two traces at `batch_sizes`: each dimension following the batch size
+    unknown (None). Raises `NotBatchGeneral`."""
+    return _general_spec(a, b, batch_sizes, name)
+
+
 def _general_spec(a, b, batch_sizes, name):
     if a.dtype != b.dtype or len(a.shape) != len(b.shape):
         raise NotBatchGeneral(f"`{name}` makes other outputs")
@@ -506,5 +534,5 @@ def _general_spec(a, b, batch_sizes, name):
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 
-__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason", "generalize_batch",
-           "has_offsets", "unknown_dimension_attributes"]
+__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason",
+           "general_spec", "generalize_batch", "has_offsets", "unknown_dimension_attributes"]

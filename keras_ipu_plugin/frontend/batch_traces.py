@@ -323,7 +323,7 @@ def one_graph_for_any_batch(runs, retrace, prefix):
         return done
     sizes = getattr(runs[0][0], "trial_sizes", TRIAL_BATCH_SIZES)
     # Traced at multiples of what the call divides the batch by
-    # (`batch_divisions.trial_sizes`): the graph holds there only.
+    # (`batch_divisions.divided_trial_sizes`): the graph holds there only.
     scale = sizes[0] // TRIAL_BATCH_SIZES[0] if sizes != TRIAL_BATCH_SIZES else 1
     leading = [tuple(value.spec.shape[0] if value.spec.shape else None
                      for value in pair)

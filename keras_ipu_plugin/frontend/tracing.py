@@ -44,7 +44,9 @@ from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.frontend.batch_traces import one_graph_for_any_batch
 from keras_ipu_plugin.frontend.batch_traces import per_input_runs
 from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
-from keras_ipu_plugin.frontend.batch_divisions import trial_sizes
+from keras_ipu_plugin.frontend.batch_divisions import divided_failure
+from keras_ipu_plugin.frontend.batch_divisions import divided_trial_sizes
+from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
 from keras_ipu_plugin.frontend.call_trace import CallTrace
 from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.failures import essential_message  # noqa: F401 (re-exported)
@@ -109,10 +111,25 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
     """
     tracer = current_tracer() if tracer is None else tracer
     with tracer.tracing():  # for every trace made inside (Expand's, the modes')
-        return _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, tracer)
+        try:
+            return _trace_call(layer, args, kwargs, placeholders, training, prefix, reads,
+                               tracer)
+        except TraceError as failure:
+            # `ops.shape(x)[0] // k` (Swin's windows): traced again at
+            # multiples of k, if `call` divides its inputs' leading size.
+            sizes = divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                                        training, tracer)
+            if sizes is None:
+                raise
+            try:
+                return _trace_call(layer, args, kwargs, placeholders, training, prefix, reads,
+                                   tracer, batch_sizes=sizes)
+            except TraceError as again:
+                raise TraceError(divided_failure(failure, again, sizes)) from None
 
 
-def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, tracer):
+def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, tracer,
+                batch_sizes=None):
     reads = ReadLayers() if reads is None else reads
     variables = _tf_variables(layer)
     log = writes_lib.WriteLog()
@@ -128,12 +145,9 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
             runs = per_input_runs([(trace, trace_modes(trace, training))], layer, args,
                                   kwargs, placeholders, prefix, reads, training, tracer)
         except TraceError as error:
-            # at multiples of what `call` divides the batch size by, if anything
-            sizes = trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training,
-                                tracer)
             runs = trace_at_two_batch_sizes(
                 layer, args, kwargs, placeholders, prefix, reads, training, error, tracer,
-                batch_sizes=sizes)
+                batch_sizes=batch_sizes or TRIAL_BATCH_SIZES)
     for trace, (nodes, _) in runs:
         nodes = training_branches.with_branch_nodes(nodes)
         _reject_frozen_variables(nodes, trace.lifted, tape, variables)
