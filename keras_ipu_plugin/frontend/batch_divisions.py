@@ -8,8 +8,9 @@ and the layer stayed whole. Here the call is first traced once with its
 inputs' leading size a `_TracedSize`, an int that notes what it is divided
 by (`//`, `%`, `/`, `divmod`; sums and products of it note theirs too);
 the two trial traces are then made at that many times the trial sizes
-(`divided_trial_sizes`), where the divisions are exact. That is done only
-where the trial traces fail: what traces at them is left as it was.
+(`divided_trial_sizes`), where the divisions are exact. At the trial
+sizes themselves `b // 4` is 0 in both traces, which would pass for a
+fixed size.
 
 What such traces show holds at multiples of the divisor only (`b // 4 * 4`
 is the batch size there, and not at 5), so the graph made of them refuses
@@ -146,24 +147,13 @@ def batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tr
 
 
 def divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training, tracer):
-    """The batch sizes to trace `call` at again, where its trace failed and
-    it divides its inputs' leading size: `TRIAL_BATCH_SIZES` times what it
-    divides by (`batch_divisor`); None where it divides by nothing."""
+    """The batch sizes to trace `call` at where it divides its inputs'
+    leading size: `TRIAL_BATCH_SIZES` times what it divides by
+    (`batch_divisor`); None where it divides by nothing."""
     divisor = batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tracer)
     if divisor == 1:
         return None
     return tuple(divisor * size for size in TRIAL_BATCH_SIZES)
-
-
-def divided_failure(failure, again, sizes):
-    """The reason a call that divides the batch size fails: why its trace
-    failed (`failure`), and why the traces at `sizes` (multiples of the
-    divisor) do (`again`), without the first part twice."""
-    tail = again.reason
-    if tail.startswith(failure.reason.split(";")[0]):
-        tail = tail.split("; ", 1)[-1]
-    return (f"{failure.reason}; `call` divides the batch size by {sizes[0]}, and traced at "
-            f"multiples of it ({', '.join(map(str, sizes))}) instead, {tail}")
 
 
 def divisibility_guards(outputs, anchor, scale, leading, prefix):
@@ -210,4 +200,4 @@ def divisibility_guards(outputs, anchor, scale, leading, prefix):
     return nodes, map_values(lambda v: guarded.get(id(v), v), outputs)
 
 
-__all__ = ["batch_divisor", "divided_failure", "divided_trial_sizes", "divisibility_guards"]
+__all__ = ["batch_divisor", "divided_trial_sizes", "divisibility_guards"]

@@ -352,8 +352,11 @@ def one_graph_for_any_batch(runs, retrace, prefix):
         check_batch_dimensions(nodes, prefix, multiples=True, groups=input_groups(runs),
                                scale=scale)
     except NotBatchGeneral as mismatch:
+        at = "" if scale == 1 else (
+            f" ({', '.join(map(str, sizes))}: multiples of {scale}, which `call` divides "
+            "the batch size by)")
         raise TraceError(
-            f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
+            f"{runs[0][0].failure}; traced at two batch sizes{at} instead, {mismatch}"
         ) from None
     return nodes, outputs
 

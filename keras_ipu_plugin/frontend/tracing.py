@@ -44,7 +44,6 @@ from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.frontend.batch_traces import one_graph_for_any_batch
 from keras_ipu_plugin.frontend.batch_traces import per_input_runs
 from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
-from keras_ipu_plugin.frontend.batch_divisions import divided_failure
 from keras_ipu_plugin.frontend.batch_divisions import divided_trial_sizes
 from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
 from keras_ipu_plugin.frontend.call_trace import CallTrace
@@ -111,25 +110,10 @@ def trace_call(layer, args, kwargs, placeholders, *, training, prefix, reads=Non
     """
     tracer = current_tracer() if tracer is None else tracer
     with tracer.tracing():  # for every trace made inside (Expand's, the modes')
-        try:
-            return _trace_call(layer, args, kwargs, placeholders, training, prefix, reads,
-                               tracer)
-        except TraceError as failure:
-            # `ops.shape(x)[0] // k` (Swin's windows): traced again at
-            # multiples of k, if `call` divides its inputs' leading size.
-            sizes = divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                                        training, tracer)
-            if sizes is None:
-                raise
-            try:
-                return _trace_call(layer, args, kwargs, placeholders, training, prefix, reads,
-                                   tracer, batch_sizes=sizes)
-            except TraceError as again:
-                raise TraceError(divided_failure(failure, again, sizes)) from None
+        return _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, tracer)
 
 
-def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, tracer,
-                batch_sizes=None):
+def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, tracer):
     reads = ReadLayers() if reads is None else reads
     variables = _tf_variables(layer)
     log = writes_lib.WriteLog()
@@ -145,9 +129,12 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
             runs = per_input_runs([(trace, trace_modes(trace, training))], layer, args,
                                   kwargs, placeholders, prefix, reads, training, tracer)
         except TraceError as error:
+            # `ops.shape(x)[0] // k` (Swin's windows): at multiples of k
+            sizes = divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                                        training, tracer)
             runs = trace_at_two_batch_sizes(
                 layer, args, kwargs, placeholders, prefix, reads, training, error, tracer,
-                batch_sizes=batch_sizes or TRIAL_BATCH_SIZES)
+                batch_sizes=sizes or TRIAL_BATCH_SIZES)
     for trace, (nodes, _) in runs:
         nodes = training_branches.with_branch_nodes(nodes)
         _reject_frozen_variables(nodes, trace.lifted, tape, variables)
