@@ -107,9 +107,10 @@ class _TracedSize(int):
         return int(other) - int(self) if isinstance(other, int) else other - int(self)
 
     def __mul__(self, other):
-        if isinstance(other, _TracedSize) or not isinstance(other, int) or isinstance(
-                other, bool):
-            return int(self) * other  # `b * b`: no multiple of the batch
+        if isinstance(other, _TracedSize):
+            return int(self) * int(other)  # `b * b`: no multiple of the batch
+        if not isinstance(other, int) or isinstance(other, bool):
+            return int(self) * other
         return self._derived(int(self) * other, self.multiple * other)
 
     __rmul__ = __mul__

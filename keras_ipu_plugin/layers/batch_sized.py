@@ -121,11 +121,14 @@ class BatchSizedOperation(keras.layers.Layer):
             return batch_size * multiple + offset
         message = (
             f"`{self.name}` computes its {attribute} from the batch size divided by "
-            f"{divisor} (traced at multiples of {divisor}), and is called with a batch "
-            f"size that is no multiple of {divisor}")
+            f"{divisor}, and is called with a batch size that is no multiple of {divisor}; "
+            f"its layer was traced at multiples of {divisor}, where the division is exact, "
+            "and what its `call` computes at other batch sizes the graph does not know: "
+            f"call it with multiples of {divisor}, leave that layer out of Expand's "
+            "targets, or convert with static_batch=True")
         if isinstance(batch_size, (int, np.integer)):
             if batch_size % divisor:
-                raise ValueError(f"{message}: {int(batch_size)}")
+                raise ValueError(f"{message} (batch size {int(batch_size)})")
             return batch_size // divisor * multiple + offset
         import tensorflow as tf
 
