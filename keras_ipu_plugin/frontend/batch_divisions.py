@@ -17,7 +17,7 @@ is the batch size there, and not at 5), so the graph made of them refuses
 any other batch size when it runs: every dimension that divides the batch
 is a `BatchSizedOperation` with a divisor, which raises on a batch size
 that is no multiple of it, and each batch-led output passes a check of the
-same (`divisibility_guards`). A third trace, at other multiples, confirms
+same (`batch_guards.divisibility_guards`). A third trace, at other multiples, confirms
 the graph (`batch_traces.one_graph_for_any_batch`).
 
 Only a size read from an input itself (`ops.shape(x)[0]`) notes its
@@ -36,10 +36,6 @@ import keras
 
 from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
 from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
-from keras_ipu_plugin.ir.graph import Node
-from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
 
 # The size the probe trace gives its inputs' leading dimension: that of the
 # second trial trace, so that code branching on a batch of one does not
@@ -157,48 +153,4 @@ def divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads, traini
     return tuple(divisor * size for size in TRIAL_BATCH_SIZES)
 
 
-def divisibility_guards(outputs, anchor, scale, leading, prefix):
-    """`(nodes, outputs)`: where the graph was traced at multiples of `scale`
-    (> 1), each output whose leading size follows the batch passes a
-    `BatchSizedOperation` that refuses a batch size of `anchor` that is no
-    multiple of `scale` (an identity `broadcast_to` of it), so the graph
-    never runs where the traces do not tell what it computes (`b // 4 * 4`
-    is the batch size at multiples of 4 only). `leading`: each flat
-    output's leading size in the two traces, `(a, b)` at `(scale, 3 * scale)`.
-    Raises `ValueError` where no output follows the batch.
-    """
-    from fractions import Fraction
-
-    from keras_ipu_plugin import _compat
-
-    nodes, guarded = [], {}
-    small, large = (scale * size for size in TRIAL_BATCH_SIZES)
-    flat = []
-    map_values(flat.append, outputs)
-    for index, value in enumerate(flat):
-        shape = tuple(value.spec.shape)
-        sizes = leading[index] if index < len(leading) else None
-        if (id(value) in guarded or value.mask is not None or not shape or shape[0] is not None or None in shape[1:]
-                or sizes is None or not sizes[0] or sizes[0] * large != sizes[1] * small):
-            continue
-        ratio = Fraction(sizes[0], small) * scale  # rows per `scale` rows of the anchor
-        if ratio.denominator != 1:
-            continue
-        name = f"{prefix}batch_multiple_of_{scale}_{len(nodes)}"
-        check = BatchSizedOperation(
-            _compat.broadcast_to_operation(shape), ["shape"],
-            multiples={"shape": [int(ratio)] + [1] * (len(shape) - 1)},
-            divisors={"shape": [scale] + [1] * (len(shape) - 1)},
-            name=name.replace(".", "_"))
-        node = Node(name, check, (anchor, value), {}, output_structure=None)
-        node.outputs = [Value(node, 0, keras.KerasTensor(shape, dtype=value.spec.dtype))]
-        nodes.append(node)
-        guarded[id(value)] = node.outputs[0]
-    if not nodes:
-        raise ValueError(
-            f"traced at multiples of {scale} (the call divides the batch size by it), "
-            "and no output's leading size follows the batch size, to refuse others")
-    return nodes, map_values(lambda v: guarded.get(id(v), v), outputs)
-
-
-__all__ = ["batch_divisor", "divided_trial_sizes", "divisibility_guards"]
+__all__ = ["batch_divisor", "divided_trial_sizes"]

@@ -20,6 +20,10 @@ import keras
 import numpy as np
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.batch_errors import MixedLeadingSizes
+from keras_ipu_plugin.frontend.batch_errors import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch_switches import are_switches
+from keras_ipu_plugin.frontend.batch_switches import general_switch
 from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
 
 
@@ -34,16 +38,6 @@ def unknown_dimension_attributes(operation):
     ]
 
 
-
-
-class NotBatchGeneral(Exception):
-    """Two traces at different batch sizes differ other than by it."""
-
-
-class MixedLeadingSizes(NotBatchGeneral):
-    """An operation holds the leading sizes of two inputs whose leading
-    dimensions are independent of each other: no one graph tensor gives
-    both when the graph runs."""
 
 
 def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="",
@@ -80,8 +74,6 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     Returns `(nodes, outputs)` of `small`, generalized (its Nodes are
     reused; new ones are named `prefix + ...`).
     """
-    from keras_ipu_plugin.frontend.batch_switches import are_switches
-    from keras_ipu_plugin.frontend.batch_switches import general_switch
     from keras_ipu_plugin.ir.graph import Node
     from keras_ipu_plugin.ir.graph import Value
     from keras_ipu_plugin.layers.reads import HeldConstant
@@ -160,7 +152,8 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
             inputs = [leaf for leaf in keras.tree.flatten(args) if isinstance(leaf, Value)]
             operation = general_switch(node_s, node_l, inputs,
                                        batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes,
-                                       anchors[0], same_operation, prefix)
+                                       anchors[0], same_operation, prefix,
+                                       generalize_batch, _general_spec)
         elif isinstance(operation, HeldConstant):
             constant = _general_constant(operation.value, node_l.operation.value,
                                          batch_sizes, node_s.name)
@@ -518,13 +511,6 @@ def _as_tuple(shape):
     return tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
 
 
-def general_spec(a, b, batch_sizes, name):
-    """The spec of a Value for any batch size, of its specs `a` and `b` in
-    two traces at `batch_sizes`: each dimension following the batch size
-    unknown (None). Raises `NotBatchGeneral`."""
-    return _general_spec(a, b, batch_sizes, name)
-
-
 def _general_spec(a, b, batch_sizes, name):
     if a.dtype != b.dtype or len(a.shape) != len(b.shape):
         raise NotBatchGeneral(f"`{name}` makes other outputs")
@@ -535,4 +521,4 @@ def _general_spec(a, b, batch_sizes, name):
 
 
 __all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason",
-           "general_spec", "generalize_batch", "has_offsets", "unknown_dimension_attributes"]
+           "generalize_batch", "has_offsets", "unknown_dimension_attributes"]

@@ -13,9 +13,11 @@ inputs matched one for one); the switch is then rebuilt of those graphs,
 each checked to follow the batch size (`batch_shapes.check_batch_dimensions`).
 
 Example:
-    >>> operation = general_switch(node_s, node_l, inputs, (1, 3), anchor, same, "moe.")
+    >>> operation = general_switch(node_s, node_l, inputs, (1, 3), anchor, same, "moe.",
+    ...                            generalize_batch, general_spec)
 """
 
+from keras_ipu_plugin.frontend.batch_errors import NotBatchGeneral
 from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.ir.graph import Graph
@@ -33,15 +35,14 @@ def are_switches(node_a, node_b):
             and a.branch_graphs is not None and b.branch_graphs is not None)
 
 
-def general_switch(node_s, node_l, inputs, batch_sizes, anchor, same_operation, prefix):
+def general_switch(node_s, node_l, inputs, batch_sizes, anchor, same_operation, prefix,
+                   generalize_batch, general_spec):
     """A `ModeSwitch` for any batch size, made of the switches of two traces
     at `batch_sizes` (`node_s`, `node_l`). `inputs`: the switch's inputs
     (Values of the small trace's graph); `anchor`: the Value whose leading
-    size is the batch size there. Raises `NotBatchGeneral`."""
-    from keras_ipu_plugin.frontend.batch_generalization import NotBatchGeneral
-    from keras_ipu_plugin.frontend.batch_generalization import general_spec
-    from keras_ipu_plugin.frontend.batch_generalization import generalize_batch
-
+    size is the batch size there. `generalize_batch` and `general_spec`:
+    `batch_generalization`'s, for each mode's graph and its inputs' specs
+    (that module calls this one). Raises `NotBatchGeneral`."""
     switch_s, switch_l = node_s.operation, node_l.operation
     if not isinstance(batch_sizes[0], int):
         raise NotBatchGeneral(

@@ -20,6 +20,7 @@ Example:
 import keras
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.batch_guards import divisibility_guards
 from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.call_trace import CallTrace
 from keras_ipu_plugin.frontend.call_trace import anchor_of
@@ -341,11 +342,10 @@ def one_graph_for_any_batch(runs, retrace, prefix):
                     f"and a trace at batch size {confirming[1]} shows a size that is no "
                     "multiple (or fraction) of the batch size plus a constant")
         if scale > 1:
-            from keras_ipu_plugin.frontend.batch_divisions import divisibility_guards
-
             anchor = runs[0][0].placeholders[id(runs[0][0].anchor)]
             try:
-                guards, outputs = divisibility_guards(outputs, anchor, scale, leading, prefix)
+                guards, outputs = divisibility_guards(outputs, anchor, scale, sizes, leading,
+                                                      prefix)
             except ValueError as error:
                 raise NotBatchGeneral(str(error)) from None
             nodes = nodes + guards
