@@ -256,6 +256,26 @@ def test_a_division_the_traces_at_multiples_cannot_follow_stays_whole_with_the_r
     assert passed.kip_graph.node("block").operation is model.block
 
 
+def test_a_division_by_more_than_is_traced_at_stays_whole_saying_so():
+    """Past `LARGEST_DIVISOR` the traces would be of batches that many times
+    larger; at the trial sizes the division is 0."""
+    from keras_ipu_plugin.frontend.batch_divisions import LARGEST_DIVISOR
+
+    class Blocks(layers.Layer):
+        def call(self, x):
+            b = ops.shape(x)[0]
+            return ops.reshape(ops.reshape(x, (b // 512, 512 * DIM)), (-1, DIM)) * 2.0
+
+    assert LARGEST_DIVISOR < 512
+    x = _rand(512, 5)
+    model = Net(Blocks(name="block"), name="net")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    reason = passed.kip_report.opaque.get("block")
+    assert reason is not None and "divides the batch size by 512" in reason, reason
+    assert passed.kip_graph.node("block").operation is model.block
+
+
 def test_a_division_at_batch_sizes_known_only_when_the_graph_runs_is_checked_then():
     """In a `tf.function` of an unknown batch size the check is TensorFlow's."""
     import tensorflow as tf

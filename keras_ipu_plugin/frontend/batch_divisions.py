@@ -26,7 +26,7 @@ A division of those stays as before (`ops.shape(flat)[0] // t` of a
 `(b * t, d)` tensor is the batch size at every trial size).
 
 Example:
-    >>> divided_trial_sizes(layer, (x,), {}, placeholders, "", reads, None, tracer)
+    >>> divided_trial_sizes(layer, (x,), {}, placeholders, "", reads, None, tracer, error)
     (4, 12)
 """
 
@@ -35,6 +35,7 @@ import math
 import keras
 
 from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
+from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
 
 # The size the probe trace gives its inputs' leading dimension: that of the
@@ -42,9 +43,12 @@ from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
 # hide the division.
 PROBE_SIZE = TRIAL_BATCH_SIZES[1]
 
-# Past this, a divisor is not taken to be the batch's (the trial traces
-# would be of batches this many times larger).
-LARGEST_DIVISOR = 4096
+# Past this, a divisor is not followed (the layer stays whole, saying so):
+# the trial traces are of batches this many times larger, and
+# a constant the call makes with the batch in it (a causal mask broadcast
+# to the batch, eagerly) grows with them. Swin's windows are 64 at most
+# in keras_hub's presets.
+LARGEST_DIVISOR = 256
 
 
 class _TracedSize(int):
@@ -139,17 +143,25 @@ def batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tr
                                  None, tracer, batch_sizes=(PROBE_SIZE,), make_input=probe)
     except Exception:  # noqa: BLE001 - a probe: the trial traces say why a call fails
         pass
-    divisor = math.lcm(1, *divisors)
-    return divisor if divisor <= LARGEST_DIVISOR else 1
+    return math.lcm(1, *divisors)
 
 
-def divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training, tracer):
+def divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training, tracer,
+                        error):
     """The batch sizes to trace `call` at where it divides its inputs'
     leading size: `TRIAL_BATCH_SIZES` times what it divides by
-    (`batch_divisor`); None where it divides by nothing."""
+    (`batch_divisor`); None where it divides by nothing. Past
+    `LARGEST_DIVISOR`, raises `TraceError` (`error`: why the symbolic
+    trace failed) saying so: at the trial sizes the division would be 0."""
     divisor = batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tracer)
     if divisor == 1:
         return None
+    if divisor > LARGEST_DIVISOR:
+        raise TraceError(
+            f"{error.reason}; `call` divides the batch size by {divisor}, and is traced at "
+            f"multiples of a divisor up to {LARGEST_DIVISOR} only (at other sizes the "
+            "division is not exact); write the reshape's batch dimension as -1, or convert "
+            "with static_batch=True")
     return tuple(divisor * size for size in TRIAL_BATCH_SIZES)
 
 

@@ -131,7 +131,7 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
         except TraceError as error:
             # `ops.shape(x)[0] // k` (Swin's windows): at multiples of k
             sizes = divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                                        training, tracer)
+                                        training, tracer, error)
             runs = trace_at_two_batch_sizes(
                 layer, args, kwargs, placeholders, prefix, reads, training, error, tracer,
                 batch_sizes=sizes or TRIAL_BATCH_SIZES)
