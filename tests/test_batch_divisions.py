@@ -366,3 +366,33 @@ def test_a_call_branching_on_training_traced_at_two_batch_sizes_is_one_switch():
         np.testing.assert_allclose(passed(other, training=True), model(other, training=True),
                                    atol=1e-5)
         np.testing.assert_allclose(sum(passed.losses), sum(model.losses), atol=1e-6)
+
+
+@pytest.mark.parametrize("build, shape", [
+    (lambda: Windowed(name="windowed"), (WINDOWS * TOKENS, 5)),
+    (lambda: Tokens(name="tokens"), (3, 5)),
+])
+def test_plugin_model_with_expand_trains_as_plain_keras(build, shape):
+    """3 steps of `PluginModel(passes=[Expand("all")])` equal plain Keras
+    (the windows divided in the graph; the loss added in training only)."""
+    x = _rand(12, *shape, seed=1)
+    y = _rand(12, *shape[:-1], 2, seed=2)
+    weights = {}
+    for how in ("plain", "plugin"):
+        keras.utils.set_random_seed(11)
+        model = build()
+        model(x[:4])
+        trained = model
+        if how == "plugin":
+            trained = kip.PluginModel(model, passes=[Expand("all")])
+            trained.convert(x[:4])
+            assert trained.converted.kip_report.opaque == {}
+        trained.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        trained.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        weights[how] = [v.numpy() for v in model.weights]
+    keras.utils.set_random_seed(11)
+    first = build()
+    first(x[:4])
+    assert any(not np.allclose(v.numpy(), w) for v, w in zip(first.weights, weights["plain"]))
+    for value, actual in zip(weights["plain"], weights["plugin"]):
+        np.testing.assert_allclose(actual, value, rtol=0, atol=1e-5)
