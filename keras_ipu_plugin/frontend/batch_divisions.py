@@ -35,8 +35,8 @@ import math
 import keras
 
 from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
-from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
+from keras_ipu_plugin.frontend.failures import TraceError
 
 # The size the probe trace gives its inputs' leading dimension: that of the
 # second trial trace, so that code branching on a batch of one does not
@@ -44,10 +44,9 @@ from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
 PROBE_SIZE = TRIAL_BATCH_SIZES[1]
 
 # Past this, a divisor is not followed (the layer stays whole, saying so):
-# the trial traces are of batches this many times larger, and
-# a constant the call makes with the batch in it (a causal mask broadcast
-# to the batch, eagerly) grows with them. Swin's windows are 64 at most
-# in keras_hub's presets.
+# the trial traces are of batches this many times larger, and a constant
+# the call makes with the batch in it (a causal mask broadcast to the
+# batch, eagerly) grows with them. Swin's 224-pixel presets have 64 windows.
 LARGEST_DIVISOR = 256
 
 
