@@ -14,10 +14,16 @@ Example:
 """
 
 
+from fractions import Fraction
+
 import keras
 import numpy as np
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.batch_errors import MixedLeadingSizes
+from keras_ipu_plugin.frontend.batch_errors import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch_switches import are_switches
+from keras_ipu_plugin.frontend.batch_switches import general_switch
 from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
 
 
@@ -34,18 +40,8 @@ def unknown_dimension_attributes(operation):
 
 
 
-class NotBatchGeneral(Exception):
-    """Two traces at different batch sizes differ other than by it."""
-
-
-class MixedLeadingSizes(NotBatchGeneral):
-    """An operation holds the leading sizes of two inputs whose leading
-    dimensions are independent of each other: no one graph tensor gives
-    both when the graph runs."""
-
-
 def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="",
-                     groups=None):
+                     groups=None, known=None):
     """One graph for any batch size from two traces of the same call, made
     with its inputs' batch size set to `batch_sizes = (s, l)`.
 
@@ -68,6 +64,12 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     the batch), becomes that slice broadcast to the batch in the graph.
     Anything else raises `NotBatchGeneral`: the call computes with the batch
     size in a way one graph cannot follow.
+
+    A `ModeSwitch` in both (a call branching on `training` in Python) is
+    made one of its modes' graphs, each generalized so
+    (`batch_switches.py`). `known`: {id(Value of the large trace): Value of
+    the small one} for the inputs the two traces read apart (a switch's
+    graphs').
 
     Returns `(nodes, outputs)` of `small`, generalized (its Nodes are
     reused; new ones are named `prefix + ...`).
@@ -94,7 +96,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         return anchors[next(iter(used))] if used else anchors[0]
     if len(nodes_s) != len(nodes_l):
         raise NotBatchGeneral("the two traces call different layers")
-    value_of = {}  # id(Value of the large trace) -> Value of the small one
+    value_of = dict(known or {})  # id(Value of the large trace) -> Value of the small one
     result = []
 
     def broadcast_node(constant, node_name):
@@ -110,7 +112,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         broadcast = BatchSizedOperation(
             _compat.broadcast_to_operation(_with_none(constant.shape)), ["shape"],
             multiples=_multiples_of(shape), offsets=_offsets_of(shape),
-            name=f"{base}_broadcast",
+            divisors=_divisors_of(shape), name=f"{base}_broadcast",
         )
         node = Node(prefix + broadcast.name, broadcast, (anchor, held_node.outputs[0]), {},
                     output_structure=None)
@@ -138,14 +140,21 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
         return a
 
     for node_s, node_l in zip(nodes_s, nodes_l):
-        if not same_operation(node_s, node_l):
+        switches = are_switches(node_s, node_l)
+        if not switches and not same_operation(node_s, node_l):
             raise NotBatchGeneral(f"`{node_s.name}` is not called in both traces")
         if len(node_s.outputs) != len(node_l.outputs):
             raise NotBatchGeneral(f"`{node_s.name}` has other outputs")
         args = argument(node_s.args, node_l.args, node_s.name)
         kwargs = argument(node_s.kwargs, node_l.kwargs, node_s.name)
         operation = node_s.operation
-        if isinstance(operation, HeldConstant):
+        if switches:
+            inputs = [leaf for leaf in keras.tree.flatten(args) if isinstance(leaf, Value)]
+            operation = general_switch(node_s, node_l, inputs,
+                                       batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes,
+                                       anchors[0], same_operation, prefix,
+                                       generalize_batch, _general_spec)
+        elif isinstance(operation, HeldConstant):
             constant = _general_constant(operation.value, node_l.operation.value,
                                          batch_sizes, node_s.name)
             if constant is not None:  # a lifted tensor with the batch in it
@@ -160,10 +169,12 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
             if shapes:
                 anchor = anchor_for(used, node_s.name)
                 multiples, offsets = _multiples_of(shapes), _offsets_of(shapes)
+                divisors = _divisors_of(shapes)
                 shapes = {key: _with_none(shape) for key, shape in shapes.items()}
                 operation = BatchSizedOperation(
                     _rebuilt_with(operation, shapes, node_s.name), list(shapes),
-                    multiples=multiples, offsets=offsets, name=operation.name)
+                    multiples=multiples, offsets=offsets, divisors=divisors,
+                    name=operation.name)
                 args, kwargs = BatchSizedOperation.arguments(
                     operation.operation, anchor, args, kwargs)
         node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
@@ -217,22 +228,31 @@ def fixed_batch_reason(operation, arguments, outputs, name):
 
 
 def has_offsets(nodes):
-    """Whether a `BatchSizedOperation` among `nodes` adds a constant to a
-    multiple of the batch size."""
-    return any(isinstance(node.operation, BatchSizedOperation) and node.operation.offsets
-               for node in nodes)
+    """Whether a `BatchSizedOperation` among `nodes` (or the graphs of a
+    `ModeSwitch` among them) adds a constant to a multiple of the batch
+    size, or divides it."""
+    return any(isinstance(node.operation, BatchSizedOperation)
+               and (node.operation.offsets or node.operation.divisors)
+               for node in _with_branches(nodes))
 
 
 def batch_signature(nodes):
     """How `nodes` compute with the batch size: per `BatchSizedOperation`,
-    its operation's kind, shapes, multiples and offsets; two generalizations
-    of the same call made from other batch sizes have the same."""
+    its operation's kind, shapes, multiples, offsets and divisors; two
+    generalizations of the same call made from other batch sizes have the
+    same."""
     return [
         (type(node.operation.operation).__name__,
          {name: getattr(node.operation.operation, name) for name in node.operation.attributes},
-         node.operation.multiples, node.operation.offsets)
-        for node in nodes if isinstance(node.operation, BatchSizedOperation)
+         node.operation.multiples, node.operation.offsets, node.operation.divisors)
+        for node in _with_branches(nodes) if isinstance(node.operation, BatchSizedOperation)
     ]
+
+
+def _with_branches(nodes):
+    from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
+
+    return with_branch_nodes(nodes)
 
 
 class _BatchConstant:
@@ -252,16 +272,28 @@ def _is_array(value):
 
 
 class BatchMultiple:
-    """A dimension that is `multiple` times the batch size plus `offset`
-    (Swin's windows: `batch * windows` rows; `batch + 1`, `batch - 1`), in
-    a shape attribute of a traced operation."""
+    """A dimension that is `multiple` times the batch size divided by
+    `divisor`, plus `offset` (Swin's windows: `batch * windows` rows, and
+    `batch_windows // windows`; `batch + 1`, `batch - 1`), in a shape
+    attribute of a traced operation."""
 
-    def __init__(self, multiple, offset=0):
+    def __init__(self, multiple, offset=0, divisor=1):
         self.multiple = multiple
         self.offset = offset
+        self.divisor = divisor
 
     def at(self, batch_size):
-        return self.multiple * batch_size + self.offset
+        return batch_size // self.divisor * self.multiple + self.offset
+
+
+def _fraction_of(ratio, small, offset=0):
+    """`BatchMultiple` of `ratio` (a `Fraction`: the dimension over the
+    batch size) plus `offset`, where the trial batch size `small` is a
+    multiple of its denominator (the batch was traced at multiples of the
+    divisor the call divides it by); None where it is not."""
+    if ratio <= 0 or small % ratio.denominator:
+        return None
+    return BatchMultiple(ratio.numerator, offset, divisor=ratio.denominator)
 
 
 def _size_pairs(batch_sizes):
@@ -297,11 +329,25 @@ def _batch_dimension(a, b, batch_sizes, name, multiples=False, used=None):
             "no multiple of the leading size of one of its inputs (whose leading "
             "dimensions are independent of each other)")
     small, large = pairs[0]
+    if multiples and _is_int(a) and _is_int(b) and a > 0 and a * large == b * small:
+        # `batch // windows`, traced at multiples of the windows
+        # (`batch_divisions.divided_trial_sizes`): a fraction of the batch size,
+        # confirmed by a third trace (`has_offsets`).
+        found = _fraction_of(Fraction(int(a), int(small)), small)
+        if found is not None:
+            return found
     if multiples and _is_int(a) and _is_int(b) and b > a and (b - a) % (large - small) == 0:
         # `batch + 1`, `2 * batch - 1`: a multiple of the batch size plus a
         # constant, which a third trace confirms (`confirm_batch_general`).
         multiple = (b - a) // (large - small)
         return BatchMultiple(multiple, int(a - multiple * small))
+    if multiples and _is_int(a) and _is_int(b) and b > a:
+        # `batch // 2 + 1`, traced at even batch sizes
+        ratio = Fraction(int(b - a), int(large - small))
+        offset = a - ratio * small
+        found = _fraction_of(ratio, small, int(offset)) if offset.denominator == 1 else None
+        if found is not None:
+            return found
     raise NotBatchGeneral(
         f"`{name}` has a dimension {a} at batch size {small} and {b} at batch size {large}, "
         "which is no multiple of the batch size plus a constant")
@@ -337,6 +383,22 @@ def _offsets_of(shapes):
                 found[key] = [offset(dim) for dim in shape]
         elif isinstance(shape, BatchMultiple) and shape.offset:
             found[key] = shape.offset
+    return found
+
+
+def _divisors_of(shapes):
+    """{attribute: divisors}, as `_multiples_of`, for the attributes holding
+    a `BatchMultiple` that divides the batch size (1 elsewhere)."""
+    def divisor(dim):
+        return dim.divisor if isinstance(dim, BatchMultiple) else 1
+
+    found = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            if any(isinstance(dim, BatchMultiple) and dim.divisor != 1 for dim in shape):
+                found[key] = [divisor(dim) for dim in shape]
+        elif isinstance(shape, BatchMultiple) and shape.divisor != 1:
+            found[key] = shape.divisor
     return found
 
 
@@ -458,5 +520,5 @@ def _general_spec(a, b, batch_sizes, name):
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 
-__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason", "generalize_batch",
-           "has_offsets", "unknown_dimension_attributes"]
+__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason",
+           "generalize_batch", "has_offsets", "unknown_dimension_attributes"]

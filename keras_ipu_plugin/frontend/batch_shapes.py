@@ -12,6 +12,7 @@ Example:
 """
 
 import functools
+from fractions import Fraction
 
 import keras
 
@@ -31,7 +32,7 @@ from keras_ipu_plugin.ir.graph import map_values
 REPLAY_SIZES = ((3, 7), (5, 11), (13, 23), (17, 31), (19, 37), (29, 53))
 
 
-def check_batch_dimensions(nodes, prefix, multiples=False, groups=None):
+def check_batch_dimensions(nodes, prefix, multiples=False, groups=None, scale=1):
     """Raise `TraceError` unless every unknown dimension in `nodes` is the
     batch size of the traced call's inputs (what a `BatchSizedOperation`
     fills in when the graph runs).
@@ -54,9 +55,15 @@ def check_batch_dimensions(nodes, prefix, multiples=False, groups=None):
     dimension must follow one of them: an operation reading the wrong
     input's size fails here, which one shared batch size would hide. An
     input not in `groups` has the first group's sizes.
+
+    `scale`: the batch sizes the graph was traced at are multiples of it
+    (the call divides the batch by it, `batch_divisions.py`); it is
+    replayed at multiples of it too, and a dimension may be a fraction of
+    the batch size (3k / w and 7k / w: Swin's `batch_windows // windows`).
     """
     groups = groups or {}
-    pairs = REPLAY_SIZES[:max(groups.values(), default=0) + 1]
+    pairs = [tuple(scale * size for size in pair)
+             for pair in REPLAY_SIZES[:max(groups.values(), default=0) + 1]]
     shapes = [_replayed_shapes(nodes, prefix, [pair[run] for pair in pairs], groups)
               for run in (0, 1)]
     for node in nodes:
@@ -67,11 +74,12 @@ def check_batch_dimensions(nodes, prefix, multiples=False, groups=None):
                 (a == b and c in (None, a))  # a fixed size
                 or (c is None and a is not None and b is not None and any(
                     (a, b) == (s, l)  # an input's leading size
-                    or (multiples and a % s == 0 and b == a // s * l)
+                    # a multiple (or, with `scale`, a fraction) of it
+                    or (multiples and a > 0 and a * l == b * s)
                     for s, l in pairs))
                 # a multiple plus a constant (`batch + 1`), confirmed by a trace
                 or (multiples and len(pairs) == 1 and c is None and a is not None
-                    and b is not None and b > a and (b - a) % 4 == 0)
+                    and b is not None and b > a and _on_a_line(a, b, pairs[0]))
                 for a, b, c in zip(small, large, recorded)
             ):
                 raise TraceError(_unknown_dimension_reason(node.name, value))
@@ -81,6 +89,14 @@ def check_batch_dimensions(nodes, prefix, multiples=False, groups=None):
                 tuple(None if a != b else a for a, b in zip(small, large)),
                 dtype=value.spec.dtype, sparse=value.spec.sparse,
             )
+
+
+def _on_a_line(a, b, sizes):
+    """Whether `(a, b)` at the batch sizes `sizes` is a multiple (or a
+    fraction) of the batch size plus an integer constant."""
+    small, large = sizes
+    slope = Fraction(b - a, large - small)
+    return (a - slope * small).denominator == 1
 
 
 def _replayed_shapes(nodes, prefix, batch_sizes, groups):

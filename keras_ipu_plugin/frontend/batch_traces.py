@@ -20,6 +20,7 @@ Example:
 import keras
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.batch_guards import divisibility_guards
 from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.call_trace import CallTrace
 from keras_ipu_plugin.frontend.call_trace import anchor_of
@@ -139,7 +140,7 @@ def independent_inputs(args, kwargs):
 
 def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
                              training, error, tracer, batch_sizes=TRIAL_BATCH_SIZES,
-                             per_input=False, blocks=None):
+                             per_input=False, blocks=None, make_input=None):
     """Trace `call` with its inputs' unknown batch size set to each of
     `TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
     (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
@@ -155,6 +156,8 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     inputs are grouped, finest grouping first (`_groupings`), each group
     at sizes of its own; the error is raised where no grouping of two or
     more groups traces. `blocks`: one grouping to trace (lists of inputs).
+    `make_input(shape, dtype)`: the symbolic input at each trial size (a
+    KerasTensor by default; `batch_divisions`' probe notes divisions).
 
     Returns `[(trace, (nodes, outputs))]` for each batch size.
     """
@@ -213,11 +216,12 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     if groups and not 2 <= len(groups) <= len(PER_INPUT_SIZES):
         raise error
     group_of = {id(t): index for index, block in enumerate(groups) for t in block}
+    make_input = make_input or (lambda shape, dtype: keras.KerasTensor(shape, dtype=dtype))
     for run, batch_size in enumerate(batch_sizes):
         concrete = {
-            id(t): keras.KerasTensor(
+            id(t): make_input(
                 (PER_INPUT_SIZES[group_of[id(t)]][run] if groups else batch_size,)
-                + tuple(t.shape)[1:], dtype=t.dtype)
+                + tuple(t.shape)[1:], t.dtype)
             for t in batched
         }
         swap = lambda leaf: concrete.get(id(leaf), leaf)  # noqa: E731
@@ -231,6 +235,7 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             prefix, reads, anchor=concrete[id(anchor)], tracer=tracer,
         )
         trace.failure = error.reason if error is not None else None
+        trace.trial_sizes = tuple(batch_sizes)
         trace.batch_groups = [(placeholders[id(block[0])], PER_INPUT_SIZES[index])
                               for index, block in enumerate(groups)] or None
         trace.group_of = {id(placeholders[id(t)]): index
@@ -294,6 +299,14 @@ def _reads_leading_size(node):
     return node.kwargs.get("batch_of") is not None
 
 
+def _flat_values(structure):
+    from keras_ipu_plugin.ir.graph import map_values
+
+    found = []
+    map_values(found.append, structure)
+    return found
+
+
 def same_operation(node_a, node_b):
     """Whether two traces called the same thing at these nodes (opaque ones
     are kept out: their recorded output shapes hold a trial batch size)."""
@@ -309,21 +322,41 @@ def one_graph_for_any_batch(runs, retrace, prefix):
     done = getattr(runs[0][0], "generalized", None)
     if done is not None:  # traced per input, and made one graph then
         return done
+    sizes = getattr(runs[0][0], "trial_sizes", TRIAL_BATCH_SIZES)
+    # Traced at multiples of what the call divides the batch by
+    # (`batch_divisions.divided_trial_sizes`): the graph holds there only.
+    scale = sizes[0] // TRIAL_BATCH_SIZES[0] if sizes != TRIAL_BATCH_SIZES else 1
+    leading = [tuple(value.spec.shape[0] if value.spec.shape else None
+                     for value in pair)
+               for pair in zip(*(_flat_values(outputs) for _, (_, outputs) in runs))]
     try:
-        nodes, outputs = generalized(runs, TRIAL_BATCH_SIZES, prefix)
-        if has_offsets(nodes):
+        nodes, outputs = generalized(runs, sizes, prefix)
+        if has_offsets(nodes) or scale > 1:
             # `batch + 1`: two traces fit any line through their sizes (the
             # batch squared too); a third, at another batch size, confirms it.
-            again = retrace(CONFIRMING_BATCH_SIZES)
-            if batch_signature(generalized(again, CONFIRMING_BATCH_SIZES, prefix)[0]) != \
+            confirming = tuple(scale * size for size in CONFIRMING_BATCH_SIZES)
+            again = retrace(confirming)
+            if batch_signature(generalized(again, confirming, prefix)[0]) != \
                     batch_signature(nodes):
                 raise NotBatchGeneral(
-                    "and a trace at batch size 2 shows a size that is no multiple of the "
-                    "batch size plus a constant")
-        check_batch_dimensions(nodes, prefix, multiples=True, groups=input_groups(runs))
+                    f"and a trace at batch size {confirming[1]} shows a size that is no "
+                    "multiple (or fraction) of the batch size plus a constant")
+        if scale > 1:
+            anchor = runs[0][0].placeholders[id(runs[0][0].anchor)]
+            try:
+                guards, outputs = divisibility_guards(outputs, anchor, scale, sizes, leading,
+                                                      prefix)
+            except ValueError as error:
+                raise NotBatchGeneral(str(error)) from None
+            nodes = nodes + guards
+        check_batch_dimensions(nodes, prefix, multiples=True, groups=input_groups(runs),
+                               scale=scale)
     except NotBatchGeneral as mismatch:
+        at = "" if scale == 1 else (
+            f" ({', '.join(map(str, sizes))}: multiples of {scale}, which `call` divides "
+            "the batch size by)")
         raise TraceError(
-            f"{runs[0][0].failure}; traced at two batch sizes instead, {mismatch}"
+            f"{runs[0][0].failure}; traced at two batch sizes{at} instead, {mismatch}"
         ) from None
     return nodes, outputs
 

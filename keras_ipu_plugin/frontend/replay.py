@@ -231,9 +231,11 @@ def _maker(node, layer, index, reads):
     if isinstance(operation, BatchSizedOperation):
         inner = _operation_maker(operation.operation)
         attributes, multiples = operation.attributes, dict(operation.multiples)
+        offsets, divisors = dict(operation.offsets), dict(operation.divisors)
         op_name = operation.name  # renamed after its node once inlined
         return lambda objects, layer, name, reads: BatchSizedOperation(
-            inner(), attributes, multiples=multiples, name=op_name)
+            inner(), attributes, multiples=multiples, offsets=offsets, divisors=divisors,
+            name=op_name)
     if isinstance(operation, keras.layers.Layer):
         raise Unknown  # a layer not the block's (made in `call`, a global, opaque)
     make = _operation_maker(operation)

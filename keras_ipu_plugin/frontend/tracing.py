@@ -44,6 +44,8 @@ from keras_ipu_plugin.frontend import writes as writes_lib
 from keras_ipu_plugin.frontend.batch_traces import one_graph_for_any_batch
 from keras_ipu_plugin.frontend.batch_traces import per_input_runs
 from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
+from keras_ipu_plugin.frontend.batch_divisions import divided_trial_sizes
+from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
 from keras_ipu_plugin.frontend.call_trace import CallTrace
 from keras_ipu_plugin.frontend.failures import TraceError
 from keras_ipu_plugin.frontend.failures import essential_message  # noqa: F401 (re-exported)
@@ -127,9 +129,12 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
             runs = per_input_runs([(trace, trace_modes(trace, training))], layer, args,
                                   kwargs, placeholders, prefix, reads, training, tracer)
         except TraceError as error:
+            # `ops.shape(x)[0] // k` (Swin's windows): at multiples of k
+            sizes = divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads,
+                                        training, tracer, error)
             runs = trace_at_two_batch_sizes(
-                layer, args, kwargs, placeholders, prefix, reads, training, error, tracer
-            )
+                layer, args, kwargs, placeholders, prefix, reads, training, error, tracer,
+                batch_sizes=sizes or TRIAL_BATCH_SIZES)
     for trace, (nodes, _) in runs:
         nodes = training_branches.with_branch_nodes(nodes)
         _reject_frozen_variables(nodes, trace.lifted, tape, variables)

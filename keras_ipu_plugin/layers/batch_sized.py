@@ -36,7 +36,8 @@ class BatchSizedOperation(keras.layers.Layer):
         >>> BatchSizedOperation(reshape_op, ["newshape"])(x, y)
     """
 
-    def __init__(self, operation, attributes, multiples=None, offsets=None, **kwargs):
+    def __init__(self, operation, attributes, multiples=None, offsets=None, divisors=None,
+                 **kwargs):
         # The operation's inputs keep their dtypes, as they did in `call`.
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
@@ -52,6 +53,13 @@ class BatchSizedOperation(keras.layers.Layer):
         # int for a one-dimension attribute)}; absent: none. `ops.zeros(
         # (ops.shape(x)[0] + 1, d))`, `ops.slice(x, [1, 0], [batch - 1, d])`.
         self.offsets = dict(offsets or {})
+        # {attribute: the divisor at each None of it (an int for a
+        # one-dimension attribute)}; absent: 1. The dimension is then
+        # `batch // divisor * multiple + offset`, and a batch size that is
+        # no multiple of the divisor raises: keras_hub's Swin divides its
+        # `batch * windows` rows by the windows (`B_ // num_win`), traced
+        # at multiples of it (`batch_divisions.py`).
+        self.divisors = dict(divisors or {})
         self.built = True
 
     @staticmethod
@@ -89,15 +97,47 @@ class BatchSizedOperation(keras.layers.Layer):
             shape = getattr(operation, name)
             multiples = self.multiples.get(name)
             offsets = self.offsets.get(name)
+            divisors = self.divisors.get(name)
             if shape is None:
-                setattr(operation, name, batch_size * (multiples or 1) + (offsets or 0))
+                setattr(operation, name, self._dimension(
+                    batch_size, multiples or 1, offsets or 0, divisors or 1, name))
                 continue
             multiples = multiples or [1] * len(shape)
             offsets = offsets or [0] * len(shape)
-            filled = [batch_size * multiple + offset if dim is None else dim
-                      for dim, multiple, offset in zip(shape, multiples, offsets)]
+            divisors = divisors or [1] * len(shape)
+            filled = [self._dimension(batch_size, multiple, offset, divisor, name)
+                      if dim is None else dim
+                      for dim, multiple, offset, divisor in zip(shape, multiples, offsets,
+                                                                divisors)]
             setattr(operation, name, type(shape)(filled))
         return operation
+
+    def _dimension(self, batch_size, multiple, offset, divisor, attribute):
+        """`batch_size // divisor * multiple + offset`, refusing a batch size
+        that is no multiple of `divisor`: the graph was traced at multiples
+        of it only, and the floor of a division is not what a graph made
+        from those traces computes elsewhere."""
+        if divisor == 1:
+            return batch_size * multiple + offset
+        message = (
+            f"`{self.name}` computes its {attribute} from the batch size divided by "
+            f"{divisor}, and is called with a batch size that is no multiple of {divisor}; "
+            f"its layer was traced at multiples of {divisor}, where the division is exact, "
+            "and what its `call` computes at other batch sizes the graph does not know: "
+            f"call it with multiples of {divisor}, leave that layer out of Expand's "
+            "targets, or convert with static_batch=True")
+        if isinstance(batch_size, (int, np.integer)):
+            if batch_size % divisor:
+                raise ValueError(f"{message} (batch size {int(batch_size)})")
+            return batch_size // divisor * multiple + offset
+        import tensorflow as tf
+
+        # A batch size known only when the graph runs (a `tf.function` of an
+        # unknown batch): checked then.
+        check = tf.debugging.assert_equal(
+            tf.math.floormod(batch_size, divisor), tf.zeros_like(batch_size), message=message)
+        with tf.control_dependencies([check]):
+            return tf.identity(batch_size) // divisor * multiple + offset
 
     def call(self, anchor, *args, **kwargs):
         batch_size = keras.ops.shape(anchor)[0]
@@ -117,7 +157,8 @@ class BatchSizedOperation(keras.layers.Layer):
             return self._spec_at_two_batch_sizes(*args, **kwargs)
 
     def _spec_at_two_batch_sizes(self, *args, **kwargs):
-        two, three = (self.with_batch_size(size).compute_output_spec(*args, **kwargs)
+        step = int(np.lcm.reduce([1] + [d for d in keras.tree.flatten(self.divisors)]))
+        two, three = (self.with_batch_size(size * step).compute_output_spec(*args, **kwargs)
                       for size in (2, 3))
         return keras.tree.map_structure(
             lambda a, b: keras.KerasTensor(
@@ -137,6 +178,8 @@ class BatchSizedOperation(keras.layers.Layer):
             config["multiples"] = self.multiples
         if self.offsets:
             config["offsets"] = self.offsets
+        if self.divisors:
+            config["divisors"] = self.divisors
         return config
 
     @classmethod
@@ -175,6 +218,16 @@ class BatchSizedOperation(keras.layers.Layer):
                                            and all(_is_offset(o) for o in offset))):
                 saved_values.refuse(entry, f"offsets.{name}",
                                     "an int (or a list of them) for an attribute", offset)
+        divisors = config.get("divisors") or {}
+        if not isinstance(divisors, dict):
+            saved_values.refuse(entry, "divisors", "a mapping", divisors)
+        for name, divisor in divisors.items():
+            if name not in attributes or not (
+                    _is_size(divisor) or (isinstance(divisor, list)
+                                          and all(_is_size(d) for d in divisor))):
+                saved_values.refuse(entry, f"divisors.{name}",
+                                    "a positive int (or a list of them) for an attribute",
+                                    divisor)
         return cls(**{**config, "operation": operation})
 
 
