@@ -24,6 +24,8 @@ from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
 from keras_ipu_plugin.layers.added_loss import AddedLoss
 
+from graph_checks import all_nodes
+
 
 def _rand(*shape, seed=0):
     return np.random.RandomState(seed).normal(size=shape).astype("float32")
@@ -332,7 +334,7 @@ def test_the_switch_transformer_written_with_minus_one_expands_and_trains_as_pla
     model = _switch_written_with_minus_one()
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
     assert passed.kip_report.opaque == {}, passed.kip_report.opaque
-    kinds = {type(node.operation).__name__ for node in _all_nodes(passed.kip_graph)}
+    kinds = {type(node.operation).__name__ for node in all_nodes(passed.kip_graph)}
     assert {"AddedLoss", "TFRandomDraw"} <= kinds
 
     def fit(wrap):
@@ -348,11 +350,3 @@ def test_the_switch_transformer_written_with_minus_one_expands_and_trains_as_pla
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     for expected, actual in zip(plain_weights, weights):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
-
-
-def _all_nodes(graph):
-    nodes = list(graph.nodes)
-    for node in graph.nodes:
-        for branch in getattr(node.operation, "branch_graphs", {}).values():
-            nodes.extend(_all_nodes(branch))
-    return nodes

@@ -26,6 +26,8 @@ from keras_ipu_plugin.layers.views import viewed_layer
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
+from graph_checks import all_nodes, outputs_in_every_mode
+
 layers = keras.layers
 WIDTH = 6
 
@@ -105,33 +107,6 @@ def _built(kind, seed=3):
     return model
 
 
-def _all_nodes(graph):
-    nodes = []
-    for node in graph.nodes:
-        nodes.append(node)
-        if isinstance(node.operation, ModeSwitch):
-            for branch in node.operation.branch_graphs.values():
-                nodes.extend(_all_nodes(branch))
-    return nodes
-
-
-def _outputs_in_every_mode(original, other, x):
-    """Both models' outputs with training True, False and None, each run
-    from the same variable (and seed) state."""
-    state = [(v, v.numpy()) for v in original.non_trainable_variables]
-    for training in (True, False, None):
-        results = []
-        for model in (original, other):
-            for variable, value in state:
-                variable.assign(value)
-            results.append(np.asarray(model(x, training=training)))
-        for variable, value in state:
-            variable.assign(value)
-        np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6,
-                                   err_msg=f"training={training}")
-    return results
-
-
 @pytest.mark.parametrize("kind", sorted(BACKBONES))
 def test_a_graph_layer_whose_output_spec_takes_no_training_expands_in_both_modes(kind):
     model = _built(kind)
@@ -139,7 +114,7 @@ def test_a_graph_layer_whose_output_spec_takes_no_training_expands_in_both_modes
     converted = kip.convert_to_functional(model, x)
     assert not converted.kip_report.opaque
     expanded = kip.apply_passes(converted, [Expand("all")])
-    nodes = _all_nodes(expanded.kip_graph)
+    nodes = all_nodes(expanded.kip_graph)
     assert not [n.name for n in nodes if n.opaque_reason]
     left = [n.name for n in nodes if n.is_layer and not isinstance(n.operation, ModeSwitch)
             and not type(n.operation).__module__.startswith(("keras.", "keras_ipu_plugin."))]
@@ -148,7 +123,7 @@ def test_a_graph_layer_whose_output_spec_takes_no_training_expands_in_both_modes
     assert any(isinstance(n.operation, ModeSwitch) for n in nodes)
     assert any(n.operation is model.backbone.get_layer("embedding").project for n in nodes)
     assert "training=True" in str(expanded.kip_report)
-    _outputs_in_every_mode(model, expanded, x)
+    outputs_in_every_mode(model, expanded, x)
     # Another batch size than the conversion's.
     other = _data(5, seed=1)[0]
     np.testing.assert_allclose(expanded(other, training=False), model(other, training=False),

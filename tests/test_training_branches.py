@@ -28,6 +28,8 @@ from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
+from graph_checks import all_nodes, outputs_in_every_mode
+
 layers, ops = keras.layers, keras.ops
 WIDTH = 8
 
@@ -199,32 +201,6 @@ def _switches(graph):
     return found
 
 
-def _all_nodes(graph):
-    nodes = []
-    for node in graph.nodes:
-        nodes.append(node)
-        if isinstance(node.operation, ModeSwitch):
-            for branch in node.operation.branch_graphs.values():
-                nodes.extend(_all_nodes(branch))
-    return nodes
-
-
-def _outputs_in_every_mode(original, other, x):
-    """Outputs of both models with training True, False and None, each
-    run from the same seed and variable state."""
-    state = [(v, v.numpy()) for v in original.non_trainable_variables]
-    for training in (True, False, None):
-        results = []
-        for model in (original, other):
-            for variable, value in state:
-                variable.assign(value)
-            results.append(np.asarray(model(x, training=training)))
-        for variable, value in state:
-            variable.assign(value)
-        np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6,
-                                   err_msg=f"training={training}")
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_converts_traced_and_expands_inside_both_modes(name):
     model = _built(name)
@@ -235,7 +211,7 @@ def test_converts_traced_and_expands_inside_both_modes(name):
     graph = expanded.kip_graph
     switches = _switches(graph)
     assert switches, "a layer branching on training became no ModeSwitch"
-    assert not [n.name for n in _all_nodes(graph) if n.opaque_reason]
+    assert not [n.name for n in all_nodes(graph) if n.opaque_reason]
     for switch in switches:
         branches = switch.operation.branch_graphs
         assert {"training", "inference"} <= set(branches)
@@ -244,7 +220,7 @@ def test_converts_traced_and_expands_inside_both_modes(name):
             # Expand reached inside: no custom layer is left in any mode.
             assert not [n.name for n in branch.nodes if type(n.operation) in (
                 StochasticDepth, TwoWays, NoneIsItsOwnMode, ResidualBlock)]
-    _outputs_in_every_mode(model, expanded, x)
+    outputs_in_every_mode(model, expanded, x)
     assert "training=True" in str(expanded.kip_report)
 
 
@@ -365,7 +341,7 @@ def test_save_and_load_keep_every_mode(name, tmp_path):
     assert len(loaded.non_trainable_variables) == len(model.non_trainable_variables)
     for mine, theirs in zip(loaded.non_trainable_variables, model.non_trainable_variables):
         mine.assign(theirs)
-    _outputs_in_every_mode(model, loaded, x)
+    outputs_in_every_mode(model, loaded, x)
     # A loaded switch's modes are read back as graphs passes reach into.
     again = kip.apply_passes(loaded, [Expand("all")], verify=False)
     assert _switches(again.kip_graph)
@@ -388,7 +364,7 @@ def test_replace_reaches_inside_both_modes_with_one_new_layer():
                  for mode, graph in switch.operation.branch_graphs.items()}
         assert norms["training"] and norms["inference"]
         assert norms["training"][0] is norms["inference"][0]
-    _outputs_in_every_mode(model, passed, x)
+    outputs_in_every_mode(model, passed, x)
 
 
 def test_recompute_inside_a_mode():
@@ -396,11 +372,11 @@ def test_recompute_inside_a_mode():
     x, _ = _data()
     passed = kip.apply_passes(kip.convert_to_functional(model, x),
                               [Recompute(["blocks.0.two.norm"])])
-    marked = [n.name for n in _all_nodes(passed.kip_graph) if n.annotations.get("recompute")]
+    marked = [n.name for n in all_nodes(passed.kip_graph) if n.annotations.get("recompute")]
     assert "blocks.0.two.norm" in marked
     (switch,) = [s for s in _switches(passed.kip_graph) if s.name == "blocks.0.two"]
     assert switch.operation.body.kip_annotations  # the mode's graph runs the checkpoint
-    _outputs_in_every_mode(model, passed, x)
+    outputs_in_every_mode(model, passed, x)
 
 
 def test_outline_reaches_inside_and_pipeline_stages_by_target_says_it_cannot():
@@ -408,9 +384,9 @@ def test_outline_reaches_inside_and_pipeline_stages_by_target_says_it_cannot():
     x, _ = _data()
     expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
     outlined = kip.apply_passes(expanded, [Outline(layers.Dense)])
-    marked = [n.name for n in _all_nodes(outlined.kip_graph) if "outline" in n.annotations]
+    marked = [n.name for n in all_nodes(outlined.kip_graph) if "outline" in n.annotations]
     assert {"stem", "head", "two.train_path", "two.infer_path"} <= set(marked)
-    _outputs_in_every_mode(model, outlined, x)
+    outputs_in_every_mode(model, outlined, x)
     with pytest.raises(kip.PassError, match=r"inside `two`.*does not reach into the modes"):
         kip.apply_passes(expanded, [PipelineStages([["stem"], ["two.train_path"]])])
 
@@ -461,7 +437,7 @@ def test_saving_refuses_a_seed_generator_two_switches_share(tmp_path):
     model(x[:2])
     expanded = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
     assert len(_switches(expanded.kip_graph)) == 2
-    _outputs_in_every_mode(model, expanded, x)  # in memory: one generator, as in Keras
+    outputs_in_every_mode(model, expanded, x)  # in memory: one generator, as in Keras
     with pytest.raises(ValueError, match="seed_generator.*used by the modes of `drop_path"):
         expanded.save(str(tmp_path / "m.keras"))
 

@@ -199,36 +199,24 @@ class BatchSizedOperation(keras.layers.Layer):
             saved_values.refuse(entry, "attributes",
                                 f"a list of {type(operation).__name__}'s shape arguments",
                                 attributes)
-        multiples = config.get("multiples") or {}
-        if not isinstance(multiples, dict):
-            saved_values.refuse(entry, "multiples", "a mapping", multiples)
-        for name, multiple in multiples.items():
-            if name not in attributes or not (
-                    _is_size(multiple) or (isinstance(multiple, list)
-                                           and all(_is_size(m) for m in multiple))):
-                saved_values.refuse(entry, f"multiples.{name}",
-                                    "a positive int (or a list of them) for an attribute",
-                                    multiple)
-        offsets = config.get("offsets") or {}
-        if not isinstance(offsets, dict):
-            saved_values.refuse(entry, "offsets", "a mapping", offsets)
-        for name, offset in offsets.items():
-            if name not in attributes or not (
-                    _is_offset(offset) or (isinstance(offset, list)
-                                           and all(_is_offset(o) for o in offset))):
-                saved_values.refuse(entry, f"offsets.{name}",
-                                    "an int (or a list of them) for an attribute", offset)
-        divisors = config.get("divisors") or {}
-        if not isinstance(divisors, dict):
-            saved_values.refuse(entry, "divisors", "a mapping", divisors)
-        for name, divisor in divisors.items():
-            if name not in attributes or not (
-                    _is_size(divisor) or (isinstance(divisor, list)
-                                          and all(_is_size(d) for d in divisor))):
-                saved_values.refuse(entry, f"divisors.{name}",
-                                    "a positive int (or a list of them) for an attribute",
-                                    divisor)
+        for key, is_value, what in (
+                ("multiples", _is_size, "a positive int (or a list of them) for an attribute"),
+                ("offsets", _is_offset, "an int (or a list of them) for an attribute"),
+                ("divisors", _is_size, "a positive int (or a list of them) for an attribute")):
+            _check_per_attribute(entry, config, key, attributes, is_value, what)
         return cls(**{**config, "operation": operation})
+
+
+def _check_per_attribute(entry, config, key, attributes, is_value, what):
+    """Refuse a saved `config[key]` that is not a mapping from one of
+    `attributes` to a value (or a list of values) `is_value` accepts."""
+    values = config.get(key) or {}
+    if not isinstance(values, dict):
+        saved_values.refuse(entry, key, "a mapping", values)
+    for name, value in values.items():
+        if name not in attributes or not (
+                is_value(value) or (isinstance(value, list) and all(is_value(v) for v in value))):
+            saved_values.refuse(entry, f"{key}.{name}", what, value)
 
 
 def _is_size(value):
