@@ -96,11 +96,30 @@ def _first_dataset_element(dataset):
             "The dataset is not batched: call `.batch(batch_size)` on it "
             "before converting (the first element must be a whole batch)."
         )
-    for element in dataset.take(1):
+    for element in without_autotuning(dataset.take(1)):
         if batched is None:
             _check_batch_rank(element)
         return element
     raise InputDataError("The dataset is empty: it has no first batch.")
+
+
+def without_autotuning(dataset):
+    """`dataset` with tf.data's autotuning off, for a peek at one batch.
+
+    An autotuned iterator runs a tuning thread from its first element; when
+    the iterator is deleted, TensorFlow (to at least 2.21) can wait for that
+    thread's current sleep to end, which grows to a minute as the iterator
+    ages. A one-batch peek gains nothing from tuning, so it has no thread to
+    wait for. The elements are the same.
+
+    Example:
+        >>> peek = without_autotuning(tf.data.Dataset.range(4).batch(2).take(1))
+        >>> peek.options().autotune.enabled
+        False
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 def _first_distributed_element(dataset):

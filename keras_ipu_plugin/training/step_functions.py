@@ -16,12 +16,14 @@ Example:
 """
 
 import contextlib
+import weakref
 
 import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.frontend.inputs import without_autotuning
 from keras_ipu_plugin.training.calls import CallArguments
 from keras_ipu_plugin.training.dynamic import NeedsExtension
 from keras_ipu_plugin.training.dynamic import NewVariablesError
@@ -45,7 +47,7 @@ class StepFunction:
         self.runtime = runtime
         self.step = step
         self.function = None
-        self._iterator = None
+        self._last_iterator = _no_iterator
 
     @property
     def calls_self_on_x(self):
@@ -55,7 +57,7 @@ class StepFunction:
         runtime = self.runtime
         if self.function is None:
             data = _next(iterator)
-            self._iterator = iterator
+            self._last_iterator = _weak(iterator)
             if self.calls_self_on_x:
                 runtime.convert(_first_x(runtime.owner, data))
             elif not runtime.owner.run_eagerly:
@@ -65,8 +67,8 @@ class StepFunction:
             if runtime.owner.run_eagerly:
                 return self._run([data])
             return self._run(_first_batch_as_iterated(iterator, data))
-        if iterator is not self._iterator:  # a new epoch: a new iterator
-            self._iterator = iterator
+        if iterator is not self._last_iterator():  # a new epoch: a new iterator
+            self._last_iterator = _weak(iterator)
             if runtime.structure_changed():
                 if not runtime.rebuild_on_new_variables:
                     # Training on would run the old graph: the switched
@@ -292,7 +294,25 @@ def _first_batch_as_iterated(iterator, data):
         )
 
     single = tf.data.Dataset.from_tensors((data,)).map(as_iterated)
-    return iter(single)
+    return iter(without_autotuning(single))
+
+
+def _no_iterator():
+    return None
+
+
+def _weak(iterator):
+    """A callable giving `iterator` back while it lives.
+
+    The step function only compares the iterator `fit` hands it with the
+    last one; holding it would keep the epoch's iterator (and its tf.data
+    threads) alive as long as the model, to be deleted by Python's cyclic
+    collector at some later, unrelated moment.
+    """
+    try:
+        return weakref.ref(iterator)
+    except TypeError:  # a list of batches (an eager step): nothing to free
+        return lambda: iterator
 
 
 def _first_x(model, data):

@@ -700,10 +700,19 @@ def twin(subject):
 
 
 def training_data(subject):
-    """`STEPS` batches as a dataset, as the Keras examples feed `fit`."""
+    """`STEPS` batches as a dataset, as the Keras examples feed `fit`.
+
+    Without tf.data's autotuning: each iterator of an autotuned dataset runs
+    a tuning thread, and deleting the iterator (Keras's epoch iterators are
+    left in reference cycles) can wait for that thread's sleep, up to a
+    minute, inside an unrelated later test: that was a third of the suite's
+    time. The batches are the same.
+    """
     x, y = subject.data(subject.batch * STEPS)
     elements = x if y is None else (x, y)
-    return tf.data.Dataset.from_tensor_slices(elements).batch(subject.batch)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.from_tensor_slices(elements).batch(subject.batch).with_options(options)
 
 
 class _StepLogs(keras.callbacks.Callback):
