@@ -39,6 +39,9 @@ tf.config.set_logical_device_configuration(
 )
 
 
+_last_collection = [time.monotonic()]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _collect_after_each_module():
     """Free each module's reference cycles when it ends.
@@ -55,9 +58,6 @@ def _collect_after_each_module():
     if time.monotonic() - _last_collection[0] > 20:
         gc.collect()
         _last_collection[0] = time.monotonic()
-
-
-_last_collection = [time.monotonic()]
 
 
 @pytest.fixture(autouse=True)

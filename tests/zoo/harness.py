@@ -66,6 +66,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
+from keras_ipu_plugin.frontend.inputs import without_autotuning
 
 SEED = 1234
 STEPS = 3
@@ -710,9 +711,7 @@ def training_data(subject):
     """
     x, y = subject.data(subject.batch * STEPS)
     elements = x if y is None else (x, y)
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return tf.data.Dataset.from_tensor_slices(elements).batch(subject.batch).with_options(options)
+    return without_autotuning(tf.data.Dataset.from_tensor_slices(elements).batch(subject.batch))
 
 
 class _StepLogs(keras.callbacks.Callback):
