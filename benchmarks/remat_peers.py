@@ -40,9 +40,12 @@ one variant there, CPU time about 30%). The step peak depends on the order in
 which TensorFlow's threads run the step's ops, so it too moves (up to about
 10% under load).
 
-The goal (issue 24): kip-auto's step peak <= the best peer's (the peer
-with the smallest step peak among those within MAX_TIME x none's step time)
-at <= 1.05x that peer's step time, and <= MAX_TIME x none's step time.
+The goal (issue 24): kip-auto's step peak <= the best peer's at <= 1.05x
+that peer's step time, and <= MAX_TIME x none's step time. The best peer:
+of the peers holding less than no recomputation (a mode holding more is
+beaten by doing nothing), the smallest step peak among those within
+MAX_TIME x none's step time, or, when none is, the smallest step peak. It
+also prints any peer that holds as little as kip-auto at no more time.
 
     python benchmarks/remat_peers.py                    # all models, 3 rounds
     python benchmarks/remat_peers.py mlp --rounds 1 --variants keras-larger_than kip-auto
@@ -361,23 +364,38 @@ def report(model_name, results, clock="step_s"):
     auto = results.get("kip-auto")
     if not auto or "error" in auto or "error" in base:
         return
-    peers = {name: r for name, r in results.items()
-             if name in PEERS and "error" not in r and r[clock] <= MAX_TIME * base[clock]}
-    if not peers:
-        print("no peer runs within the time limit")
+    # A peer is a plan that recomputes to save memory: one that holds as
+    # much as no recomputation or more (`RematScope("activations")` on the
+    # gallery model: 1.10x) loses to doing nothing, and is no anchor for
+    # memory. Among those, the least step peak within MAX_TIME x none's
+    # time; when no peer saving memory runs within it, the least step peak
+    # of those saving memory at any time.
+    saving = {name: r for name, r in results.items()
+              if name in PEERS and "error" not in r and r["step_peak"] < base["step_peak"]}
+    if not saving:
+        print("no peer holds less than no recomputation")
         return
+    peers = {name: r for name, r in saving.items() if r[clock] <= MAX_TIME * base[clock]}
+    rule = f"least step peak within {MAX_TIME}x none's {CLOCKS[clock]}"
+    if not peers:
+        peers, rule = saving, f"none within {MAX_TIME}x none's {CLOCKS[clock]}: least step peak"
     best_name = min(peers, key=lambda name: peers[name]["step_peak"])
     best = peers[best_name]
     memory = auto["step_peak"] <= best["step_peak"]
     step = auto[clock] <= TIME_SLACK * best[clock]
     within = auto[clock] <= MAX_TIME * base[clock]
-    print(f"best peer (least step peak within {MAX_TIME}x none's {CLOCKS[clock]}): {best_name} "
+    print(f"best peer (of those holding less than none, {rule}): {best_name} "
           f"{best['step_peak'] / mib:.1f} MiB at {best[clock] / base[clock]:.2f}x")
     print(f"goal kip-auto step peak <= {best_name}'s: {'met' if memory else 'NOT met'} "
           f"({auto['step_peak'] / best['step_peak']:.2f}x); step time <= {TIME_SLACK}x its: "
           f"{'met' if step else 'NOT met'} ({auto[clock] / best[clock]:.2f}x); <= "
           f"{MAX_TIME}x none: {'met' if within else 'NOT met'} "
           f"({auto[clock] / base[clock]:.2f}x)")
+    dominating = [name for name, r in results.items() if name in PEERS and "error" not in r
+                  and r["step_peak"] <= auto["step_peak"] and r[clock] <= auto[clock]]
+    print("no peer holds as little as kip-auto at equal or lower step time" if not dominating
+          else f"  holding as little as kip-auto at equal or lower step time: "
+               f"{', '.join(dominating)}")
     slower = {name: r for name, r in results.items() if name in PEERS and "error" not in r
               and name not in peers and r["step_peak"] < auto["step_peak"]}
     for name, r in slower.items():

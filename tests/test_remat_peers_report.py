@@ -49,3 +49,32 @@ def test_rounds_are_summarised_by_their_medians(remat_peers):
     summary = remat_peers.summarise(runs + [{"error": "failed once"}])
     assert (summary["step_peak"], summary["step_s"], summary["step_cpu_s"]) == (2, 1.0, 0.5)
     assert summary["rounds"] == 3
+
+
+def test_a_peer_holding_more_than_no_recomputation_is_not_the_best_peer(remat_peers, capsys):
+    """`RematScope("activations")` on the gallery model held 1.10x none at
+    1.10x its time: the only Keras mode within the time limit, but beaten by
+    doing nothing. The best peer is then the least-holding plan that saves
+    memory, whatever its time."""
+    mib = 2 ** 20
+    results = {
+        "none": {"step_peak": 100 * mib, "step_s": 1.0, "step_cpu_s": 1.0, "plan": None},
+        "keras-activations": {"step_peak": 110 * mib, "step_s": 1.1, "step_cpu_s": 1.1,
+                              "plan": None},
+        "kip-hand": {"step_peak": 40 * mib, "step_s": 1.4, "step_cpu_s": 1.4, "plan": None},
+        "kip-auto": {"step_peak": 35 * mib, "step_s": 1.3, "step_cpu_s": 1.3, "plan": None},
+    }
+    remat_peers.report("gallery", results)
+    out = capsys.readouterr().out
+    assert "none within 1.35x none's wall-clock step time: least step peak): kip-hand" in out
+    assert "step time <= 1.05x its: met (0.93x)" in out
+    assert "no peer holds as little as kip-auto at equal or lower step time" in out
+
+
+def test_a_peer_holding_less_at_no_more_time_is_named(remat_peers, capsys):
+    results = _results()
+    results["kip-hand"] = {**results["kip-hand"], "step_peak": 20 * 2 ** 20}
+    remat_peers.report("mlp", results)
+    out = capsys.readouterr().out
+    assert "step peak <= kip-hand's: NOT met" in out
+    assert "holding as little as kip-auto at equal or lower step time: kip-hand" in out
