@@ -11,9 +11,9 @@ and both schedules ("gpipe", "1f1b"):
   embedding and 2 blocks in stage 0, 2 blocks and the head in stage 1.
   At batch 32 a microbatch of M = 4 is 8 sequences: its ops are so small
   that their dispatch (and the gRPC copies of the proxy) costs as much as
-  their arithmetic, and M = 4 measured 1.06x M = 1 (CPU time per step up
-  10 %); at 128 the same model pipelines as the MLP does. Both are in the
-  README.
+  their arithmetic, and M = 4 measured 1.01-1.06x M = 1 (CPU time per
+  step up 14-20 %); at 128 M = 4 spends less CPU than M = 1 and ran at
+  1.33-1.42x. Both are in the README.
 
 Devices (`--proxy`, on the CPU):
 
