@@ -132,8 +132,7 @@ def _free_port():
 
 
 # -- models --------------------------------------------------------------------------
-def _setup(model_name, keras, np, steps):
-    text_batch = int(os.environ.get("KIP_BENCH_TEXT_BATCH", TEXT_BATCH))
+def _setup(model_name, keras, np, steps, text_batch):
     rng = np.random.default_rng(0)
     if model_name == "mlp":
         class DeepMLP(keras.Model):
@@ -167,7 +166,7 @@ def _setup(model_name, keras, np, steps):
             text_batch)
 
 
-def _fitted(model_name, count, schedule, devices, steps):
+def _fitted(model_name, count, schedule, devices, steps, text_batch):
     """A PluginModel for one configuration, traced and warmed up, and its
     data: `(model, x, y, batch)`."""
     import keras
@@ -176,7 +175,7 @@ def _fitted(model_name, count, schedule, devices, steps):
     import keras_ipu_plugin as kip
 
     keras.utils.set_random_seed(0)
-    build, stages, x, y, loss, batch = _setup(model_name, keras, np, steps)
+    build, stages, x, y, loss, batch = _setup(model_name, keras, np, steps, text_batch)
     passes = [kip.passes.PipelineStages(stages, microbatches=count, devices=devices,
                                         schedule=schedule)]
     model = kip.PluginModel(build(), passes=passes, verify=False)
@@ -209,14 +208,15 @@ def _weights_on(devices, servers):
 
 
 # -- children ------------------------------------------------------------------------
-def timing_child(model_name, configs, steps, rounds, proxy, gpu):
+def timing_child(model_name, configs, steps, rounds, proxy, gpu, text_batch):
     import keras
 
     devices, servers = configure(proxy, gpu)
     runs = {}
     with _weights_on(devices, servers):
         for count, schedule in configs:
-            runs[(count, schedule)] = _fitted(model_name, count, schedule, devices, steps)
+            runs[(count, schedule)] = _fitted(model_name, count, schedule, devices, steps,
+                                              text_batch)
         results = {key: [] for key in runs}
         loads = []
         for _ in range(rounds):
@@ -232,12 +232,12 @@ def timing_child(model_name, configs, steps, rounds, proxy, gpu):
                       "results": [[list(key), r] for key, r in results.items()]}))
 
 
-def memory_child(model_name, count, schedule, steps, gpu):
+def memory_child(model_name, count, schedule, steps, gpu, text_batch):
     import keras
     import tensorflow as tf
 
     devices, _ = configure("logical", gpu)
-    model, x, y, batch = _fitted(model_name, count, schedule, devices, steps)
+    model, x, y, batch = _fitted(model_name, count, schedule, devices, steps, text_batch)
     memory_device = devices[0].lstrip("/")
     held = tf.config.experimental.get_memory_info(memory_device)["current"]
     tf.config.experimental.reset_memory_stats(memory_device)
@@ -249,7 +249,7 @@ def memory_child(model_name, count, schedule, steps, gpu):
 PASS = re.compile(r"(?:^|/)(F|B)(\d+)_(\d+)(?:_\d+)?/")
 
 
-def trace_child(model_name, count, schedule, proxy, gpu):
+def trace_child(model_name, count, schedule, proxy, gpu, text_batch):
     """Profile one step; print each stage's op time and the time both
     stages run ops at once (ops of a pass: those in its name scope; a
     backward op is named after its forward op, under `gradient_tape/`)."""
@@ -260,7 +260,7 @@ def trace_child(model_name, count, schedule, proxy, gpu):
 
     devices, servers = configure(proxy, gpu)
     with _weights_on(devices, servers):
-        model, x, y, batch = _fitted(model_name, count, schedule, devices, 1)
+        model, x, y, batch = _fitted(model_name, count, schedule, devices, 1, text_batch)
         with tempfile.TemporaryDirectory() as logdir:
             tf.profiler.experimental.start(logdir)
             model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
@@ -337,14 +337,13 @@ def _child(args, extra_env=None):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def report(model_name, timing, memory, proxy, gpu, steps):
+def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
     mib = 2 ** 20
     results = {tuple(key): rounds for key, rounds in timing["results"]}
     base = results[(1, "gpipe")]
     where = "two GPUs" if gpu else PROXIES[proxy]
-    size = (f"batch {MLP_BATCH}" if model_name == "mlp"
-            else f"batch {os.environ['KIP_BENCH_TEXT_BATCH']}")
-    print(f"\n== {model_name} ({size}): {STAGE_COUNT} stages on {where} ==")
+    batch = MLP_BATCH if model_name == "mlp" else text_batch
+    print(f"\n== {model_name} (batch {batch}): {STAGE_COUNT} stages on {where} ==")
     print(f"devices {timing['devices']}; {len(base)} rounds of {steps} steps, every "
           f"configuration in each round; load average (1 min) at each round: "
           f"{', '.join(f'{load:.2f}' for load in timing['loads'])} on {os.cpu_count()} CPUs")
@@ -403,17 +402,19 @@ def main(argv=None):
     parser.add_argument("--memory-child", nargs=3, metavar=("MODEL", "M", "SCHEDULE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    os.environ["KIP_BENCH_TEXT_BATCH"] = str(args.text_batch)  # read by `_setup`
     if args.trace:
         model_name, count, schedule = args.trace
-        return trace_child(model_name, int(count), schedule, args.proxy, args.gpu)
+        return trace_child(model_name, int(count), schedule, args.proxy, args.gpu,
+                           args.text_batch)
     if args.timing_child:
         model_name, configs = args.timing_child
         configs = [(int(c), s) for c, s in (item.split(":") for item in configs.split(","))]
-        return timing_child(model_name, configs, args.steps, args.rounds, args.proxy, args.gpu)
+        return timing_child(model_name, configs, args.steps, args.rounds, args.proxy, args.gpu,
+                            args.text_batch)
     if args.memory_child:
         model_name, count, schedule = args.memory_child
-        return memory_child(model_name, int(count), schedule, args.steps, args.gpu)
+        return memory_child(model_name, int(count), schedule, args.steps, args.gpu,
+                            args.text_batch)
     counts = sorted(set(args.counts) | {1})
     configs = [(c, s) for c in counts for s in (("gpipe",) if c == 1 else SCHEDULES)]
     flags = (["--steps", str(args.steps), "--proxy", args.proxy,
@@ -425,7 +426,7 @@ def main(argv=None):
         memory = {} if args.no_memory else {
             (c, s): _child(["--memory-child", model_name, str(c), s] + flags)
             for c, s in configs if c in (1, 4, 8)}
-        report(model_name, timing, memory, args.proxy, args.gpu, args.steps)
+        report(model_name, timing, memory, args.proxy, args.gpu, args.steps, args.text_batch)
 
 
 if __name__ == "__main__":
