@@ -868,3 +868,16 @@ def test_node_bookkeeping_kept_on_success_also_inside_an_except_clause():
             layer(inputs)
             raise KeyboardInterrupt
     assert len(layer._inbound_nodes) == 1
+
+
+def test_plain_attribute_filter_learns_types_not_values():
+    # The fast filter remembers types none of whose values is plain; a tuple
+    # of objects must not make a later tuple of numbers count as not plain.
+    from keras_ipu_plugin.frontend import state as state_lib
+
+    assert not state_lib._is_plain((object(),))
+    assert not state_lib._is_plain([1])
+    assert tuple not in state_lib._NOT_PLAIN_TYPES
+    assert list in state_lib._NOT_PLAIN_TYPES
+    assert state_lib._is_plain((1, "a", None))
+    assert state_lib._is_plain(np.float32(1.0))

@@ -269,7 +269,11 @@ class _PlainAttributes:
         self.layer = layer
         current = vars(layer)
         self.names = set(current)
-        self.values = {name: value for name, value in current.items() if _is_users(name, value)}
+        # Most attributes are Keras's lists and objects: a set lookup turns
+        # them away (this runs for every attribute of every user layer).
+        not_plain = _NOT_PLAIN_TYPES
+        self.values = {name: value for name, value in current.items()
+                       if type(value) not in not_plain and _is_users(name, value)}
 
     def restore(self):
         current = vars(self.layer)
@@ -290,13 +294,22 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _PLAIN_TYPES = frozenset(_PLAIN[:-1])  # exactly these types: a set lookup
 
 
+#: Types none of whose values is plain (learnt by `_is_plain`): every type
+#: but the plain ones and the tuples and frozensets, whose plainness
+#: depends on their items.
+_NOT_PLAIN_TYPES = set()
+
+
 def _is_plain(value):
     kind = type(value)
     if kind in _PLAIN_TYPES:
         return True
     if isinstance(value, (tuple, frozenset)):
         return all(_is_plain(item) for item in value)
-    return isinstance(value, _PLAIN)
+    if isinstance(value, _PLAIN):
+        return True
+    _NOT_PLAIN_TYPES.add(kind)
+    return False
 
 
 def _is_user_class(layer):

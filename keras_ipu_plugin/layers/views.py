@@ -65,7 +65,9 @@ def layer_view(layer, view_class, memo=None, traced_call=user_call):
             _HOLDS_NO_LAYER.add(kind)
         return value
 
-    state = {name: views_in(value) for name, value in vars(layer).items()}
+    holds_no_layer = _HOLDS_NO_LAYER
+    state = {name: value if type(value) in holds_no_layer else views_in(value)
+             for name, value in vars(layer).items()}
     state[_VIEWED] = layer
     object.__setattr__(view, "__dict__", state)
     return view
