@@ -337,6 +337,13 @@ def _child(args, extra_env=None):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def measured_bubble(speedup, stages=None):
+    """The fraction of the devices' time idle: 1 - T(1) / (S * T(M)), where
+    `speedup` is T(1) / T(M) (M = 1 runs the stages one after the other, so
+    its step is the work of all of them)."""
+    return 1 - speedup / (stages or STAGE_COUNT)
+
+
 def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
     mib = 2 ** 20
     results = {tuple(key): rounds for key, rounds in timing["results"]}
@@ -361,7 +368,7 @@ def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
         speedup = statistics.median(b["step_s"] / r["step_s"] for b, r in zip(base, rounds))
         speedups[(count, schedule)] = speedup
         ideal = STAGE_COUNT * count / (count + STAGE_COUNT - 1)
-        bubble = 1 - 1 / (STAGE_COUNT * speedup)
+        bubble = measured_bubble(speedup)
         bound = (STAGE_COUNT - 1) / (count + STAGE_COUNT - 1)
         label = "both" if count == 1 else schedule
         peak = memory.get((count, schedule))
