@@ -2,20 +2,14 @@
 1 - T(1) / (S * T(M)) (benchmarks/pipeline_throughput.py): it printed
 1 - 1 / (S * speedup), which is right only at M = 1."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_throughput.py"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def pipeline_throughput():
-    spec = importlib.util.spec_from_file_location("pipeline_throughput", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("pipeline_throughput")
 
 
 def test_the_bubble_is_the_idle_fraction_of_the_stages(pipeline_throughput):

@@ -1,20 +1,14 @@
 """The remat peers benchmark's verdict compares the clock it is asked to:
 wall-clock step time or the process's CPU time (benchmarks/remat_peers.py)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "remat_peers.py"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def remat_peers():
-    spec = importlib.util.spec_from_file_location("remat_peers", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("remat_peers")
 
 
 def _results():
