@@ -337,11 +337,11 @@ def _child(args, extra_env=None):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measured_bubble(speedup, stages=None):
+def measured_bubble(speedup, stages=STAGE_COUNT):
     """The fraction of the devices' time idle: 1 - T(1) / (S * T(M)), where
     `speedup` is T(1) / T(M) (M = 1 runs the stages one after the other, so
     its step is the work of all of them)."""
-    return 1 - speedup / (stages or STAGE_COUNT)
+    return 1 - speedup / stages
 
 
 def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
