@@ -446,7 +446,7 @@ def _reaches(tensor, target):
         node, _ = _compat.producing_node(item)
         if node is None or _compat.is_input_node(node):
             continue
-        stack.extend(node.arguments.keras_tensors)
+        stack.extend(_compat.node_input_tensors(node))
     return False
 
 

@@ -48,13 +48,13 @@ Example:
 """
 
 import contextlib
-import inspect
 import warnings
 
 import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.microbatching import pipelines
 from keras_ipu_plugin.runtime.backends import get_backend
@@ -140,8 +140,7 @@ class PipelinedStep:
         self.microbatches, self.devices, self.schedule = settings
         self.needs_conversion = needs_conversion
         self._staged = {}  # id(converted model) -> (model, StagedModel)
-        call = type(runtime.subject).call
-        self.training = True if "training" in inspect.signature(call).parameters else None
+        self.training = True if takes_training(type(runtime.subject).call) else None
 
     def staged(self, model):
         kept = self._staged.get(id(model))
