@@ -1,6 +1,9 @@
 """The `Tracer`'s hooks: one rule for where tracing stops, one probe for
 `training`, overridable by subclassing (as torch.fx's `Tracer.is_leaf_module`)."""
 
+import ast
+from pathlib import Path
+
 import keras
 import numpy as np
 from keras import layers
@@ -159,3 +162,23 @@ def test_the_one_probe_for_training():
     assert not user_code.takes_training(Forwards())
     assert user_code.takes_keyword(Forwards().call, "training")
     assert DEFAULT_TRACER.takes_training(layers.Dropout(0.1))
+
+
+def _signature_training_probes(source):
+    """Lines of `source` asking `"training" in <...>.parameters`: a probe of
+    a signature for `training` written again instead of `takes_training`."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
+            and node.left.value == "training" and isinstance(node.ops[0], ast.In)
+            and isinstance(node.comparators[0], ast.Attribute)
+            and node.comparators[0].attr == "parameters"]
+
+
+def test_no_module_probes_a_signature_for_training_but_the_one_probe():
+    package = Path(kip.__file__).parent
+    found = {str(path.relative_to(package)): _signature_training_probes(path.read_text())
+             for path in package.rglob("*.py") if path.name != "user_code.py"}
+    assert {path: lines for path, lines in found.items() if lines} == {}
+    # The check sees the probe it is there to catch.
+    planted = 'self.training = "training" in inspect.signature(call).parameters'
+    assert _signature_training_probes(planted) == [1]
