@@ -46,8 +46,9 @@ benchmarks/recompute_memory.py does; the same graph as the workers run): the
 step peak is what the steps added over what the allocator held before them.
 
 `--trace MODEL M SCHEDULE`: one profiled step (tf.profiler; the allocator as
-the timed children's), its ops grouped by pass (the step names them `F<stage>_<m>`, `B<stage>_<m>`), each stage's
-time running ops, and the time both stages run ops at once.
+the timed children's), its ops grouped by pass (the step names them
+`F<stage>_<m>`, `B<stage>_<m>`), each stage's time running ops, and the time
+both stages run ops at once.
 
 Goals (issue 25): M = 4 at least 1.3x the throughput of M = 1; the 1F1B
 peak below GPipe's at M = 8.
