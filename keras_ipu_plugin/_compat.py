@@ -249,11 +249,36 @@ def standardize_inputs(model, inputs):
     return model._standardize_inputs(inputs)
 
 
-def make_step_function(model, step_function):
+def make_step_function(model, step_function, jit_compile=None):
     """Keras's own train/test function maker (`TensorFlowTrainer._make_function`)
     around `step_function`: distribution, `jit_compile`, `steps_per_execution`
-    and `run_eagerly` behave exactly as in `fit` / `evaluate`."""
-    return model._make_function(step_function)
+    and `run_eagerly` behave exactly as in `fit` / `evaluate`.
+
+    `jit_compile`: XLA or not for this function where it differs from the
+    model's compiled setting (None: the model's). The model is not changed:
+    Keras's maker reads the setting from a view of it."""
+    if jit_compile is None or bool(jit_compile) == bool(model.jit_compile):
+        return model._make_function(step_function)
+    return type(model)._make_function(_JitCompileView(model, bool(jit_compile)), step_function)
+
+
+class _JitCompileView:
+    """`model` as Keras's function maker reads it, but for `jit_compile`:
+    every other attribute is the model's, read when the function reads it
+    (`steps_per_execution` at each call, as on the model)."""
+
+    def __init__(self, model, jit_compile):
+        self.__dict__["_model"] = model
+        self.__dict__["jit_compile"] = jit_compile
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_model"], name)
+
+
+def auto_jit_compile(model):
+    """What Keras's `compile(jit_compile="auto")` resolves to for `model` on
+    this machine (XLA where there is a GPU and no distribution strategy)."""
+    return bool(model._resolve_auto_jit_compile())
 
 
 # -- optimizer state (no public API extends a built optimizer) ----------------

@@ -385,6 +385,83 @@ def test_report_says_gradient_accumulation_without_devices():
     assert "gradient accumulation" in str(model.kip_report)
 
 
+# -- XLA -------------------------------------------------------------------------------
+
+def _fitted_step(passes, jit="auto", entry="model"):
+    """`(the runtime, its pipelined step)` after one epoch through `entry`."""
+    x, y = _data(16)
+    if entry == "model":
+        model = kip.PluginModel(Tower(), passes=passes)
+        _compile(model, jit)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        runtime = model._kip_runtime
+    else:
+        model = Tower()
+        _compile(model, jit)
+        callback = kip.PluginCallback(passes=passes)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback])
+        runtime = model.train_function.runtime
+    return runtime, pipelined_train_step(runtime, keras.Model.train_step, NeedsConversion)
+
+
+def test_auto_jit_compile_leaves_stages_on_several_devices_in_graph_mode(monkeypatch):
+    # Keras's jit_compile="auto" picks XLA wherever there is a GPU, and XLA
+    # compiles the step into one cluster on one device: on a GPU machine the
+    # stages would silently share one. This machine has none, so what auto
+    # resolves to is made that of a GPU machine.
+    from keras_ipu_plugin import _compat
+
+    runtime, step = _fitted_step([_pipelined()])
+    assert runtime.jit_compile_asked == "auto"
+    assert step.jit_compile(compiled=True, asked="auto") is False
+    assert "train step in graph mode" in str(runtime.converted.kip_report)
+    # Not seen (PluginCallback, kip.scope): a True that auto gives too is auto ...
+    monkeypatch.setattr(_compat, "auto_jit_compile", lambda model: True)
+    assert step.jit_compile(compiled=True, asked=None) is False
+    # ... and one auto would not give was asked for: kept, with a warning.
+    monkeypatch.setattr(_compat, "auto_jit_compile", lambda model: False)
+    with pytest.warns(UserWarning, match=r"will not run on /CPU:0, /CPU:1"):
+        assert step.jit_compile(compiled=True, asked=None) is True
+    assert step.jit_compile(compiled=False, asked="auto") is False
+
+
+def test_explicit_jit_compile_is_kept_with_a_warning():
+    with pytest.warns(UserWarning, match="jit_compile=True. XLA compiles the train step"):
+        runtime, step = _fitted_step([_pipelined()], jit=True)
+    assert runtime.jit_compile_asked is True
+    assert "train step under XLA" in str(runtime.converted.kip_report)
+    with pytest.warns(UserWarning, match="jit_compile=True"):
+        assert step.jit_compile(compiled=True, asked=None) is True  # on a CPU-only machine
+
+
+def test_stages_on_one_device_keep_xla_without_a_word():
+    runtime, step = _fitted_step([PipelineStages(STAGES, microbatches=4, devices=["/CPU:0"])],
+                                 jit=True, entry="callback")
+    assert runtime.jit_compile_asked is None
+    assert step.jit_compile(compiled=True, asked=None) is True
+    assert "XLA" not in str(runtime.converted.kip_report)
+
+
+def test_the_step_function_can_differ_from_the_model_in_jit_compile():
+    # A numpy_function cannot be compiled by XLA: the function made with
+    # jit_compile=False runs it although the model is compiled with XLA, and
+    # the model keeps its setting.
+    from keras_ipu_plugin import _compat
+
+    model = Tower()
+    _compile(model, jit=True)
+
+    def step(data):
+        return tf.numpy_function(lambda a: a * 2, [data], tf.float32)
+
+    data = tf.data.Dataset.from_tensors(tf.ones([2])).repeat()
+    graph = _compat.make_step_function(model, step, jit_compile=False)
+    np.testing.assert_allclose(graph(iter(data)), [2.0, 2.0])
+    assert model.jit_compile is True
+    with pytest.raises(Exception, match="numpy_function|PyFunc|unsupported"):
+        _compat.make_step_function(model, step)(iter(data))
+
+
 def test_settings_round_trip_through_configs():
     stages = _pipelined("1f1b", microbatches=8)
     again = PipelineStages.from_config(stages.get_config())

@@ -254,6 +254,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         """
         wrapped = self.wrapped
         before = dict(vars(self))
+        self._kip_runtime.jit_compile_asked = _asked_jit_compile(wrapped, args, kwargs)
         if type(wrapped).compile is keras.Model.compile:
             super().compile(*args, **kwargs)
         else:
@@ -435,6 +436,19 @@ def _set_by_library_code():
             return module.split(".")[0] in LIBRARY_PACKAGES
         frame = frame.f_back
     return False
+
+
+def _asked_jit_compile(wrapped, args, kwargs):
+    """What a `compile(*args, **kwargs)` call asks for jit_compile: "auto",
+    True or False; None where it cannot be told (a model's own `compile`,
+    which may set it itself, not given it by keyword)."""
+    if type(wrapped).compile is keras.Model.compile:
+        try:
+            bound = inspect.signature(keras.Model.compile).bind(wrapped, *args, **kwargs)
+        except TypeError:
+            return None  # Keras raises its own error for the call
+        return bound.arguments.get("jit_compile", "auto")
+    return kwargs.get("jit_compile")
 
 
 def _zeros(shape):

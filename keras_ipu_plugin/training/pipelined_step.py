@@ -28,7 +28,10 @@ microbatch m - (S - s), so at most S - s microbatches' activations are
 alive on stage s. In graph mode TensorFlow's executor runs independent ops
 on different devices at once, which is where stages overlap. Under XLA
 (`jit_compile=True`) the step compiles to one cluster on one device: the
-results are the same, the placement and overlap are not.
+results are the same, the placement and overlap are not (a warning says
+so). Keras's `jit_compile="auto"` would pick XLA wherever there is a GPU:
+for stages on several devices the step runs in graph mode instead
+(`PipelinedStep.jit_compile`).
 
 Equal to the unpipelined step (up to float rounding) for losses that are
 means over the batch (Keras's default reduction), with sample and class
@@ -57,6 +60,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.microbatching import pipelines
+from keras_ipu_plugin.report import Entry
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.pipeline import StagedModel
 from keras_ipu_plugin.runtime.pipeline import stage_devices
@@ -141,6 +145,52 @@ class PipelinedStep:
         self.needs_conversion = needs_conversion
         self._staged = {}  # id(converted model) -> (model, StagedModel)
         self.training = True if takes_training(type(runtime.subject).call) else None
+
+    def jit_compile(self, compiled, asked):
+        """Whether the step compiles with XLA: `compiled` is the model's
+        resolved `jit_compile`, `asked` what its compile was given ("auto",
+        True, False; None where the plugin did not see it).
+
+        XLA compiles the step into one cluster on one device, so stages on
+        several devices would neither be placed nor overlap. As Keras turns
+        `"auto"` off under a distribution strategy, the pipeline turns it
+        off where its stages span devices (Keras's auto picks XLA wherever
+        there is a GPU), and the report says so. XLA asked for explicitly
+        is kept (the same results), with a warning that the stages will
+        share one device. Unseen (PluginCallback, kip.scope), a True that
+        `"auto"` would give too counts as auto.
+
+        Example:
+            >>> step.jit_compile(compiled=True, asked="auto")   # stages on 2 GPUs
+            False
+        """
+        if not compiled:
+            return False
+        model = self.runtime.converted
+        if model is None:
+            return True
+        devices = stage_devices(self.devices, model.kip_stage_devices,
+                                self.staged(model).num_stages)
+        if len({device for device in devices if device}) < 2:
+            return True  # one device: XLA loses nothing
+        explicit = asked is True or (
+            asked is None and not _compat.auto_jit_compile(self.runtime.owner))
+        where = ", ".join(dict.fromkeys(device for device in devices if device))
+        if explicit:
+            warnings.warn(
+                f"PipelineStages(microbatches={self.microbatches}): model "
+                f"`{self.runtime.subject.name}` is compiled with jit_compile=True. XLA "
+                "compiles the train step into one cluster on one device, so its stages "
+                f"will not run on {where} nor overlap (the results are the same). Compile "
+                "with jit_compile=False to pipeline them.", stacklevel=2)
+            _report_once(model, "train step under XLA",
+                         f"jit_compile=True: one cluster on one device, the stages not "
+                         f"placed on {where}")
+            return True
+        _report_once(model, "train step in graph mode",
+                     f"jit_compile='auto' would compile it with XLA into one cluster on one "
+                     f"device; the stages run on {where}")
+        return False
 
     def staged(self, model):
         kept = self._staged.get(id(model))
@@ -516,6 +566,13 @@ def _crossings(staged):
     for i in produced_in:
         read_in.setdefault(i, last)
     return produced_in, read_in
+
+
+def _report_once(model, action, detail):
+    """Add a row to `model`'s report unless there (the step function is
+    made again at each rebuild)."""
+    if Entry("PipelineStages", model.name, action, detail) not in model.kip_report.entries:
+        model.kip_report.add("PipelineStages", model.name, action, detail)
 
 
 def _check_loss_reductions(proxy, count):

@@ -126,7 +126,9 @@ class StepFunction:
                 logs = tf.nest.map_structure(_with_leading_axis, logs)
             return logs
 
-        self.function = _compat.make_step_function(runtime.owner, run_step)
+        jit_compile = None if pipelined is None else pipelined.jit_compile(
+            runtime.owner.jit_compile, runtime.jit_compile_asked)
+        self.function = _compat.make_step_function(runtime.owner, run_step, jit_compile)
 
     def _run(self, source):
         runtime = self.runtime

@@ -104,6 +104,10 @@ class Runtime:
         # fit's `verbose` (set by PluginModel.fit and PluginCallback): a
         # conversion made while it is on prints one line per step it timed.
         self.verbose = 0
+        # What `compile` was given for jit_compile ("auto", True or False)
+        # where the plugin saw it (PluginModel.compile); None: not seen (the
+        # callback and kip.scope meet a model compiled already).
+        self.jit_compile_asked = None
         self.traces = 0  # Python runs of a step: traces, in graph mode
         self._known = set()
         self._fingerprint = None
