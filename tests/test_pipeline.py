@@ -341,6 +341,22 @@ def test_a_stage_adds_in_its_weight_gradients_before_its_next_backward(schedule)
             assert waiting, (s, m)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_sends_its_final_sums_after_its_last_hand_over(schedule):
+    # Stage 1's weight-gradient sums go to the variables' device (CPU:0 here)
+    # for the optimizer only once its last input gradient has reached stage
+    # 0, so that their copies do not delay that hand-over.
+    graph = _traced_step([_pipelined(schedule)])
+    held = [op for op in graph.get_operations()
+            if op.name.startswith("B1_3/sums_after_hand_over/") and op.type == "Identity"]
+    # block_2 and head: a kernel and a bias each (stage 0 hands nothing back).
+    assert len(held) == 4, [op.name for op in held]
+    for op in held:
+        assert [c.name for c in op.control_inputs] == ["B1_3/B1_3_to_0/Identity"]
+        assert op.device.endswith("CPU:1")
+    assert not [op for op in graph.get_operations() if "B0_3/sums_after" in op.name]
+
+
 # -- schedules -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stages,count", [(2, 4), (3, 8), (4, 2)])
