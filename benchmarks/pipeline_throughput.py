@@ -379,7 +379,7 @@ def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
     for schedule in SCHEDULES:
         if (4, schedule) in speedups:
             speedup = speedups[(4, schedule)]
-            print(f"goal {schedule} M=4 >= 1.3x the throughput of M=1: {speedup:.2f} "
+            print(f"goal {schedule} M=4 >= 1.3x the throughput of M=1: {speedup:.3f} "
                   f"({'met' if speedup >= 1.3 else 'NOT met'})")
     gpipe, one = memory.get((8, "gpipe")), memory.get((8, "1f1b"))
     if gpipe and one:
