@@ -61,6 +61,13 @@ class Report:
     def add(self, step, layer, action, detail=""):
         self.entries.append(Entry(step, layer, action, detail))
 
+    def add_once(self, step, layer, action, detail=""):
+        """`add`, unless the same row is there already (a row added each
+        time a step function is made, or a method is routed)."""
+        entry = Entry(step, layer, action, detail)
+        if entry not in self.entries:
+            self.entries.append(entry)
+
     def add_plan(self, plan):
         self.plans.append(plan)
 

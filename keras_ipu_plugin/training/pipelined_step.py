@@ -60,7 +60,6 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.passes.annotate import PipelineStages
 from keras_ipu_plugin.passes.microbatching import pipelines
-from keras_ipu_plugin.report import Entry
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.pipeline import StagedModel
 from keras_ipu_plugin.runtime.pipeline import stage_devices
@@ -168,9 +167,10 @@ class PipelinedStep:
             return False
         model = self.runtime.converted
         if model is None:
+            # Nothing converted yet: the trace stops to convert (NeedsConversion)
+            # and the function is made again, deciding then, before any step runs.
             return True
-        devices = stage_devices(self.devices, model.kip_stage_devices,
-                                self.staged(model).num_stages)
+        devices = self.stage_devices(model)
         if len({device for device in devices if device}) < 2:
             return True  # one device: XLA loses nothing
         explicit = asked is True or (
@@ -183,14 +183,21 @@ class PipelinedStep:
                 "compiles the train step into one cluster on one device, so its stages "
                 f"will not run on {where} nor overlap (the results are the same). Compile "
                 "with jit_compile=False to pipeline them.", stacklevel=2)
-            _report_once(model, "train step under XLA",
-                         f"jit_compile=True: one cluster on one device, the stages not "
-                         f"placed on {where}")
+            model.kip_report.add_once(
+                "PipelineStages", model.name, "train step under XLA",
+                f"jit_compile=True: one cluster on one device, the stages not placed on {where}")
             return True
-        _report_once(model, "train step in graph mode",
-                     f"jit_compile='auto' would compile it with XLA into one cluster on one "
-                     f"device; the stages run on {where}")
+        model.kip_report.add_once(
+            "PipelineStages", model.name, "train step in graph mode",
+            f"jit_compile='auto' would compile it with XLA into one cluster on one device; "
+            f"the stages run on {where}")
         return False
+
+    def stage_devices(self, model):
+        """The device of each stage of `model` (a converted model; None: the
+        current device)."""
+        return stage_devices(self.devices, model.kip_stage_devices,
+                             self.staged(model).num_stages)
 
     def staged(self, model):
         kept = self._staged.get(id(model))
@@ -223,7 +230,7 @@ class _Run:
         self.staged = owner.staged(model)
         self.count = owner.microbatches
         self.num_stages = self.staged.num_stages
-        self.devices = stage_devices(owner.devices, model.kip_stage_devices, self.num_stages)
+        self.devices = owner.stage_devices(model)
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.xs = microbatches.split(x, self.count, "x")
         self.ys = microbatches.split(y, self.count, "y")
@@ -585,13 +592,6 @@ def _crossings(staged):
     for i in produced_in:
         read_in.setdefault(i, last)
     return produced_in, read_in
-
-
-def _report_once(model, action, detail):
-    """Add a row to `model`'s report unless there (the step function is
-    made again at each rebuild)."""
-    if Entry("PipelineStages", model.name, action, detail) not in model.kip_report.entries:
-        model.kip_report.add("PipelineStages", model.name, action, detail)
 
 
 def _check_loss_reductions(proxy, count):

@@ -21,7 +21,6 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import IpuError
-from keras_ipu_plugin.report import Entry
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.ipu_backend import WHY_NO_KERAS_EXTENSIONS
@@ -121,10 +120,9 @@ class IpuRoute:
         self._compile_like(converted, owner)
         if method == "fit":
             self._set_gradient_accumulation(converted, owner)
-        entry = ("ipu", converted.name, f"{method} by Graphcore's Keras",
-                 "the converted model is trained; model.train_function is not used under IPUStrategy")
-        if Entry(*entry) not in converted.kip_report.entries:
-            converted.kip_report.add(*entry)
+        converted.kip_report.add_once(
+            "ipu", converted.name, f"{method} by Graphcore's Keras",
+            "the converted model is trained; model.train_function is not used under IPUStrategy")
         return getattr(converted, method)(*args, **kwargs)
 
     def _compile_like(self, converted, owner):
