@@ -45,6 +45,19 @@ on two logical CPU devices (`TF_CPU_ALLOCATOR_USE_BFC=true`, as
 benchmarks/recompute_memory.py does; the same graph as the workers run): the
 step peak is what the steps added over what the allocator held before them.
 
+Peers, what a Keras user would run instead, in the same run:
+
+- plain Keras (`model.fit`, no plugin) on ONE of the proxy's devices,
+  alternating with the pipelined configurations in the timing rounds: the
+  throughput a second device buys through the pipeline;
+- data parallelism, Keras's `tf.distribute.MirroredStrategy` over two
+  devices, in a process of its own (with `--gpu`, the two GPUs). On the
+  CPU it cannot use the `workers` proxy (MirroredStrategy refuses devices
+  of other tasks in eager mode: "In-graph multi-worker training ... is not
+  supported"), so it runs on two logical CPU devices sharing two threads:
+  the same two threads as the pipeline's two devices, its all-reduce in
+  memory where the pipeline's hand-overs cross gRPC. Its row says so.
+
 `--trace MODEL M SCHEDULE`: one profiled step (tf.profiler; the allocator as
 the timed children's), its ops grouped by pass (the step names them
 `F<stage>_<m>`, `B<stage>_<m>`), each stage's time running ops, and the time
@@ -81,6 +94,7 @@ WIDTH, DEPTH, MLP_BATCH = 1024, 8, 1024
 TEXT = dict(vocab=1000, length=64, dim=128, heads=4, classes=2, blocks=4)
 TEXT_BATCH = 128
 STAGE_COUNT = 2
+KERAS = (0, "keras")  # the timing child's key for Keras alone on one device
 PROXIES = {
     "workers": "two in-process TensorFlow servers, one thread each (a device runs one op "
                "at a time, as an accelerator's stream does; tensors between them over gRPC "
@@ -185,6 +199,33 @@ def _fitted(model_name, count, schedule, devices, steps, text_batch):
     return model, x, y, batch
 
 
+def _plain(model_name, steps, text_batch, strategy=None):
+    """The same model trained by Keras alone (no plugin), under `strategy`
+    when given, warmed up: `(model, x, y, batch)`."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    build, _, x, y, loss, batch = _setup(model_name, keras, np, steps, text_batch)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = build()
+        model.compile(optimizer="adam", loss=loss)
+    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=2, verbose=0)
+    return model, x, y, batch
+
+
+def _timed_round(keras, runs, results):
+    """One round: each of `runs` (key -> (model, x, y, batch)) fits one
+    epoch; its median step time and CPU time per step join `results`."""
+    for key, (model, x, y, batch) in runs.items():
+        times = _step_times(keras)
+        cpu = time.process_time()
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[times])
+        results[key].append({"step_s": statistics.median(times.times),
+                             "cpu_s": (time.process_time() - cpu) / len(times.times)})
+
+
 def _step_times(keras):
     class Times(keras.callbacks.Callback):
         def __init__(self):
@@ -218,19 +259,34 @@ def timing_child(model_name, configs, steps, rounds, proxy, gpu, text_batch):
         for count, schedule in configs:
             runs[(count, schedule)] = _fitted(model_name, count, schedule, devices, steps,
                                               text_batch)
+        # The peer: Keras alone, every op on the first device (made and run
+        # in this scope, as the pipeline's weights are).
+        runs[KERAS] = _plain(model_name, steps, text_batch)
         results = {key: [] for key in runs}
         loads = []
         for _ in range(rounds):
-            for key, (model, x, y, batch) in runs.items():
-                times = _step_times(keras)
-                cpu = time.process_time()
-                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                          callbacks=[times])
-                results[key].append({"step_s": statistics.median(times.times),
-                                     "cpu_s": (time.process_time() - cpu) / len(times.times)})
+            _timed_round(keras, runs, results)
             loads.append(os.getloadavg()[0])
     print(json.dumps({"devices": devices, "loads": loads,
+                      "keras": results.pop(KERAS),
                       "results": [[list(key), r] for key, r in results.items()]}))
+
+
+def peers_child(model_name, steps, rounds, gpu, text_batch):
+    """Keras's data parallelism (MirroredStrategy over two devices)
+    against Keras alone on one of them, alternating in rounds."""
+    import keras
+    import tensorflow as tf
+
+    devices, _ = configure("logical", gpu)
+    with tf.device(devices[0]):
+        runs = {"keras": _plain(model_name, steps, text_batch)}
+    runs["mirrored"] = _plain(model_name, steps, text_batch,
+                              tf.distribute.MirroredStrategy(devices))
+    results = {key: [] for key in runs}
+    for _ in range(rounds):
+        _timed_round(keras, runs, results)
+    print(json.dumps({"devices": devices, **results}))
 
 
 def memory_child(model_name, count, schedule, steps, gpu, text_batch):
@@ -345,7 +401,7 @@ def measured_bubble(speedup, stages=STAGE_COUNT):
     return 1 - speedup / stages
 
 
-def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
+def report(model_name, timing, memory, proxy, gpu, steps, text_batch, peers=None):
     mib = 2 ** 20
     results = {tuple(key): rounds for key, rounds in timing["results"]}
     base = results[(1, "gpipe")]
@@ -381,6 +437,7 @@ def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
             speedup = speedups[(4, schedule)]
             print(f"goal {schedule} M=4 >= 1.3x the throughput of M=1: {speedup:.3f} "
                   f"({'met' if speedup >= 1.3 else 'NOT met'})")
+    _report_peers(timing, peers, results, gpu)
     gpipe, one = memory.get((8, "gpipe")), memory.get((8, "1f1b"))
     if gpipe and one:
         print(f"goal 1F1B peak < GPipe peak at M=8: {one['step_peak'] / mib:.1f} vs "
@@ -391,6 +448,47 @@ def report(model_name, timing, memory, proxy, gpu, steps, text_batch):
     if max(timing["loads"]) > (os.cpu_count() or 1):
         print("(the machine was loaded by other jobs during the run: the step times, and "
               "most of all the overlap, depend on free cores)")
+
+
+def _report_peers(timing, peers, results, gpu):
+    """What a Keras user would run instead, against the pipeline: Keras
+    alone on one device (timed in the pipeline's rounds) and
+    MirroredStrategy over two devices (`peers`, its own process), and which
+    is fastest on two devices."""
+    keras_alone = timing.get("keras")
+    if not keras_alone:
+        return
+    median = statistics.median
+    print("peers (what a Keras user would run instead): step s, and throughput against Keras "
+          "alone on one device")
+    alone = median(r["step_s"] for r in keras_alone)
+    print(f"  {'Keras alone, one device of the same proxy':<58}{alone:>8.3f}{1.0:>7.2f}")
+    best = None
+    for (count, schedule), rounds in sorted(results.items()):
+        if count not in (1, 4):
+            continue
+        step = median(r["step_s"] for r in rounds)
+        ratio = median(k["step_s"] / r["step_s"] for k, r in zip(keras_alone, rounds))
+        label = f"kip pipeline, 2 devices, M={count}" + ("" if count == 1 else f", {schedule}")
+        print(f"  {label:<58}{step:>8.3f}{ratio:>7.2f}")
+        if count > 1 and (best is None or step < best[0]):
+            best = (step, f"the pipeline's M={count} {schedule}")
+    if not peers:
+        return
+    mirrored = median(r["step_s"] for r in peers["mirrored"])
+    its_alone = median(r["step_s"] for r in peers["keras"])
+    ratio = median(k["step_s"] / r["step_s"] for k, r in zip(peers["keras"], peers["mirrored"]))
+    print(f"  {'MirroredStrategy (data parallel), 2 devices':<58}{mirrored:>8.3f}{ratio:>7.2f}")
+    where = ("on the same two GPUs" if gpu else
+             "on two logical CPU devices sharing two threads (MirroredStrategy refuses the "
+             "workers proxy's devices)")
+    print(f"    (its own process, {where}; its ratio is against Keras alone on one of "
+          f"those devices, {its_alone:.3f} s a step{'' if gpu else ', which may run two ops at once on the two threads'})")
+    if best is not None:
+        runs = sorted([(mirrored, "MirroredStrategy"), best])
+        (fast, fast_name), (slow, slow_name) = runs
+        print(f"fastest on two devices: {fast_name}, {fast:.3f} s a step "
+              f"({slow / fast:.2f}x the throughput of {slow_name})")
 
 
 def main(argv=None):
@@ -409,6 +507,9 @@ def main(argv=None):
                         help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", nargs=3, metavar=("MODEL", "M", "SCHEDULE"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--peers-child", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--no-peers", action="store_true",
+                        help="leave out the MirroredStrategy run (Keras alone stays)")
     args = parser.parse_args(argv)
     if args.trace:
         # The allocator the timed children run with (TensorFlow reads it when
@@ -424,6 +525,8 @@ def main(argv=None):
         configs = [(int(c), s) for c, s in (item.split(":") for item in configs.split(","))]
         return timing_child(model_name, configs, args.steps, args.rounds, args.proxy, args.gpu,
                             args.text_batch)
+    if args.peers_child:
+        return peers_child(args.peers_child, args.steps, args.rounds, args.gpu, args.text_batch)
     if args.memory_child:
         model_name, count, schedule = args.memory_child
         return memory_child(model_name, int(count), schedule, args.steps, args.gpu,
@@ -439,7 +542,10 @@ def main(argv=None):
         memory = {} if args.no_memory else {
             (c, s): _child(["--memory-child", model_name, str(c), s] + flags)
             for c, s in configs if c in (1, 4, 8)}
-        report(model_name, timing, memory, args.proxy, args.gpu, args.steps, args.text_batch)
+        peers = None if args.no_peers else _child(
+            ["--peers-child", model_name, "--rounds", str(args.rounds)] + flags)
+        report(model_name, timing, memory, args.proxy, args.gpu, args.steps, args.text_batch,
+               peers)
 
 
 if __name__ == "__main__":

@@ -31,3 +31,42 @@ def test_the_report_prints_that_bubble(pipeline_throughput, capsys):
     speedup, ideal, bubble, bound = (float(field) for field in row.split()[4:8])
     assert (speedup, ideal, bound) == (1.5, 1.6, 0.2)
     assert bubble == pytest.approx(0.25)
+
+
+def _timing(keras_step):
+    one = [{"step_s": 0.6, "cpu_s": 0.7}] * 3
+    four = [{"step_s": 0.4, "cpu_s": 0.7}] * 3
+    return {"results": [[(1, "gpipe"), one], [(4, "gpipe"), four], [(4, "1f1b"), four]],
+            "devices": ["/cpu:0", "/cpu:1"], "loads": [1.0] * 3,
+            "keras": [{"step_s": keras_step, "cpu_s": 0.6}] * 3}
+
+
+def _peer_rows(capsys):
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("peers"))
+    return lines[start:]
+
+
+def test_the_report_sets_the_pipeline_against_keras_alone_and_data_parallelism(
+        pipeline_throughput, capsys):
+    peers = {"keras": [{"step_s": 0.5, "cpu_s": 0.6}] * 3,
+             "mirrored": [{"step_s": 0.25, "cpu_s": 0.6}] * 3}
+    pipeline_throughput.report("mlp", _timing(0.62), {}, "workers", False, 4, 128, peers)
+    rows = _peer_rows(capsys)
+    ratios = {line.split("  ")[1].strip(): float(line.split()[-1]) for line in rows
+              if line.startswith("  ") and not line.startswith("    ")}
+    assert ratios["Keras alone, one device of the same proxy"] == 1.0
+    assert ratios["kip pipeline, 2 devices, M=1"] == pytest.approx(0.62 / 0.6, abs=0.005)
+    assert ratios["kip pipeline, 2 devices, M=4, gpipe"] == pytest.approx(0.62 / 0.4, abs=0.005)
+    # MirroredStrategy's ratio is against Keras alone in its own process.
+    assert ratios["MirroredStrategy (data parallel), 2 devices"] == 2.0
+    assert rows[-1] == ("fastest on two devices: MirroredStrategy, 0.250 s a step "
+                        "(1.60x the throughput of the pipeline's M=4 1f1b)")
+
+
+def test_the_report_names_the_pipeline_where_it_is_the_fastest(pipeline_throughput, capsys):
+    peers = {"keras": [{"step_s": 0.5, "cpu_s": 0.6}] * 3,
+             "mirrored": [{"step_s": 0.48, "cpu_s": 0.6}] * 3}
+    pipeline_throughput.report("mlp", _timing(0.62), {}, "workers", False, 4, 128, peers)
+    assert _peer_rows(capsys)[-1] == ("fastest on two devices: the pipeline's M=4 1f1b, 0.400 s "
+                                      "a step (1.20x the throughput of MirroredStrategy)")
