@@ -64,6 +64,19 @@ def test_the_report_sets_the_pipeline_against_keras_alone_and_data_parallelism(
                         "(1.60x the throughput of the pipeline's M=4 1f1b)")
 
 
+def test_the_fastest_pipeline_is_its_fastest_configuration_of_any_count(
+        pipeline_throughput, capsys):
+    timing = _timing(0.62)
+    timing["results"].append([(8, "gpipe"), [{"step_s": 0.3, "cpu_s": 0.7}] * 3])
+    peers = {"keras": [{"step_s": 0.5, "cpu_s": 0.6}] * 3,
+             "mirrored": [{"step_s": 0.33, "cpu_s": 0.6}] * 3}
+    pipeline_throughput.report("mlp", timing, {}, "workers", False, 4, 128, peers)
+    rows = _peer_rows(capsys)
+    assert not any("M=8" in row for row in rows[:-1])  # the table shows M = 1 and 4
+    assert rows[-1] == ("fastest on two devices: the pipeline's M=8 gpipe, 0.300 s a step "
+                        "(1.10x the throughput of MirroredStrategy)")
+
+
 def test_the_report_names_the_pipeline_where_it_is_the_fastest(pipeline_throughput, capsys):
     peers = {"keras": [{"step_s": 0.5, "cpu_s": 0.6}] * 3,
              "mirrored": [{"step_s": 0.48, "cpu_s": 0.6}] * 3}
