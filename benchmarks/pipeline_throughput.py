@@ -479,11 +479,14 @@ def _report_peers(timing, peers, results, gpu):
     its_alone = median(r["step_s"] for r in peers["keras"])
     ratio = median(k["step_s"] / r["step_s"] for k, r in zip(peers["keras"], peers["mirrored"]))
     print(f"  {'MirroredStrategy (data parallel), 2 devices':<58}{mirrored:>8.3f}{ratio:>7.2f}")
-    where = ("on the same two GPUs" if gpu else
-             "on two logical CPU devices sharing two threads (MirroredStrategy refuses the "
-             "workers proxy's devices)")
+    if gpu:
+        where, alone_note = "on the same two GPUs", ""
+    else:
+        where = ("on two logical CPU devices sharing two threads (MirroredStrategy refuses the "
+                 "workers proxy's devices)")
+        alone_note = ", which may run two ops at once on the two threads"
     print(f"    (its own process, {where}; its ratio is against Keras alone on one of "
-          f"those devices, {its_alone:.3f} s a step{'' if gpu else ', which may run two ops at once on the two threads'})")
+          f"those devices, {its_alone:.3f} s a step{alone_note})")
     if best is not None:
         runs = sorted([(mirrored, "MirroredStrategy"), best])
         (fast, fast_name), (slow, slow_name) = runs
