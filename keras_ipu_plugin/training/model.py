@@ -394,6 +394,32 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         if first_use and getattr(type(self.wrapped), step) is getattr(keras.Model, step) and x is not None:
             self._convert_x(_first_x(x, batch_size))
 
+    # -- exporting: the converted graph is what serves --------------------------
+    def export(self, filepath, format="tf_saved_model", verbose=None, input_signature=None,
+               **kwargs):
+        """Export the converted graph for serving (Keras's `Model.export`).
+
+        The wrapper itself is never traced as a whole (its calls go through
+        the converted graph), so what is exported is `converted`, with the
+        input signature of the batch it was converted from (int32 token ids
+        stay int32). A SavedModel exported here converts to TFLite with
+        `tf.lite.TFLiteConverter.from_saved_model`.
+
+        Example:
+            >>> plugin.fit(x, y)  # or plugin(x), plugin.predict(x): a batch seen
+            >>> plugin.export("served")
+            >>> reloaded = tf.saved_model.load("served")
+        """
+        converted = self.converted
+        if converted is None:
+            raise ValueError(
+                f"PluginModel `{self.name}` has not seen a batch yet, so it has no "
+                "converted graph to export: call it once (`plugin(x)`, `plugin.predict(x)`, "
+                "`plugin.fit(...)` or `plugin.convert(x)`) before `export`."
+            )
+        return converted.export(
+            filepath, format=format, verbose=verbose, input_signature=input_signature, **kwargs)
+
     # -- saving ----------------------------------------------------------------
     def get_config(self):
         refuse_hdf5(self)  # `keras.saving.save_model(plugin, "m.h5")`
