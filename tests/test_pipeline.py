@@ -560,3 +560,21 @@ def test_devices_disagreeing_with_kip_stage_devices_are_refused():
     assert stage_devices(None, None, 1) == [None]
     with pytest.raises(ValueError, match="different devices"):
         stage_devices(["/CPU:1", "/CPU:0"], DEVICES, 2)
+
+
+@pytest.mark.parametrize("entry", ["model", "callback", "scope"])
+def test_stage_devices_this_process_does_not_have_are_an_error_naming_them(entry):
+    """Soft placement would run the stages elsewhere while the report said
+    "stage 0 on /GPU:0": a device the process lacks is refused by name."""
+    stages = PipelineStages(STAGES, microbatches=2, devices=["/CPU:0", "/GPU:5"])
+    with pytest.raises(kip.PassError, match=r"'/GPU:5', which this process does not have"):
+        _train(entry, [stages])
+
+
+def test_kip_stage_devices_this_process_does_not_have_are_an_error_naming_them():
+    x, _ = _data()
+    converted = kip.convert_to_functional(Tower(), x[:16])
+    staged = kip.apply_passes(converted, [PipelineStages(STAGES)])
+    staged.kip_stage_devices = ["/CPU:0", "/device:GPU:3"]
+    with pytest.raises(ValueError, match=r"'/device:GPU:3', which this process does not have"):
+        staged(x[:16])

@@ -18,6 +18,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.runtime.pipeline import SCHEDULES
+from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.pipeline import default_devices
 
 #: Layers whose result depends on every row of the batch they see.
@@ -56,6 +57,12 @@ def report_pipeline(graph, settings, stage_devices_of_model, report, step):
         return
     stages = sorted({node.annotations.get("stage", 0) for node in graph.nodes})
     count = len(stages)
+    if devices:
+        # Checked before the report says where each stage runs.
+        try:
+            get_backend().check_stage_devices(devices, f"PipelineStages(devices={list(devices)!r})")
+        except ValueError as error:
+            raise PassError(str(error), field="devices") from None
     chosen = list(devices or stage_devices_of_model or default_devices(count))
     if chosen:
         where = ", ".join(f"stage {s} on {chosen[s % len(chosen)]}" for s in stages)

@@ -58,6 +58,18 @@ class PortableBackend:
             return contextlib.nullcontext()
         return tf.device(devices[stage % len(devices)])
 
+    def check_stage_devices(self, names, where):
+        """`ValueError` naming the devices in `names` this process does not
+        have (`where` names the setting that gave them): TensorFlow's soft
+        placement would run such a stage elsewhere without a word."""
+        missing = missing_devices(names or ())
+        if missing:
+            have = ", ".join(device.name for device in tf.config.list_logical_devices())
+            raise ValueError(
+                f"{where} places stages on {', '.join(map(repr, missing))}, which this "
+                f"process does not have (its devices: {have}); give devices it has, or "
+                "leave devices out to pipeline over the visible GPUs.")
+
     def assign_stages(self, model, stages):
         """Portable stages are the `kip_layer_stages` mapping on the model."""
         return stages
@@ -77,6 +89,37 @@ class PortableBackend:
 
     def default_strategy(self):
         return tf.distribute.get_strategy()
+
+
+def missing_devices(names):
+    """The names in `names` that match no device of this process.
+
+    TensorFlow's soft placement would run a stage placed on a device that
+    does not exist on the current one without a word, and the report would
+    still say where each stage runs: such names are an error instead. A name
+    with a job (`/job:worker/task:1/device:GPU:0`) is another process's
+    device, which this process cannot list, so it is taken as given.
+
+    Example:
+        >>> missing_devices(["/CPU:0", "/GPU:7"])  # on a machine without GPUs
+        ['/GPU:7']
+    """
+    local = set()
+    for device in tf.config.list_logical_devices():
+        spec = tf.DeviceSpec.from_string(device.name)
+        local.add((spec.device_type.upper(), spec.device_index))
+    missing = []
+    for name in names:
+        try:
+            spec = tf.DeviceSpec.from_string(name)
+        except (ValueError, TypeError):
+            missing.append(name)
+            continue
+        if spec.job is not None:
+            continue
+        if spec.device_type is None or (spec.device_type.upper(), spec.device_index or 0) not in local:
+            missing.append(name)
+    return missing
 
 
 @functools.lru_cache(maxsize=None)

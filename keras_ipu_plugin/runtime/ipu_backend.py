@@ -163,6 +163,10 @@ class IpuBackend:
         return contextlib.nullcontext()
 
     # -- pipeline stages -----------------------------------------------------------
+    def check_stage_devices(self, names, where):
+        """Nothing to check here: IPU stage devices are mapped, and checked,
+        by `device_mapping` when the stages are assigned."""
+
     def assign_stages(self, model, stages):
         """Give `model`'s stages to Graphcore's Keras pipeline API, then its
         pipelining options; raise when that cannot be done.

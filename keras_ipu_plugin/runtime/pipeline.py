@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.effects.recompute import Segment
 from keras_ipu_plugin.runtime.effects.recompute import wire_segments
 from keras_ipu_plugin.runtime.executor import executor_for
@@ -194,6 +195,9 @@ def stage_devices(devices, model_devices, num_stages):
             f"PipelineStages(devices={devices!r}) and the model's kip_stage_devices "
             f"{model_devices!r} place the stages on different devices: the forward pass "
             "would run on one and the backward pass on the other. Give one of them.")
+    backend = get_backend()
+    backend.check_stage_devices(devices, f"PipelineStages(devices={devices!r})")
+    backend.check_stage_devices(model_devices, f"The model's kip_stage_devices {model_devices!r}")
     chosen = devices or model_devices or default_devices(num_stages)
     return [chosen[s % len(chosen)] if chosen else None for s in range(num_stages)]
 

@@ -30,7 +30,10 @@ class Stages(RunEffect):
         return bool(model.kip_stage_devices)
 
     def active(self):
-        return bool(self.interpreter.stage_devices) or super().active()
+        devices = self.interpreter.stage_devices
+        if devices:
+            self.backend.check_stage_devices(devices, f"The model's kip_stage_devices {devices!r}")
+        return bool(devices) or super().active()
 
     def applies(self, node):
         return True  # a layer without a stage is in stage 0
