@@ -581,6 +581,12 @@ def keras_tensor_like(spec, ragged=None):
     )
 
 
+def auto_layer_name_base(layer):
+    """The name Keras gives `layer` when its constructor is given none,
+    before its process-wide counter is appended (`Dense` -> `dense`)."""
+    return _naming.to_snake_case(type(layer).__name__)
+
+
 def compile_arguments(model):
     """The keyword arguments `model.compile` was last called with (Keras keeps
     them only in a private attribute), or None before `compile`."""

@@ -261,3 +261,55 @@ def test_a_path_inside_blocks_not_expanded_reaches_its_layer():
         "nested.block.norm"]
     assert passed.kip_graph.node("nested.block.norm").operation is model.nested.block.norm
     assert "blocks.0" in _names(passed)  # only the layers on the way were expanded
+
+
+class WithUnnamedSubModels(keras.Model):
+    """Layers Keras names inside a nested Sequential and functional model,
+    beside layers the code names (`"score"`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bottom_mlp = keras.Sequential([layers.Dense(8, activation="relu"), layers.Dense(4)])
+        inputs = keras.Input((4,))
+        outputs = layers.Dense(3, name="score")(layers.Dense(5)(inputs))
+        self.top = keras.Model(inputs, outputs)
+        self.head = layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.top(self.bottom_mlp(x)))
+
+
+def _expanded_paths(model_class, x):
+    converted = kip.convert_to_functional(model_class(), x)
+    passed = kip.apply_passes(converted, [Expand("all")])
+    return [node.name for node in passed.kip_graph.nodes]
+
+
+def test_layers_keras_names_in_nested_sub_models_are_named_by_position():
+    """`bottom_mlp.dense` became `bottom_mlp.dense_8` on the next build: a
+    sub-model's layer Keras named is named by its place in `layers` (as
+    torch.fx names a Sequential's children), one its code named by that name."""
+    x = np.ones((4, 6), "float32")
+    first = _expanded_paths(WithUnnamedSubModels, x)
+    assert {"bottom_mlp.0", "bottom_mlp.1", "top.1", "top.score"} <= set(first)
+    assert _expanded_paths(WithUnnamedSubModels, x) == first
+
+
+class Branchy(keras.Model):
+    """Traced as one opaque node (a Python `if` on a tensor's value)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(2)
+
+    def call(self, x):
+        if float(ops.sum(x)) > 0:
+            return self.dense(x)
+        return self.dense(-x)
+
+
+def test_a_whole_model_opaque_node_is_named_by_its_class_in_every_build():
+    x = np.ones((2, 3), "float32")
+    names = [[node.name for node in kip.convert_to_functional(Branchy(), x).kip_graph.nodes]
+             for _ in range(2)]
+    assert names[0] == names[1] == ["branchy_opaque"]

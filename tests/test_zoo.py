@@ -135,6 +135,12 @@ def test_expand_all_leaves_custom_layers_only_in_the_models_stated(name):
     assert result.classes_left == STAYS_WHOLE.get(name, set()), result.detail
 
 
+@pytest.mark.parametrize("name", CORPUS, scope="module")
+def test_node_paths_are_equal_across_two_builds(name):
+    _expansion(name)  # the first build's paths
+    _assert_ok(harness.check_stable_paths(name))
+
+
 def test_the_models_stated_to_stay_whole_are_of_the_corpus():
     assert set(STAYS_WHOLE) <= set(MODELS)
 

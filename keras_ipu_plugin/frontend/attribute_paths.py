@@ -3,7 +3,9 @@
 A node is named by the chain of attribute names from the model to its
 layer, as torch.fx names modules by their qualified names: `stem`,
 `blocks.0.dense` (lists and tuples by index, dicts by key), and the layers
-of a nested functional or Sequential model by their own names. Keras's own
+of a nested functional or Sequential model by the names their code gave
+them, or by their position in its `layers` where Keras named them
+(`bottom_mlp.0`, as torch.fx names a Sequential's children). Keras's own
 names come from a process-wide counter (`dense_7` the second time a cell
 runs); attribute paths are the same every time the same class is built, so
 a target, a config or a plan copied from one run's report works in the next.
@@ -58,7 +60,8 @@ def path_of(layer, paths):
 def _direct_layers(layer):
     """`[(relative path, layer)]` for the layers `layer` holds directly."""
     if isinstance(layer, keras.Sequential) or _compat.is_graph_model(layer):
-        return [(_clean(sub.name), sub) for sub in layer.layers]
+        return [(str(index) if _named_by_keras(sub) else _clean(sub.name), sub)
+                for index, sub in enumerate(layer.layers)]
     if (type(layer).__module__ or "").startswith("keras.") and not _compat.sub_layers(
             layer, recursive=False):
         # One of Keras's own layers holding none (Dense): a fact of Keras's
@@ -82,6 +85,15 @@ def _direct_layers(layer):
     for name, value in private:
         _collect(_clean(name), value, found, 0)
     return found
+
+
+def _named_by_keras(layer):
+    """Whether `layer.name` looks like Keras's counter name for its class
+    (`dense`, `dense_7`), which the next build of the same code numbers
+    differently; a name the code gave (`"conv1"`) is kept."""
+    base = _compat.auto_layer_name_base(layer)
+    name = layer.name
+    return name == base or (name.startswith(base + "_") and name[len(base) + 1:].isdigit())
 
 
 _HOLDERS = (keras.layers.Layer, list, tuple, dict)  # what `_collect` looks into

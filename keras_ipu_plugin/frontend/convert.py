@@ -244,8 +244,12 @@ def _nondeterministic_output(model, x):
 
 def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
     """A graph of one `OpaqueLayer` node that runs `model`'s own code."""
+    # Named by the model's class, not its Keras name (`sas_rec_1` the second
+    # time the class is built): a path from one run's report names the node
+    # in the next.
     layer = OpaqueLayer(
-        model, output_specs_of(outputs, batch_size, static_batch), reason=reason
+        model, output_specs_of(outputs, batch_size, static_batch), reason=reason,
+        name=f"{_compat.auto_layer_name_base(model)}_opaque",
     )
     _build_all_branches(layer, specs)
     input_values = keras.tree.map_structure(

@@ -355,8 +355,10 @@ def check_expand(name):
         shared = shared_conversion(subject)
         parts = shared.parts
         differences, left, errors = [], [], []
+        paths = []
         for (label, part, inputs), converted in shared.for_passes():
             passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
+            paths.append(sorted(node.name for node in graph_nodes(passed.kip_graph)))
             left += [(label, *entry) for entry in custom_layers_left(passed)]
             try:
                 difference = compare_models(part, passed, inputs, gradients=True)
@@ -370,6 +372,7 @@ def check_expand(name):
                     difference += f" (the converted model already differs before Expand: {before})"
                 differences.append(_labelled(label, difference, parts))
         outcome["left"] = (left, parts)
+        _EXPANDED_PATHS[name] = paths
         shared.check_unchanged("Expand")
         if errors:
             return ERROR, "; ".join(errors + differences)
@@ -383,6 +386,47 @@ def check_expand(name):
     else:
         custom = _custom_left_result(name, *outcome["left"])
     return expand, custom
+
+
+_EXPANDED_PATHS = {}  # model name -> the node paths of check_expand's expanded parts
+
+
+def expanded_paths(name):
+    """The node paths of each part of a fresh build of model `name`, after
+    `Expand("all")` (conversion unverified: only names are compared)."""
+    subject = Subject(name)
+    model = subject.fresh()
+    x, y = subject.data()
+    paths = []
+    for _, part, inputs in subject.parts(model, x, y):
+        converted = kip.convert_to_functional(part, (inputs,), verify=False)
+        passed = kip.apply_passes(converted, [kip.passes.Expand("all")], verify=False)
+        paths.append(sorted(node.name for node in graph_nodes(passed.kip_graph)))
+    return paths
+
+
+def check_stable_paths(name):
+    """A second build of the model in the same process (Keras's layer-name
+    counters moved on) has the node paths of the first, after
+    `Expand("all")`: a path copied from one run's report names the same
+    node in the next."""
+
+    def run():
+        if name not in _EXPANDED_PATHS:
+            check_expand(name)
+        first = _EXPANDED_PATHS.get(name)
+        if first is None:
+            return ERROR, "Expand failed on the first build"
+        second = expanded_paths(name)
+        for index, (a, b) in enumerate(zip(first, second)):
+            if a != b:
+                only_first = sorted(set(a) - set(b))[:5]
+                only_second = sorted(set(b) - set(a))[:5]
+                raise CheckFailed(f"part {index}: paths of the first build only: {only_first}; "
+                                  f"of the second only: {only_second}")
+        return PASS, f"{sum(map(len, first))} paths equal"
+
+    return _run_check(name, "stable_paths", run)
 
 
 def _custom_left_result(name, left, parts):
