@@ -1,5 +1,5 @@
 """The zoo scoreboard: every corpus model of `tests/zoo/` through the checks
-of issue 13, as a table.
+of `tests/zoo/harness.py`, as a table.
 
 Columns: model | traced | expand equal | custom layers left | replace reach
 | fit equal (PluginModel, PluginCallback; PluginModel with Expand("all"),
@@ -68,7 +68,7 @@ def cell(result):
 
 
 def scoreboard(rows):
-    table = Table(title="keras_ipu_plugin zoo scoreboard (issue 13)", show_lines=False)
+    table = Table(title="keras_ipu_plugin zoo scoreboard", show_lines=False)
     table.add_column("model")
     for _, title in COLUMNS:
         table.add_column(title)
