@@ -23,7 +23,7 @@ built and converted), so the growth is what the measured part added. The
 variants alternate over ROUNDS rounds; medians over rounds are printed,
 then the two ratios. Goal: both <= 1.
 
-    python benchmarks/verification_cost.py            # the issue's size
+    python benchmarks/verification_cost.py            # the full size
     python benchmarks/verification_cost.py --small    # a 2-layer, 128-wide quick look
 """
 

@@ -94,7 +94,7 @@ def totals(rows):
             passed = sum(r.ok for r in results)
             lines.append(f"{title.replace(chr(10), ' ')}: {passed}/{len(results)}")
     builtin_only = [r for _, rs in rows for r in rs if r.check == "custom_left"]
-    if builtin_only:  # the goal: >= 90% expand to built-in layers only
+    if builtin_only:  # the goal: >= 90% expand to built-in layers only
         lines.append(f"expand to built-in layers only: "
                      f"{sum(r.detail == 'none' for r in builtin_only)}/{len(builtin_only)}")
     return "; ".join(lines)

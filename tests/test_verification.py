@@ -410,7 +410,7 @@ def test_a_model_that_fails_on_the_whole_batch_is_still_refused_as_failing():
 
 class GraphModeOnly(keras.layers.Layer):
     """Runs in graph mode only, as an op with no eager kernel does (the
-    issue's channels-first Conv2D on a CPU; on this TensorFlow with oneDNN
+    channels-first Conv2D on a CPU that once failed eagerly; on this TensorFlow with oneDNN
     it runs eagerly too, so the missing kernel is written out): plain `fit`
     trains it, since it runs the step in a `tf.function`."""
 
