@@ -13,7 +13,7 @@ and both schedules ("gpipe", "1f1b"):
   that their dispatch (and the gRPC copies of the proxy) costs as much as
   their arithmetic, and M = 4 measured 1.01-1.06x M = 1 (CPU time per
   step up 14-20 %); at 128 M = 4 spends less CPU than M = 1 and ran at
-  1.33-1.42x. Both are in the README.
+  1.33-1.42x (docs/benchmarks.md).
 
 Devices (`--proxy`, on the CPU):
 

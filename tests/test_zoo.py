@@ -37,7 +37,7 @@ REQUIRED = (
 
 
 #: The models whose `Expand("all")` leaves custom layers, by the classes it
-#: leaves (each with its reason in the report; the README's zoo section
+#: leaves (each with its reason in the report; docs/zoo.md
 #: says why and what to write instead). Every other model expands to
 #: built-in layers and kip's own graph layers only: 33 of 34.
 STAYS_WHOLE = {
