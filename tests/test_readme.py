@@ -132,7 +132,7 @@ def test_process_words_match_only_what_they_should():
     # Each example is written in two parts, so that this file does not hold
     # the words it forbids.
     hits = ["".join(parts) for parts in [
-        ("in the previous ", "stop"), ("Earlier ", "stops' runs"), ("two ", "stops ago"),
+        ("in the previous ", "stop"), ("Earlier ", "stops' runs"), ("two st", "ops ago"),
         ("iss", "ue 24's goal"), ("(iss", "ue 13)"), ("rou", "nd 3"), ("test_tracing_rou", "nd3"),
         ("docs/branch", "-notes/x.md"), ("Sto", "p 39")]]
     misses = ["stop training", "tracing stops at library code", "tf.stop_gradient",
