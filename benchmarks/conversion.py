@@ -55,7 +55,7 @@ conversion may be reused: the model changed). In CPU time
 the two rebuilds (Keras's `Functional` construction included; clone_model
 builds one too).
 
-Both styles (issue 23: `x + h` blocks were not replayed, Expand traced all
+Both styles (`x + h` blocks were not replayed, Expand traced all
 of them, 5.2-6.6x clone_model at 200): in two runs at load 6-9 on the 2
 cores, Add layer 1.03-1.21 at 200 and 0.95-1.15 at 500, x + h 1.31-1.35
 at 200 and 1.35-1.43 at 500 (in CPU time 1.32-1.43 at 500); time(500) /

@@ -36,7 +36,7 @@ splits are timed in interleaved rounds (every stage once per round, after
 two warm-up calls) and each stage's median over the rounds is its time, so
 that the machine's load hits every split alike. Imbalance is the largest
 stage time over the mean (1.0: perfectly balanced; a pipeline runs at the
-pace of its slowest stage). Goal (issue 16): <= 1.15 with balance="time".
+pace of its slowest stage). Goal: <= 1.15 with balance="time".
 
 Each (model, stages) pair runs in its own process.
 

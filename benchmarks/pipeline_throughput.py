@@ -1,4 +1,4 @@
-"""Throughput, overlap and peak memory of pipelined training (issue 25).
+"""Throughput, overlap and peak memory of pipelined training.
 
 Two stages on two devices, `PipelineStages(stages, microbatches=M,
 devices=[...], schedule=...)` through `PluginModel.fit`, for M = 1, 2, 4, 8
@@ -13,7 +13,7 @@ and both schedules ("gpipe", "1f1b"):
   that their dispatch (and the gRPC copies of the proxy) costs as much as
   their arithmetic, and M = 4 measured 1.01-1.06x M = 1 (CPU time per
   step up 14-20 %); at 128 M = 4 spends less CPU than M = 1 and ran at
-  1.33-1.42x. Both are in the README.
+  1.33-1.42x (docs/benchmarks.md).
 
 Devices (`--proxy`, on the CPU):
 
@@ -63,7 +63,7 @@ the timed children's), its ops grouped by pass (the step names them
 `F<stage>_<m>`, `B<stage>_<m>`), each stage's time running ops, and the time
 both stages run ops at once.
 
-Goals (issue 25): M = 4 at least 1.3x the throughput of M = 1; the 1F1B
+Goals: M = 4 at least 1.3x the throughput of M = 1; the 1F1B
 peak below GPipe's at M = 8.
 
     python benchmarks/pipeline_throughput.py                  # both models

@@ -34,7 +34,7 @@ the allocator freed is not given back, so it never falls.
 
 The variants of a model alternate over ROUNDS rounds; the median over rounds
 is printed (one step on a shared 2-core machine swings by tens of percent).
-Goals (issue 16): auto step peak <= 0.6x baseline at <= 1.35x step time and
+Goals: auto step peak <= 0.6x baseline at <= 1.35x step time and
 <= the hand plan's; with the budget, the measured step peak within 15% of
 the budget.
 

@@ -40,7 +40,7 @@ one variant there, CPU time about 30%). The step peak depends on the order in
 which TensorFlow's threads run the step's ops, so it too moves (up to about
 10% under load).
 
-The goal (issue 24): kip-auto's step peak <= the best peer's at <= 1.05x
+The goal: kip-auto's step peak <= the best peer's at <= 1.05x
 that peer's step time, and <= MAX_TIME x none's step time. The best peer:
 of the peers holding less than no recomputation (a mode holding more is
 beaten by doing nothing), the smallest step peak among those within

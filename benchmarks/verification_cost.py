@@ -1,6 +1,6 @@
 """What verification costs, against one training step on the same batch.
 
-Issue 12.14: on a BERT-like backbone (8 layers, hidden 512, sequence 256,
+Before verification ran on a subset of rows, on a BERT-like backbone (8 layers, hidden 512, sequence 256,
 batch 16) verification took 3.65 s and lifted peak memory to 6.4 GB, while
 training peaked at 2.6 GB. The goal: verification costs no more than one
 training step on the same batch, in time and in peak memory.
@@ -23,7 +23,7 @@ built and converted), so the growth is what the measured part added. The
 variants alternate over ROUNDS rounds; medians over rounds are printed,
 then the two ratios. Goal: both <= 1.
 
-    python benchmarks/verification_cost.py            # the issue's size
+    python benchmarks/verification_cost.py            # the full size
     python benchmarks/verification_cost.py --small    # a 2-layer, 128-wide quick look
 """
 

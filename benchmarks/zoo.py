@@ -1,5 +1,5 @@
 """The zoo scoreboard: every corpus model of `tests/zoo/` through the checks
-of issue 13, as a table.
+of `tests/zoo/harness.py`, as a table.
 
 Columns: model | traced | expand equal | custom layers left | replace reach
 | fit equal (PluginModel, PluginCallback; PluginModel with Expand("all"),
@@ -68,7 +68,7 @@ def cell(result):
 
 
 def scoreboard(rows):
-    table = Table(title="keras_ipu_plugin zoo scoreboard (issue 13)", show_lines=False)
+    table = Table(title="keras_ipu_plugin zoo scoreboard", show_lines=False)
     table.add_column("model")
     for _, title in COLUMNS:
         table.add_column(title)
@@ -94,7 +94,7 @@ def totals(rows):
             passed = sum(r.ok for r in results)
             lines.append(f"{title.replace(chr(10), ' ')}: {passed}/{len(results)}")
     builtin_only = [r for _, rs in rows for r in rs if r.check == "custom_left"]
-    if builtin_only:  # the issue's goal: >= 90% expand to built-in layers only
+    if builtin_only:  # the goal: >= 90% expand to built-in layers only
         lines.append(f"expand to built-in layers only: "
                      f"{sum(r.detail == 'none' for r in builtin_only)}/{len(builtin_only)}")
     return "; ".join(lines)

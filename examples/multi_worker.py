@@ -69,7 +69,7 @@ def train(strategy, out_dir=None, is_chief=True, index=0, entry="plugin_model"):
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     dataset = dataset.with_options(options)
     if entry == "scope_error":
-        # kip.scope cannot serve here (see the README): it says so up front.
+        # kip.scope cannot serve here (docs/reference.md, "Distribution"): it says so up front.
         try:
             with kip.scope(strategy):
                 pass

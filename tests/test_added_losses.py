@@ -1,4 +1,4 @@
-"""Losses a layer's `call` adds (`self.add_loss(...)`) as graph nodes (issue 22).
+"""Losses a layer's `call` adds (`self.add_loss(...)`) as graph nodes.
 
 keras.io's VQ-VAE quantizer and the Switch Transformer's router add a loss
 in `call`. Traced, the loss is an `AddedLoss` node (`layers/added_loss.py`,

@@ -1,4 +1,4 @@
-"""Node paths are attribute paths (issue 21, item 1): the chain of attribute
+"""Node paths are attribute paths: the chain of attribute
 names from the model to the layer, as torch.fx names modules (`stem`,
 `blocks.0.dense`; lists and tuples by index, dicts by key). Keras's own
 names come from a process-wide counter, so the same class built twice gets

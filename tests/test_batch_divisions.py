@@ -1,4 +1,4 @@
-"""Batch arithmetic that divides the batch size (issue 22, item 4):
+"""Batch arithmetic that divides the batch size:
 `ops.shape(x)[0] // k`, as keras_hub's Swin `WindowAttention` divides its
 `batch * windows` rows by the windows, and a layer that halves the batch.
 

@@ -1,5 +1,5 @@
 """`kip.passes.Chain`: a target matching runs of nodes, layers and
-`keras.ops` / TensorFlow calls alike (issue 14: "Dense followed by a
+`keras.ops` / TensorFlow calls alike ("Dense followed by a
 `keras.ops.gelu` call"), usable by every pass that takes targets, saved with
 the passes and written in configs."""
 

@@ -1,12 +1,12 @@
 """Tests of pass configs and of passes as saved data.
 
-Reading (issue 12 item 10): every failure of `kip.passes_from_config` is one
+Reading: every failure of `kip.passes_from_config` is one
 `kip.ConfigError` whose `path` says where in the config it is, whatever the
 input: deep nesting, a file that is not UTF-8, a key given twice, a YAML
 alias bomb, a huge file, a malformed import path or a module that fails to
 import.
 
-Saving (issue 14 item 3): every pass has `get_config` / `from_config`, a
+Saving: every pass has `get_config` / `from_config`, a
 registry makes a pass known to configs and to saving, a config may be a list
 (its own order), and `PluginModel` with passes given as Python objects saves
 and loads.

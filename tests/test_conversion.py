@@ -1,4 +1,4 @@
-"""Tests for `kip.convert_to_functional` (issue 2: first-batch conversion
+"""Tests for `kip.convert_to_functional` (first-batch conversion
 with verification).
 
 Every test compares against the behaviour of the original subclassed model,

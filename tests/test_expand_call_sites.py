@@ -1,4 +1,4 @@
-"""Expand returns a model that runs (issue 13, capability 3): layers called
+"""Expand returns a model that runs: layers called
 through a `LayerAlias` keep their own mask handling, and a sub-model shared
 between call sites expands at each of them.
 """

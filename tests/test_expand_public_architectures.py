@@ -1,5 +1,4 @@
-"""Expand on constructs of public architectures (issue 13, the corpus of
-tests/zoo/): each test a small hand-written model with the one construct
+"""Expand on constructs of public architectures: each test a small hand-written model with the one construct
 a corpus model showed failing.
 """
 

@@ -1,5 +1,5 @@
 """Layers of a functional model called as Keras calls them when a trace runs
-the model's graph (issue 22: keras_hub's DINOv2 backbone stayed whole).
+the model's graph (keras_hub's DINOv2 backbone stayed whole).
 
 `Functional.call` hands `training` to every layer whose `call` takes it,
 and Keras's symbolic call hands it on to the layer's `compute_output_spec`;

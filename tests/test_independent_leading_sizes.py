@@ -1,5 +1,5 @@
 """Sizes given as graph tensors, and inputs whose leading sizes differ
-(issue 22, keras.io's graph attention network):
+(keras.io's graph attention network):
 
 - a `keras.ops` call given a graph tensor where Keras takes a Python size
   (`ops.segment_sum(..., num_segments=ops.max(ids) + 1)`, `ops.repeat(x,

@@ -184,7 +184,7 @@ def test_rebuild_after_new_variables_leaves_the_counter_at_the_steps_run():
 
 # -- a call that assigns a variable itself is not dropped by the graph ------------
 def test_call_that_assigns_a_variable_itself_keeps_the_write_as_a_node():
-    """It ran whole (opaque) until issue 22: the write is now a
+    """It once ran whole (opaque): the write is now a
     `VariableWrite` node of the graph (tests/test_variable_write_nodes.py)."""
     from keras_ipu_plugin.layers.variable_write import VariableWrite
 
@@ -280,7 +280,7 @@ def test_unseeded_keras_random_verifies_and_keeps_the_global_seed_generator_stat
 
 
 def test_unseeded_tensorflow_draws_are_replayed_and_the_drawing_layer_expands():
-    """Since issue 22 verification hands the original's `tf.random` draws to
+    """Verification hands the original's `tf.random` draws to
     the converted run, and the draw is a graph node (its shape
     `ops.shape(z_mean)`, the batch size None while traced, taken from the
     graph when it runs): the model converts, the drawing layer expands, and
@@ -500,7 +500,7 @@ def test_a_flag_that_switches_on_a_variable_update_is_not_dropped(run_eagerly):
     plugin.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
                callbacks=[SwitchOnCounting(model, 2)])
     assert int(model.steps.numpy()) == 8  # epochs 2 and 3, 4 steps each
-    # Since issue 22 the branch on `training` is one ModeSwitch node and the
+    # The branch on `training` is one ModeSwitch node and the
     # counter's write a node of its training graph: traced, not opaque.
     assert model.name not in plugin.kip_report.opaque
 

@@ -1,5 +1,5 @@
 """Behaviours whose breaking would be a silent wrong result, each guarded by a
-test that fails when it breaks (issue 20, 2.5). Each has a mutation in
+test that fails when it breaks. Each has a mutation in
 `tools/mutation.py` naming this file (tests/test_mutation_tool.py checks
 that every mutation there still applies to the code).
 """

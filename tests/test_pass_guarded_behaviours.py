@@ -1,4 +1,4 @@
-"""Behaviours of the passes that no test guarded (issue 12).
+"""Behaviours of the passes that no test guarded.
 
 Each of these was broken on purpose in a copy of the library and the whole
 suite still passed. Each test here fails when its behaviour breaks:
@@ -479,8 +479,7 @@ def _branching_twin():
 
 def test_model_branching_on_training_converts_to_one_node_holding_both_modes():
     # A model whose own `call` branches on `training` in Python is one
-    # `ModeSwitch` node holding the graph of each mode (issue 22; it was
-    # one opaque node running the original code).
+    # `ModeSwitch` node holding the graph of each mode.
     x = _rand(16, 4)
     model = _branching_twin()
     converted = kip.convert_to_functional(model, x)

@@ -1,5 +1,4 @@
-"""Class and name targets reach nested blocks and survive Expand (issue 13,
-capability 8).
+"""Class and name targets reach nested blocks and survive Expand.
 
 A ViT-style model whose transformer blocks sit inside an `Encoder` layer:
 `Recompute(TransformerEncoder)` used to match nothing (the blocks are not

@@ -1,4 +1,4 @@
-"""Every pass leaves training identical to plain Keras (issue 12, items 13, 15).
+"""Every pass leaves training identical to plain Keras.
 
 Gradient values alone do not show it: an optimizer also sees whether a
 gradient is sparse (`tf.IndexedSlices`, from an embedding lookup) or missing

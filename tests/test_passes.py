@@ -1,4 +1,4 @@
-"""Tests of the graph passes, their configs and the report (issue 3).
+"""Tests of the graph passes, their configs and the report.
 
 The models are small subclassed models defined here, each exercising one
 thing the passes must get right: custom residual blocks with
@@ -569,7 +569,7 @@ def test_training_branches_and_counters_expand_and_follow_training():
     passed = kip.apply_passes(conv, [Expand()])
     graph = passed.kip_graph
     # Branching on `training` is held as one node of both modes, and the
-    # counter's write is a node of the graph (issue 22): nothing stays whole.
+    # counter's write is a node of the graph: nothing stays whole.
     assert isinstance(graph.node("branch").operation, kip.ModeSwitch)
     assert not graph.node("branch").opaque_reason
     assert graph.node("scaled.calls.assign_add").operation.variable is model.scaled.calls

@@ -1,4 +1,4 @@
-"""Pipelined training (issue 25): `PipelineStages(microbatches=M, devices,
+"""Pipelined training: `PipelineStages(microbatches=M, devices,
 schedule)` on the portable backend.
 
 Two stages on the two logical CPU devices of `conftest.py`, M = 4: three

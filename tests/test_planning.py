@@ -1,4 +1,4 @@
-"""The pure planners (issue 16): recomputation checkpoints by dynamic
+"""The pure planners: recomputation checkpoints by dynamic
 programming over a chain of node costs, pipeline stages by a min-max
 contiguous partition. Each is checked against brute force on small inputs."""
 
@@ -224,7 +224,7 @@ def test_imbalance_is_largest_over_mean():
     assert stage_balance.imbalance([3, 1]) == 1.5
 
 
-# -- the plan space of issue 24: keep / inside / checkpoint per node ------------------
+# -- the plan space: keep / inside / checkpoint per node ------------------
 def _dense_gelu_chain(n, internal=12, output=4):
     """Layers whose internal tensors (pre-activation, gelu's intermediates)
     are three times their output, as a Dense(gelu) keeps."""

@@ -1,4 +1,4 @@
-"""The planning passes on real models (issue 16): `Recompute(auto=True,
+"""The planning passes on real models: `Recompute(auto=True,
 memory_budget=...)` and `PipelineStages(num_stages=N, balance=...)`.
 
 They change where the executor recomputes and which stage a layer runs in,

@@ -1,4 +1,4 @@
-"""Every kind of recompute plan trains as plain Keras does (issue 24).
+"""Every kind of recompute plan trains as plain Keras does.
 
 A plan chooses per node between keep, recompute inside its layer and
 recompute from a checkpoint (`recompute_plan`); the executor runs the notes

@@ -1,4 +1,4 @@
-"""The executor is an interpreter over kip's graph (issue 23, item 1): a pass
+"""The executor is an interpreter over kip's graph: a pass
 whose annotation does something when the model runs is one file, the pass
 and its `RunEffect`; the effect reads the annotation from the nodes.
 

@@ -1,4 +1,4 @@
-"""A `call` that writes a variable keeps its write (issue 20, section 2 item 1).
+"""A `call` that writes a variable keeps its write.
 
 keras.io's PixelCNN masks its kernel on every call
 (`self.conv.kernel.assign(self.conv.kernel * self.mask)`, then
@@ -7,8 +7,8 @@ of the layer's sub-layers holds only the Conv2D: `Expand("all")` lost the
 write, verification passed (the kernel was already masked on the first
 batch), and three training steps later the weights differed from plain
 Keras. A layer whose `call` writes a variable was then kept whole, with the
-reason, and verification compares the variables a call changes. Since
-issue 22 the write is a graph node (`VariableWrite`, see
+reason, and verification compares the variables a call changes. Now
+the write is a graph node (`VariableWrite`, see
 tests/test_variable_write_nodes.py): the PixelCNN expands and still trains
 as plain Keras.
 """

@@ -1,4 +1,4 @@
-"""What a train step calls is what is converted (issue 13, items 4, 5, 9).
+"""What a train step calls is what is converted.
 
 Models follow public Keras examples: keras.io's knowledge distillation
 (its own `compile` and `compute_loss`), DCGAN and WGAN-GP (no `call`: a

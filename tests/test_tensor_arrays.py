@@ -1,5 +1,4 @@
-"""A `tf.TensorArray` written in a Python loop and stacked (issue 22:
-keras_hub's RWKV-7 time mix stayed whole).
+"""A `tf.TensorArray` written in a Python loop and stacked.
 
 `RWKV7TimeMix` (TensorFlow backend) writes each step of a recurrence into a
 `tf.TensorArray` over a static length and stacks it. While a trace runs,

@@ -1,4 +1,4 @@
-"""What a trace changes is confined to the tracing thread (issue 20, 2.2).
+"""What a trace changes is confined to the tracing thread.
 
 While one thread converts a model (held inside its trace by an Event, so the
 order is certain), another thread sees Keras and TensorFlow exactly as they

@@ -1,5 +1,4 @@
-"""Tests for what the tracer captures of real-world Keras code (issue 13,
-items 1, 2, 6, 7; issue 12 item 2).
+"""Tests for what the tracer captures of real-world Keras code.
 
 - Variables a layer reads in its own `call` are graph nodes (`VariableRead`):
   traced, expanded, trained like the original, never frozen.
@@ -254,7 +253,7 @@ def test_cls_token_and_position_table_trace_and_run_at_any_batch_size():
 
 class Counter(layers.Layer):
     """Counts its calls in a variable: forward state, a write node since
-    issue 22 (it stayed opaque)."""
+    (it once stayed opaque)."""
 
     def build(self, shape):
         self.calls = self.add_weight(shape=(), dtype="int32", initializer="zeros",
@@ -1051,7 +1050,7 @@ class BatchPlusOne(layers.Layer):
 
 
 def test_a_block_computing_with_the_batch_size_plus_one_expands_for_any_batch_size():
-    """Issue 22: a size that is the batch size plus a constant is followed
+    """A size that is the batch size plus a constant is followed
     (it stayed whole before, as `BatchIndex` still does)."""
     x = _rand(4, 5, 3)
     model = BatchModel(BatchPlusOne(name="block"), name="batch_model")

@@ -1,5 +1,5 @@
 """Common idioms of public Keras code that the symbolic trace must follow
-exactly (issue 13: ViT's patching-and-embedding layer).
+exactly (ViT's patching-and-embedding layer).
 
 - `ops.tile(token, (ops.shape(x)[0], 1, 1))`: the repeats hold the batch
   size, unknown (None) while tracing; the graph reads it when it runs.

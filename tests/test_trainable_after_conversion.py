@@ -1,4 +1,4 @@
-"""`trainable` changed after a first `fit` (issue 20, section 2 item 3).
+"""`trainable` changed after a first `fit`.
 
 Keras keeps a model's train function until `compile` drops it: after
 `model.block.trainable = False`, a second `fit` without re-compiling runs the

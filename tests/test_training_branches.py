@@ -1,4 +1,4 @@
-"""Layers whose `call` branches on `training` in Python (issue 22, item 1).
+"""Layers whose `call` branches on `training` in Python.
 
 Stochastic depth as keras.io's CCT writes it (`StochasticDepth`: in
 training, a per-sample mask drawn from the layer's seed generator; in

@@ -1,4 +1,4 @@
-"""A model that calls a layer it does not own (issue 20, section 2 item 4).
+"""A model that calls a layer it does not own.
 
 keras.io's Perceiver calls a module-level `data_augmentation` Sequential
 (random flips and zooms) inside `call`: the augmentation is no sub-layer of

@@ -1,4 +1,4 @@
-"""Variable writes in `call` are graph nodes (issue 22, item 2).
+"""Variable writes in `call` are graph nodes.
 
 keras.io's PixelCNN (https://keras.io/examples/generative/pixelcnn/) masks
 its kernel on every call, `self.conv.kernel.assign(self.conv.kernel *

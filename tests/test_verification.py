@@ -1,4 +1,4 @@
-"""Tests of verification (issue 12, items 1 and 14; issue 13, item 3).
+"""Tests of verification.
 
 Verification must never report "equal" on data that cannot show a
 difference: a first batch of NaN or of 0 rows, variables Keras cannot see,
@@ -410,7 +410,7 @@ def test_a_model_that_fails_on_the_whole_batch_is_still_refused_as_failing():
 
 class GraphModeOnly(keras.layers.Layer):
     """Runs in graph mode only, as an op with no eager kernel does (the
-    issue's channels-first Conv2D on a CPU; on this TensorFlow with oneDNN
+    channels-first Conv2D on a CPU that once failed eagerly; on this TensorFlow with oneDNN
     it runs eagerly too, so the missing kernel is written out): plain `fit`
     trains it, since it runs the step in a `tf.function`."""
 
@@ -604,8 +604,7 @@ def test_apply_passes_verifies_outputs_and_gradients_and_keeps_the_first_batch()
 
 class BakedBatch(keras.layers.Dense):
     """Reshapes to a batch size baked in: works on the 2-row batch Replace
-    builds it with, fails on the real one (issue 13's `Reshape` with the
-    trace's batch size)."""
+    builds it with, fails on the real one."""
 
     def call(self, inputs):
         return keras.ops.reshape(super().call(inputs), (2, self.units))

@@ -1,17 +1,17 @@
-"""The public-architecture corpus of issue 13 through the plugin: one test
+"""The public-architecture corpus through the plugin: one test
 per corpus model (tests/zoo/) per check.
 
 - converts fully traced (no opaque node unless the model file says why);
 - `Expand("all")` keeps outputs and gradients equal;
 - `Expand("all")` leaves no custom layer that the report gives no reason for,
-  and custom layers at all only in the models `STAYS_WHOLE` names (issue 22);
+  and custom layers at all only in the models `STAYS_WHOLE` names;
 - `Replace` reaches every layer of the LayerNormalization family (custom
   norms too, by a subclass of their own class with the weights copied)
   with outputs equal;
 - `PluginModel` and `PluginCallback` train 3 steps with the logs and final
   variables of plain Keras on an identical twin; so do `PluginModel` with
-  `Expand("all")`, with `Recompute(auto=True)`, and with Adam (issue 22;
-  `n/a` for a model that compiles with Adam already).
+  `Expand("all")`, with `Recompute(auto=True)`, and with Adam
+  (`n/a` for a model that compiles with Adam already).
 
 The checks live in `tests/zoo/harness.py` (they return results, so that
 `benchmarks/zoo.py` can print the same checks as a scoreboard); these tests
@@ -37,7 +37,7 @@ REQUIRED = (
 
 
 #: The models whose `Expand("all")` leaves custom layers, by the classes it
-#: leaves (each with its reason in the report; the README's zoo section
+#: leaves (each with its reason in the report; docs/zoo.md
 #: says why and what to write instead). Every other model expands to
 #: built-in layers and kip's own graph layers only: 33 of 34.
 STAYS_WHOLE = {
@@ -109,7 +109,7 @@ def test_corpus_model_cites_its_source_and_has_the_interface(name):
     assert len(keras.tree.flatten(x)[0]) == 2
 
 
-# -- the checks of issue 13 ----------------------------------------------------------
+# -- the checks ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_converts_fully_traced(name):
     _assert_ok(harness.check_traced(name))
@@ -127,7 +127,7 @@ def test_expand_all_leaves_no_custom_layer_without_a_reason(name):
 
 @pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_expand_all_leaves_custom_layers_only_in_the_models_stated(name):
-    """Issue 22: the corpus expands to built-in and kip layers, but for
+    """The corpus expands to built-in and kip layers, but for
     `STAYS_WHOLE` (VQ-VAE's `add_loss`, the `tf.random` VAE's sampling
     left it before)."""
     result = _expansion(name)[1]

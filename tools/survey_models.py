@@ -1,5 +1,5 @@
 """Survey: public Keras architectures NOT in tests/zoo, each converted,
-expanded and compared at another batch size (issue 13).
+expanded and compared at another batch size.
 
 For each model: build it from a tiny constructor config (no presets, no
 network), call it on a batch of 2, `kip.convert_to_functional` (verified),
@@ -85,7 +85,7 @@ BACKBONES = {
     "DINOV2": _hub("DINOV2Backbone", patch_size=4, num_layers=2, hidden_dim=8, num_heads=2,
                    intermediate_dim=16, image_shape=(16, 16, 3),
                    position_embedding_shape=(16, 16, 3), drop_path_rate=0.0),
-    # expert routing computes with the batch size (`ops.shape(x)[0] // k`), issue 22
+    # expert routing computes with the batch size (`ops.shape(x)[0] // k`)
     "Mixtral": _hub("MixtralBackbone", num_query_heads=2, num_key_value_heads=1, num_experts=2,
                     top_k=1, sliding_window=4, **TEXT),
     "RWKV7": _hub("RWKV7Backbone", hidden_size=8, head_size=4, num_layers=2,

@@ -319,7 +319,7 @@ class _Run:
         has nothing else to run: a device of one thread (a device's
         executor keeps running a chain of dependent ops inline) sent a
         stage's four forward outputs only after computing all four, so the
-        next stage waited for all of them (traced: docs/branch-notes/pipe25b.md)."""
+        next stage waited for all of them (profiled: docs/benchmarks.md, "Pipelined training")."""
         source, target = self.devices[s], self.devices[reader]
         if target is None or target == source or not isinstance(tensor, tf.Tensor):
             return tensor

@@ -1,4 +1,4 @@
-"""The public-architecture corpus (issue 13): models nobody here designed.
+"""The public-architecture corpus: models nobody here designed.
 
 Each module in this package is a small port, written here, of one public
 Keras example or library model, and says in its docstring which one. Every

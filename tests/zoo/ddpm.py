@@ -3,7 +3,7 @@
 `[image, time]` whose `TimeEmbedding` layer computes sinusoidal embeddings
 with TensorFlow functions (`tf.cast`, `inputs[:, None] * self.emb[None, :]`
 with a concrete `tf.Tensor` it holds, `tf.concat` of `tf.sin` and
-`tf.cos`; issue 22: it stayed whole with "Failed to convert elements of
+`tf.cos`; it once stayed whole with "Failed to convert elements of
 SparseTensor"), `TimeMLP`, residual blocks with GroupNormalization, an
 `AttentionBlock` written with `tf.einsum` and `tf.reshape` to sizes from
 `tf.shape`, down- and up-sampling; and the example's `DiffusionModel`

@@ -3,7 +3,7 @@ Variable Selection Networks" (Khalid Salama,
 keras.io/examples/structured_data/classification_with_grn_and_vsn/): a
 functional model over one input per feature, named after the feature; an
 encoding layer holding, per categorical feature, an `Embedding` named after
-its feature ("education", as the model input is: issue 22, Expand and
+its feature ("education", as the model input is: Expand and
 Replace failed with "The name "education" is used 2 times") and, per
 numeric feature, a `Dense` projection; a `VariableSelection` of
 `GatedResidualNetwork`s (a `GatedLinearUnit`, dropout, LayerNormalization,

@@ -1,4 +1,4 @@
-"""The checks of issue 13 over the corpus; each returns a `CheckResult`.
+"""The checks over the corpus; each returns a `CheckResult`.
 
 A check never asserts: it returns `pass`, `fail` (it ran and found a
 difference, an opaque node, a layer not reached, ...), `error` (something
@@ -626,7 +626,7 @@ def compare_models(original, other, inputs, *, gradients):
     state = _non_trainable_state(original)
     # TensorFlow's stateful draws (`tf.random.normal` with no seed
     # generator) are the original's in the other run too, as kip's own
-    # verification replays them (issue 22).
+    # verification replays them.
     with _compat.taped_stateful_draws() as draws:
         draws.record()
         expected, expected_grads = _outputs_and_gradients(original, inputs, variables, state)

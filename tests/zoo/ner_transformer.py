@@ -2,8 +2,8 @@
 (Varun Singh, keras.io/examples/nlp/ner_transformers/): a subclassed
 `NERModel` over a `TokenAndPositionEmbedding` whose positions are
 `tf.range(start=0, limit=tf.shape(inputs)[-1], delta=1)` (a TensorFlow
-function with no tensor to compute from but a size computed in the graph,
-issue 22), one `TransformerBlock` (multi-head attention, dropout,
+function with no tensor to compute from but a size computed in the graph),
+one `TransformerBlock` (multi-head attention, dropout,
 LayerNormalization, a Sequential feed-forward) and per-token softmax tags,
 trained with the example's `CustomNonPaddingTokenLoss` (padding tokens,
 tag 0, left out). Tiny sizes: 20 words, 8 tokens, 5 tags, embeddings of 8.

@@ -3,10 +3,10 @@
 in its TensorFlow form: a functional classifier whose `TransformerBlock`
 has a `Switch` mixture-of-experts feed-forward. The `Switch` reshapes the
 tokens to `[num_tokens_per_batch, embed_dim]`, a Python int computed from
-the data's batch size (issue 22: a batch size written as a constant), routes
+the data's batch size (a batch size written as a constant), routes
 them with a `Router` (top-1 expert, a load-balancing loss by `add_loss`,
 expert capacity, noise on the logits in training) and dispatches and
-combines with `tf.einsum` (issue 22). The noise carries an op-level seed
+combines with `tf.einsum`. The noise carries an op-level seed
 (`seed=1337`), so that plain Keras and the plugin draw the same numbers in
 training; the example's has none. Tiny sizes: 20 words, 4 tokens, batch 4,
 2 experts, embeddings of 8.

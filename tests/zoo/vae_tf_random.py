@@ -2,17 +2,16 @@
 keras.io/examples/generative/vae/) as it is often written with TensorFlow
 (and as it was for tf.keras): the `Sampling` layer draws its noise with
 `tf.random.normal(shape=(batch, dim))`, a stateful TensorFlow draw, rather
-than with `keras.random.normal` and a SeedGenerator (issue 22:
-verification refused such a model, "two runs give different output", so
-it could not train through the plugin while plain Keras trains it; now
-verification replays the original's draws in the converted run, and the
-draw is a `TFRandomDraw` graph node, so `Sampling` expands).
+than with `keras.random.normal` and a SeedGenerator. Verification once
+refused such a model ("two runs give different output"); it now replays
+the original's draws in the converted run, and the draw is a
+`TFRandomDraw` graph node, so `Sampling` expands.
 
 The draw here carries an op-level seed (`seed=1337`), so that plain Keras
 and the plugin draw the same numbers in their training steps (both under
 the harness's global seed) and the training check compares them step for
 step; the same layer without the op seed is tested in
-tests/test_tracing_idioms_round3.py, where statistics of the draws are
+tests/test_public_code_idioms.py, where statistics of the draws are
 compared. The `VAE` model's own `train_step` is the example's; its `call`
 (encode, sample, decode) is the one ports add. Tiny sizes: 8x8 images,
 latent 2.

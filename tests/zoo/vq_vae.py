@@ -2,7 +2,7 @@
 (Sayak Paul, keras.io/examples/generative/vq_vae/): a `VectorQuantizer`
 layer written with TensorFlow functions (`tf.reshape`, `tf.one_hot`,
 `tf.matmul`, `tf.argmin`, `tf.reduce_sum`) whose commitment and codebook
-losses and straight-through estimator use `tf.stop_gradient` (issue 22),
+losses and straight-through estimator use `tf.stop_gradient`,
 added with `self.add_loss` in `call`; a functional encoder and decoder
 around it, and the example's `VQVAETrainer` whose `train_step` adds the
 quantizer's losses to the reconstruction loss scaled by the data's

@@ -1,4 +1,4 @@
-"""The idioms of public code that issue 22 found left whole or failing:
+"""The idioms of public code that once stayed whole or failed:
 
 - TensorFlow functions not recorded before: `tf.range(tf.shape(x)[-1])`
   (keras.io's NER transformer), `tf.stop_gradient` (VQ-VAE's
@@ -324,7 +324,7 @@ class RoutedTokensInTensorFlow(layers.Layer):
 
 @pytest.mark.parametrize("block", [RoutedTokens, RoutedTokensInTensorFlow])
 def test_a_multiple_of_the_batch_divided_back_is_followed_at_any_batch_size(block, tmp_path):
-    """Issue 22, item 4: `ops.shape(x)[0] // k` where x has `batch * k`
+    """`ops.shape(x)[0] // k` where x has `batch * k`
     rows is the batch size at every batch size (`ops.shape(x)[0] // k` of
     the batch itself is followed at multiples of k: tests/test_batch_divisions.py)."""
     expands_exactly_at_any_batch_size(block(name="block"), tmp_path)
@@ -528,7 +528,7 @@ class Encoding(layers.Layer):
                          + self.age(ops.expand_dims(inputs["age"], -1)))
 
 
-@keras.saving.register_keras_serializable(package="kip_tests_round3")
+@keras.saving.register_keras_serializable(package="kip_tests_public_idioms")
 class MyNorm(layers.LayerNormalization):
     pass
 
