@@ -5,7 +5,9 @@ layer, as torch.fx names modules by their qualified names: `stem`,
 `blocks.0.dense` (lists and tuples by index, dicts by key), and the layers
 of a nested functional or Sequential model by the names their code gave
 them, or by their position in its `layers` where Keras named them
-(`bottom_mlp.0`, as torch.fx names a Sequential's children). Keras's own
+(`bottom_mlp.0`, as torch.fx names a Sequential's children; the layers of
+a functional model passed itself keep their Keras names, as its
+`summary()` shows them). Keras's own
 names come from a process-wide counter (`dense_7` the second time a cell
 runs); attribute paths are the same every time the same class is built, so
 a target, a config or a plan copied from one run's report works in the next.
@@ -35,15 +37,17 @@ _MAX_DEPTH = 4  # containers inside containers followed
 _NOT_A_NAME = re.compile(r"[^0-9A-Za-z_]")
 
 
-def attribute_paths(root):
+def attribute_paths(root, keras_names=False):
     """`{id(layer): path}` of every layer inside `root`, by the shortest
     attribute path from `root` (breadth first; the first attribute holding
-    a layer names it)."""
+    a layer names it). `keras_names`: `root` is a functional or Sequential
+    model given as it is (not a block inside a model), whose own layers keep
+    their Keras names, as its `summary()` shows them."""
     paths = {}
     queue = [(root, "")]
     while queue:
         layer, prefix = queue.pop(0)
-        for path, sub in _direct_layers(layer):
+        for path, sub in _direct_layers(layer, nested=layer is not root or not keras_names):
             if sub is root or id(sub) in paths:
                 continue
             paths[id(sub)] = prefix + path
@@ -57,10 +61,14 @@ def path_of(layer, paths):
     return paths.get(id(layer), layer.name)
 
 
-def _direct_layers(layer):
-    """`[(relative path, layer)]` for the layers `layer` holds directly."""
+def _direct_layers(layer, nested=True):
+    """`[(relative path, layer)]` for the layers `layer` holds directly.
+
+    The layers of a functional or Sequential model given as it is (not
+    `nested`) keep their Keras names, as its `summary()` shows them: the
+    user made those layers and holds them."""
     if isinstance(layer, keras.Sequential) or _compat.is_graph_model(layer):
-        return [(str(index) if _named_by_keras(sub) else _clean(sub.name), sub)
+        return [(str(index) if nested and _named_by_keras(sub) else _clean(sub.name), sub)
                 for index, sub in enumerate(layer.layers)]
     if (type(layer).__module__ or "").startswith("keras.") and not _compat.sub_layers(
             layer, recursive=False):

@@ -58,7 +58,8 @@ def collect_nodes(outputs, placeholders, prefix, pinned, opaque_layers=None, rea
     in call order (`add`, `add_1`): Keras's own names count every call in
     the process, so they change each time a model is built."""
     none_leaves = {} if none_leaves is None else none_leaves
-    paths = attribute_paths(owner) if owner is not None else {}
+    # A model traced at the top (no prefix) is one given as it is.
+    paths = attribute_paths(owner, keras_names=not prefix) if owner is not None else {}
     opaque_layers = {} if opaque_layers is None else opaque_layers
     values = dict(placeholders)  # id(KerasTensor) -> Value
     nodes, names = [], Namespace()
