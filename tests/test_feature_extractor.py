@@ -149,6 +149,41 @@ def test_a_subclassed_model_is_refused_with_the_way_to_convert_it(net):
         kip.create_feature_extractor(net[0], ["b1"])
 
 
+@pytest.mark.parametrize("kind", ["converted", "recompute_blocks", "pipeline_blocks"])
+def test_a_path_inside_a_kept_block_is_reached_by_expanding_only_the_blocks_on_the_way(net, kind):
+    """As torchvision reaches any module: `outer.block.dense` lies two
+    blocks deep in a model whose blocks are kept whole."""
+    model, converted = net
+    passes, _ = PASSES[kind]
+    passed = kip.apply_passes(converted, passes) if passes else converted
+    paths = ["b1.dense", "outer.block.dense", "b2"]
+    features = kip.create_feature_extractor(passed, paths)
+    references = _references(model, X)
+    outputs = features(X)
+    for path in paths:
+        np.testing.assert_allclose(outputs[path], references[path], rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+    # Only the blocks on the way were expanded: `b2` is still one node.
+    assert "b2" in {layer.name for layer in features.layers}
+    assert "b2.dense" not in [node.name for node in features.kip_graph.nodes]
+    assert [node.name for node in passed.kip_graph.nodes] == [
+        node.name for node in (kip.apply_passes(converted, passes) if passes else converted
+                               ).kip_graph.nodes]  # the model given is left as it was
+
+
+def test_a_plugin_model_gives_its_converted_graph_once_it_has_seen_a_batch():
+    keras.utils.set_random_seed(1)
+    model = Net()
+    plugin = kip.PluginModel(model)
+    with pytest.raises(kip.PassError, match="has not seen a batch yet.*plugin\\(x\\)"):
+        kip.create_feature_extractor(plugin, ["b1.dense"])
+    plugin(X)
+    features = kip.create_feature_extractor(plugin, ["b1.dense", "head"])
+    references = _references(model, X)
+    for path in ("b1.dense", "head"):
+        np.testing.assert_allclose(features(X)[path], references[path], rtol=1e-5, atol=1e-6)
+
+
 def test_the_grad_cam_example_runs_and_gives_one_map_per_image(capsys):
     import importlib.util
     from pathlib import Path

@@ -13,7 +13,10 @@ outputs of the nodes asked for, and only the nodes they need.
 A path is what the report shows: a node's path (`"stem"`,
 `"blocks.1.dense"`), a layer's Keras name, or the path of a block Expand
 inlined, which stands for the block's output (the values its nodes hand
-to the rest of the graph).
+to the rest of the graph). A path inside a block kept whole
+(`"units.2.proj"`, the `proj` layer of the node `units.2`) is reached as
+torchvision reaches any module: the blocks on the way to it are expanded
+(only those; the result verified as every pass is).
 
 Example:
     >>> features = kip.create_feature_extractor(passed, ["blocks.1", "head"])
@@ -27,7 +30,9 @@ import keras
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.graph import values_in
+from keras_ipu_plugin.passes.core.manager import apply_passes
 from keras_ipu_plugin.passes.core.manager import graph_of_model
+from keras_ipu_plugin.passes.expand import Expand
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
@@ -36,9 +41,11 @@ def create_feature_extractor(model, return_nodes):
     the outputs of the nodes named in `return_nodes`: a list of paths (the
     outputs are then a dict keyed by path) or a dict `{path: output name}`.
 
-    `model` is a converted model or the result of `apply_passes` (any
-    functional model works too). Annotations of passes (recompute
-    checkpoints, stages, outlining) stay on the nodes kept.
+    `model` is a converted model, the result of `apply_passes` (any
+    functional model works too) or a `PluginModel` that has seen a batch
+    (its converted graph). Annotations of passes (recompute checkpoints,
+    stages, outlining) stay on the nodes kept. A path inside a block kept
+    whole expands the blocks on the way to it (see the module docstring).
 
     Example:
         >>> converted = kip.convert_to_functional(model, x)
@@ -46,6 +53,7 @@ def create_feature_extractor(model, return_nodes):
         >>> features(x)["feature_map"].shape
     """
     names = _output_names(return_nodes)
+    model = _expanded_to_reach(_graph_model(model), list(names))
     graph = graph_of_model(model, "create_feature_extractor")
     outputs = {name: _value_at(graph, path) for path, name in names.items()}
     needed = _ancestors(values_in(outputs))
@@ -53,6 +61,47 @@ def create_feature_extractor(model, return_nodes):
     graph.outputs = outputs
     graph.lint()
     return rebuild(graph, name=f"{model.name}_features")
+
+
+def _graph_model(model):
+    """`model`, or the converted graph of a `PluginModel` (a model whose
+    class has a `converted` property), which must have seen a batch."""
+    if isinstance(getattr(type(model), "converted", None), property):
+        if model.converted is None:
+            raise PassError(
+                f"create_feature_extractor: the PluginModel `{model.name}` has not seen a "
+                "batch yet, so it has no converted graph: call it once (`plugin(x)`, "
+                "`plugin.predict(x)` or `plugin.fit(...)`) first.")
+        return model.converted
+    return model
+
+
+_MAX_LEVELS = 32  # blocks nested in blocks expanded on the way to a path
+
+
+def _expanded_to_reach(model, paths):
+    """`model` with the blocks kept whole on the way to `paths` expanded,
+    one level at a time (`apply_passes` verifies each), or `model` itself
+    when every path names a node or an expanded block already."""
+    for _ in range(_MAX_LEVELS):
+        graph = graph_of_model(model, "create_feature_extractor")
+        blocks = sorted({
+            node.name for path in paths if _lookup(graph, path) is None
+            for node in graph.nodes if node.is_layer and path.startswith(node.name + ".")})
+        if not blocks:
+            return model
+        expanded = apply_passes(model, [Expand(blocks)])
+        still_whole = [name for name in blocks
+                       if any(node.name == name for node in expanded.kip_graph.nodes)]
+        if still_whole:
+            reasons = expanded.kip_report.opaque if expanded.kip_report is not None else {}
+            raise PassError(
+                "create_feature_extractor: cannot reach inside "
+                + ", ".join(f"`{name}`" + (f" ({reasons[name]})" if name in reasons else "")
+                            for name in still_whole)
+                + ": it stays one node, so its inner layers' outputs are not in the graph.")
+        model = expanded
+    return model
 
 
 def _output_names(return_nodes):
@@ -80,8 +129,8 @@ def _output_names(return_nodes):
     return names
 
 
-def _value_at(graph, path):
-    """The Value (or tuple of Values) `path` names in `graph`."""
+def _lookup(graph, path):
+    """The Value (or tuple of Values) `path` names in `graph`, or None."""
     node = next((n for n in graph.nodes if n.name == path), None)
     if node is None:  # a Keras layer name, used as an alias
         named = [n for n in graph.nodes
@@ -98,6 +147,15 @@ def _value_at(graph, path):
     block = _block_outputs(graph, path)
     if block:
         return block[0] if len(block) == 1 else tuple(block)
+    return None
+
+
+def _value_at(graph, path):
+    """The Value (or tuple of Values) `path` names in `graph`; `PassError`
+    with the nearest paths otherwise."""
+    found = _lookup(graph, path)
+    if found is not None:
+        return found
     known = [n.name for n in graph.nodes] + sorted(
         {b.path for n in graph.nodes for b in n.from_blocks})
     near = difflib.get_close_matches(path, known, n=5, cutoff=0.5)
