@@ -21,6 +21,7 @@ from keras_ipu_plugin.frontend.convert import Converter
 from keras_ipu_plugin.frontend.convert import convert_to_functional
 from keras_ipu_plugin.passes.core.config import passes_from_config
 from keras_ipu_plugin.passes.features import create_feature_extractor
+from keras_ipu_plugin.passes.plain_keras import to_keras
 from keras_ipu_plugin.passes.core.config import register_layer
 from keras_ipu_plugin.passes.core.manager import apply_passes
 from keras_ipu_plugin.report import Report
@@ -42,5 +43,5 @@ __all__ = [
     "IpuError", "KipFunctional", "LayerAlias", "LoadError", "ModeSwitch", "NewVariablesError", "OpaqueLayer", "PassError",
     "PluginCallback", "PluginModel", "Report", "apply_passes", "backend", "create_feature_extractor",
     "convert_to_functional", "ipu_replacements", "passes", "passes_from_config",
-    "register_layer", "scope", "scope_report", "summary",
+    "register_layer", "scope", "scope_report", "summary", "to_keras",
 ]

@@ -136,6 +136,17 @@ def test_expand_all_leaves_custom_layers_only_in_the_models_stated(name):
 
 
 @pytest.mark.parametrize("name", CORPUS, scope="module")
+def test_to_keras_serves_the_expanded_model_or_names_what_needs_kip(name):
+    """A plain Keras model of the expanded graph computes its outputs; a
+    model keeping kip's or its own classes is n/a, with those nodes named."""
+    _expansion(name)
+    result = harness.check_to_keras(name)
+    assert result.status in (harness.PASS, harness.NA), result.detail
+    if result.status == harness.NA:
+        assert "not Keras's own classes" in result.detail
+
+
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_node_paths_are_equal_across_two_builds(name):
     _expansion(name)  # the first build's paths
     _assert_ok(harness.check_stable_paths(name))

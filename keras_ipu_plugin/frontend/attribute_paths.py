@@ -13,7 +13,8 @@ runs); attribute paths are the same every time the same class is built, so
 a target, a config or a plan copied from one run's report works in the next.
 
 A layer reached by no attribute (made inside `call`, a module-level layer)
-keeps its Keras name. Keras's own bookkeeping attributes (`_layers`,
+keeps the name its code gave it, or is named by its class and numbered in
+call order where Keras named it (`concatenate`, `concatenate_1`). Keras's own bookkeeping attributes (`_layers`,
 `_tracked`, ...) are never part of a path.
 
 Example:
@@ -56,9 +57,18 @@ def attribute_paths(root, keras_names=False):
 
 
 def path_of(layer, paths):
-    """`layer`'s path in `paths` (`attribute_paths` of its owner), or its
-    Keras name when no attribute holds it."""
-    return paths.get(id(layer), layer.name)
+    """`layer`'s path in `paths` (`attribute_paths` of its owner), else its
+    `stable_name`."""
+    return paths.get(id(layer), None) or stable_name(layer)
+
+
+def stable_name(layer):
+    """`layer`'s name where its code gave it one, else the name Keras gives
+    its class without the process-wide counter (`concatenate` for
+    `concatenate_14`): a layer made inside `call` is a new object with a new
+    counter name each build, so the graph numbers it in call order instead,
+    as it numbers `keras.ops` calls."""
+    return _compat.auto_layer_name_base(layer) if _named_by_keras(layer) else layer.name
 
 
 def _direct_layers(layer, nested=True):
@@ -123,4 +133,4 @@ def _clean(name):
     return _NOT_A_NAME.sub("_", name) or "_"
 
 
-__all__ = ["attribute_paths", "path_of"]
+__all__ = ["attribute_paths", "path_of", "stable_name"]

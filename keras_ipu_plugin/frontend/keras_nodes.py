@@ -20,6 +20,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.attribute_paths import path_of
+from keras_ipu_plugin.frontend.attribute_paths import stable_name
 from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.traced_idioms import unknown_sizes
 from keras_ipu_plugin.frontend.failures import STATIC_BATCH_HINT
@@ -194,7 +195,7 @@ def _node_name(operation, paths):
         return paths[id(operation)]
     if isinstance(operation, keras.layers.Layer) and not isinstance(
             operation, (BatchSizedOperation, RandomDraw)):
-        return operation.name
+        return stable_name(operation)
     return _AUTO_SUFFIX.sub("", operation.name) or "op"
 
 

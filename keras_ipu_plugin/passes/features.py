@@ -53,7 +53,7 @@ def create_feature_extractor(model, return_nodes):
         >>> features(x)["feature_map"].shape
     """
     names = _output_names(return_nodes)
-    model = _expanded_to_reach(_graph_model(model), list(names))
+    model = _expanded_to_reach(graph_model(model, "create_feature_extractor"), list(names))
     graph = graph_of_model(model, "create_feature_extractor")
     outputs = {name: _value_at(graph, path) for path, name in names.items()}
     needed = _ancestors(values_in(outputs))
@@ -63,13 +63,14 @@ def create_feature_extractor(model, return_nodes):
     return rebuild(graph, name=f"{model.name}_features")
 
 
-def _graph_model(model):
+def graph_model(model, caller):
     """`model`, or the converted graph of a `PluginModel` (a model whose
-    class has a `converted` property), which must have seen a batch."""
+    class has a `converted` property), which must have seen a batch
+    (`caller` names the function in errors)."""
     if isinstance(getattr(type(model), "converted", None), property):
         if model.converted is None:
             raise PassError(
-                f"create_feature_extractor: the PluginModel `{model.name}` has not seen a "
+                f"{caller}: the PluginModel `{model.name}` has not seen a "
                 "batch yet, so it has no converted graph: call it once (`plugin(x)`, "
                 "`plugin.predict(x)` or `plugin.fit(...)`) first.")
         return model.converted
@@ -196,4 +197,4 @@ def _ancestors(values):
     return needed
 
 
-__all__ = ["create_feature_extractor"]
+__all__ = ["create_feature_extractor", "graph_model"]

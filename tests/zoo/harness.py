@@ -74,7 +74,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 PASS, FAIL, ERROR, NA = "pass", "fail", "error", "n/a"
 CHECKS = (
-    "traced", "expand", "custom_left", "replace", "plugin_model", "plugin_callback",
+    "traced", "expand", "custom_left", "to_keras", "replace", "plugin_model", "plugin_callback",
     "fit_expand", "fit_recompute", "fit_adam",
 )
 #: The fit checks: `check_fit(name, how)` for each.
@@ -355,10 +355,11 @@ def check_expand(name):
         shared = shared_conversion(subject)
         parts = shared.parts
         differences, left, errors = [], [], []
-        paths = []
+        paths, plain = [], []
         for (label, part, inputs), converted in shared.for_passes():
             passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
             paths.append(sorted(node.name for node in graph_nodes(passed.kip_graph)))
+            plain.append(_plain_keras_result(label, passed, inputs))
             left += [(label, *entry) for entry in custom_layers_left(passed)]
             try:
                 difference = compare_models(part, passed, inputs, gradients=True)
@@ -373,6 +374,7 @@ def check_expand(name):
                 differences.append(_labelled(label, difference, parts))
         outcome["left"] = (left, parts)
         _EXPANDED_PATHS[name] = paths
+        _TO_KERAS[name] = plain
         shared.check_unchanged("Expand")
         if errors:
             return ERROR, "; ".join(errors + differences)
@@ -389,6 +391,55 @@ def check_expand(name):
 
 
 _EXPANDED_PATHS = {}  # model name -> the node paths of check_expand's expanded parts
+_TO_KERAS = {}  # model name -> [(status, detail)] of `kip.to_keras` per expanded part
+
+
+def _plain_keras_result(label, passed, inputs):
+    """`(status, detail)` of `kip.to_keras` on one expanded part: PASS when
+    the plain Keras model computes the part's outputs, NA when the graph
+    holds nodes of kip's or the model's classes (named in the detail)."""
+    try:
+        plain = kip.to_keras(passed)
+    except kip.PassError as error:
+        if "not Keras's own classes" in str(error):
+            return NA, f"{label}: {_first_line(error)}"
+        return FAIL, f"{label}: {_first_line(error)}"
+    except Exception as error:  # noqa: BLE001 - the board must go on
+        return FAIL, f"{label}: to_keras raised {describe_error(error)}"
+    try:
+        expected, got = passed(inputs), plain(inputs)
+    except Exception as error:  # noqa: BLE001 - the plain model crashes
+        return FAIL, f"{label}: the plain Keras model fails when called: {describe_error(error)}"
+    expected, got = keras.tree.flatten(expected), keras.tree.flatten(got)
+    if len(expected) != len(got):
+        return FAIL, f"{label}: {len(got)} outputs instead of {len(expected)}"
+    for index, (a, b) in enumerate(zip(expected, got)):
+        difference = difference_of(a, b)
+        if difference:
+            return FAIL, f"{label}: output {index} {difference}"
+    return PASS, label
+
+
+def check_to_keras(name):
+    """`kip.to_keras` of each part after `Expand("all")` (check_expand's
+    run): pass when every part is served by a model of Keras's own classes
+    computing its outputs; n/a when a part keeps nodes that need kip."""
+
+    def run():
+        if name not in _TO_KERAS:
+            check_expand(name)
+        results = _TO_KERAS.get(name)
+        if results is None:
+            return ERROR, "Expand failed"
+        failed = [detail for status, detail in results if status == FAIL]
+        if failed:
+            raise CheckFailed("; ".join(failed))
+        kept = [detail for status, detail in results if status == NA]
+        if kept:
+            return NA, "; ".join(kept)
+        return PASS, "a Keras-only model computes the outputs"
+
+    return _run_check(name, "to_keras", run)
 
 
 def expanded_paths(name):
@@ -970,8 +1021,10 @@ def check_model(name, checks=CHECKS):
     results = {}
     if "traced" in checks:
         results["traced"] = check_traced(name)
-    if "expand" in checks or "custom_left" in checks:
+    if "expand" in checks or "custom_left" in checks or "to_keras" in checks:
         results["expand"], results["custom_left"] = check_expand(name)
+    if "to_keras" in checks:
+        results["to_keras"] = check_to_keras(name)
     if "replace" in checks:
         results["replace"] = check_replace(name)
     for how in FITS:

@@ -1,0 +1,141 @@
+"""`to_keras`: a plain Keras functional model, for files anyone can load.
+
+A converted or passed model is a `KipFunctional`: its `.keras` file names
+kip's classes, so loading it needs `import keras_ipu_plugin` (and the
+user's own layer classes registered). Where every node of the graph is one
+of Keras's own layers or `keras.ops` operations, which is what `Expand("all")`
+leaves of most models, the same computation fits in a model of Keras's own
+classes only, whose file loads with Keras alone.
+
+The plain model's layers are copies of the graph's (made from their
+configs, with their weights as they are now), each named by its node's
+path (`blocks.0.dense`): a functional model needs one name per layer, and
+the sub-layers of different blocks often share one (`conv1` in every
+block). A layer called at several nodes is one copy called at each. Pass
+annotations (recompute checkpoints, stages, outlining) say how kip runs a
+graph, not what it computes, and are not kept.
+
+Example:
+    >>> passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
+    >>> kip.to_keras(passed).save("plain.keras")   # loads without kip
+"""
+
+import keras
+
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.ir.graph import map_leaves
+from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.passes.core.manager import graph_of_model
+from keras_ipu_plugin.passes.features import graph_model
+
+
+def to_keras(model):
+    """A `keras.Model` of Keras's own classes computing what `model` does.
+
+    `model` is a converted model, the result of `apply_passes`, or a
+    `PluginModel` that has seen a batch. Raises `kip.PassError` naming the
+    nodes whose classes are kip's or the user's (a layer `Expand` left
+    whole, a `tf.*` call, a variable read): those need
+    `import keras_ipu_plugin`, and the user's classes registered, to load.
+
+    Example:
+        >>> plain = kip.to_keras(kip.apply_passes(converted, [kip.passes.Expand("all")]))
+        >>> plain.save("plain.keras")
+        >>> keras.models.load_model("plain.keras")  # in a process without kip
+    """
+    source = graph_model(model, "to_keras")
+    graph = graph_of_model(source, "to_keras")
+    foreign = [(node.name, what) for node in graph.nodes
+               for what in _classes_not_keras(node.operation)[:1]]
+    if foreign:
+        listing = ", ".join(f"`{name}` ({what})" for name, what in foreign[:8])
+        more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+        raise PassError(
+            f"to_keras: `{source.name}` has nodes that are not Keras's own classes: "
+            f"{listing}{more}. Their file needs `import keras_ipu_plugin` (and your layer "
+            "classes registered) to load; `Expand(\"all\")` turns your own layers into "
+            "Keras's where their code allows, and the report says why a layer stays whole.")
+    inputs = keras.tree.map_structure(lambda spec: spec.keras_input(), graph.input_specs)
+    tensors = {id(value): tensor for value, tensor in zip(
+        keras.tree.flatten(graph.input_values), keras.tree.flatten(inputs))}
+    names = Namespace(spec.name for spec in keras.tree.flatten(graph.input_specs))
+    copies = {}
+
+    def resolve(leaf):
+        return tensors[id(leaf)] if isinstance(leaf, Value) else leaf
+
+    for node in graph.nodes:
+        operation = node.operation
+        if id(operation) not in copies:
+            copies[id(operation)] = _copy(operation, names.create(_layer_name(node.name)))
+        args = map_leaves(resolve, node.args)
+        kwargs = map_leaves(resolve, node.kwargs)
+        kwargs.pop("training", None)
+        if node.training in (True, False):
+            kwargs["training"] = node.training
+        outputs = keras.tree.flatten(copies[id(operation)](*args, **kwargs))
+        for value, tensor in zip(node.outputs, outputs):
+            tensors[id(value)] = tensor
+    outputs = map_leaves(resolve, graph.outputs)
+    return keras.Model(inputs, outputs, name=f"{source.name}_keras")
+
+
+def _classes_not_keras(operation):
+    """The classes a file of `operation` would name that Keras alone does
+    not resolve: its own, or what its config holds (a user's regularizer,
+    initializer or activation inside a Keras `Dense`)."""
+    cls = type(operation)
+    if not _is_keras_module(cls.__module__):
+        return [f"{cls.__module__}.{cls.__qualname__}"]
+    try:
+        config = keras.saving.serialize_keras_object(operation)
+    except Exception as error:  # noqa: BLE001 - what Keras cannot save, a file cannot hold
+        return [f"{cls.__qualname__} whose config Keras cannot serialize ({error})"]
+    found = []
+
+    def visit(value):
+        if isinstance(value, dict):
+            module = value.get("module")
+            if isinstance(module, str) and "class_name" in value and not _is_keras_module(module):
+                found.append(f"{module}.{value['class_name']} in its config")
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(config.get("config", {}))
+    return found
+
+
+def _is_keras_module(module):
+    """Whether a class of `module` is one of Keras's own (a file names it
+    and Keras alone resolves it)."""
+    module = module or ""
+    return module in ("keras", "builtins") or module.startswith("keras.")
+
+
+def _layer_name(path):
+    return path.replace("/", "_") or "layer"
+
+
+def _copy(operation, name):
+    """A new `operation` of the same class and config, named `name`, with
+    the same weights (a layer) now."""
+    config = dict(operation.get_config(), name=name)
+    copy = type(operation).from_config(config)
+    if isinstance(operation, keras.layers.Layer) and operation.weights:
+        build_config = operation.get_build_config()
+        if build_config is not None:
+            copy.build_from_config(build_config)
+        if len(copy.weights) != len(operation.weights):
+            raise PassError(
+                f"to_keras: the copy of `{operation.name}` ({type(operation).__name__}) made "
+                f"from its config has {len(copy.weights)} weights where the layer has "
+                f"{len(operation.weights)}; its weights cannot be copied.")
+        copy.set_weights(operation.get_weights())
+    return copy
+
+
+__all__ = ["to_keras"]
