@@ -148,10 +148,22 @@ def inspect(args):
             raise CliError(f"--passes {args.passes}: {error}")
     try:
         converted = kip.convert_to_functional(model, data, verify=not args.no_verify)
+        if not args.dtype:
+            token_data = _token_ids_for_embeddings(converted, data, int_range, args.seed)
+            if token_data is not None:
+                # float32 is the default; an input an Embedding reads is ids
+                print("note: inputs an Embedding reads are drawn as int32 ids "
+                      "(--dtype chooses otherwise)")
+                data = token_data
+                converted = kip.convert_to_functional(model, data, verify=not args.no_verify)
         if passes:
             converted = kip.apply_passes(converted, passes, verify=not args.no_verify)
     except (ValueError, TypeError) as error:
-        raise CliError(f"{type(error).__name__}: {error}")
+        hint = ""
+        if not args.dtype:
+            hint = (" (the inputs were float32, the default: a model taking token ids or "
+                    "other integers needs --dtype int32)")
+        raise CliError(f"{type(error).__name__}: {error}{hint}")
 
     print(f"model: {type(model).__name__} from {args.target}")
     print(f"inputs: {describe_inputs(data)}")
@@ -234,7 +246,20 @@ def load_target(target):
     try:
         return getattr(module, name)
     except AttributeError:
-        raise CliError(f"{path} has no `{name}`.", EXIT_USAGE) from None
+        raise CliError(f"{path} has no `{name}`; {_callables_of(module)}", EXIT_USAGE) from None
+
+
+def _callables_of(module):
+    """What `FILE.py:NAME` may name in `module`: its own classes and
+    functions (not those it imported)."""
+    names = sorted(
+        attribute for attribute, value in vars(module).items()
+        if not attribute.startswith("_") and callable(value)
+        and getattr(value, "__module__", None) == module.__name__)
+    if not names:
+        return "it defines no class or function."
+    shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    return f"it defines {shown}."
 
 
 def instantiate(factory, target):
@@ -336,6 +361,24 @@ def random_inputs(shapes, dtypes, batch_size, int_range, seed):
             raise CliError("--data-shape names must be distinct.", EXIT_USAGE)
         return dict(zip(names, arrays))
     return arrays[0] if len(arrays) == 1 else arrays
+
+
+def _token_ids_for_embeddings(converted, data, int_range, seed):
+    """`data` with each float input that an `Embedding` reads directly drawn
+    as int32 ids from `int_range` instead, or None where there is none."""
+    import keras
+
+    leaves = keras.tree.flatten(data)
+    values = keras.tree.flatten(converted.kip_graph.input_values)
+    rng = np.random.default_rng(seed)
+    changed = False
+    for index, (leaf, value) in enumerate(zip(leaves, values)):
+        reads = [user for user in value.users
+                 if isinstance(getattr(user, "operation", None), keras.layers.Embedding)]
+        if reads and np.asarray(leaf).dtype.kind == "f":
+            leaves[index] = rng.integers(*int_range, size=np.shape(leaf)).astype("int32")
+            changed = True
+    return keras.tree.pack_sequence_as(data, leaves) if changed else None
 
 
 def describe_inputs(data):

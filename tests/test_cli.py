@@ -116,3 +116,38 @@ def test_python_dash_m_runs_the_cli():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "keras_ipu_plugin report" in result.stdout
     assert "Total params" in result.stdout
+
+
+_TOKEN_MODEL = '''
+import keras
+
+
+class Tokens(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Embedding(10, 4)
+        self.head = keras.layers.Dense(2)
+
+    def call(self, ids):
+        return self.head(keras.ops.mean(self.embed(ids), axis=1))
+
+
+def helper():
+    return None
+'''
+
+
+def test_a_name_the_file_lacks_lists_what_it_defines(tmp_path, capsys):
+    (tmp_path / "tokens.py").write_text(_TOKEN_MODEL)
+    assert cli.main(["inspect", f"{tmp_path / 'tokens.py'}:Token", "--data-shape", "5"]) == 2
+    assert "has no `Token`; it defines Tokens, helper." in capsys.readouterr().err
+
+
+def test_an_input_an_embedding_reads_is_drawn_as_ids_without_dtype(tmp_path, capsys):
+    """Without --dtype the inputs are float32; random floats as ids would
+    convert a model fed values no tokenizer makes."""
+    (tmp_path / "tokens.py").write_text(_TOKEN_MODEL)
+    assert cli.main(["inspect", f"{tmp_path / 'tokens.py'}:Tokens", "--data-shape", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs an Embedding reads are drawn as int32 ids" in out
+    assert "int32" in out.split("inputs:", 1)[1].splitlines()[0]
