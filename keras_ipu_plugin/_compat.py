@@ -1002,7 +1002,17 @@ def masks_keras_would_pass(layer, args, kwargs):
     from keras import tree
     from keras.src.layers.layer import CallSpec
 
-    call_spec = CallSpec(layer._call_signature, layer._call_context_args, args, dict(kwargs))
+    import numpy as np
+    import keras
+
+    # `__call__` converts arrays to tensors before it reads the arguments
+    # (a graph layer's `(x, self.edges)`), and such tensors carry no mask:
+    # stand-ins of their specs keep a nest mixing them with KerasTensors,
+    # which Keras refuses, as Keras reads it.
+    args, kwargs = tree.map_structure(
+        lambda leaf: keras.KerasTensor(leaf.shape, dtype=leaf.dtype.name)
+        if isinstance(leaf, np.ndarray) else leaf, (args, dict(kwargs)))
+    call_spec = CallSpec(layer._call_signature, layer._call_context_args, args, kwargs)
     added = {}
     tensors = call_spec.tensor_arguments_dict
     if len(tensors) == 1:

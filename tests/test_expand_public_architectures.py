@@ -471,3 +471,41 @@ def test_a_layer_whose_own_output_spec_takes_no_training_argument_traces():
     for got, want in zip(_gradients(passed, x, model.trainable_variables),
                          _gradients(model, x, model.trainable_variables)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+class _GraphConv(layers.Layer):
+    """Graph convolution as keras.io's GNN examples call it: node features
+    in a tuple with the graph's edges and weights, NumPy arrays the model holds."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(4)
+
+    def call(self, inputs):
+        x, edges, weights = inputs
+        messages = ops.take(self.dense(x), edges[:, 1], axis=0) * ops.expand_dims(weights, -1)
+        return ops.segment_sum(messages, edges[:, 0], num_segments=6)
+
+
+class _GraphNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.edges = np.array([[0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 0]], "int32")
+        self.edge_weights = np.linspace(0.5, 1.0, 6).astype("float32")
+        self.conv1 = _GraphConv()
+        self.head = layers.Dense(2)
+
+    def call(self, x):
+        return self.head(self.conv1((x, self.edges, self.edge_weights)))
+
+
+def test_a_layer_called_on_a_tuple_mixing_a_tensor_and_arrays_expands():
+    """Keras refuses a symbolic nest mixing tensors and arrays; `__call__`
+    turns the arrays into tensors first, and Expand reads the call as it does."""
+    keras.utils.set_random_seed(0)
+    model = _GraphNet()
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    names = [node.name for node in passed.kip_graph.nodes]
+    assert "conv1.dense" in names and "conv1" not in names
+    np.testing.assert_allclose(passed(x), model(x), rtol=1e-6, atol=1e-6)
