@@ -167,8 +167,31 @@ class WrapsForeign(keras.Model):
         return self.foreign["module"](self.dense(inputs))
 
 
+class RawVariableCell(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tau = tf.Variable(tf.ones((3,)), name="raw_tau")  # Keras 3 ignores it
+
+    def call(self, inputs):
+        return inputs * self.tau
+
+
+class InFunctional(keras.Model):
+    """The cell inside a functional sub-model: its path goes through the
+    sub-model's layers, not Keras's private `_layers` list."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        inputs = keras.Input((3,))
+        self.body = keras.Model(inputs, RawVariableCell(name="cell")(keras.layers.Dense(3)(inputs)))
+
+    def call(self, inputs):
+        return self.body(inputs)
+
+
 @pytest.mark.parametrize("model_class, named", [
     (RawVariable, r"`scale` \(tf.Variable 'raw_scale:0'\)"),
+    (InFunctional, r"`body.cell.tau` \(tf.Variable 'raw_tau:0'\)"),
     (HiddenLayer, r"`holder.head.\w*kernel`"),
     (WrapsForeign, r"`foreign.module.w` \(tf.Variable 'foreign_w:0'\)"),
 ])

@@ -48,7 +48,7 @@ def attribute_paths(root, keras_names=False):
     queue = [(root, "")]
     while queue:
         layer, prefix = queue.pop(0)
-        for path, sub in _direct_layers(layer, nested=layer is not root or not keras_names):
+        for path, sub in direct_layers(layer, nested=layer is not root or not keras_names):
             if sub is root or id(sub) in paths:
                 continue
             paths[id(sub)] = prefix + path
@@ -71,7 +71,7 @@ def stable_name(layer):
     return _compat.auto_layer_name_base(layer) if _named_by_keras(layer) else layer.name
 
 
-def _direct_layers(layer, nested=True):
+def direct_layers(layer, nested=True):
     """`[(relative path, layer)]` for the layers `layer` holds directly.
 
     The layers of a functional or Sequential model given as it is (not
@@ -133,4 +133,4 @@ def _clean(name):
     return _NOT_A_NAME.sub("_", name) or "_"
 
 
-__all__ = ["attribute_paths", "path_of", "stable_name"]
+__all__ = ["attribute_paths", "direct_layers", "path_of", "stable_name"]

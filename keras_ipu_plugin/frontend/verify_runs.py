@@ -16,8 +16,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
+from keras_ipu_plugin.frontend.attribute_paths import direct_layers
 from keras_ipu_plugin.frontend.failures import essential_message
 from keras_ipu_plugin.frontend.failures import failing_layer as _failing_layer
 from keras_ipu_plugin.frontend.verify_compare import as_numpy
@@ -237,8 +239,19 @@ def _children(obj, path):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
+    elif isinstance(obj, keras.Sequential) or _compat.is_graph_model(obj):
+        # A functional model's layers are named as in node paths (by name,
+        # or by position where Keras named them), not by its `_layers`.
+        items = direct_layers(obj)
     elif hasattr(obj, "__dict__"):
-        items = vars(obj).items()
+        # Public attributes first, and none of Keras's bookkeeping (`_layers`
+        # holds every sub-layer too): a message names `cell.tau`, the
+        # attribute the user wrote, not `_layers.5.tau`.
+        bookkeeping = _compat.layer_bookkeeping_attributes() if isinstance(
+            obj, keras.layers.Layer) else ()
+        items = sorted(((key, value) for key, value in vars(obj).items()
+                        if key not in bookkeeping),
+                       key=lambda item: str(item[0]).startswith("_"))
     else:
         return []
     return [(value, f"{path}.{key}" if path else str(key)) for key, value in items
