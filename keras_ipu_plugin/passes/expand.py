@@ -120,10 +120,12 @@ def expand_to_reach(graph, target, report, step):
     """Expand the custom layers that hold `target` (a name, a `parent.child`
     path or a class) among their sub-layers, recursively, until the layers
     it matches are nodes of the graph; a class target then matches a block
-    wherever it sits. Raises `PassError` naming the layer when one that
-    holds it cannot be expanded. `"all"` needs nothing."""
+    wherever it sits. Returns `[(node path, reason)]` for the layers holding
+    it that stay out of reach (each also in the report, "not reached");
+    raises `PassError` naming the layer when the target is found nowhere
+    else. `"all"` needs nothing."""
     if target == ALL:
-        return
+        return []
     if isinstance(target, Chain):
         # Its layer steps are reached as targets of their own; an operation
         # step is found wherever Expand has made one a node.
@@ -133,7 +135,7 @@ def expand_to_reach(graph, target, report, step):
                 _expandable(node) and not node.opaque_reason
                 and not matches(node, lead, alias) and contains(node, lead, alias)
             ), report, step, recursive=True)
-        return
+        return []
     # Decided before expanding: a path stays a path as its holders expand.
     aliases = not names_a_path(graph, target)
 
@@ -144,33 +146,43 @@ def expand_to_reach(graph, target, report, step):
         )
 
     opaque = expand_graph(graph, holds_target, report, step, recursive=True)
-    if opaque:
-        node = opaque[0]
-        raise PassError(
-            f"{step}: target {describe(target)} is inside layer "
-            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
-        )
-    # Layers kept opaque at conversion hold what they hold out of reach:
-    # the target is an error if found nowhere else, else the report says
-    # which of its layers were not reached.
+    # What stays out of reach: layers that cannot be expanded (now, or kept
+    # opaque at conversion), and Keras's own layers holding layers (an RNN's
+    # cell, Bidirectional, TimeDistributed), which Expand does not inline.
+    # The target is an error if found nowhere else, else the report names
+    # each layer not reached, with why.
+    reasons = {id(node): node.opaque_reason for node in opaque}
     unreached = [
         node for node in graph.nodes
-        if node.opaque_reason and not matches(node, target, aliases)
+        if node.is_layer and not matches(node, target, aliases)
+        and (node.opaque_reason or id(node) in reasons or not _expandable(node))
         and contains(node, target, aliases)
     ]
     if not unreached:
-        return
+        return []
     found = (any(matches(node, target, aliases) for node in graph.nodes)
              or matched_blocks(graph, target))
     if not found:
         node = unreached[0]
         raise PassError(
             f"{step}: target {describe(target)} is inside layer "
-            f"`{node.name}`, which cannot be expanded: {node.opaque_reason}"
+            f"`{node.name}`, which cannot be expanded: {_why_not_reached(node, reasons)}"
         )
+    left = []
     for node in unreached:
+        why = _why_not_reached(node, reasons)
         report.add(step, node.name, "not reached",
-                   f"{describe(target)} inside it stays as it is: {node.opaque_reason}")
+                   f"{describe(target)} inside it stays as it is: {why}")
+        left.append((node.name, why))
+    return left
+
+
+def _why_not_reached(node, reasons):
+    reason = node.opaque_reason or reasons.get(id(node))
+    if reason:
+        return reason
+    return (f"`{node.name}` is a {type(node.operation).__name__}, one of Keras's own layers "
+            "holding layers (an RNN's cell, a wrapper), which Expand does not inline")
 
 
 def _expandable(node):

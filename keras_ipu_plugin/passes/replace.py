@@ -5,7 +5,10 @@ Each target's nodes call a new layer made by its `Replacement` (see
 call sites stay shared, or the layer an earlier conversion of the same
 model made (trained since). Targets inside custom layers that are not
 expanded are reached by expanding the layers that contain them, which the
-report says.
+report says. A matching layer out of reach (inside a layer that cannot be
+expanded, or inside Keras's own layers holding layers: an RNN's cell, a
+wrapper) is named in the report as "not reached", with why;
+`strict=True` makes any such layer an error instead.
 """
 
 import keras
@@ -40,6 +43,9 @@ from keras_ipu_plugin.passes.replacement import new_layer_for
 class Replace(Pass):
     """Replace matched layers: `Replace({target: Replacement(...)})`.
 
+    `strict=True`: a matching layer the pass cannot reach is an error
+    naming it, rather than a "not reached" row of the report.
+
     Example:
         >>> passed = kip.apply_passes(converted, [
         ...     kip.passes.Replace({keras.layers.Dense: Replacement(MyDense, copy_weights=True)})])
@@ -47,7 +53,10 @@ class Replace(Pass):
 
     step = "replace"
 
-    def __init__(self, mapping):
+    def __init__(self, mapping, strict=False):
+        if not isinstance(strict, bool):
+            raise PassError(f"Replace: strict is True or False; got {short_repr(strict)}.")
+        self.strict = strict
         if not isinstance(mapping, dict) or not mapping:
             raise PassError("Replace takes a non-empty dict {target: Replacement}.")
         for target, replacement in mapping.items():
@@ -66,11 +75,12 @@ class Replace(Pass):
             owner = f"Replace (the replacement of {describe(target)})"
             (target_config,) = targets_config([target], owner)
             replacements.append({"target": target_config, **replacement.get_config(owner)})
-        return {"replacements": replacements}
+        return {"replacements": replacements, "strict": self.strict}
 
     @classmethod
     def from_config(cls, config):
-        config = saved_config(config, "Replace", required=("replacements",))
+        config = saved_config(config, "Replace", required=("replacements",),
+                              optional=("strict",))
         if not isinstance(config["replacements"], list):
             raise PassError(f"Replace.from_config: replacements are a list; got "
                             f"{short_repr(config['replacements'])}.")
@@ -84,7 +94,7 @@ class Replace(Pass):
             if target in mapping:
                 raise PassError(f"Replace.from_config: {describe(target)} is replaced twice.")
             mapping[target] = Replacement.from_config(saved, f"Replace ({describe(target)})")
-        return cls(mapping)
+        return cls(mapping, strict=config.get("strict", False))
 
     @classmethod
     def from_user_config(cls, value, path, reader):
@@ -115,7 +125,11 @@ class Replace(Pass):
         made = {} if made is None else made
         inside = {}
         for target, replacement in self.mapping.items():
-            expand_to_reach(graph, target, report, self.step)
+            unreached = expand_to_reach(graph, target, report, self.step)
+            if unreached and self.strict:
+                raise PassError(
+                    f"replace (strict): {describe(target)} is not reached inside "
+                    + "; ".join(f"`{name}` ({why})" for name, why in unreached) + ".")
             if isinstance(target, Chain):
                 self._replace_runs(graph, target, replacement, report)
                 continue
@@ -144,7 +158,7 @@ class Replace(Pass):
                 node.operation = made[key]
                 node.made_by_pass = True  # ours: keeps the name it was given
         run_inside(graph, list(inside), lambda targets: lambda branch: Replace(
-            {t: inside[t] for t in targets}).run(branch, report, made=made))
+            {t: inside[t] for t in targets}, strict=self.strict).run(branch, report, made=made))
         return graph
 
     def _replace_runs(self, graph, chain, replacement, report):
