@@ -147,6 +147,13 @@ def test_to_keras_serves_the_expanded_model_or_names_what_needs_kip(name):
 
 
 @pytest.mark.parametrize("name", CORPUS, scope="module")
+def test_a_feature_inside_a_block_kept_whole_is_extracted_as_after_expand(name):
+    _expansion(name)
+    result = harness.check_inner_feature(name)
+    assert result.status in (harness.PASS, harness.NA), result.detail
+
+
+@pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_node_paths_are_equal_across_two_builds(name):
     _expansion(name)  # the first build's paths
     _assert_ok(harness.check_stable_paths(name))

@@ -355,11 +355,12 @@ def check_expand(name):
         shared = shared_conversion(subject)
         parts = shared.parts
         differences, left, errors = [], [], []
-        paths, plain = [], []
+        paths, plain, features = [], [], []
         for (label, part, inputs), converted in shared.for_passes():
             passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
             paths.append(sorted(node.name for node in graph_nodes(passed.kip_graph)))
             plain.append(_plain_keras_result(label, passed, inputs))
+            features.append(_inner_feature_result(label, converted, passed, inputs))
             left += [(label, *entry) for entry in custom_layers_left(passed)]
             try:
                 difference = compare_models(part, passed, inputs, gradients=True)
@@ -375,6 +376,7 @@ def check_expand(name):
         outcome["left"] = (left, parts)
         _EXPANDED_PATHS[name] = paths
         _TO_KERAS[name] = plain
+        _FEATURES[name] = features
         shared.check_unchanged("Expand")
         if errors:
             return ERROR, "; ".join(errors + differences)
@@ -418,6 +420,56 @@ def _plain_keras_result(label, passed, inputs):
         if difference:
             return FAIL, f"{label}: output {index} {difference}"
     return PASS, label
+
+
+_FEATURES = {}  # model name -> [(status, detail)] of an inner feature per part
+
+
+def _inner_feature_result(label, converted, passed, inputs):
+    """`(status, detail)`: the first layer held inside a block the converted
+    part keeps whole (a node path `block.child` that `Expand("all")` makes
+    a node) extracted from the converted part, which expands only that
+    block, equal to the same path extracted from the expanded part; NA when
+    the part keeps no such block."""
+    top = {node.name for node in converted.kip_graph.nodes}
+    inner = [node.name for node in passed.kip_graph.nodes
+             if node.is_layer and "." in node.name and node.name.split(".")[0] in top
+             and node.name not in top
+             and not type(node.operation).__module__.startswith("keras_ipu_plugin")]
+    if not inner:
+        return NA, f"{label}: no layer inside a block kept whole"
+    path = inner[0]
+    try:
+        got = kip.create_feature_extractor(converted, [path])(inputs)[path]
+        expected = kip.create_feature_extractor(passed, [path])(inputs)[path]
+    except Exception as error:  # noqa: BLE001 - the board must go on
+        return FAIL, f"{label}: `{path}`: {describe_error(error)}"
+    for index, (a, b) in enumerate(zip(keras.tree.flatten(expected), keras.tree.flatten(got))):
+        difference = difference_of(a, b)
+        if difference:
+            return FAIL, f"{label}: `{path}` output {index} {difference}"
+    return PASS, f"{label}: `{path}`"
+
+
+def check_inner_feature(name):
+    """`kip.create_feature_extractor` at a path inside a block kept whole
+    (check_expand's run): equal to the same path of the expanded model."""
+
+    def run():
+        if name not in _FEATURES:
+            check_expand(name)
+        results = _FEATURES.get(name)
+        if results is None:
+            return ERROR, "Expand failed"
+        failed = [detail for status, detail in results if status == FAIL]
+        if failed:
+            raise CheckFailed("; ".join(failed))
+        reached = [detail for status, detail in results if status == PASS]
+        if not reached:
+            return NA, "; ".join(detail for _, detail in results)
+        return PASS, "; ".join(reached)
+
+    return _run_check(name, "inner_feature", run)
 
 
 def check_to_keras(name):
