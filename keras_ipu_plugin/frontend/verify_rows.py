@@ -9,7 +9,7 @@ size, is verified on the whole batch.
 
 Example:
     >>> reference, x_rows = reference_run(run, model, x, variables, None, verification,
-    ...                                   None, rtol=1e-4, atol=1e-5)
+    ...                                   None, tolerance=tolerance_for(model))
 """
 
 import keras
@@ -38,7 +38,7 @@ PROBE_FACTOR = 2
 
 
 # -- choosing the rows ------------------------------------------------------------
-def reference_run(run, original, x, variables, rows, verification, fixed, *, rtol, atol):
+def reference_run(run, original, x, variables, rows, verification, fixed, *, tolerance):
     """Run the original with gradients on the rows to verify on: the batch
     without non-finite rows, narrowed to a few rows where that is the same
     computation. Returns the run and the rows' inputs."""
@@ -59,7 +59,7 @@ def reference_run(run, original, x, variables, rows, verification, fixed, *, rto
     subset_allowed = count is not None and fixed is None
     if subset_allowed and wanted < count:
         narrowed = _narrowed_reference_run(run, original, x, variables, count, wanted,
-                                           rtol=rtol, atol=atol)
+                                           tolerance=tolerance)
         if not isinstance(narrowed, str):
             reference, picked = narrowed
             verification.rows = len(picked)
@@ -104,7 +104,7 @@ def reference_run(run, original, x, variables, rows, verification, fixed, *, rto
     return reference, x
 
 
-def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol, atol):
+def _narrowed_reference_run(run, original, x, variables, count, wanted, *, tolerance):
     """The original's run with gradients on `wanted` rows of `x`, where that
     is the same computation as on the batch; else the reason it is not shown
     to be (a string).
@@ -140,7 +140,7 @@ def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol,
     except InputDataError:
         return failed.format(len(picked), count)
     expected = keras.tree.map_structure(lambda o: o[chosen], probe.outputs)
-    if not outputs_close(expected, reference.outputs, rtol, atol):
+    if not outputs_close(expected, reference.outputs, tolerance):
         return mixed
     return reference, picked
 
