@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin.errors import InputDataError
+from keras_ipu_plugin.frontend.verify_compare import is_float_array
 from keras_ipu_plugin.frontend.verify_compare import is_inexact
 from keras_ipu_plugin.frontend.verify_compare import outputs_close
 from keras_ipu_plugin.frontend.verify_compare import path_name
@@ -226,7 +227,7 @@ def _finite_output_rows(outputs, count):
             continue
         if leaf.ndim == 0 or leaf.shape[0] != count:
             return None, None
-        if leaf.dtype.kind in "fc":
+        if is_float_array(leaf):
             rows = np.isfinite(leaf).reshape(count, -1).all(axis=1)
             if culprit is None and not rows.all():
                 culprit = path_name(path, "output")
@@ -236,7 +237,7 @@ def _finite_output_rows(outputs, count):
 
 def _finite_overall(outputs):
     for path, leaf in keras.tree.flatten_with_path(outputs):
-        if leaf is not None and leaf.dtype.kind in "fc" and not np.isfinite(leaf).all():
+        if leaf is not None and is_float_array(leaf) and not np.isfinite(leaf).all():
             return np.zeros(1, bool), path_name(path, "output")
     return np.ones(1, bool), None
 
