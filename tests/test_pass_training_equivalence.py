@@ -358,7 +358,8 @@ def test_recompute_auto_trains_as_plain_keras_to_float_rounding(jit_compile):
     equal plain Keras's to float rounding, and a weight whose true gradient
     is zero (a Dense bias feeding BatchNormalization, an attention key
     bias), whose gradient is rounding noise in both, may take another Adam
-    step: at most the learning rate per step apart."""
+    step, of the order of the learning rate (bounded here by the learning
+    rate per step; measured 1e-6 after three steps at 1e-3)."""
     steps, learning_rate = 3, 1e-3
     expected, actual, trained = _recompute_auto_twins(jit_compile, steps, learning_rate)
     notes = trained.converted.kip_annotations

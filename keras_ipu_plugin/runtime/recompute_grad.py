@@ -37,7 +37,7 @@ segment of ops no rewrite touches (a Dense without activation) is equal as
 it is. Training is then plain Keras's to float rounding, and a weight
 whose true gradient is zero (a Dense bias before BatchNormalization, an
 attention key bias), whose gradient is rounding noise in both, may take
-different Adam steps: at most the learning rate per step apart (measured
+different Adam steps, of the order of the learning rate each (measured
 1e-6 after three steps at 1e-3).
 """
 
