@@ -335,7 +335,7 @@ def test_a_real_difference_is_still_refused_under_mixed_precision(dtype_policy):
     ("float64", "float64"), ("float32", "float32"), ("mixed_float16", "float16"),
     ("mixed_bfloat16", "bfloat16"),
 ], indirect=["dtype_policy"])
-def test_the_tolerance_is_the_least_precise_compute_dtype_s(dtype_policy, expected):
+def test_the_tolerance_follows_the_least_precise_compute_dtype(dtype_policy, expected):
     """A model computing in float64 is held to float64's tolerance, one
     with a float16 layer among float32 ones to float16's."""
     original, twin = _mlp_and_twin(1.0)
