@@ -234,3 +234,143 @@ def test_passes_train_identically_under_every_policy_and_jit(policy, jit_compile
     actual, trained = _train(pass_name, _adam, jit_compile=jit_compile)
     assert trained.converted.dtype_policy.name == policy
     _assert_same_weights(actual, expected, f"{pass_name} under {policy}, jit={jit_compile}")
+
+
+# -- verification under mixed precision ---------------------------------------
+class GeluMlp(keras.Model):
+    """Dense, BatchNormalization, gelu Dense layers with a residual, a
+    float32 head: under a mixed policy, verification held an outlined
+    version of it to float32's tolerance and refused it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d0 = layers.Dense(32, name="d0")
+        self.bn = layers.BatchNormalization(name="bn")
+        self.d1 = layers.Dense(32, activation="gelu", name="d1")
+        self.d2 = layers.Dense(32, activation="gelu", name="d2")
+        self.d3 = layers.Dense(32, activation="gelu", name="d3")
+        self.head = layers.Dense(1, dtype="float32", name="head")
+
+    def call(self, x):
+        h = self.d1(self.bn(self.d0(x)))
+        return self.head(h + self.d3(self.d2(h)))
+
+
+class GeluAttentionNet(keras.Model):
+    """GeluMlp's layers around self-attention; the model where a
+    `Recompute(auto=True)` plan was refused so. Without attention biases
+    unless asked: a key bias's true gradient is zero, what either model
+    computes for it is rounding noise, which Adam scales up to steps of the
+    learning rate's size (see `test_recompute_auto_trains_as_plain_keras_to_float_rounding`)."""
+
+    def __init__(self, attention_bias=False, **kwargs):
+        super().__init__(**kwargs)
+        self.d0 = layers.Dense(16, name="d0")
+        self.bn = layers.BatchNormalization(name="bn")
+        self.d1 = layers.Dense(16, activation="gelu", name="d1")
+        self.attention = layers.MultiHeadAttention(2, 8, use_bias=attention_bias,
+                                                   name="attention")
+        self.d2 = layers.Dense(16, activation="gelu", name="d2")
+        self.d3 = layers.Dense(16, activation="gelu", name="d3")
+        self.head = layers.Dense(1, dtype="float32", name="head")
+
+    def call(self, x):
+        h = self.d1(self.bn(self.d0(x)))
+        h = h + self.attention(h, h)
+        return self.head(keras.ops.mean(self.d3(self.d2(h)), axis=1))
+
+
+MIXED_CASES = {
+    "outline": (GeluMlp, (12,), lambda: [Outline(layers.Dense)]),
+    "recompute_auto": (GeluAttentionNet, (6, 12), lambda: [Recompute(auto=True)]),
+}
+
+
+def _train_mixed(case, passes=True, verify=True):
+    """Weights after 3 Adam steps of `MIXED_CASES[case]`'s model (plain
+    Keras when `passes` is False), and the model trained."""
+    model_class, shape, make_passes = MIXED_CASES[case]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48,) + shape).astype("float32")
+    y = rng.normal(size=(48, 1)).astype("float32")
+    keras.utils.set_random_seed(5)
+    model = model_class(name="net")
+    model(x[:2])
+    trained = kip.PluginModel(model, passes=make_passes(), verify=verify) if passes else model
+    trained.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    trained.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return {v.path: v.numpy() for v in model.weights}, trained
+
+
+@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_verification_accepts_passes_under_mixed_precision_that_train_as_plain_keras(
+    policy, case
+):
+    """Under `mixed_float16` / `mixed_bfloat16`, Outline and
+    `Recompute(auto=True)` round differently from the original by units in
+    float16's / bfloat16's last place: verification accepts them (its
+    tolerance follows the dtype the layers compute in) and they train to
+    plain Keras's weights."""
+    expected, _ = _train_mixed(case, passes=False)
+    actual, trained = _train_mixed(case)
+    _assert_same_weights(actual, expected, f"{case} under {policy}")
+    compute_dtype = keras.mixed_precision.Policy(policy).compute_dtype
+    # Verification ran, on outputs and gradients, with the policy's tolerance.
+    note = f"tolerances for {compute_dtype} computation (dtype policy `{policy}`)"
+    verified = [e for e in trained.kip_report.entries if e.step == "verify"]
+    assert verified and all(e.action == "outputs and gradients equal" and note in e.detail
+                            for e in verified), [(e.action, e.detail) for e in verified]
+
+
+# -- Recompute and weights whose true gradient is zero ------------------------
+ZERO_GRADIENT_WEIGHTS = ["net/d0/bias", "net/attention/key/bias"]
+
+
+def _recompute_auto_twins(mode, steps=3, learning_rate=1e-3):
+    """Weights of plain Keras and of `Recompute(auto=True)` after `steps`
+    Adam steps of GeluAttentionNet with attention biases, and the model
+    trained through the plugin; `mode`: "eager", "graph" or "jit"."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * steps, 6, 12)).astype("float32")
+    y = rng.normal(size=(16 * steps, 1)).astype("float32")
+    results = []
+    for passes in (None, [Recompute(auto=True)]):
+        keras.utils.set_random_seed(5)
+        model = GeluAttentionNet(attention_bias=True, name="net")
+        model(x[:2])
+        trained = model if passes is None else kip.PluginModel(model, passes=passes)
+        trained.compile(optimizer=keras.optimizers.Adam(learning_rate), loss="mse",
+                        jit_compile=mode == "jit", run_eagerly=mode == "eager")
+        trained.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        results.append({v.path: v.numpy() for v in model.weights})
+    return results[0], results[1], trained
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "jit"])
+def test_recompute_auto_trains_as_plain_keras_to_float_rounding(mode):
+    """`Recompute(auto=True)` recomputes the forward pass's own ops, in the
+    same order, but TensorFlow's graph optimiser (Grappler's arithmetic
+    optimiser and remapper) and XLA's fusion rewrite an elementwise chain
+    (gelu's) according to how many ops read each intermediate tensor, which
+    differs between a forward pass whose tensors the backward pass reads
+    and a recomputation: the results differ in the last bits. So weights
+    equal plain Keras's to float rounding, and a weight whose true gradient
+    is zero (a Dense bias feeding BatchNormalization, an attention key
+    bias), whose gradient is rounding noise in both, may take another Adam
+    step, of the order of the learning rate (bounded here by the learning
+    rate per step; measured 1e-6 after three steps at 1e-3). Run eagerly,
+    where nothing rewrites the ops, every weight is equal."""
+    steps, learning_rate = 3, 1e-3
+    expected, actual, trained = _recompute_auto_twins(mode, steps, learning_rate)
+    notes = trained.converted.kip_annotations
+    # Both weights are in recomputed work (else this test could not fail).
+    assert notes["d0"].get("recompute") and notes["d1"].get("recompute"), notes
+    for path, value in expected.items():
+        if mode == "eager":
+            np.testing.assert_array_equal(actual[path], value,
+                                          err_msg=f"weight {path} differs from plain Keras")
+            continue
+        bound = steps * learning_rate if path in ZERO_GRADIENT_WEIGHTS else ATOL
+        np.testing.assert_allclose(actual[path], value, rtol=0, atol=bound,
+                                   err_msg=f"weight {path} differs from plain Keras")

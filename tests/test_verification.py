@@ -313,6 +313,76 @@ def test_a_difference_in_the_last_of_several_outputs_is_rejected(kind):
         kip.frontend.verify.check_equivalent(original, other, x)
 
 
+# -- tolerances follow the dtype the layers compute in ---------------------------------
+@pytest.fixture
+def dtype_policy(request):
+    """The global dtype policy `request.param` for the test, float32 after."""
+    keras.config.set_dtype_policy(request.param)
+    try:
+        yield request.param
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("dtype_policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_a_real_difference_is_still_refused_under_mixed_precision(dtype_policy):
+    """Under a mixed policy the tolerance is float16's or bfloat16's (an
+    output a tenth of a percent off, a unit in their last place, is
+    accepted), not none: an output 20% off, a gradient 20% off, a pass that swaps tanh for
+    sigmoid are refused, and the message names the tolerance and the policy."""
+    compute_dtype = keras.mixed_precision.Policy(dtype_policy).compute_dtype
+    # A tenth of a percent is rounding in half precision: accepted (bfloat16
+    # outputs were compared exactly, as if they were integers).
+    original, twin = _mlp_and_twin(1.001)
+    kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+    original, twin = _mlp_and_twin(1.2)
+    with pytest.raises(kip.ConversionError, match=r"output `output` differs") as info:
+        kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+    assert (f"the tolerance for {compute_dtype} computation, dtype policy `{dtype_policy}`"
+            in str(info.value))
+    assert "allowed: " in str(info.value)
+
+    dense = keras.layers.Dense(3)
+    x = _rand(8, 4)
+    plain, skewed = GradientSkew(dense, 1.0), GradientSkew(dense, 1.2)
+    plain(x)
+    with pytest.raises(kip.ConversionError, match=r"gradient w.r.t. variable .*kernel"):
+        kip.frontend.verify.check_equivalent(plain, skewed, x)
+
+    converted = kip.convert_to_functional(WithBlock(), _rand(8, 4))
+    with pytest.raises(kip.PassError, match=rf"after pass SwapActivation: .*{dtype_policy}"):
+        kip.apply_passes(converted, [Expand(), SwapActivation("block_act")])
+
+
+@pytest.mark.parametrize("dtype_policy, expected", [
+    ("float64", "float64"), ("float32", "float32"), ("mixed_float16", "float16"),
+    ("mixed_bfloat16", "bfloat16"),
+], indirect=["dtype_policy"])
+def test_the_tolerance_follows_the_least_precise_compute_dtype(dtype_policy, expected):
+    """A model computing in float64 is held to float64's tolerance, one
+    with a float16 layer among float32 ones to float16's."""
+    original, twin = _mlp_and_twin(1.0)
+    tolerance = kip.frontend.verify_compare.tolerance_for(original, twin)
+    assert tolerance.dtype == expected
+    if dtype_policy == "float32":
+        keras.config.set_dtype_policy("mixed_float16")
+        half = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, dtype="float32"),
+                                 keras.layers.Dense(3)])
+        assert kip.frontend.verify_compare.tolerance_for(half).dtype == "float16"
+
+
+@pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
+def test_a_float64_model_is_held_to_float64_rounding(dtype_policy):
+    """An output a millionth off is within float32's tolerance, but far
+    outside what float64 computation rounds to: refused."""
+    original, twin = _mlp_and_twin(1.0 + 1e-6)
+    with pytest.raises(kip.ConversionError, match=r"for float64 computation"):
+        kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+    keras.config.set_dtype_policy("float32")
+    original, twin = _mlp_and_twin(1.0 + 1e-6)
+    kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+
+
 # -- cost: a few rows where that is the same computation ----------------------------------
 class RecordsBatchSizes(keras.layers.Layer):
     """Records the batch size of every eager call (the traced graph does not)."""

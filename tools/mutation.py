@@ -70,10 +70,18 @@ THREADS = "tests/test_thread_confinement.py"
 
 MUTATIONS = [
     # -- verify.py: verification compares what it says it compares -----------
-    M("verify-tolerance-100x", "frontend/verify.py",
-      'rtol=1e-4, atol=1e-5, what="converted",',
-      'rtol=1e-2, atol=1e-3, what="converted",',
+    M("verify-tolerance-100x", "frontend/verify_compare.py",
+      '"float32": Tolerance(rtol=1e-4, atol=1e-5, dtype="float32"),',
+      '"float32": Tolerance(rtol=1e-2, atol=1e-3, dtype="float32"),',
       "verification tolerance 100x looser", VERIFICATION),
+    M("verify-half-precision-tolerance-to-nothing", "frontend/verify_compare.py",
+      '"bfloat16": Tolerance(rtol=5e-2, atol=5e-2, dtype="bfloat16"),',
+      '"bfloat16": Tolerance(rtol=1.0, atol=1.0, dtype="bfloat16"),',
+      "under mixed_bfloat16 verification admits anything", VERIFICATION),
+    M("verify-bfloat16-compared-as-integers", "frontend/verify_compare.py",
+      "        return tf.as_dtype(array.dtype).is_floating\n",
+      "        return False\n",
+      "bfloat16 outputs are compared exactly, as integers", VERIFICATION),
     M("verify-skip-last-output", "frontend/verify.py",
       "for (path, expected), actual in zip(ref_paths, res_leaves):",
       "for (path, expected), actual in list(zip(ref_paths, res_leaves))[:max(1, len(res_leaves) - 1)]:",

@@ -35,6 +35,8 @@ from keras_ipu_plugin.frontend.tracing import essential_message
 from keras_ipu_plugin.frontend.tracing import trace_model
 from keras_ipu_plugin.frontend.verify import check_equivalent
 from keras_ipu_plugin.frontend.verify import keep_first_batch
+from keras_ipu_plugin.frontend.verify_compare import is_float_array
+from keras_ipu_plugin.frontend.verify_compare import tolerance_for
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
@@ -229,12 +231,13 @@ def _nondeterministic_output(model, x):
             second = model(x, training=False)
     except Exception:
         return None
+    tolerance = tolerance_for(model)  # verification's own
     for (path, a), b in zip(keras.tree.flatten_with_path(first), keras.tree.flatten(second)):
         a, b = np.asarray(a), np.asarray(b)
-        if a.dtype.kind in "fc":
+        if is_float_array(a):
             scale = max(float(np.max(np.abs(a[np.isfinite(a)]), initial=0.0)), 1.0)
-            same = a.shape == b.shape and np.allclose(a, b, rtol=1e-4, atol=1e-5 * scale,
-                                                      equal_nan=True)
+            same = a.shape == b.shape and np.allclose(
+                a, b, rtol=tolerance.rtol, atol=tolerance.atol * scale, equal_nan=True)
         else:
             same = np.array_equal(a, b)
         if not same:

@@ -76,6 +76,7 @@ from keras_ipu_plugin.frontend.verify_compare import comparable
 from keras_ipu_plugin.frontend.verify_compare import compare_values
 from keras_ipu_plugin.frontend.verify_compare import outputs_close
 from keras_ipu_plugin.frontend.verify_compare import path_name
+from keras_ipu_plugin.frontend.verify_compare import tolerance_for
 from keras_ipu_plugin.frontend.verify_compare import variable_name
 from keras_ipu_plugin.frontend.verify_rows import fixed_batch_size
 from keras_ipu_plugin.frontend.verify_rows import reference_run
@@ -120,7 +121,7 @@ class Verification:
 
 
 def check_equivalent(
-    original, converted, x, *, rtol=1e-4, atol=1e-5, what="converted",
+    original, converted, x, *, tolerance=None, what="converted",
     gradients=True, variables=None, rows="auto", before_each_run=None, training=False,
 ):
     """Compare `converted` with `original` on batch `x`; return a `Verification`.
@@ -130,6 +131,10 @@ def check_equivalent(
     when `x` cannot show a difference (see the module docstring).
 
     Args:
+        tolerance: a `verify_compare.Tolerance`; default the one for the
+            least precise dtype a layer of either model computes in
+            (`tolerance_for`: float32's, or float16's under
+            `mixed_float16`, ...), named in the refusal.
         gradients: False compares outputs only (for a model whose layers a
             pass replaced, so that the variables differ).
         variables: the variables whose gradients are compared; default
@@ -149,12 +154,18 @@ def check_equivalent(
         Verification(what='converted', rows=2, total_rows=16, ...)
     """
     x = keras.tree.map_structure(as_tensor, x)
+    if tolerance is None:
+        tolerance = tolerance_for(original, converted)
     whole = x  # the batch as given: each other mode narrows it again
     variables = list(original.trainable_variables if variables is None else variables)
     if not gradients:
         variables = []
     verification = Verification(what, rows=0, total_rows=row_count(x),
                                 variables=len(variables))
+    if tolerance.dtype != "float32":
+        verification.notes.append(
+            f"tolerances for {tolerance.dtype} computation"
+            + (f" (dtype policy `{tolerance.policy}`)" if tolerance.policy else ""))
 
     # Every run starts from the same variable state, put back afterwards: a
     # model drawing random numbers at inference (a VAE's sampling layer)
@@ -187,13 +198,13 @@ def check_equivalent(
         # A model with a fixed batch size cannot run on a few rows of it.
         fixed = fixed_batch_size(original) or fixed_batch_size(converted)
         reference, x = reference_run(
-            run, original, x, variables, rows, verification, fixed, rtol=rtol, atol=atol
+            run, original, x, variables, rows, verification, fixed, tolerance=tolerance
         )
         refuse_untracked_variables(original, reference.watched)
         written = state.changed_values()
         result = run(converted, x, variables, role=what)
         del x  # nothing of the batch is needed any more
-        _compare_writes(written, state.changed_values(), rtol, atol, what, verification)
+        _compare_writes(written, state.changed_values(), tolerance, what, verification)
     if mode.graph:
         verification.notes.append(mode.describe())
 
@@ -212,12 +223,12 @@ def check_equivalent(
                     f"{'original' if expected is None else what} model only.")
             continue
         difference = compare_values(f"output `{path_name(path, 'output')}`",
-                              expected, actual, rtol, atol, what)
+                              expected, actual, tolerance, what)
         verification.outputs += 1
         verification.max_output_difference = max(
             verification.max_output_difference, difference)
     # before the gradients, which the losses are part of: the clearer cause
-    _compare_losses(reference.losses, result.losses, rtol, atol, what)
+    _compare_losses(reference.losses, result.losses, tolerance, what)
     for variable, expected, actual in zip(variables, reference.gradients, result.gradients):
         if expected is None and actual is None:
             continue
@@ -230,7 +241,7 @@ def check_equivalent(
             )
         difference = compare_values(
             f"the gradient w.r.t. variable `{variable_name(variable)}`",
-            *comparable(expected, actual), rtol, atol, what,
+            *comparable(expected, actual), tolerance, what,
         )
         verification.gradients += 1
         verification.max_gradient_difference = max(
@@ -242,13 +253,13 @@ def check_equivalent(
     if training is False:
         for other in switch_modes(converted):
             verification.notes.append(_check_mode(
-                original, converted, whole, other, rtol=rtol, atol=atol, what=what,
+                original, converted, whole, other, tolerance=tolerance, what=what,
                 gradients=gradients, variables=variables, rows=rows,
                 before_each_run=before_each_run))
     return verification
 
 
-def _compare_losses(expected, actual, rtol, atol, what):
+def _compare_losses(expected, actual, tolerance, what):
     """The losses each model's call left in `model.losses` (a loss `call`
     adds with `add_loss`, regularizers), summed, must agree: `compute_loss`
     adds them to the training loss."""
@@ -260,7 +271,7 @@ def _compare_losses(expected, actual, rtol, atol, what):
             f"The {which} model adds losses in its call (`model.losses`, e.g. "
             f"`self.add_loss(...)`) and the {other} model adds none.")
     compare_values("the sum of the losses the call adds (`model.losses`)", expected, actual,
-                   rtol, atol, what)
+                   tolerance, what)
 
 
 def _check_mode(original, converted, x, training, **options):
@@ -271,7 +282,7 @@ def _check_mode(original, converted, x, training, **options):
     try:
         checked = check_equivalent(original, converted, x, training=training, **options)
     except ConversionError as error:
-        if _reproducible(original, x, training):
+        if _reproducible(original, x, training, options["tolerance"]):
             raise ConversionError(f"With training={training} (the model holds a layer "
                                   f"that branches on `training`): {error}") from error
         return (f"training={training}: not compared, the original gives other outputs "
@@ -279,7 +290,7 @@ def _check_mode(original, converted, x, training, **options):
     return f"training={training}: {checked.describe()}"
 
 
-def _reproducible(model, x, training):
+def _reproducible(model, x, training, tolerance):
     try:
         with replay_state(model) as replay:
             first = keras.tree.map_structure(as_numpy, model(x, training=training))
@@ -287,7 +298,7 @@ def _reproducible(model, x, training):
             second = keras.tree.map_structure(as_numpy, model(x, training=training))
     except Exception:
         return True
-    return all(outputs_close(a, b, 1e-4, 1e-5) for a, b in zip(
+    return all(outputs_close(a, b, tolerance) for a, b in zip(
         keras.tree.flatten(first), keras.tree.flatten(second)))
 
 
@@ -322,7 +333,7 @@ class _restoring:
         return False
 
 
-def _compare_writes(expected, actual, rtol, atol, what, verification):
+def _compare_writes(expected, actual, tolerance, what, verification):
     """Raise `ConversionError` naming the first variable that one model's
     call changed and the other's did not, or changed to another value.
     `expected` / `actual`: `{id: (variable, value)}` of the variables each
@@ -339,7 +350,7 @@ def _compare_writes(expected, actual, rtol, atol, what, verification):
                 "in `call`) is lost or added. A layer whose `call` writes a variable must "
                 "run whole.")
         compare_values(f"variable `{name}` after the call", expected[key][1], actual[key][1],
-                 rtol, atol, what)
+                 tolerance, what)
     if expected:
         verification.notes.append(
             f"{len(expected)} variable(s) written by the call compared")

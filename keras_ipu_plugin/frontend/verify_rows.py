@@ -9,7 +9,7 @@ size, is verified on the whole batch.
 
 Example:
     >>> reference, x_rows = reference_run(run, model, x, variables, None, verification,
-    ...                                   None, rtol=1e-4, atol=1e-5)
+    ...                                   None, tolerance=tolerance_for(model))
 """
 
 import keras
@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin.errors import InputDataError
+from keras_ipu_plugin.frontend.verify_compare import is_float_array
 from keras_ipu_plugin.frontend.verify_compare import is_inexact
 from keras_ipu_plugin.frontend.verify_compare import outputs_close
 from keras_ipu_plugin.frontend.verify_compare import path_name
@@ -38,7 +39,7 @@ PROBE_FACTOR = 2
 
 
 # -- choosing the rows ------------------------------------------------------------
-def reference_run(run, original, x, variables, rows, verification, fixed, *, rtol, atol):
+def reference_run(run, original, x, variables, rows, verification, fixed, *, tolerance):
     """Run the original with gradients on the rows to verify on: the batch
     without non-finite rows, narrowed to a few rows where that is the same
     computation. Returns the run and the rows' inputs."""
@@ -59,7 +60,7 @@ def reference_run(run, original, x, variables, rows, verification, fixed, *, rto
     subset_allowed = count is not None and fixed is None
     if subset_allowed and wanted < count:
         narrowed = _narrowed_reference_run(run, original, x, variables, count, wanted,
-                                           rtol=rtol, atol=atol)
+                                           tolerance=tolerance)
         if not isinstance(narrowed, str):
             reference, picked = narrowed
             verification.rows = len(picked)
@@ -104,7 +105,7 @@ def reference_run(run, original, x, variables, rows, verification, fixed, *, rto
     return reference, x
 
 
-def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol, atol):
+def _narrowed_reference_run(run, original, x, variables, count, wanted, *, tolerance):
     """The original's run with gradients on `wanted` rows of `x`, where that
     is the same computation as on the batch; else the reason it is not shown
     to be (a string).
@@ -140,7 +141,7 @@ def _narrowed_reference_run(run, original, x, variables, count, wanted, *, rtol,
     except InputDataError:
         return failed.format(len(picked), count)
     expected = keras.tree.map_structure(lambda o: o[chosen], probe.outputs)
-    if not outputs_close(expected, reference.outputs, rtol, atol):
+    if not outputs_close(expected, reference.outputs, tolerance):
         return mixed
     return reference, picked
 
@@ -226,7 +227,7 @@ def _finite_output_rows(outputs, count):
             continue
         if leaf.ndim == 0 or leaf.shape[0] != count:
             return None, None
-        if leaf.dtype.kind in "fc":
+        if is_float_array(leaf):
             rows = np.isfinite(leaf).reshape(count, -1).all(axis=1)
             if culprit is None and not rows.all():
                 culprit = path_name(path, "output")
@@ -236,7 +237,7 @@ def _finite_output_rows(outputs, count):
 
 def _finite_overall(outputs):
     for path, leaf in keras.tree.flatten_with_path(outputs):
-        if leaf is not None and leaf.dtype.kind in "fc" and not np.isfinite(leaf).all():
+        if leaf is not None and is_float_array(leaf) and not np.isfinite(leaf).all():
             return np.zeros(1, bool), path_name(path, "output")
     return np.ones(1, bool), None
 

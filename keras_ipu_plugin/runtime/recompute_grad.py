@@ -17,6 +17,28 @@ backward pass runs it again under its own tape, with a data dependency on the
 incoming gradient so that XLA cannot hoist the recomputation into the forward
 pass) and hands back exactly what the tape gave: `None` and `IndexedSlices`
 included.
+
+What it cannot keep is every last bit. The forward pass and the
+recomputation run the layers' own ops in the same order (eagerly the results
+are bit for bit plain Keras's), but a compiled step is rewritten first, and
+the rewrites depend on how many ops read each intermediate tensor:
+Grappler's arithmetic optimiser regroups a chain of multiplications by
+constants (gelu's `0.5 * x * erfc(-x / sqrt(2))`) and its remapper fuses
+matmul, bias and activation only where no other op reads the intermediate,
+and XLA fuses (and contracts multiply-adds) by the same count. In plain
+Keras the backward pass reads the forward pass's intermediates; here the
+forward pass's copy has no such reader and the recomputed copy feeds the
+backward pass alone, so each is rewritten otherwise: a segment holding a
+gelu Dense gave outputs 2e-7 and gradients 1e-7 (relative) apart, which
+all earlier layers' gradients inherit. With Grappler's arithmetic
+optimiser and remapper off (graph mode), or XLA's fusion pass off
+(`jit_compile`), the gradients are equal, measured on such a model; a
+segment of ops no rewrite touches (a Dense without activation) is equal as
+it is. Training is then plain Keras's to float rounding, and a weight
+whose true gradient is zero (a Dense bias before BatchNormalization, an
+attention key bias), whose gradient is rounding noise in both, may take
+different Adam steps, of the order of the learning rate each (measured
+1e-6 after three steps at 1e-3).
 """
 
 import tensorflow as tf
