@@ -7,6 +7,7 @@ put back.
 """
 
 import gc
+import signal
 import threading
 
 import keras
@@ -881,3 +882,136 @@ def test_plain_attribute_filter_learns_types_not_values():
     assert list in state_lib._NOT_PLAIN_TYPES
     assert state_lib._is_plain((1, "a", None))
     assert state_lib._is_plain(np.float32(1.0))
+
+
+# -- a Ctrl-C at any moment of a conversion ------------------------------------------
+class _InterruptAtCall:
+    """A trace function (`sys.settrace`) raising KeyboardInterrupt as `code`
+    (a function's code object) is entered for the `at`-th time — a resumed
+    generator counts too: the interpreter delivers a real Ctrl-C at such
+    points. With `code=None` it records every entry instead. Python drops a
+    trace function that raises, so a run is interrupted once, as by one
+    Ctrl-C."""
+
+    def __init__(self, code=None, at=None):
+        self.code, self.at, self.seen, self.entered = code, at, 0, []
+
+    def __call__(self, frame, event, arg):
+        if self.code is None:
+            self.entered.append(frame.f_code)
+        elif frame.f_code is self.code:
+            self.seen += 1
+            if self.seen == self.at:
+                raise KeyboardInterrupt
+        return None  # no tracing inside the frame
+
+    def run(self, function, *args):
+        import sys
+
+        previous = sys.gettrace()  # (a coverage tool's)
+        sys.settrace(self)
+        try:
+            return function(*args)
+        finally:
+            sys.settrace(previous)
+
+
+def _interrupt_moments(convert, model, x, points, tail):
+    """`(code, n)` pairs: the function entries of a run of `convert(model,
+    x)` at `points` moments spread over it and at each of its last `tail`
+    entries (where the conversion is done but for handing its result back).
+    Named by function and count, not by position: the number of calls drifts
+    a little from run to run (lists the conversion walks grow)."""
+    convert(model, x)  # warm: later runs make the same calls
+    recorder = _InterruptAtCall()
+    recorder.run(convert, model, x)
+    entered, counts, moments = recorder.entered, {}, []
+    wanted = set(range(0, len(entered), max(1, len(entered) // points)))
+    wanted |= set(range(max(0, len(entered) - tail), len(entered)))
+    for position, code in enumerate(entered):
+        counts[code] = counts.get(code, 0) + 1
+        if position in wanted:
+            moments.append((code, counts[code]))
+    return moments
+
+
+def _interrupt_sweep(convert, x, make_model, points=25, tail=30):
+    """Interrupt `convert(model, x)` at each of `_interrupt_moments`. Each
+    interrupted run must leave the model as it was, no Keras node added to
+    its layers; a run the interrupt missed (Python ignores one raised in a
+    finaliser) returns a working model. Returns (interrupted runs, moments missed)."""
+    model = make_model()
+    moments = _interrupt_moments(convert, model, x, points, tail)
+    interrupted, missed = 0, []
+    for code, at in moments:
+        model = make_model()
+        snapshot, nodes = Snapshot(model), _node_counts(model)
+        try:
+            converted = _InterruptAtCall(code, at).run(convert, model, x)
+        except KeyboardInterrupt:
+            interrupted += 1
+            where = f"interrupted entering {code.co_name} ({code.co_filename}) the {at}th time"
+            assert _node_counts(model) == nodes, where
+            snapshot.assert_unchanged()
+        else:
+            missed.append(f"{code.co_name} ({code.co_filename}) the {at}th time")
+            np.testing.assert_allclose(converted(x), model(x), rtol=1e-6)
+    return interrupted, missed
+
+
+@pytest.mark.parametrize("called_first", [True, False])
+def test_a_keyboard_interrupt_at_any_moment_of_a_conversion_leaves_the_model_as_it_was(
+        called_first):
+    """A Ctrl-C anywhere in `convert_to_functional`, up to the moment it
+    returns, leaves no Keras node on the user's layers (each would stay for
+    good, one per layer per interrupt) and the model as it was: built or not,
+    the same attributes, variables and node lists."""
+    # (A name of its own: Keras's default from the class, "__blocks", is
+    # no valid TensorFlow root name scope, which a first call leaves open.)
+    x = _x(features=4)
+    built = _Blocks(3, name="blocks")
+    built(x)
+    if called_first:
+        # One model throughout: an interrupted run leaves it as it was.
+        interrupted, missed = _interrupt_sweep(kip.convert_to_functional, x, lambda: built)
+    else:
+        # Building the model is undone too: each run converts a new one.
+        interrupted, missed = _interrupt_sweep(
+            kip.convert_to_functional, x, lambda: _Blocks(2, name="blocks"), points=8, tail=8)
+    # A moment is a function's n-th call: runs differ a little (TensorFlow's
+    # caches fill), so a few moments of a run never come.
+    assert len(missed) <= (interrupted + len(missed)) // 5, missed
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+def test_a_real_interrupt_signal_late_in_a_conversion_leaves_no_node_on_the_model():
+    """A Ctrl-C delivered by the operating system half way through to the
+    very end of converting a 30-block model (a timer signal handled as
+    SIGINT is, by raising KeyboardInterrupt) leaves the model as it was; a
+    conversion it came too late for has returned its result."""
+    import time
+
+    x = _x(features=4)
+    model = _Blocks(30, name="blocks")
+    model(x)
+    kip.convert_to_functional(model, x)  # warm
+    start = time.perf_counter()
+    kip.convert_to_functional(model, x)
+    took = time.perf_counter() - start
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    try:
+        for fraction in (0.5, 0.75, 0.85, 0.95, 1.0):
+            snapshot, nodes = Snapshot(model), _node_counts(model)
+            converted = None
+            try:
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, took * fraction)
+                    converted = kip.convert_to_functional(model, x)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                if converted is None:
+                    assert _node_counts(model) == nodes, fraction
+                    snapshot.assert_unchanged()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
