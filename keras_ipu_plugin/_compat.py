@@ -516,6 +516,14 @@ def variable_strategy(variable):
     return getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
 
 
+def is_default_strategy(strategy):
+    """Whether `strategy` is TensorFlow's default one (no `strategy.scope()`
+    active), under which variables have no strategy (`variable_strategy`)."""
+    from tensorflow.python.distribute import distribute_lib
+
+    return strategy is distribute_lib._get_default_strategy()
+
+
 def stored_value(variable):
     """A read of `variable`'s stored value (its own dtype, whatever autocast
     scope is active): `variable.value` would already be cast to a mixed
