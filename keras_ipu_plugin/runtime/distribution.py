@@ -79,9 +79,8 @@ def check_trains_under(model, optimizer, strategy):
             raise ConversionError(
                 f"Variable `{variable.path}` of {kind} `{owner.name}` was created "
                 f"outside the {trains} that `fit` trains it under: under the "
-                f"{made}. Keras can train variables only under the strategy that "
-                "created them (it fails in the first step with a bare "
-                "AssertionError). Create and build the model, and compile it, "
+                f"{made}. Keras trains variables only under the strategy that "
+                "created them. Create and build the model, and compile it, "
                 "inside the scope of the strategy that trains it (`with "
                 "strategy.scope():` or `with kip.scope(strategy):`), then fit. To "
                 "carry a model trained elsewhere over, re-create it inside that "
@@ -91,5 +90,5 @@ def check_trains_under(model, optimizer, strategy):
 
 def _name(strategy):
     if strategy is None:
-        return "default strategy (outside any `strategy.scope()`)"
+        return "default strategy (no `strategy.scope()` active)"
     return type(strategy).__name__
