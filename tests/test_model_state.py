@@ -8,6 +8,7 @@ put back.
 
 import gc
 import signal
+import sys
 import threading
 
 import keras
@@ -917,8 +918,6 @@ class _InterruptAtCall:
         return self._leaving
 
     def run(self, function, *args):
-        import sys
-
         previous = sys.gettrace()  # (a coverage tool's)
         sys.settrace(self)
         try:
