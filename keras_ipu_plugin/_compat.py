@@ -95,35 +95,47 @@ def is_input_node(node):
     return node.is_input
 
 
-@contextlib.contextmanager
-def node_lists_snapshot(layers, always=False):
+class node_lists_snapshot:
     """Undo the node bookkeeping a failed symbolic call leaves on `layers`.
 
-    With `always=True` the lists are restored on success too (a trace whose
-    result is kept only in our IR). A symbolic call appends a Node to each called layer's inbound/outbound
-    node lists. When a trace fails half way, those dangling nodes would stay
-    on the user's layers; this restores the lists' lengths on error.
-    """
-    lengths = [
-        (layer, len(layer._inbound_nodes), len(layer._outbound_nodes))
-        for layer in layers
-    ]
+    A symbolic call appends a Node to each called layer's inbound/outbound
+    node lists. When a trace fails half way (or is interrupted: Ctrl-C),
+    those dangling nodes would stay on the user's layers; leaving the block
+    with an exception restores the lists' lengths. With `always=True` they
+    are restored on success too (a trace whose result is kept only in our
+    IR).
 
-    def restore():
-        for layer, n_in, n_out in lengths:
+    A class, not a generator: resuming a generator on a clean exit is a
+    moment a Ctrl-C can land in, inside its `try`, which would take away
+    the nodes of a block that has completed (a conversion already kept).
+    It reads the outcome from `__exit__`'s arguments, not `sys.exc_info()`
+    (which inside an `except` clause is the caught error).
+
+    Example:
+        >>> with node_lists_snapshot(all_layers(model)):
+        ...     converted = rebuild(graph)
+    """
+
+    def __init__(self, layers, always=False):
+        self.lengths = [
+            (layer, len(layer._inbound_nodes), len(layer._outbound_nodes))
+            for layer in layers
+        ]
+        self.always = always
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if kind is not None or self.always:
+            self.restore()
+        return False
+
+    def restore(self):
+        """Drop the nodes recorded since the snapshot."""
+        for layer, n_in, n_out in self.lengths:
             del layer._inbound_nodes[n_in:]
             del layer._outbound_nodes[n_out:]
-
-    # Not `finally` + `sys.exc_info()`: inside a generator that sees the
-    # caller's exception too, so a block run in an `except` clause would lose
-    # the nodes of its success. BaseException: Ctrl-C must not leave nodes.
-    try:
-        yield
-    except BaseException:
-        restore()
-        raise
-    if always:
-        restore()
 
 
 _BATCHING_DATASETS = (
@@ -502,6 +514,14 @@ def variable_strategy(variable):
     """The tf.distribute strategy that created `variable` (a Keras or a TF
     variable), or None for the default one."""
     return getattr(getattr(variable, "value", variable), "_distribute_strategy", None)
+
+
+def is_default_strategy(strategy):
+    """Whether `strategy` is TensorFlow's default one (no `strategy.scope()`
+    active), under which variables have no strategy (`variable_strategy`)."""
+    from tensorflow.python.distribute import distribute_lib
+
+    return strategy is distribute_lib._get_default_strategy()
 
 
 def stored_value(variable):

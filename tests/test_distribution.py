@@ -136,3 +136,58 @@ def test_static_batch_not_divisible_by_replicas(mirrored):
         model(x[:2])
         with pytest.raises(kip.InputDataError, match="not divisible"):
             kip.convert_to_functional(model, x, static_batch=True)
+
+
+def _trained_without_a_strategy(entry):
+    x, y = _data()
+    model = Net()
+    model(x[:2])
+    if entry == "plugin_model":
+        trained, callbacks = kip.PluginModel(model, passes=[kip.passes.Expand()]), []
+    else:
+        trained, callbacks = model, [kip.PluginCallback(passes=[kip.passes.Expand()])]
+    trained.compile(optimizer="sgd", loss="mse")
+    trained.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
+    return model, trained, callbacks
+
+
+@pytest.mark.parametrize("entry", ["plugin_model", "callback"])
+def test_a_model_trained_without_a_strategy_then_fitted_under_mirrored_is_a_clear_error(
+        mirrored, entry):
+    """A model built and trained under the default strategy, then compiled
+    and fitted inside a MirroredStrategy scope, is refused before any step,
+    naming the strategy it was built under and what to do (plain Keras fails
+    in the step with a bare AssertionError); its weights are unchanged."""
+    x, y = _data()
+    model, trained, callbacks = _trained_without_a_strategy(entry)
+    before = [v.numpy().copy() for v in model.weights]
+    with mirrored.scope():
+        trained.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(kip.ConversionError) as raised:
+            trained.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
+    message = str(raised.value)
+    assert f"of model `{model.name}`" in message
+    assert "outside the MirroredStrategy" in message
+    assert "under the default strategy" in message
+    assert "strategy.scope()" in message and "re-create it" in message
+    assert int(trained.optimizer.iterations.numpy()) == 0  # no step ran
+    for b, v in zip(before, model.weights):
+        np.testing.assert_array_equal(b, v.numpy())
+
+
+def test_a_model_compiled_under_mirrored_then_fitted_outside_is_a_clear_error(mirrored):
+    """Compiled inside a MirroredStrategy scope (its optimizer made there) but
+    fitted outside it, under the default strategy the model was built under:
+    refused before any step, naming the optimizer and both strategies."""
+    x, y = _data()
+    model = Net()
+    model(x[:2])
+    plugin = kip.PluginModel(model)
+    with mirrored.scope():
+        plugin.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(kip.ConversionError) as raised:
+        plugin.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    message = str(raised.value)
+    assert "of optimizer" in message
+    assert "outside the default strategy" in message and "under the MirroredStrategy" in message
+    assert int(plugin.optimizer.iterations.numpy()) == 0

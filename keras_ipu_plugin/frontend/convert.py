@@ -117,12 +117,15 @@ class Converter:
                 if self.verify:
                     with report.timed("verify", model.name):
                         report.add_verification(model.name, _verify(model, converted, x))
+            converted.kip_report = report
+            keep_first_batch(converted, x)  # what apply_passes verifies on
+            # Last: a Ctrl-C anywhere before the result is handed back drops
+            # the converted model, so it must take its nodes off the user's
+            # layers too (undo_after), however late it comes.
             state.restore_after_success()
         except BaseException as error:
             state.undo_after(error)
             raise
-        converted.kip_report = report
-        keep_first_batch(converted, x)  # what apply_passes verifies on
         return converted
 
     def trace(self, model, x, specs, state):

@@ -49,3 +49,46 @@ def check_built_under(model, strategy):
                 "and build the model inside `with strategy.scope():` (or "
                 "`with kip.scope(strategy):`), then convert or fit."
             )
+
+
+def check_trains_under(model, optimizer, strategy):
+    """Raise, before any step, when the variables of `model` or `optimizer`
+    were created under another tf.distribute strategy than `strategy`, the
+    one `fit` is about to train under.
+
+    A model built (or compiled) under the default strategy and then fitted
+    inside a `MirroredStrategy` scope, or the other way round: Keras fails in
+    the first step with a bare `AssertionError` (plain Keras models too);
+    this names the variable, both strategies and what to do.
+
+    Example:
+        >>> check_trains_under(model, model.optimizer, model.distribute_strategy)
+    """
+    trains_under = None if _compat.is_default_strategy(strategy) else strategy
+    owners = [("model", model)]
+    if optimizer is not None:
+        owners.append(("optimizer", optimizer))
+    for kind, owner in owners:
+        for variable in owner.variables:
+            made_under = owning_strategy(variable)
+            if made_under is trains_under:
+                continue
+            made, trains = _name(made_under), _name(trains_under)
+            if made == trains:
+                made = f"another {made} object"
+            raise ConversionError(
+                f"Variable `{variable.path}` of {kind} `{owner.name}` was created "
+                f"outside the {trains} that `fit` trains it under: under the "
+                f"{made}. Keras trains variables only under the strategy that "
+                "created them. Create and build the model, and compile it, "
+                "inside the scope of the strategy that trains it (`with "
+                "strategy.scope():` or `with kip.scope(strategy):`), then fit. To "
+                "carry a model trained elsewhere over, re-create it inside that "
+                "scope and copy its weights (`new_model.set_weights(model.get_weights())`)."
+            )
+
+
+def _name(strategy):
+    if strategy is None:
+        return "default strategy (no `strategy.scope()` active)"
+    return type(strategy).__name__

@@ -297,11 +297,11 @@ def _convert_bound_call_now(callee, call, converter, tensors, specs, reference):
             if converter.verify:
                 report.add_verification(
                     callee.name, check_equivalent(reference, converted, tensors))
-        state.restore_after_success()
+        converted.kip_report = report
+        state.restore_after_success()  # last: see Converter._convert
     except BaseException as error:
         state.undo_after(error)
         raise
-    converted.kip_report = report
     return converted
 
 

@@ -305,7 +305,8 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     # -- training: the wrapped model's own steps, forward through `converted`
     def make_train_function(self, force=False):
         if self.train_function is None or force:
-            self.train_function = StepFunction(self._kip_runtime, self._step_method("train_step"))
+            self.train_function = StepFunction(
+                self._kip_runtime, self._step_method("train_step"), trains=True)
         return self.train_function
 
     def make_test_function(self, force=False):

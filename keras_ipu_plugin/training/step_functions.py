@@ -24,6 +24,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.inputs import without_autotuning
+from keras_ipu_plugin.runtime.distribution import check_trains_under
 from keras_ipu_plugin.training.calls import CallArguments
 from keras_ipu_plugin.training.dynamic import NeedsExtension
 from keras_ipu_plugin.training.dynamic import NewVariablesError
@@ -43,9 +44,10 @@ class StepFunction:
     Keras's own), e.g. `type(model).train_step`.
     """
 
-    def __init__(self, runtime, step):
+    def __init__(self, runtime, step, trains=False):
         self.runtime = runtime
         self.step = step
+        self.trains = trains  # fit's train_function
         self.function = None
         self._last_iterator = _no_iterator
 
@@ -56,6 +58,9 @@ class StepFunction:
     def __call__(self, iterator):
         runtime = self.runtime
         if self.function is None:
+            if self.trains:
+                check_trains_under(runtime.subject, getattr(runtime.owner, "optimizer", None),
+                                   runtime.strategy)
             data = _next(iterator)
             self._last_iterator = _weak(iterator)
             if self.calls_self_on_x:
@@ -343,4 +348,5 @@ def install(model, runtime):
     for attribute, step in (("train_function", "train_step"), ("test_function", "test_step")):
         current = getattr(model, attribute, None)
         if not (isinstance(current, StepFunction) and current.runtime is runtime):
-            setattr(model, attribute, StepFunction(runtime, getattr(type(model), step)))
+            setattr(model, attribute, StepFunction(
+                runtime, getattr(type(model), step), trains=step == "train_step"))

@@ -220,32 +220,41 @@ class Runtime:
         reuse = self.replaced_layers() if reuse is None else reuse
         # A conversion keeps one Keras node per call on the model's layers
         # (its functional model's); one given up on (its passes fail, or
-        # Ctrl-C) must not: every fit tried again would add more.
-        with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching(), \
-                _compat.node_lists_snapshot(_compat.all_layers(callee)):
-            # The IPU backend needs static shapes (static_batch=True there).
-            graph_model = convert_call(
-                callee, call, verify=self.verify, signature=signature,
-                static_batch=self.static_batch or get_backend().static_batch)
-            if self.passes:
-                with _replaced_layers_in_sync(reuse):
-                    model = apply_passes(graph_model, self.passes, verify=self.verify,
-                                         reuse_replacements=reuse)
-            else:
-                model = graph_model
-        self.watch.take()
-        for entry in report_entries:
-            model.kip_report.add(*entry)
+        # Ctrl-C before it is kept in `conversions`) must not: every fit
+        # tried again would add more. A plain `try`, so that nothing runs
+        # between keeping the conversion and leaving it.
+        with one_conversion_at_a_time():
+            nodes = _compat.node_lists_snapshot(_compat.all_layers(callee))
+            try:
+                with self.strategy.scope(), self.watch.watching():
+                    # The IPU backend needs static shapes (static_batch=True there).
+                    graph_model = convert_call(
+                        callee, call, verify=self.verify, signature=signature,
+                        static_batch=self.static_batch or get_backend().static_batch)
+                    if self.passes:
+                        with _replaced_layers_in_sync(reuse):
+                            model = apply_passes(graph_model, self.passes, verify=self.verify,
+                                                 reuse_replacements=reuse)
+                    else:
+                        model = graph_model
+                self.watch.take()
+                for entry in report_entries:
+                    model.kip_report.add(*entry)
+                if model.kip_replaced:
+                    self._hand_over_optimizer_state(model)
+                conversion = CallConversion(callee, signature, model, call, graph_model)
+                conversion.layer_sequence = _layer_sequence(graph_model)
+                known = {id(v) for v in self.subject.variables}
+                fingerprint = _attribute_fingerprint(self.subject)
+                # Last, together: the conversion is kept, with its nodes.
+                self._known, self._fingerprint = known, fingerprint
+                self.conversions.append(conversion)
+            except BaseException:
+                nodes.restore()
+                raise
         if self.verbose:
             for line in model.kip_report.progress_lines():
                 _compat.print_msg(line)
-        if model.kip_replaced:
-            self._hand_over_optimizer_state(model)
-        conversion = CallConversion(callee, signature, model, call, graph_model)
-        conversion.layer_sequence = _layer_sequence(graph_model)
-        self.conversions.append(conversion)
-        self._known = {id(v) for v in self.subject.variables}
-        self._fingerprint = _attribute_fingerprint(self.subject)
         return conversion
 
     def rebuild(self, reason):
