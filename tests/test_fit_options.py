@@ -117,8 +117,9 @@ ENTRY_POINTS = ["PluginModel", "PluginCallback", "scope"]
 def _train(entry_point, option):
     """`(state, history)` after fitting a fresh Classifier with `option`,
     through `entry_point` (None: plain Keras)."""
-    compile_kwargs, fit_kwargs = OPTIONS[option][0], OPTIONS[option][1]()
+    # A dataset's shuffle seed is drawn from the global seed when it is made.
     keras.utils.set_random_seed(7)
+    compile_kwargs, fit_kwargs = OPTIONS[option][0], OPTIONS[option][1]()
     model = Classifier(name="classifier")
     model(_data(2)[0])
 
@@ -234,3 +235,26 @@ def test_pipelined_dict_input_model_with_steps_per_execution_trains_as_plain_ker
         # Microbatches sum their gradients in another order than one batch.
         np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-6,
                                    err_msg=f"{name} differs from plain Keras")
+
+
+# -- a seeded tf.data shuffle ---------------------------------------------------
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["built", "unbuilt"])
+def test_plugin_model_trains_on_a_seeded_shuffle_in_plain_keras_order(built):
+    """Converting from a dataset's first batch does not move its shuffle on:
+    `fit` sees the batches, in the order, that plain Keras sees."""
+
+    def train(plugin):
+        keras.utils.set_random_seed(7)
+        model = Classifier(name="classifier")
+        if built:
+            model(_data(2)[0])
+        trained = kip.PluginModel(model) if plugin else model
+        trained.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        dataset = tf.data.Dataset.from_tensor_slices(_data(40)).shuffle(40, seed=1).batch(8)
+        history = trained.fit(dataset, epochs=2, verbose=0)
+        return _state(model, trained.optimizer), history.history
+
+    _assert_same_training(train(plugin=True), train(plugin=False), "seeded shuffle")
