@@ -258,3 +258,101 @@ def test_plugin_model_trains_on_a_seeded_shuffle_in_plain_keras_order(built):
         return _state(model, trained.optimizer), history.history
 
     _assert_same_training(train(plugin=True), train(plugin=False), "seeded shuffle")
+
+
+# -- a later fit on sequences of another length ---------------------------------
+
+VOCAB, MAX_LENGTH, WIDTH = 50, 16, 8
+
+
+class PositionEmbedding(layers.Layer):
+    """Token embedding plus learnt positions sliced to the sequence length."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = layers.Embedding(VOCAB, WIDTH, name="tokens")
+
+    def build(self, input_shape):
+        self.tokens.build(input_shape)
+        self.positions = self.add_weight(
+            shape=(MAX_LENGTH, WIDTH), initializer="random_normal", name="positions")
+
+    def call(self, ids):
+        return self.tokens(ids) + self.positions[:keras.ops.shape(ids)[1]]
+
+
+class SlicingEncoder(keras.Model):
+    """A transformer's embedding: the slice in a layer, or in the model's own
+    `call` (`in_call`)."""
+
+    def __init__(self, in_call=False, **kwargs):
+        super().__init__(**kwargs)
+        self.in_call = in_call
+        self.embed = PositionEmbedding(name="embed")
+        self.hidden = layers.Dense(WIDTH, activation="relu", name="hidden")
+        self.head = layers.Dense(1, name="head")
+
+    def build(self, input_shape):
+        self.embed.build(input_shape)
+
+    def call(self, ids):
+        if self.in_call:
+            h = self.embed.tokens(ids) + self.embed.positions[:keras.ops.shape(ids)[1]]
+        else:
+            h = self.embed(ids)
+        return self.head(keras.ops.mean(self.hidden(h), axis=1))
+
+
+def _sequences(length, n=16):
+    rng = np.random.default_rng(length)
+    return (rng.integers(0, VOCAB, size=(n, length)).astype("int32"),
+            rng.normal(size=(n, 1)).astype("float32"))
+
+
+def _train_lengths(passes, in_call, lengths=(16, 8)):
+    keras.utils.set_random_seed(7)
+    model = SlicingEncoder(in_call=in_call, name="encoder")
+    model(_sequences(MAX_LENGTH)[0][:2])
+    trained = model if passes is None else kip.PluginModel(model, passes=passes)
+    trained.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01), loss="mse")
+    for length in lengths:
+        x, y = _sequences(length)
+        trained.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    return _state(model, trained.optimizer), trained
+
+
+@pytest.mark.parametrize("in_call", [False, True], ids=["slice_in_layer", "slice_in_call"])
+@pytest.mark.parametrize("passes", [
+    pytest.param(lambda: [], id="no_passes"),
+    pytest.param(lambda: [Expand("all")], id="expand_all"),
+])
+def test_a_later_fit_on_shorter_sequences_trains_as_plain_keras(passes, in_call):
+    """Fitted at length 16 and then at length 8, a model slicing its
+    positions to the sequence length converts again for length 8 (its
+    passes too) and trains as plain Keras does."""
+    expected, _ = _train_lengths(None, in_call)
+    actual, plugin = _train_lengths(passes(), in_call)
+    assert [c.signature.describe() for c in plugin._kip_runtime.conversions] == [
+        "(?, 16) int32", "(?, 8) int32"]
+    for name, value in expected.items():
+        np.testing.assert_allclose(actual[name], value, rtol=0, atol=1e-6,
+                                   err_msg=f"{name} differs from plain Keras")
+
+
+def test_a_conversion_failing_on_a_later_batch_says_this_batch():
+    """A conversion made for a later batch names that batch, not the first.
+    (Here: batches padded to a length the dataset does not state, so the
+    step is traced with the length unknown, and Expand cannot expand the
+    layer slicing its positions to it.)"""
+    keras.utils.set_random_seed(7)
+    model = SlicingEncoder(name="encoder")
+    plugin = kip.PluginModel(model, passes=[Expand("all")])
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(*_sequences(16), batch_size=4, epochs=1, verbose=0)
+    ids, y = _sequences(8)
+    padded = tf.data.Dataset.from_tensor_slices((ids, y)).padded_batch(
+        4, padded_shapes=([None], [1]))
+    with pytest.raises(kip.PassError) as error:
+        plugin.fit(padded, epochs=1, verbose=0)
+    assert "fails when called on this batch" in str(error.value)
+    assert "first batch" not in str(error.value)

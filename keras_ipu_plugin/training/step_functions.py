@@ -48,6 +48,10 @@ class StepFunction:
         self.step = step
         self.function = None
         self._last_iterator = _no_iterator
+        # The compiled functions by the element spec of the iterators they
+        # run on (see `_function_for`); `_spec`: the current one's.
+        self._functions = {}
+        self._spec = None
 
     @property
     def calls_self_on_x(self):
@@ -58,6 +62,7 @@ class StepFunction:
         if self.function is None:
             data = _next(iterator)
             self._last_iterator = _weak(iterator)
+            self._spec = _spec_key(iterator)
             if self.calls_self_on_x:
                 runtime.convert(_first_x(runtime.owner, data))
             elif not runtime.owner.run_eagerly:
@@ -77,6 +82,7 @@ class StepFunction:
                     raise NewVariablesError(describe_structure_change(runtime))
                 runtime.rebuild("a Python attribute switched a branch of `call`")
                 self._make()
+            self._function_for(iterator)
         if runtime.owner.run_eagerly:
             return self._run_each(self._read(iterator))
         return self._run(iterator)
@@ -138,7 +144,38 @@ class StepFunction:
         with runtime.strategy.scope():
             optimizer.build(variables)
 
-    def _make(self):
+    def _function_for(self, iterator):
+        """Run on a function traced for `iterator`'s element spec.
+
+        Keras's one function, given an iterator of another spec (a later
+        `fit` on sequences of another length), traces again with the
+        differing dimensions relaxed to unknown. A call traced with its
+        sequence length unknown reads None for `ops.shape(ids)[1]`, where the
+        model slices `self.pos[:ops.shape(ids)[1]]`: its conversion would
+        then fail (or Expand would) on the data. A function per spec traces
+        the step with the dimensions the data has, as the first `fit` did,
+        and converts the call for them.
+        """
+        key = _spec_key(iterator)
+        if key == self._spec:
+            return
+        self._spec = key
+        function = self._functions.get(key)
+        if function is None:
+            self._make(keep_others=True)
+        else:
+            self.function = function
+
+    def _make(self, keep_others=False):
+        """A new compiled function for the current spec (a conversion or a
+        rebuild happened: the functions traced for other specs ran the old
+        graphs, and are dropped unless `keep_others`)."""
+        if not keep_others:
+            self._functions = {}
+        self.function = self._new_function()
+        self._functions[self._spec] = self.function
+
+    def _new_function(self):
         runtime, step = self.runtime, self.step
         proxy = runtime.step_self()
 
@@ -164,7 +201,7 @@ class StepFunction:
 
         jit_compile = None if pipelined is None else pipelined.jit_compile(
             runtime.owner.jit_compile, runtime.jit_compile_asked)
-        self.function = _compat.make_step_function(runtime.owner, run_step, jit_compile)
+        return _compat.make_step_function(runtime.owner, run_step, jit_compile)
 
     def _run(self, source):
         runtime = self.runtime
@@ -347,6 +384,15 @@ def _batches_as_iterated(iterator, batches):
         one = tf.data.Dataset.from_tensors((batch,)).map(as_iterated)
         single = one if single is None else single.concatenate(one)
     return iter(without_autotuning(single))
+
+
+def _spec_key(iterator):
+    """What tells iterators that trace the step differently apart: their
+    element spec (a list of batches, run eagerly: one key for all)."""
+    spec = getattr(iterator, "element_spec", None)
+    if spec is None:
+        return None
+    return (str(tf.nest.map_structure(lambda _: 0, spec)), tuple(tf.nest.flatten(spec)))
 
 
 def _no_iterator():
