@@ -260,6 +260,49 @@ def test_plugin_model_trains_on_a_seeded_shuffle_in_plain_keras_order(built):
     _assert_same_training(train(plugin=True), train(plugin=False), "seeded shuffle")
 
 
+@pytest.mark.parametrize("reader", ["convert_to_functional", "PluginModel.convert"])
+def test_reading_a_seeded_shuffle_for_conversion_leaves_fit_its_order(reader):
+    """`convert_to_functional(model, dataset)` / `plugin.convert(dataset)`
+    read the dataset's first batch without changing what a later `fit`
+    sees: a reshuffling seeded shuffle still gives its first order."""
+
+    def shuffled():
+        return tf.data.Dataset.from_tensor_slices(_data(40)).shuffle(40, seed=1).batch(8)
+
+    def train(read_first):
+        keras.utils.set_random_seed(7)
+        model = Classifier(name="classifier")
+        model(_data(2)[0])
+        dataset = shuffled()
+        if read_first and reader == "convert_to_functional":
+            kip.convert_to_functional(model, dataset)
+        trained = model
+        if read_first and reader == "PluginModel.convert":
+            trained = kip.PluginModel(model)
+            trained.convert(dataset)
+        trained.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = trained.fit(dataset, epochs=2, verbose=0)
+        return _state(model, trained.optimizer), history.history
+
+    _assert_same_training(train(read_first=True), train(read_first=False), reader)
+
+
+def test_a_seeded_shuffle_copy_gives_the_first_order_and_leaves_the_original():
+    from keras_ipu_plugin import _compat
+
+    def orders(dataset):
+        return [batch.numpy().tolist() for batch in dataset]
+
+    expected = orders(tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4))
+    dataset = tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4)
+    copy = _compat.dataset_with_own_seeds(dataset)
+    assert orders(copy) == expected
+    assert orders(dataset) == expected
+    # Nothing to copy where nothing draws seeds.
+    assert _compat.dataset_with_own_seeds(tf.data.Dataset.range(4).batch(2)) is None
+
+
 # -- a later fit on sequences of another length ---------------------------------
 
 VOCAB, MAX_LENGTH, WIDTH = 50, 16, 8
