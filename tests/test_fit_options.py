@@ -78,6 +78,9 @@ OPTIONS = {
     "steps_per_execution_dataset": (
         {"steps_per_execution": 4},
         lambda: dict(x=_dataset(40), epochs=2)),
+    "steps_per_execution_eager": (
+        {"steps_per_execution": 3, "run_eagerly": True},
+        lambda: dict(x=_data(48)[0], y=_data(48)[1], batch_size=8, epochs=2)),
     "initial_epoch": (
         {}, lambda: dict(x=_data(24)[0], y=_data(24)[1], batch_size=8, epochs=3, initial_epoch=1)),
     "validation_freq": (
@@ -174,8 +177,20 @@ def _plain_training(option):
     return _plain[option]
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
-@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+# The cases run by default: every option through PluginModel, and
+# `steps_per_execution` through every entry point; the rest are `slow`.
+FAST = {("PluginModel", option) for option in OPTIONS} | {
+    (entry_point, "steps_per_execution") for entry_point in ENTRY_POINTS}
+
+
+def _cases():
+    for entry_point in ENTRY_POINTS:
+        for option in OPTIONS:
+            marks = () if (entry_point, option) in FAST else (pytest.mark.slow,)
+            yield pytest.param(entry_point, option, marks=marks, id=f"{entry_point}-{option}")
+
+
+@pytest.mark.parametrize("entry_point, option", list(_cases()))
 def test_every_fit_option_trains_as_plain_keras_through_every_entry_point(entry_point, option):
     expected = _plain_training(option)
     actual = _train(entry_point, option)

@@ -392,7 +392,12 @@ def _spec_key(iterator):
     spec = getattr(iterator, "element_spec", None)
     if spec is None:
         return None
-    return (str(tf.nest.map_structure(lambda _: 0, spec)), tuple(tf.nest.flatten(spec)))
+    key = (str(tf.nest.map_structure(lambda _: 0, spec)), tuple(tf.nest.flatten(spec)))
+    try:
+        hash(key)
+    except TypeError:  # a spec TensorFlow does not hash: its description
+        return repr(spec)
+    return key
 
 
 def _no_iterator():
