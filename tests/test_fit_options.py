@@ -177,10 +177,13 @@ def _plain_training(option):
     return _plain[option]
 
 
-# The cases run by default: every option through PluginModel, and
-# `steps_per_execution` through every entry point; the rest are `slow`.
-FAST = {("PluginModel", option) for option in OPTIONS} | {
-    (entry_point, "steps_per_execution") for entry_point in ENTRY_POINTS}
+# The cases run by default (the rest are `slow`): `steps_per_execution`
+# through every entry point, and through PluginModel the options that once
+# trained differently or that reach the step function's own paths.
+FAST = {(entry_point, "steps_per_execution") for entry_point in ENTRY_POINTS} | {
+    ("PluginModel", option) for option in (
+        "steps_per_execution_eager", "validation_freq", "class_weight",
+        "dataset_repeat_steps_per_epoch", "dataset_seeded_shuffle", "callback_stops_training")}
 
 
 def _cases():
@@ -192,16 +195,12 @@ def _cases():
 
 @pytest.mark.parametrize("entry_point, option", list(_cases()))
 def test_every_fit_option_trains_as_plain_keras_through_every_entry_point(entry_point, option):
+    """The optimizer steps once per batch from the very first execution
+    (6 batches at `steps_per_execution=3` are 6 steps an epoch, not 4), on
+    the batches plain Keras trains on, to the same variables."""
     expected = _plain_training(option)
     actual = _train(entry_point, option)
     _assert_same_training(actual, expected, f"{entry_point} with {option}")
-
-
-def test_steps_per_execution_takes_every_step_in_the_first_execution():
-    """The optimizer steps once per batch from the very first execution:
-    6 batches and `steps_per_execution=3` are 6 steps an epoch, not 4."""
-    state, _ = _train("PluginModel", "steps_per_execution")
-    assert state["optimizer:0:iteration"] == 12
 
 
 # -- a pipelined model with dict inputs --------------------------------------
@@ -235,14 +234,20 @@ def _train_two_inputs(passes):
     return _state(model, trained.optimizer), history.history
 
 
+@pytest.fixture(scope="module")
+def plain_two_inputs():
+    return _train_two_inputs(None)
+
+
 @pytest.mark.parametrize("passes", [
     pytest.param(lambda: [PipelineStages([["first"], ["second"]])], id="stages"),
     pytest.param(lambda: [PipelineStages([["first"], ["second"]], microbatches=2)],
-                 id="stages_microbatched"),
-    pytest.param(lambda: [Expand("all")], id="expand"),
+                 id="stages_microbatched", marks=pytest.mark.slow),
+    pytest.param(lambda: [Expand("all")], id="expand", marks=pytest.mark.slow),
 ])
-def test_pipelined_dict_input_model_with_steps_per_execution_trains_as_plain_keras(passes):
-    expected = _train_two_inputs(None)
+def test_pipelined_dict_input_model_with_steps_per_execution_trains_as_plain_keras(
+        passes, plain_two_inputs):
+    expected = plain_two_inputs
     actual = _train_two_inputs(passes())
     (state, _), (expected_state, _) = actual, expected
     assert state["optimizer:0:iteration"] == expected_state["optimizer:0:iteration"] == 12
@@ -255,10 +260,12 @@ def test_pipelined_dict_input_model_with_steps_per_execution_trains_as_plain_ker
 # -- a seeded tf.data shuffle ---------------------------------------------------
 
 
-@pytest.mark.parametrize("built", [True, False], ids=["built", "unbuilt"])
+@pytest.mark.parametrize("built", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["built", "unbuilt"])
 def test_plugin_model_trains_on_a_seeded_shuffle_in_plain_keras_order(built):
     """Converting from a dataset's first batch does not move its shuffle on:
-    `fit` sees the batches, in the order, that plain Keras sees."""
+    `fit` sees the batches, in the order, that plain Keras sees (a wrapped
+    model built or not; the built one is also a case of the matrix above)."""
 
     def train(plugin):
         keras.utils.set_random_seed(7)
@@ -275,7 +282,8 @@ def test_plugin_model_trains_on_a_seeded_shuffle_in_plain_keras_order(built):
     _assert_same_training(train(plugin=True), train(plugin=False), "seeded shuffle")
 
 
-@pytest.mark.parametrize("reader", ["convert_to_functional", "PluginModel.convert"])
+@pytest.mark.parametrize("reader", [
+    "convert_to_functional", pytest.param("PluginModel.convert", marks=pytest.mark.slow)])
 def test_reading_a_seeded_shuffle_for_conversion_leaves_fit_its_order(reader):
     """`convert_to_functional(model, dataset)` / `plugin.convert(dataset)`
     read the dataset's first batch without changing what a later `fit`
@@ -379,16 +387,23 @@ def _train_lengths(passes, in_call, lengths=(16, 8)):
     return _state(model, trained.optimizer), trained
 
 
-@pytest.mark.parametrize("in_call", [False, True], ids=["slice_in_layer", "slice_in_call"])
-@pytest.mark.parametrize("passes", [
-    pytest.param(lambda: [], id="no_passes"),
-    pytest.param(lambda: [Expand("all")], id="expand_all"),
+_plain_lengths = {}
+
+
+@pytest.mark.parametrize("passes, in_call", [
+    pytest.param(lambda: [Expand("all")], False, id="expand_all-slice_in_layer"),
+    pytest.param(lambda: [], True, id="no_passes-slice_in_call", marks=pytest.mark.slow),
+    pytest.param(lambda: [], False, id="no_passes-slice_in_layer", marks=pytest.mark.slow),
+    pytest.param(lambda: [Expand("all")], True, id="expand_all-slice_in_call",
+                 marks=pytest.mark.slow),
 ])
 def test_a_later_fit_on_shorter_sequences_trains_as_plain_keras(passes, in_call):
     """Fitted at length 16 and then at length 8, a model slicing its
     positions to the sequence length converts again for length 8 (its
     passes too) and trains as plain Keras does."""
-    expected, _ = _train_lengths(None, in_call)
+    if in_call not in _plain_lengths:
+        _plain_lengths[in_call] = _train_lengths(None, in_call)[0]
+    expected = _plain_lengths[in_call]
     actual, plugin = _train_lengths(passes(), in_call)
     assert [c.signature.describe() for c in plugin._kip_runtime.conversions] == [
         "(?, 16) int32", "(?, 8) int32"]
