@@ -386,16 +386,14 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
                 "trained through it)."
             )
         # Keras's own steps call the model on `x`: converted here, before
-        # `fit`'s callbacks start (BackupAndRestore wants a built model). A
-        # step of the wrapped model's own is converted from what it calls, at
-        # its first batch (see `training.StepFunction`), and so is a dataset's
-        # first batch: reading an element runs the dataset's pipeline, which
-        # moves on a reshuffling shuffle's seed (or a generator, a random
-        # map), so `fit` would then see other batches than plain Keras's.
+        # `fit`'s callbacks start (BackupAndRestore wants a built model; on
+        # the IPU, Graphcore's fit is handed the converted model). A dataset's
+        # first batch is read without moving its shuffle on (`first_batch`).
+        # A step of the wrapped model's own is converted from what it calls,
+        # at its first batch (see `training.StepFunction`).
         step = {"fit": "train_step", "evaluate": "test_step", "predict": "predict_step"}[method]
         first_use = self.converted is None
-        if (first_use and getattr(type(self.wrapped), step) is getattr(keras.Model, step)
-                and x is not None and not _is_tf_dataset(x)):
+        if first_use and getattr(type(self.wrapped), step) is getattr(keras.Model, step) and x is not None:
             self._convert_x(_first_x(x, batch_size))
 
     # -- saving ----------------------------------------------------------------
@@ -471,10 +469,6 @@ def _first_x(x, batch_size):
         return first_batch(x).x
     size = batch_size or 32
     return keras.tree.map_structure(lambda a: a[:size], x)
-
-
-def _is_tf_dataset(x):
-    return isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset))
 
 
 def _copy_by_name(source, target, action):
