@@ -96,7 +96,11 @@ def _first_dataset_element(dataset):
             "The dataset is not batched: call `.batch(batch_size)` on it "
             "before converting (the first element must be a whole batch)."
         )
-    for element in without_autotuning(dataset.take(1)):
+    # A dataset drawing its order from seeds (a reshuffling shuffle) is
+    # read through a copy with seeds of its own: read itself, its next
+    # iteration (`fit`'s) would see another order.
+    source = _compat.dataset_with_own_seeds(dataset) or dataset
+    for element in without_autotuning(source.take(1)):
         if batched is None:
             _check_batch_rank(element)
         return element

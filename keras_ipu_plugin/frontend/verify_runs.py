@@ -9,6 +9,8 @@ Example:
     >>> run.outputs, run.gradients, run.watched
 """
 
+import contextlib
+import contextvars
 import inspect
 from dataclasses import dataclass
 
@@ -25,6 +27,27 @@ from keras_ipu_plugin.frontend.failures import failing_layer as _failing_layer
 from keras_ipu_plugin.frontend.verify_compare import as_numpy
 from keras_ipu_plugin.frontend.verify_compare import gradient_numpy
 from keras_ipu_plugin.runtime.distribution import owning_strategy
+
+
+# What the batch verified on is called in errors: a conversion made when
+# training meets a call it has none for (sequences of a new length) is
+# verified on that later batch, not the first.
+_VERIFIED_BATCH = contextvars.ContextVar("kip_verified_batch", default="the first batch")
+
+
+@contextlib.contextmanager
+def verifying_on(words):
+    """Within, errors of runs call the batch verified on `words`.
+
+    Example:
+        >>> with verifying_on("this batch"):
+        ...     runtime.add_conversion(model, call)   # "... fails when called on this batch"
+    """
+    token = _VERIFIED_BATCH.set(words)
+    try:
+        yield
+    finally:
+        _VERIFIED_BATCH.reset(token)
 
 
 # -- running the models -------------------------------------------------------------
@@ -154,7 +177,7 @@ def _call_error(model, role, error):
             f"(in layer `{where or model.name}`): {text}"
         )
     return ConversionError(
-        f"The {role} model fails when called on the first batch, in layer "
+        f"The {role} model fails when called on {_VERIFIED_BATCH.get()}, in layer "
         f"`{where or model.name}`: {text}"
     )
 

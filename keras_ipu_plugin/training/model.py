@@ -387,9 +387,11 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
                 "trained through it)."
             )
         # Keras's own steps call the model on `x`: converted here, before
-        # `fit`'s callbacks start (BackupAndRestore wants a built model). A
-        # step of the wrapped model's own is converted from what it calls, at
-        # its first batch (see `training.StepFunction`).
+        # `fit`'s callbacks start (BackupAndRestore wants a built model; on
+        # the IPU, Graphcore's fit is handed the converted model). A dataset's
+        # first batch is read without moving its shuffle on (`first_batch`).
+        # A step of the wrapped model's own is converted from what it calls,
+        # at its first batch (see `training.StepFunction`).
         step = {"fit": "train_step", "evaluate": "test_step", "predict": "predict_step"}[method]
         first_use = self.converted is None
         if first_use and getattr(type(self.wrapped), step) is getattr(keras.Model, step) and x is not None:

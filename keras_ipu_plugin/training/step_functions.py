@@ -50,6 +50,10 @@ class StepFunction:
         self.trains = trains  # fit's train_function
         self.function = None
         self._last_iterator = _no_iterator
+        # The compiled functions by the element spec of the iterators they
+        # run on (see `_function_for`); `_spec`: the current one's.
+        self._functions = {}
+        self._spec = None
 
     @property
     def calls_self_on_x(self):
@@ -63,15 +67,17 @@ class StepFunction:
                                    runtime.strategy)
             data = _next(iterator)
             self._last_iterator = _weak(iterator)
+            self._spec = _spec_key(iterator)
             if self.calls_self_on_x:
                 runtime.convert(_first_x(runtime.owner, data))
             elif not runtime.owner.run_eagerly:
                 convert_calls(runtime, self.step, data)  # eager steps convert as they call
             self._build_optimizer_before_the_trace()
             self._make()
-            if runtime.owner.run_eagerly:
-                return self._run([data])
-            return self._run(_first_batch_as_iterated(iterator, data))
+            # The first execution trains on as many batches as every other
+            # (`steps_per_execution`): the one read to convert from, and the
+            # ones Keras's loop would have read after it.
+            return self._run_batches(iterator, [data, *self._read(iterator, more=True)])
         if iterator is not self._last_iterator():  # a new epoch: a new iterator
             self._last_iterator = _weak(iterator)
             if runtime.structure_changed():
@@ -81,9 +87,45 @@ class StepFunction:
                     raise NewVariablesError(describe_structure_change(runtime))
                 runtime.rebuild("a Python attribute switched a branch of `call`")
                 self._make()
+            self._function_for(iterator)
         if runtime.owner.run_eagerly:
-            return self._run([_next(iterator)])
+            return self._run_each(self._read(iterator))
         return self._run(iterator)
+
+    def _read(self, iterator, more=False):
+        """The batches one execution of Keras's loop reads from `iterator`:
+        `steps_per_execution` of them, fewer where the data ends (`more`:
+        the rest of an execution whose first batch was read already).
+        Raises StopIteration where there is none."""
+        count = max(int(self.runtime.owner.steps_per_execution or 1), 1) - int(more)
+        batches = []
+        for _ in range(count):
+            try:
+                batches.append(_next(iterator))
+            except StopIteration:
+                if not batches and not more:
+                    raise
+                break
+        return batches
+
+    def _run_batches(self, iterator, batches):
+        """One execution on `batches` (read from `iterator` already), as
+        Keras's compiled loop runs it: the step traced with the shapes
+        `iterator` gives, every batch trained on once, in order."""
+        if self.runtime.owner.run_eagerly:
+            return self._run_each(batches)
+        source = _batches_as_iterated(iterator, batches)
+        return self._run_each(batches) if source is None else self._run(source)
+
+    def _run_each(self, batches):
+        """Run `batches` one step at a time (a list handed to Keras's
+        function runs each as its own step). One at a time, a batch that
+        needs a conversion is converted and trained on after the batches
+        before it, never before them nor twice."""
+        outputs = None
+        for batch in batches:
+            outputs = self._run([batch])
+        return outputs
 
     def _build_optimizer_before_the_trace(self):
         """Build the optimizer on the variables Keras's own `train_step` will
@@ -107,7 +149,38 @@ class StepFunction:
         with runtime.strategy.scope():
             optimizer.build(variables)
 
-    def _make(self):
+    def _function_for(self, iterator):
+        """Run on a function traced for `iterator`'s element spec.
+
+        Keras's one function, given an iterator of another spec (a later
+        `fit` on sequences of another length), traces again with the
+        differing dimensions relaxed to unknown. A call traced with its
+        sequence length unknown reads None for `ops.shape(ids)[1]`, where the
+        model slices `self.pos[:ops.shape(ids)[1]]`: its conversion would
+        then fail (or Expand would) on the data. A function per spec traces
+        the step with the dimensions the data has, as the first `fit` did,
+        and converts the call for them.
+        """
+        key = _spec_key(iterator)
+        if key == self._spec:
+            return
+        self._spec = key
+        function = self._functions.get(key)
+        if function is None:
+            self._make(keep_others=True)
+        else:
+            self.function = function
+
+    def _make(self, keep_others=False):
+        """A new compiled function for the current spec (a conversion or a
+        rebuild happened: the functions traced for other specs ran the old
+        graphs, and are dropped unless `keep_others`)."""
+        if not keep_others:
+            self._functions = {}
+        self.function = self._new_function()
+        self._functions[self._spec] = self.function
+
+    def _new_function(self):
         runtime, step = self.runtime, self.step
         proxy = runtime.step_self()
 
@@ -133,7 +206,7 @@ class StepFunction:
 
         jit_compile = None if pipelined is None else pipelined.jit_compile(
             runtime.owner.jit_compile, runtime.jit_compile_asked)
-        self.function = _compat.make_step_function(runtime.owner, run_step, jit_compile)
+        return _compat.make_step_function(runtime.owner, run_step, jit_compile)
 
     def _run(self, source):
         runtime = self.runtime
@@ -158,14 +231,20 @@ class StepFunction:
                 self._make()
                 continue
             except NeedsConversion as need:
-                # Met while tracing: nothing ran. One batch (the one the step
-                # would have read) shows the concrete arguments; it is then
-                # trained on as usual.
-                data = source[0] if isinstance(source, list) else _next(source)
+                # Met while tracing: nothing ran. The batches the execution
+                # would have read are read now; the first shows the concrete
+                # arguments, and all are then trained on as usual (a list
+                # holds one batch: see `_run_each`).
+                batches = source if isinstance(source, list) else self._read(source)
                 for callee, signature in need.misses:
-                    convert_calls(runtime, self.step, data, callee, signature)
+                    convert_calls(runtime, self.step, batches[0], callee, signature)
                 self._make()
-                source = [data]
+                if isinstance(source, list):
+                    source = batches
+                    continue
+                source = _batches_as_iterated(source, batches)
+                if source is None:
+                    return self._run_each(batches)
                 continue
             except Exception as error:
                 if not runtime.watch.refused:
@@ -266,33 +345,36 @@ def _next(iterator):
     return next(iter(iterator))
 
 
-def _first_batch_as_iterated(iterator, data):
-    """A source for `StepFunction._run` holding only `data`, the batch just
-    read from `iterator` to convert from, with the shapes `iterator` gives.
+def _batches_as_iterated(iterator, batches):
+    """An iterator over `batches` (read from `iterator`, to convert from)
+    with the shapes `iterator` gives, or None where it cannot be made (a
+    distributed iterator: the batches are then run one at a time).
 
-    Handed over concrete (a list), the batch would trace the compiled step
+    Handed over concrete (a list), a batch would trace the compiled step
     with its static shapes (`(4, 8, 8, 3)`), where `fit` traces it with the
     iterator's (`(None, 8, 8, 3)`). TensorFlow optimises the two graphs
     differently, so the first step rounds differently from plain Keras: a
     gradient that is zero but for rounding (a bias before a softmax) then
-    takes another Adam step, and training differs. A one-batch iterator
-    whose elements have the original iterator's shapes traces the graph
-    `fit` traces. (A distributed iterator takes the batch as it is.)
+    takes another Adam step, and training differs. An iterator whose
+    elements have the original iterator's shapes traces the graph `fit`
+    traces, and Keras's loop over it runs one step per batch, as many as
+    `steps_per_execution` allows.
 
     Example:
-        >>> source = _first_batch_as_iterated(iterator, data)
-        >>> _next(source) is not None   # `data`, with `iterator`'s shapes
+        >>> source = _batches_as_iterated(iterator, [first, second])
+        >>> _next(source) is not None   # `first`, with `iterator`'s shapes
         True
     """
     spec = getattr(iterator, "element_spec", None)
     if not isinstance(iterator, tf.data.Iterator) or not all(
         isinstance(leaf, tf.TensorSpec) for leaf in tf.nest.flatten(spec)
     ):
-        return [data]
+        return None
     try:
-        tf.nest.assert_same_structure(data, spec)
+        for batch in batches:
+            tf.nest.assert_same_structure(batch, spec)
     except (TypeError, ValueError):
-        return [data]
+        return None
 
     def as_iterated(batch):
         return tf.nest.map_structure(
@@ -300,8 +382,27 @@ def _first_batch_as_iterated(iterator, data):
             batch, spec,
         )
 
-    single = tf.data.Dataset.from_tensors((data,)).map(as_iterated)
+    # One dataset per batch, concatenated: batches of the execution may
+    # differ in shape (a partial last batch).
+    single = None
+    for batch in batches:
+        one = tf.data.Dataset.from_tensors((batch,)).map(as_iterated)
+        single = one if single is None else single.concatenate(one)
     return iter(without_autotuning(single))
+
+
+def _spec_key(iterator):
+    """What tells iterators that trace the step differently apart: their
+    element spec (a list of batches, run eagerly: one key for all)."""
+    spec = getattr(iterator, "element_spec", None)
+    if spec is None:
+        return None
+    key = (str(tf.nest.map_structure(lambda _: 0, spec)), tuple(tf.nest.flatten(spec)))
+    try:
+        hash(key)
+    except TypeError:  # a spec TensorFlow does not hash: its description
+        return repr(spec)
+    return key
 
 
 def _no_iterator():

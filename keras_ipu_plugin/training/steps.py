@@ -65,6 +65,7 @@ from keras_ipu_plugin.training.step_self import step_self
 from keras_ipu_plugin.training.step_losses import StepLosses
 from keras_ipu_plugin.frontend.tracing import TraceError
 from keras_ipu_plugin.frontend.tracing import trace_model
+from keras_ipu_plugin.frontend.verify_runs import verifying_on
 from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
 from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
 from keras_ipu_plugin.passes.replace import copy_weights_by_name
@@ -218,6 +219,8 @@ class Runtime:
         check_built_under(self.subject, _compat.model_strategy(self.owner))
         signature = signature or call.signature()
         reuse = self.replaced_layers() if reuse is None else reuse
+        # Verified on `call`'s batch: after the first conversion, a later one.
+        batch_words = "this batch" if self.conversions else "the first batch"
         # A conversion keeps one Keras node per call on the model's layers
         # (its functional model's); one given up on (its passes fail, or
         # Ctrl-C before it is kept in `conversions`) must not: every fit
@@ -226,7 +229,7 @@ class Runtime:
         with one_conversion_at_a_time():
             nodes = _compat.node_lists_snapshot(_compat.all_layers(callee))
             try:
-                with self.strategy.scope(), self.watch.watching():
+                with self.strategy.scope(), self.watch.watching(), verifying_on(batch_words):
                     # The IPU backend needs static shapes (static_batch=True there).
                     graph_model = convert_call(
                         callee, call, verify=self.verify, signature=signature,
