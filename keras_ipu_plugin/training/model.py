@@ -19,7 +19,9 @@ from keras_ipu_plugin.passes.core.manager import validate_passes
 from keras_ipu_plugin.frontend.convert import as_tensors
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.runtime.backends import get_backend
+from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.passes.core.base import deserialize_pass
 from keras_ipu_plugin.passes.core.base import serialize_pass
@@ -417,12 +419,63 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        config["model"] = keras.saving.deserialize_keras_object(config["model"])
-        passes = config.get("passes", ())
-        if isinstance(passes, list):  # as get_config saved them (older saves: a config)
-            config["passes"] = [deserialize_pass(saved) for saved in passes]
+        config = _checked_saved_config(config)
+        entry = f"PluginModel `{config.get('name')}`"
+        config["model"] = saved_values.saved_user_layer(config["model"], entry, "model")
+        if not isinstance(config["model"], keras.Model):
+            saved_values.refuse(entry, "model", "a saved keras.Model",
+                                type(config["model"]).__name__)
+        config["passes"] = _saved_passes(config.get("passes", []), entry)
         return cls(**config)
+
+
+#: The keys `get_config` writes.
+_SAVED_KEYS = ("name", "model", "passes", "rebuild_on_new_variables", "verify", "static_batch")
+
+
+def _checked_saved_config(config):
+    """A copy of a saved PluginModel config whose every value is of the
+    type `get_config` writes (a `kip.LoadError` naming the key otherwise),
+    checked before anything is made from it: `passes` is the list of saved
+    passes, never a path to read (`"static_batch": "false"` is no false).
+
+    Example:
+        >>> _checked_saved_config({"name": "p", "model": {...}, "verify": "no"})
+        Traceback (most recent call last):
+        keras_ipu_plugin.errors.LoadError: PluginModel `p`: verify must be true or false ...
+    """
+    entry = f"PluginModel `{config.get('name') if isinstance(config, dict) else None}`"
+    saved_values.saved_keys(config, entry, _SAVED_KEYS)
+    if not isinstance(config.get("model"), dict):
+        saved_values.refuse(entry, "model", "a saved keras.Model", config.get("model"))
+    if not isinstance(config.get("passes", []), (list, dict)):
+        saved_values.refuse(entry, "passes", "the list of saved passes", config["passes"])
+    if "name" in config:
+        saved_values.saved_str(config["name"], entry, "name")
+    for key in ("rebuild_on_new_variables", "verify", "static_batch"):
+        if key in config:
+            saved_values.saved_bool(config[key], entry, key)
+    return dict(config)
+
+
+def _saved_passes(passes, entry):
+    """The passes of a saved PluginModel: the list `serialize_pass` wrote
+    (older saves: a config mapping, which is data too), as pass objects;
+    any error is a `kip.LoadError` naming the pass."""
+    from keras_ipu_plugin.passes.core.config import passes_from_config
+
+    if isinstance(passes, dict):
+        try:
+            return passes_from_config(passes)
+        except (PassError, ValueError) as error:
+            raise LoadError(f"{entry}: passes: {error}") from error
+    made = []
+    for index, saved in enumerate(passes):
+        try:
+            made.append(deserialize_pass(saved))
+        except (PassError, ValueError) as error:
+            raise LoadError(f"{entry}: passes[{index}]: {error}") from error
+    return made
 
 
 def _set_by_library_code():
