@@ -147,6 +147,19 @@ class AllKinds(keras.Model):
         return self.head(h)
 
 
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Wrapped(keras.Model):
+    """A model Keras can build from its saved config (the PluginModel's):
+    `AllKinds` holds layers only a concrete batch runs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block, self.drop_path, self.head = Block(), DropPath(), keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        return self.head(self.drop_path(self.block(x), training=training))
+
+
 X = np.random.default_rng(0).random((4, 5)).astype("float32")
 
 
@@ -170,7 +183,7 @@ def saved_files(folder):
     folder = pathlib.Path(folder)
     converted = kip.convert_to_functional(AllKinds(), X)
     expanded = kip.apply_passes(converted, [kip.passes.Expand()])
-    plugin = kip.PluginModel(AllKinds(), passes=[
+    plugin = kip.PluginModel(Wrapped(), passes=[
         kip.passes.Expand(),
         kip.passes.Recompute("head"),
     ])
