@@ -181,6 +181,7 @@ def saved_files(folder):
     in `folder`: `graph.keras` (converted), `expanded.keras` (and passes
     each annotating), `plugin.keras` (a PluginModel with passes, called)."""
     folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     converted = kip.convert_to_functional(AllKinds(), X)
     expanded = kip.apply_passes(converted, [kip.passes.Expand()])
     plugin = kip.PluginModel(Wrapped(), passes=[

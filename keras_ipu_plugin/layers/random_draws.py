@@ -92,6 +92,8 @@ class RandomDraw(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         entry = f"RandomDraw `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, (
+            "distribution", "shape", "arguments", "seed", "draw_dtype"))
         distribution = config.get("distribution")
         if distribution not in DISTRIBUTIONS:
             saved_values.refuse(entry, "distribution", f"one of {', '.join(DISTRIBUTIONS)}",

@@ -131,7 +131,10 @@ class VariableRead(HoldsVariable, keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        cls.check_variable_config(config, f"VariableRead `{config.get('name')}`")
+        entry = f"VariableRead `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, (
+            "variable_shape", "variable_dtype", "variable_trainable", "variable_owner"))
+        cls.check_variable_config(config, entry)
         return cls(**config)
 
 
@@ -167,6 +170,7 @@ class HeldConstant(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         entry = f"HeldConstant `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, ("value", "value_dtype"))
         dtype = saved_values.saved_dtype(config.get("value_dtype"), entry, "value_dtype")
         value = config.get("value")
         try:

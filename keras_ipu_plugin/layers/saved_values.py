@@ -83,6 +83,29 @@ def saved_keys(config, entry, known):
     return config
 
 
+#: The keys Keras's base layer writes in every layer's config.
+LAYER_KEYS = ("name", "trainable", "dtype", "autocast")
+
+
+def saved_layer_config(config, entry, own_keys=()):
+    """A saved kip layer's config, checked before anything is made from
+    it: a mapping of Keras's base layer keys and the layer's `own_keys`
+    only, a string name, true / false for `trainable` and `autocast` (the
+    layer's own values are checked by its `from_config`).
+
+    Example:
+        >>> saved_layer_config({"name": "n", "trainable": "no"}, "AttachMask `n`")
+        Traceback (most recent call last):
+        keras_ipu_plugin.errors.LoadError: AttachMask `n`: trainable must be true or false ...
+    """
+    saved_keys(config, entry, LAYER_KEYS + tuple(own_keys))
+    saved_str(config.get("name"), entry, "name")
+    for key in ("trainable", "autocast"):
+        if key in config:
+            saved_bool(config[key], entry, key)
+    return config
+
+
 def saved_class_entry(value, entry, key, kind, modules):
     """The class a saved Keras object `value` (`{"module": ..., "class_name":
     ...}`) names, read from the file without importing anything: its module
@@ -154,6 +177,6 @@ def saved_function_config(entry, config):
     return config["function"], config.get("name")
 
 
-__all__ = ["refuse", "saved_bool", "saved_class_entry", "saved_function_config", "saved_dtype",
+__all__ = ["LAYER_KEYS", "refuse", "saved_bool", "saved_class_entry", "saved_layer_config", "saved_function_config", "saved_dtype",
            "saved_keras_object", "saved_keys", "saved_number", "saved_shape", "saved_str",
            "saved_user_layer"]

@@ -63,6 +63,7 @@ class TensorSizedOperation(keras.Operation):
     @classmethod
     def from_config(cls, config):
         entry = f"TensorSizedOperation `{config.get('name')}`"
+        saved_values.saved_keys(config, entry, ("operation", "attributes", "name"))
         operation = saved_values.saved_keras_object(
             config.get("operation"), entry, "operation", keras.Operation,
             modules=_compat.KERAS_OPERATION_MODULES)

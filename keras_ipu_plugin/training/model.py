@@ -291,7 +291,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         # model's variables must exist: call it once on zeros of the saved
         # input shape (float inputs; a model taking strings or ids needs
         # `plugin(first_batch)` before `load_weights` instead).
-        shape = (config or {}).get("input_shape")
+        shape = _saved_input_shape(config, f"PluginModel `{self.name}`")
         if shape is not None and not self.wrapped.built:
             self.wrapped(_zeros(shape))
         self.built = True
@@ -456,6 +456,48 @@ def _checked_saved_config(config):
         if key in config:
             saved_values.saved_bool(config[key], entry, key)
     return dict(config)
+
+
+#: The most values the zeros a loaded PluginModel builds its wrapped model
+#: on may hold (per input): the shape is the file's, so it is bounded.
+MAX_BUILD_VALUES = 2 ** 24
+
+
+def _saved_input_shape(config, entry):
+    """The input shape of a saved build config: a shape (a list of sizes
+    and null) or a list / mapping of them, as Keras writes it, each of at
+    most `MAX_BUILD_VALUES` values (null counts 1); a `kip.LoadError`
+    naming the key otherwise. The wrapped model is called on zeros of it
+    while loading, so a file must not choose gigabytes."""
+    key = "build_config.input_shape"
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        saved_values.refuse(entry, "build_config", "a mapping", config)
+    shape = config.get("input_shape")
+    stack = [(shape, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if value is None and depth == 0:
+            continue
+        if isinstance(value, dict) and depth < 4:
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, (list, tuple)) and value and all(
+                isinstance(item, (list, tuple, dict)) for item in value) and depth < 4:
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, (list, tuple)) and all(
+                dim is None or (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0)
+                for dim in value):
+            values = 1
+            for dim in value:
+                values *= 1 if dim is None else dim
+            if values > MAX_BUILD_VALUES:
+                saved_values.refuse(entry, key, f"at most {MAX_BUILD_VALUES} values an input",
+                                    value)
+        else:
+            saved_values.refuse(entry, key, "a shape (sizes and null), or a list or mapping "
+                                "of shapes", shape)
+    return shape
 
 
 def _saved_passes(passes, entry):
