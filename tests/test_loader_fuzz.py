@@ -293,6 +293,13 @@ def _runner(cases, seed, folder, report_path):
             results["errors"][detail] = results["errors"].get(detail, 0) + 1
         if index % 200 == 199:
             keras.backend.clear_session()  # slow (a full gc): now and then
+            _write_report(results, started, baseline_mb, report_path)  # a long run's so far
+    _write_report(results, started, baseline_mb, report_path)
+
+
+def _write_report(results, started, baseline_mb, report_path):
+    import resource
+
     results["seconds"] = round(time.time() - started, 1)
     results["peak_growth_mb"] = round(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline_mb)
