@@ -591,3 +591,26 @@ def test_real_stage_device_names_load(saved, tmp_path):
                                              "/job:localhost/replica:0/task:0/device:CPU:0"]
     loaded = _load(saved[0], tmp_path / "ok.keras", config)
     assert loaded.kip_stage_devices == config["config"]["kip_stage_devices"]
+
+
+@pytest.mark.parametrize("class_entry,args,kwargs", [
+    (dict(TF_FUNCTION, config={"function": "broadcast_to"}), [1.0, [64, 64]], {}),
+    (dict(TF_FUNCTION, config={"function": "math.square"}), [], {"x": 2.0}),
+    ("RandomDraw", [], {"anchor": [[1.0]] * 8}),
+    ("BatchSizedOperation", [[[1.0]], [[[1.0, 1.0, 1.0, 1.0]]]], {}),
+])
+def test_a_kip_node_on_constants_in_a_keras_functional_file_is_refused_before_it_runs(
+        saved, tmp_path, class_entry, args, kwargs):
+    """A file whose outer model is Keras's own `Functional` (whose nodes kip
+    does not check before Keras calls them) holding a kip node called on
+    constants only: the node refuses the call itself, before it runs."""
+    config = json.loads(saved[0]["config.json"])
+    if isinstance(class_entry, str):
+        class_entry = copy.deepcopy(_entries(config, class_entry)[0])
+    config.update(module="keras.src.models.functional", class_name="Functional",
+                  registered_name="Functional")
+    for key in [key for key in config["config"] if key.startswith("kip_")]:
+        del config["config"][key]
+    config["config"]["layers"].append(_constant_node("big", class_entry, args, kwargs))
+    with pytest.raises(kip.LoadError, match="`big` is called with constants only"):
+        _load(saved[0], tmp_path / "evil.keras", config)

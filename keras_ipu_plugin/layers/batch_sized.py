@@ -62,6 +62,12 @@ class BatchSizedOperation(keras.layers.Layer):
         self.divisors = dict(divisors or {})
         self.built = True
 
+    def __call__(self, *args, **kwargs):
+        # Before Keras converts arrays to tensors: a call on constants only
+        # is a node of an edited file.
+        saved_values.refuse_constant_call(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     @staticmethod
     def arguments(operation, anchor, args, kwargs):
         """`(args, kwargs)` of a call of this layer for a call of `operation`:

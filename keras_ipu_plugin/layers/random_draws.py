@@ -66,6 +66,10 @@ class RandomDraw(keras.layers.Layer):
         self.seed_generator = seed
         self.built = True
 
+    def __call__(self, *args, **kwargs):
+        saved_values.refuse_constant_call(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     def _shape(self, batch_size):
         return tuple(batch_size if dim is None else dim for dim in self.draw_shape)
 

@@ -19,6 +19,7 @@ Example:
 import sys
 
 import keras
+import numpy as np
 
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
@@ -158,6 +159,30 @@ def saved_user_layer(value, entry, key="layer"):
     return layer
 
 
+def refuse_constant_call(operation, args, kwargs):
+    """Raise a `LoadError` where a kip node is called on constants only:
+    a graph calls each on a graph tensor (a symbolic one while building, a
+    real one when it runs), so such a call is a node of an edited file that
+    Keras is making while loading (a functional model of Keras's own class,
+    whose nodes kip does not check first), and would run it eagerly.
+
+    Example:
+        >>> refuse_constant_call(square, (2.0,), {})
+        Traceback (most recent call last):
+        keras_ipu_plugin.errors.LoadError: TFFunction `square` is called with constants only ...
+    """
+    for leaf in keras.tree.flatten((args, kwargs)):
+        if isinstance(leaf, (keras.KerasTensor, keras.Variable)) or keras.ops.is_tensor(leaf):
+            return
+        if hasattr(leaf, "dtype") and hasattr(leaf, "shape") and not isinstance(leaf, np.ndarray):
+            return  # a backend variable or tensor-like value of the graph
+    raise LoadError(
+        f"{type(operation).__name__} `{operation.name}` is called with constants only (no "
+        "tensor of the graph among its arguments). A graph calls every kip node on a graph "
+        "tensor; a saved node giving it constants only comes from an edited file, and "
+        "would run while loading. Nothing was run.")
+
+
 def saved_function_config(entry, config):
     """`(function, name)` of a saved `{'function': path, 'name': name}`
     config of a layer that calls a TensorFlow function by its table path
@@ -179,4 +204,4 @@ def saved_function_config(entry, config):
 
 __all__ = ["LAYER_KEYS", "refuse", "saved_bool", "saved_class_entry", "saved_layer_config", "saved_function_config", "saved_dtype",
            "saved_keras_object", "saved_keys", "saved_number", "saved_shape", "saved_str",
-           "saved_user_layer"]
+           "saved_user_layer", "refuse_constant_call"]

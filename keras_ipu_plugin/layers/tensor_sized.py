@@ -49,6 +49,7 @@ class TensorSizedOperation(keras.Operation):
         return operation
 
     def call(self, *args, **kwargs):
+        saved_values.refuse_constant_call(self, args, kwargs)
         count = len(self.attributes)
         return self._filled(args[:count]).call(*args[count:], **kwargs)
 

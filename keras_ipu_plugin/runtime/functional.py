@@ -506,21 +506,23 @@ def _check_saved_nodes(config, entry):
     run it, eagerly, inside `load_model`. Refused naming the node, before
     any layer is made: whatever the load builds is built symbolically."""
     layers = config.get("layers")
-    if not isinstance(layers, list):
+    if not isinstance(layers, (list, tuple)):
         saved_values.refuse(entry, "layers", "a list of saved layers", layers)
     for key in ("input_layers", "output_layers"):
-        if not isinstance(config.get(key), list):
-            saved_values.refuse(entry, key, "a list of [layer, node, tensor]", config.get(key))
+        if not isinstance(config.get(key), (list, tuple, dict)):
+            saved_values.refuse(entry, key, "[layer, node, tensor] entries (a list or a "
+                                "mapping of them)", config.get(key))
     for index, layer in enumerate(layers):
         if not (isinstance(layer, dict) and isinstance(layer.get("name"), str)
                 and isinstance(layer.get("class_name"), str)
-                and isinstance(layer.get("inbound_nodes"), list)):
+                and isinstance(layer.get("inbound_nodes"), (list, tuple))):
             saved_values.refuse(entry, f"layers[{index}]", "a saved layer with a name, a class "
                                 "and a list of inbound nodes", layer)
         where = f"{short_repr(layer['class_name'])[1:-1]} `{short_repr(layer['name'])[1:-1]}`"
         for node in layer["inbound_nodes"]:
             if not (isinstance(node, dict) and set(node) == {"args", "kwargs"}
-                    and isinstance(node["args"], list) and isinstance(node["kwargs"], dict)):
+                    and isinstance(node["args"], (list, tuple))
+                    and isinstance(node["kwargs"], dict)):
                 saved_values.refuse(entry, f"{where}: a node", "{'args': [...], 'kwargs': {...}}",
                                     node)
             if not _holds_symbolic_tensor(node, f"{entry}: {where}"):
@@ -542,7 +544,7 @@ def _holds_symbolic_tensor(node, where):
     found, stack = False, [node]
     while stack:
         value = stack.pop()
-        if isinstance(value, list):
+        if isinstance(value, (list, tuple)):
             stack.extend(value)
             continue
         if not isinstance(value, dict):
@@ -552,7 +554,7 @@ def _holds_symbolic_tensor(node, where):
             kind = value["class_name"]
             if kind == _SYMBOLIC:
                 history = inner.get("keras_history") if isinstance(inner, dict) else None
-                if not (isinstance(history, list) and len(history) == 3
+                if not (isinstance(history, (list, tuple)) and len(history) == 3
                         and isinstance(history[0], str) and all(
                             isinstance(i, int) and not isinstance(i, bool) and i >= 0
                             for i in history[1:])):
