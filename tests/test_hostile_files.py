@@ -614,3 +614,12 @@ def test_a_kip_node_on_constants_in_a_keras_functional_file_is_refused_before_it
     config["config"]["layers"].append(_constant_node("big", class_entry, args, kwargs))
     with pytest.raises(kip.LoadError, match="`big` is called with constants only"):
         _load(saved[0], tmp_path / "evil.keras", config)
+
+
+def test_a_variable_shape_edited_to_gigabytes_is_refused_before_it_is_made(saved, tmp_path):
+    """A read node's variable is made before the saved weights are read:
+    a shape edited to billions of values is refused, not allocated."""
+    config = json.loads(saved[0]["config.json"])
+    _entries(config, "VariableRead")[0]["config"]["variable_shape"] = [2 ** 28 + 1]
+    with pytest.raises(kip.LoadError, match="VariableRead `.*`: variable_shape"):
+        _load(saved[0], tmp_path / "evil.keras", config)

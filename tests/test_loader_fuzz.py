@@ -241,6 +241,7 @@ def _runner(cases, seed, folder, report_path):
                 archive.writestr(entry, text if entry == "config.json" else data)
         seen.clear()
         outcome, detail = None, None
+        peak_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         begin = time.time()
         watching[0] = True
         signal.alarm(CASE_SECONDS)
@@ -276,8 +277,8 @@ def _runner(cases, seed, folder, report_path):
         if new_modules:
             problems.append(f"modules imported: {sorted(new_modules)[:5]}")
             modules |= new_modules
-        if peak_mb - baseline_mb > MEMORY_GROWTH_MB:
-            problems.append(f"memory grew to {peak_mb - baseline_mb:.0f} MB over the start")
+        if peak_mb - peak_before_mb > MEMORY_GROWTH_MB:  # this case's load and first call
+            problems.append(f"memory grew by {peak_mb - peak_before_mb:.0f} MB")
         if outcome == "violation":
             problems.append(detail)
         record = {"case": index, "file": name, "edits": edits, "seconds": round(elapsed, 2)}
