@@ -225,10 +225,10 @@ def _checked_saved_operation(config):
                             attributes)
     for name in attributes:
         value = getattr(operation, name, None)
-        if not (value is None or (isinstance(value, (list, tuple)) and all(
-                dim is None or _is_offset(dim) and dim >= 0 for dim in value))):
-            saved_values.refuse(entry, f"operation.{name}", "a shape (sizes and null) or null",
-                                value)
+        if not (value is None or _is_offset(value) or (isinstance(value, (list, tuple)) and all(
+                dim is None or _is_offset(dim) for dim in value))):
+            saved_values.refuse(entry, f"operation.{name}", "a shape (ints and null), a size "
+                                "or null", value)
     for key, is_value, what in (
             ("multiples", _is_size, "a positive int (or a list of them) for an attribute"),
             ("offsets", _is_offset, "an int (or a list of them) for an attribute"),
