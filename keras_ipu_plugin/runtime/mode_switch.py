@@ -168,9 +168,8 @@ class ModeSwitch(keras.layers.Layer):
         return cls(**config)
 
 
-#: The keys `get_config` writes (Keras's base layer's and the switch's own).
-_SAVED_KEYS = ("name", "trainable", "dtype", "body", "outputs", "none_means", "paths",
-               "of_layer")
+#: The keys of the switch's own that `get_config` writes.
+_OWN_KEYS = ("body", "outputs", "none_means", "paths", "of_layer")
 
 
 def _check_saved_config(config):
@@ -180,17 +179,15 @@ def _check_saved_config(config):
     body of another class (a `PluginModel` whose passes name a path) is
     refused before Keras makes it."""
     entry = f"ModeSwitch `{config.get('name') if isinstance(config, dict) else None}`"
-    saved_values.saved_keys(config, entry, _SAVED_KEYS)
-    saved_values.saved_str(config.get("name"), entry, "name")
-    if "trainable" in config:
-        saved_values.saved_bool(config["trainable"], entry, "trainable")
+    saved_values.saved_layer_config(config, entry, _OWN_KEYS)
     outputs = config.get("outputs")
     if not (isinstance(outputs, dict) and outputs and set(outputs) <= set(MODES)
             and {"training", "inference"} <= set(outputs)):
         saved_values.refuse(entry, "outputs", "a mapping of training / inference "
                             "(/ default) to output indices", outputs)
     _check_outputs(outputs, None, entry)
-    if config.get("none_means", "inference") not in outputs:
+    none_means = config.get("none_means", "inference")
+    if not isinstance(none_means, str) or none_means not in outputs:
         saved_values.refuse(entry, "none_means", f"one of {', '.join(outputs)}",
                             config.get("none_means"))
     paths = config.get("paths") or {}
