@@ -214,7 +214,7 @@ def _runner(cases, seed, folder, report_path):
             if isinstance(target, int):
                 return
             target = os.fsdecode(target) if isinstance(target, (str, bytes, os.PathLike)) else ""
-            if os.path.abspath(target) != str(case_path) and not _keras_extraction(target) \
+            if os.path.abspath(target) != str(case_path) and not _keras_extraction(target, str(case_path)) \
                     and target not in sources:
                 seen.append(f"opened {target[:200]}")
         elif event == "import" and not args[0].startswith(AUTOGRAPH):
@@ -355,14 +355,19 @@ def kip_owned(config, path):
     return "" if field in KERAS_BASE_FIELDS else "field"
 
 
-def _keras_extraction(path):
+def _keras_extraction(path, archive):
     """Whether `path` is where Keras extracts the archive's own members
-    while loading (a fresh `tmp...` folder of the system's, its `assets`)."""
+    while loading: a fresh `tmp...` folder in the system's temporary folder
+    or beside the archive (Keras writes the weights there when memory is
+    short), the `assets` and `model.weights.h5` in it."""
     import tempfile
 
-    return path == "assets" or (
-        os.path.dirname(path) == tempfile.gettempdir()
-        and os.path.basename(path).startswith("tmp"))
+    def fresh(folder):
+        return os.path.basename(folder).startswith("tmp") and os.path.dirname(folder) in (
+            tempfile.gettempdir(), os.path.dirname(archive))
+
+    return path == "assets" or fresh(path) or (
+        os.path.basename(path) in ("assets", "model.weights.h5") and fresh(os.path.dirname(path)))
 
 
 def run(cases, seed, folder, timeout):
