@@ -623,3 +623,13 @@ def test_a_variable_shape_edited_to_gigabytes_is_refused_before_it_is_made(saved
     _entries(config, "VariableRead")[0]["config"]["variable_shape"] = [2 ** 28 + 1]
     with pytest.raises(kip.LoadError, match="VariableRead `.*`: variable_shape"):
         _load(saved[0], tmp_path / "evil.keras", config)
+
+
+def test_a_graph_input_given_twice_is_refused_at_load(saved, tmp_path):
+    """A functional graph lists each input once: a file listing one twice
+    loaded a graph whose first call failed with Keras's error."""
+    config = json.loads(saved[0]["config.json"])
+    (one,) = [config["config"]["input_layers"]]  # one input: [layer, node, tensor]
+    config["config"]["input_layers"] = [one, one]
+    with pytest.raises(kip.LoadError, match="input_layers must be each input once"):
+        _load(saved[0], tmp_path / "evil.keras", config)

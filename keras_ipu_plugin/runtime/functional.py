@@ -512,6 +512,15 @@ def _check_saved_nodes(config, entry):
         if not isinstance(config.get(key), (list, tuple, dict)):
             saved_values.refuse(entry, key, "[layer, node, tensor] entries (a list or a "
                                 "mapping of them)", config.get(key))
+    inputs = config["input_layers"]
+    inputs = list(inputs.values()) if isinstance(inputs, dict) else inputs
+    if inputs and isinstance(inputs[0], str):  # one input: [layer, node, tensor] itself
+        inputs = [inputs]
+    shown = [repr(entry_) for entry_ in inputs]
+    if len(set(shown)) != len(shown):
+        # Keras writes each input once; one given twice loads a graph whose
+        # first call fails (it expects an input more than its caller gives).
+        saved_values.refuse(entry, "input_layers", "each input once", inputs)
     for index, layer in enumerate(layers):
         if not (isinstance(layer, dict) and isinstance(layer.get("name"), str)
                 and isinstance(layer.get("class_name"), str)
