@@ -139,6 +139,13 @@ def _load(files, path, config=None):
     return keras.models.load_model(path)
 
 
+def _graph_tensor(config):
+    """A saved argument that is the graph's first input."""
+    name = config["config"]["input_layers"][0][0]
+    return {"class_name": "__keras_tensor__",
+            "config": {"shape": [None, 5], "dtype": "float32", "keras_history": [name, 0, 0]}}
+
+
 def _entries(config, class_name):
     """Every serialized object of `class_name` in a config, anywhere."""
     found = []
@@ -209,8 +216,10 @@ def test_a_tf_function_outside_the_table_is_refused_and_nothing_runs(saved, tmp_
         "module": "keras_ipu_plugin.layers.tf_function", "class_name": "TFFunction",
         "config": {"function": path, "name": "evil"},
         "registered_name": "keras_ipu_plugin>TFFunction", "name": "evil",
-        "inbound_nodes": [{"args": json.loads(json.dumps(args).replace("{out}", str(out))),
-                           "kwargs": {}}],
+        # With a graph tensor among its arguments, as a traced call has:
+        # the name alone is refused.
+        "inbound_nodes": [{"args": [_graph_tensor(config)] + json.loads(
+            json.dumps(args).replace("{out}", str(out))), "kwargs": {}}],
     })
     modules = set(sys.modules)
     with pytest.raises(kip.LoadError, match="TFFunction `evil`") as raised:
@@ -420,3 +429,207 @@ def test_an_edited_file_is_refused_whole_and_the_same_clean_file_still_loads(sav
         _load(saved[0], tmp_path / "evil.keras", hostile)
     np.testing.assert_allclose(_load(saved[0], tmp_path / "ok.keras", config)(X), saved[2](X),
                                rtol=1e-5)
+
+
+# -- a file names no path, runs no op ---------------------------------------------
+def _plugin_entry(plugin_files, **changes):
+    """The saved PluginModel object of `plugin.keras`, its config changed."""
+    entry = json.loads(plugin_files["config.json"])
+    entry["config"].update(changes)
+    return entry
+
+
+@pytest.fixture()
+def passes_file(tmp_path):
+    """A pass config on disk that a file could name by its path."""
+    path = tmp_path / "elsewhere.yaml"
+    path.write_text("read_from_disk: all\n")  # read, it would fail naming this key
+    return str(path)
+
+
+def test_a_saved_plugin_model_whose_passes_are_a_path_is_refused_without_reading_it(
+        saved, tmp_path, passes_file):
+    """`passes` of a saved PluginModel is the list its `get_config` wrote:
+    a string is never read as a config file (a YAML file elsewhere, a FIFO,
+    `/dev/stdin`), it is refused naming the key."""
+    config = _plugin_entry(saved[1], passes=passes_file)
+    with pytest.raises(kip.LoadError, match=r"PluginModel `.*`: passes must be") as raised:
+        _load(saved[1], tmp_path / "evil.keras", config)
+    assert "read_from_disk" not in str(raised.value)
+
+
+def test_a_plugin_model_entry_among_a_graphs_layers_is_checked_before_it_is_made(
+        saved, tmp_path, passes_file):
+    """The same entry, reached as a layer of a saved KipFunctional."""
+    config = json.loads(saved[0]["config.json"])
+    entry = _plugin_entry(saved[1], passes=passes_file)
+    entry.update(name="inner", inbound_nodes=[])
+    config["config"]["layers"].append(entry)
+    with pytest.raises(kip.LoadError, match=r"PluginModel `.*`: passes must be"):
+        _load(saved[0], tmp_path / "evil.keras", config)
+
+
+def test_a_mode_switch_body_of_another_class_is_refused_from_the_file_before_it_is_made(
+        saved, tmp_path, passes_file):
+    """A ModeSwitch's body is a saved KipFunctional: its class is read from
+    the file, and another class (a PluginModel whose passes name a path)
+    is refused before Keras makes it."""
+    config = json.loads(saved[0]["config.json"])
+    config["config"]["layers"].append({
+        "module": "keras_ipu_plugin.runtime.mode_switch", "class_name": "ModeSwitch",
+        "registered_name": "keras_ipu_plugin>ModeSwitch", "name": "switch", "inbound_nodes": [],
+        "config": {"name": "switch", "body": _plugin_entry(saved[1], passes=passes_file),
+                   "outputs": {"training": [0], "inference": [0]}, "none_means": "inference"},
+    })
+    with pytest.raises(kip.LoadError, match=r"ModeSwitch `switch`: body must be a saved "
+                                            r"KipFunctional") as raised:
+        _load(saved[0], tmp_path / "evil.keras", config)
+    assert "read_from_disk" not in str(raised.value)
+
+
+def _constant_node(name, class_entry, args, kwargs=None):
+    return {**class_entry, "name": name,
+            "config": {**class_entry["config"], "name": name},
+            "inbound_nodes": [{"args": args, "kwargs": kwargs or {}}]}
+
+
+TF_FUNCTION = {"module": "keras_ipu_plugin.layers.tf_function", "class_name": "TFFunction",
+               "registered_name": "keras_ipu_plugin>TFFunction", "config": {}}
+
+
+@pytest.mark.parametrize("function,args,kwargs", [
+    ("broadcast_to", [1.0, [64, 64]], {}),
+    ("range", [10], {}),
+    ("math.square", [], {"x": 2.0}),
+    ("math.square", [{"class_name": "__numpy__", "config": {"value": [1.0], "dtype": "float32"}}],
+     {}),
+])
+def test_a_node_called_on_constants_only_is_refused_before_it_runs(
+        saved, tmp_path, function, args, kwargs):
+    """A traced call always has a graph tensor among its arguments: a node
+    whose arguments are all constants can only come from an edited file,
+    and running it while loading would compute (and allocate) what the
+    file asks. It is refused naming the node; nothing runs."""
+    config = json.loads(saved[0]["config.json"])
+    entry = dict(TF_FUNCTION, config={"function": function})
+    config["config"]["layers"].append(_constant_node("big", entry, args, kwargs))
+    modules = set(sys.modules)
+    with pytest.raises(kip.LoadError, match="`big`.* constants"):
+        _load(saved[0], tmp_path / "evil.keras", config)
+    assert set(sys.modules) - modules == set()
+
+
+def test_a_random_draw_anchored_on_a_keyword_constant_is_refused_before_it_draws(saved, tmp_path):
+    config = json.loads(saved[0]["config.json"])
+    draw = copy.deepcopy(_entries(config, "RandomDraw")[0])
+    draw["config"]["shape"] = [None, 64, 64]
+    config["config"]["layers"].append(
+        _constant_node("drawn", draw, [], {"anchor": [[1.0]] * 8}))
+    with pytest.raises(kip.LoadError, match="`drawn`.* constants"):
+        _load(saved[0], tmp_path / "evil.keras", config)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("static_batch", "false"), ("verify", "no"), ("rebuild_on_new_variables", "maybe"),
+    ("static_batch", 0), ("name", ["x"]), ("model", "os.system"), ("passes", {"expand": 1}),
+    ("extra", 1),
+])
+def test_a_saved_plugin_model_field_of_the_wrong_type_is_refused_naming_it(
+        saved, tmp_path, key, value):
+    """`static_batch: "false"` is no false: each field of a saved
+    PluginModel is the type its `get_config` writes, or the load fails
+    naming it (never a string kept where a bool belongs)."""
+    config = _plugin_entry(saved[1], **{key: value})
+    with pytest.raises(kip.LoadError, match=f"PluginModel `[^`]*`: .*{key}"):
+        _load(saved[1], tmp_path / "evil.keras", config)
+
+
+BATCH_SIZED_EDITS = [
+    (lambda c: c.update(operation={"module": "keras.src.ops.core", "class_name": "Cond",
+                                   "config": {"name": "cond"}, "registered_name": "Cond"},
+                        attributes=[]), "attributes"),
+    (lambda c: c.update(attributes=[]), "attributes"),
+    (lambda c: c["operation"].update(module="keras.src.ops.nosuch"), "operation"),
+    (lambda c: c["operation"].update(class_name="__class__"), "operation"),
+    (lambda c: c["operation"].update(registered_name=7), "operation"),
+    (lambda c: c["operation"]["config"].update(shape="x"), "shape"),
+]
+
+
+@pytest.mark.parametrize("edit,key", BATCH_SIZED_EDITS, ids=[str(i) for i in
+                                                              range(len(BATCH_SIZED_EDITS))])
+def test_a_batch_sized_operation_that_could_not_run_is_refused_at_load(saved, tmp_path, edit, key):
+    """A BatchSizedOperation whose operation or attributes could not run
+    (an operation with no shape to fill, a module that does not exist) is
+    refused at load with a LoadError naming the node, not a TypeError
+    from Keras at the first call; nothing the file names is imported."""
+    config = json.loads(saved[0]["config.json"])
+    edit(_entries(config, "BatchSizedOperation")[0]["config"])
+    modules = set(sys.modules)
+    with pytest.raises(kip.LoadError, match=f"BatchSizedOperation `.*`.*{key}"):
+        _load(saved[0], tmp_path / "evil.keras", config)
+    assert set(sys.modules) - modules == set()
+
+
+@pytest.mark.parametrize("devices", [
+    ["/device:IPU:" + "9" * 100_000], ["x" * 100_000], ["/cpu:0", "not a device"],
+    ["/device:CPU:99999999999"],
+])
+def test_a_stage_device_name_that_is_no_device_is_refused_at_load(saved, tmp_path, devices):
+    """A stage device name is a TensorFlow device (`/cpu:0`,
+    `/device:IPU:1`) of bounded length: anything else fails the load
+    naming the key, not the first call with `invalid literal for int()`."""
+    config = json.loads(saved[0]["config.json"])
+    config["config"]["kip_stage_devices"] = devices
+    with pytest.raises(kip.LoadError, match="kip_stage_devices"):
+        _load(saved[0], tmp_path / "evil.keras", config)
+
+
+def test_real_stage_device_names_load(saved, tmp_path):
+    config = json.loads(saved[0]["config.json"])
+    config["config"]["kip_stage_devices"] = ["/cpu:0", "/device:CPU:0",
+                                             "/job:localhost/replica:0/task:0/device:CPU:0"]
+    loaded = _load(saved[0], tmp_path / "ok.keras", config)
+    assert loaded.kip_stage_devices == config["config"]["kip_stage_devices"]
+
+
+@pytest.mark.parametrize("class_entry,args,kwargs", [
+    (dict(TF_FUNCTION, config={"function": "broadcast_to"}), [1.0, [64, 64]], {}),
+    (dict(TF_FUNCTION, config={"function": "math.square"}), [], {"x": 2.0}),
+    ("RandomDraw", [], {"anchor": [[1.0]] * 8}),
+    ("BatchSizedOperation", [[[1.0]], [[[1.0, 1.0, 1.0, 1.0]]]], {}),
+])
+def test_a_kip_node_on_constants_in_a_keras_functional_file_is_refused_before_it_runs(
+        saved, tmp_path, class_entry, args, kwargs):
+    """A file whose outer model is Keras's own `Functional` (whose nodes kip
+    does not check before Keras calls them) holding a kip node called on
+    constants only: the node refuses the call itself, before it runs."""
+    config = json.loads(saved[0]["config.json"])
+    if isinstance(class_entry, str):
+        class_entry = copy.deepcopy(_entries(config, class_entry)[0])
+    config.update(module="keras.src.models.functional", class_name="Functional",
+                  registered_name="Functional")
+    for key in [key for key in config["config"] if key.startswith("kip_")]:
+        del config["config"][key]
+    config["config"]["layers"].append(_constant_node("big", class_entry, args, kwargs))
+    with pytest.raises(kip.LoadError, match="`big` is called with constants only"):
+        _load(saved[0], tmp_path / "evil.keras", config)
+
+
+def test_a_variable_shape_edited_to_gigabytes_is_refused_before_it_is_made(saved, tmp_path):
+    """A read node's variable is made before the saved weights are read:
+    a shape edited to billions of values is refused, not allocated."""
+    config = json.loads(saved[0]["config.json"])
+    _entries(config, "VariableRead")[0]["config"]["variable_shape"] = [2 ** 28 + 1]
+    with pytest.raises(kip.LoadError, match="VariableRead `.*`: variable_shape"):
+        _load(saved[0], tmp_path / "evil.keras", config)
+
+
+def test_a_graph_input_given_twice_is_refused_at_load(saved, tmp_path):
+    """A functional graph lists each input once: a file listing one twice
+    loaded a graph whose first call failed with Keras's error."""
+    config = json.loads(saved[0]["config.json"])
+    (one,) = [config["config"]["input_layers"]]  # one input: [layer, node, tensor]
+    config["config"]["input_layers"] = [one, one]
+    with pytest.raises(kip.LoadError, match="input_layers must be each input once"):
+        _load(saved[0], tmp_path / "evil.keras", config)

@@ -33,6 +33,7 @@ import weakref
 import keras
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.layers import saved_values
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -74,6 +75,11 @@ class AddedLoss(keras.layers.Layer):
         config = super().get_config()
         config.pop("autocast", None)
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        saved_values.saved_layer_config(config, f"AddedLoss `{config.get('name')}`")
+        return cls(**config)
 
 
 def loss_nodes(model):

@@ -77,6 +77,7 @@ class LayerAlias(keras.layers.Layer):
     def from_config(cls, config):
         config = dict(config)
         entry = f"LayerAlias `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, ("layer", "tensor_outputs_only"))
         saved_values.saved_bool(config.get("tensor_outputs_only", False), entry,
                                 "tensor_outputs_only")
         config["layer"] = saved_values.saved_user_layer(config.get("layer"), entry)

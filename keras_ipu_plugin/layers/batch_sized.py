@@ -62,6 +62,12 @@ class BatchSizedOperation(keras.layers.Layer):
         self.divisors = dict(divisors or {})
         self.built = True
 
+    def __call__(self, *args, **kwargs):
+        # Before Keras converts arrays to tensors: a call on constants only
+        # is a node of an edited file.
+        saved_values.refuse_constant_call(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     @staticmethod
     def arguments(operation, anchor, args, kwargs):
         """`(args, kwargs)` of a call of this layer for a call of `operation`:
@@ -184,27 +190,51 @@ class BatchSizedOperation(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        entry = f"BatchSizedOperation `{config.get('name')}`"
-        operation = saved_values.saved_keras_object(
-            config.get("operation"), entry, "operation", keras.Operation,
-            modules=_compat.KERAS_OPERATION_MODULES)
-        if isinstance(operation, keras.layers.Layer):
-            saved_values.refuse(entry, "operation", "a keras.ops operation",
-                                type(operation).__name__)
-        shapes = operation.get_config()
-        attributes = config.get("attributes")
-        if not isinstance(attributes, list) or not all(
-                isinstance(name, str) and name in shapes and not name.startswith("_")
-                and name != "name" for name in attributes):
-            saved_values.refuse(entry, "attributes",
-                                f"a list of {type(operation).__name__}'s shape arguments",
-                                attributes)
-        for key, is_value, what in (
-                ("multiples", _is_size, "a positive int (or a list of them) for an attribute"),
-                ("offsets", _is_offset, "an int (or a list of them) for an attribute"),
-                ("divisors", _is_size, "a positive int (or a list of them) for an attribute")):
-            _check_per_attribute(entry, config, key, attributes, is_value, what)
+        operation = _checked_saved_operation(config)
         return cls(**{**config, "operation": operation})
+
+
+#: The keys `get_config` writes (Keras's base layer's and this layer's).
+_SAVED_KEYS = ("name", "trainable", "dtype", "operation", "attributes", "multiples", "offsets",
+               "divisors")
+
+
+def _checked_saved_operation(config):
+    """The operation of a saved `BatchSizedOperation` config, made once
+    every value is of the kind `get_config` writes (a `kip.LoadError`
+    naming the node and the key otherwise): a `keras.ops` operation (found
+    without importing anything) whose `attributes` are shapes (lists of
+    sizes and None) or one size, so that the node runs as saved, never a
+    Keras `TypeError` at its first call."""
+    entry = f"BatchSizedOperation `{config.get('name') if isinstance(config, dict) else None}`"
+    saved_values.saved_keys(config, entry, _SAVED_KEYS)
+    saved_values.saved_str(config.get("name"), entry, "name")
+    operation = saved_values.saved_keras_object(
+        config.get("operation"), entry, "operation", keras.Operation,
+        modules=_compat.KERAS_OPERATION_MODULES)
+    if isinstance(operation, keras.layers.Layer):
+        saved_values.refuse(entry, "operation", "a keras.ops operation",
+                            type(operation).__name__)
+    shapes = operation.get_config()
+    attributes = config.get("attributes")
+    if not isinstance(attributes, list) or not attributes or not all(
+            isinstance(name, str) and name in shapes and not name.startswith("_")
+            and name != "name" for name in attributes):
+        saved_values.refuse(entry, "attributes",
+                            f"a list of {type(operation).__name__}'s shape arguments",
+                            attributes)
+    for name in attributes:
+        value = getattr(operation, name, None)
+        if not (value is None or _is_offset(value) or (isinstance(value, (list, tuple)) and all(
+                dim is None or _is_offset(dim) for dim in value))):
+            saved_values.refuse(entry, f"operation.{name}", "a shape (ints and null), a size "
+                                "or null", value)
+    for key, is_value, what in (
+            ("multiples", _is_size, "a positive int (or a list of them) for an attribute"),
+            ("offsets", _is_offset, "an int (or a list of them) for an attribute"),
+            ("divisors", _is_size, "a positive int (or a list of them) for an attribute")):
+        _check_per_attribute(entry, config, key, attributes, is_value, what)
+    return operation
 
 
 def _check_per_attribute(entry, config, key, attributes, is_value, what):

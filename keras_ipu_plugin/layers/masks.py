@@ -15,6 +15,8 @@ Example:
 import keras
 import tensorflow as tf
 
+from keras_ipu_plugin.layers import saved_values
+
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
 class AttachMask(keras.layers.Layer):
@@ -40,3 +42,8 @@ class AttachMask(keras.layers.Layer):
 
     def compute_output_spec(self, inputs, mask=None):
         return keras.KerasTensor(inputs.shape, dtype=inputs.dtype)
+
+    @classmethod
+    def from_config(cls, config):
+        saved_values.saved_layer_config(config, f"AttachMask `{config.get('name')}`")
+        return cls(**config)

@@ -68,6 +68,7 @@ class OpaqueLayer(keras.layers.Layer):
     def from_config(cls, config):
         config = dict(config)
         entry = f"OpaqueLayer `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, ("layer", "reason", "output_specs"))
         saved_values.saved_str(config.get("reason", ""), entry, "reason")
         config["output_specs"] = _specs_from_config(config.get("output_specs"), entry)
         config["layer"] = saved_values.saved_user_layer(config.get("layer"), entry)

@@ -66,6 +66,10 @@ class RandomDraw(keras.layers.Layer):
         self.seed_generator = seed
         self.built = True
 
+    def __call__(self, *args, **kwargs):
+        saved_values.refuse_constant_call(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     def _shape(self, batch_size):
         return tuple(batch_size if dim is None else dim for dim in self.draw_shape)
 
@@ -92,6 +96,8 @@ class RandomDraw(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         entry = f"RandomDraw `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, (
+            "distribution", "shape", "arguments", "seed", "draw_dtype"))
         distribution = config.get("distribution")
         if distribution not in DISTRIBUTIONS:
             saved_values.refuse(entry, "distribution", f"one of {', '.join(DISTRIBUTIONS)}",

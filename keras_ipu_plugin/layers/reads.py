@@ -74,8 +74,18 @@ class HoldsVariable:
     def check_variable_config(config, entry):
         """The checks of a saved holder's variable entries (`kip.LoadError`
         naming the key)."""
-        saved_values.saved_shape(config.get("variable_shape"), entry, "variable_shape",
-                                 allow_unknown=False)
+        shape = saved_values.saved_shape(config.get("variable_shape"), entry, "variable_shape",
+                                         allow_unknown=False)
+        # The variable is made (and filled) at load before the saved weights
+        # are read: its size is the file's to say, so it is bounded.
+        values = 1
+        for dim in shape:
+            values *= dim
+        if values > MAX_SAVED_VARIABLE_VALUES:
+            saved_values.refuse(entry, "variable_shape", "a shape of at most "
+                                f"{MAX_SAVED_VARIABLE_VALUES} values (kip's limit on a variable "
+                                "a graph node holds: keras_ipu_plugin.layers.reads."
+                                "MAX_SAVED_VARIABLE_VALUES)", list(shape))
         saved_values.saved_dtype(config.get("variable_dtype"), entry, "variable_dtype")
         saved_values.saved_bool(config.get("variable_trainable", True), entry,
                                 "variable_trainable")
@@ -87,6 +97,12 @@ class HoldsVariable:
         ):
             saved_values.refuse(entry, "variable_owner",
                                 "null or [layer name, index of the variable in its weights]", owner)
+
+
+#: The most values a variable a saved read or write node makes may hold
+#: (1 GiB of float32): loading makes it before reading the saved weights, so
+#: a shape edited into a file would allocate memory no weight fills.
+MAX_SAVED_VARIABLE_VALUES = 2 ** 28
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
@@ -131,7 +147,10 @@ class VariableRead(HoldsVariable, keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        cls.check_variable_config(config, f"VariableRead `{config.get('name')}`")
+        entry = f"VariableRead `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, (
+            "variable_shape", "variable_dtype", "variable_trainable", "variable_owner"))
+        cls.check_variable_config(config, entry)
         return cls(**config)
 
 
@@ -167,6 +186,7 @@ class HeldConstant(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         entry = f"HeldConstant `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, ("value", "value_dtype"))
         dtype = saved_values.saved_dtype(config.get("value_dtype"), entry, "value_dtype")
         value = config.get("value")
         try:

@@ -16,7 +16,10 @@ Example:
     keras_ipu_plugin.errors.LoadError: read `scale`: variable_shape ...
 """
 
+import sys
+
 import keras
+import numpy as np
 
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
@@ -69,15 +72,77 @@ def saved_dtype(value, entry, key, allow_none=False):
     return value
 
 
+def saved_keys(config, entry, known):
+    """`config`, a mapping whose keys are all among `known` (what the
+    class's `get_config` and Keras's base `get_config` write)."""
+    if not isinstance(config, dict):
+        refuse(entry, "its config", "a mapping", config)
+    unknown = [key for key in config if key not in known]
+    if unknown:
+        raise LoadError(f"{entry}: unknown key {short_repr(unknown[0])} (its config has "
+                        f"{', '.join(sorted(known))}).")
+    return config
+
+
+#: The keys Keras's base layer writes in every layer's config.
+LAYER_KEYS = ("name", "trainable", "dtype", "autocast")
+
+
+def saved_layer_config(config, entry, own_keys=()):
+    """A saved kip layer's config, checked before anything is made from
+    it: a mapping of Keras's base layer keys and the layer's `own_keys`
+    only, a string name, true / false for `trainable` and `autocast` (the
+    layer's own values are checked by its `from_config`).
+
+    Example:
+        >>> saved_layer_config({"name": "n", "trainable": "no"}, "AttachMask `n`")
+        Traceback (most recent call last):
+        keras_ipu_plugin.errors.LoadError: AttachMask `n`: trainable must be true or false ...
+    """
+    saved_keys(config, entry, LAYER_KEYS + tuple(own_keys))
+    saved_str(config.get("name"), entry, "name")
+    for key in ("trainable", "autocast"):
+        if key in config:
+            saved_bool(config[key], entry, key)
+    return config
+
+
+def saved_class_entry(value, entry, key, kind, modules):
+    """The class a saved Keras object `value` (`{"module": ..., "class_name":
+    ...}`) names, read from the file without importing anything: its module
+    must be one of `modules` (or a submodule) that is imported already, and
+    the class a public class of `kind` defined there, found by its name in
+    that module's namespace (one lookup, no attribute walk)."""
+    expected = f"a saved {kind.__name__} (of {', '.join(modules)})"
+    if not isinstance(value, dict):
+        refuse(entry, key, expected, value)
+    module, name = value.get("module"), value.get("class_name")
+    registered = value.get("registered_name")
+    if not (isinstance(module, str) and isinstance(name, str)
+            and (registered is None or isinstance(registered, str))
+            and any(module == m or module.startswith(m + ".") for m in modules)
+            and name.isidentifier() and not name.startswith("_")
+            and isinstance(value.get("config", {}), dict)):
+        refuse(entry, key, expected, value)
+    found = vars(sys.modules[module]).get(name) if module in sys.modules else None
+    if not (isinstance(found, type) and issubclass(found, kind)):
+        refuse(entry, key, expected, f"{module}.{name}")
+    return found
+
+
 def saved_keras_object(value, entry, key, kind, modules):
     """`value` deserialized by Keras (under its safe mode) when the file
-    says it is a class of one of `modules` (checked before anything is
-    made), then checked to be an instance of `kind`."""
-    module = value.get("module") if isinstance(value, dict) else None
-    if not (isinstance(module, str) and any(
-            module == m or module.startswith(m + ".") for m in modules)):
-        refuse(entry, key, f"a saved {kind.__name__} (of {', '.join(modules)})", value)
-    obj = keras.saving.deserialize_keras_object(value)
+    says it is a class of one of `modules` (`saved_class_entry`, checked
+    before anything is made), then checked to be an instance of `kind`;
+    any error Keras raises making it is a `LoadError` naming the entry."""
+    saved_class_entry(value, entry, key, kind, modules)
+    try:
+        obj = keras.saving.deserialize_keras_object(value)
+    except LoadError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise LoadError(f"{entry}: {key} could not be made from the file: "
+                        f"{short_repr(str(error))}") from error
     if not isinstance(obj, kind):
         refuse(entry, key, f"a saved {kind.__name__}", type(obj).__name__)
     return obj
@@ -92,6 +157,30 @@ def saved_user_layer(value, entry, key="layer"):
     if not isinstance(layer, keras.layers.Layer):
         refuse(entry, key, "a saved layer", type(layer).__name__)
     return layer
+
+
+def refuse_constant_call(operation, args, kwargs):
+    """Raise a `LoadError` where a kip node is called on constants only:
+    a graph calls each on a graph tensor (a symbolic one while building, a
+    real one when it runs), so such a call is a node of an edited file that
+    Keras is making while loading (a functional model of Keras's own class,
+    whose nodes kip does not check first), and would run it eagerly.
+
+    Example:
+        >>> refuse_constant_call(square, (2.0,), {})
+        Traceback (most recent call last):
+        keras_ipu_plugin.errors.LoadError: TFFunction `square` is called with constants only ...
+    """
+    for leaf in keras.tree.flatten((args, kwargs)):
+        if isinstance(leaf, (keras.KerasTensor, keras.Variable)) or keras.ops.is_tensor(leaf):
+            return
+        if hasattr(leaf, "dtype") and hasattr(leaf, "shape") and not isinstance(leaf, np.ndarray):
+            return  # a backend variable or tensor-like value of the graph
+    raise LoadError(
+        f"{type(operation).__name__} `{operation.name}` is called with constants only (no "
+        "tensor of the graph among its arguments). A graph calls every kip node on a graph "
+        "tensor; a saved node giving it constants only comes from an edited file, and "
+        "would run while loading. Nothing was run.")
 
 
 def saved_function_config(entry, config):
@@ -113,5 +202,6 @@ def saved_function_config(entry, config):
     return config["function"], config.get("name")
 
 
-__all__ = ["refuse", "saved_bool", "saved_function_config", "saved_dtype", "saved_keras_object", "saved_number",
-           "saved_shape", "saved_str", "saved_user_layer"]
+__all__ = ["LAYER_KEYS", "refuse", "saved_bool", "saved_class_entry", "saved_layer_config", "saved_function_config", "saved_dtype",
+           "saved_keras_object", "saved_keys", "saved_number", "saved_shape", "saved_str",
+           "saved_user_layer", "refuse_constant_call"]

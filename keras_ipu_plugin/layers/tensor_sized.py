@@ -49,6 +49,7 @@ class TensorSizedOperation(keras.Operation):
         return operation
 
     def call(self, *args, **kwargs):
+        saved_values.refuse_constant_call(self, args, kwargs)
         count = len(self.attributes)
         return self._filled(args[:count]).call(*args[count:], **kwargs)
 
@@ -63,6 +64,7 @@ class TensorSizedOperation(keras.Operation):
     @classmethod
     def from_config(cls, config):
         entry = f"TensorSizedOperation `{config.get('name')}`"
+        saved_values.saved_keys(config, entry, ("operation", "attributes", "name"))
         operation = saved_values.saved_keras_object(
             config.get("operation"), entry, "operation", keras.Operation,
             modules=_compat.KERAS_OPERATION_MODULES)

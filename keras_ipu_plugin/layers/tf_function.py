@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.layers.saved_values import refuse_constant_call
 from keras_ipu_plugin.layers.saved_values import saved_function_config
 from keras_ipu_plugin.layers.tf_function_table import function_at
 
@@ -54,6 +55,7 @@ class TFFunction(keras.Operation):
         self._tf_callable = callable_
 
     def call(self, *args, **kwargs):
+        refuse_constant_call(self, args, kwargs)
         return self._tf_callable(*args, **kwargs)
 
     def compute_output_spec(self, *args, **kwargs):

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.layers.saved_values import refuse_constant_call
 from keras_ipu_plugin.layers.saved_values import saved_function_config
 from keras_ipu_plugin.layers.tf_function_table import draw_function_at
 
@@ -43,7 +44,8 @@ class TFRandomDraw(keras.Operation):
     arguments each time the graph runs.
 
     Example:
-        >>> TFRandomDraw("random.uniform")((4, 2), minval=0.9, maxval=1.1).shape
+        >>> draw = TFRandomDraw("random.uniform")
+        >>> draw((None, 2), minval=0.9, maxval=1.1, batch_of=x).shape   # x: (4, 3)
         (4, 2)
     """
 
@@ -60,6 +62,7 @@ class TFRandomDraw(keras.Operation):
         # `batch_of`: a graph tensor whose batch size each None of the
         # draw's `shape` is (`tf.random.normal(ops.shape(x))`, traced while
         # the batch size was unknown).
+        refuse_constant_call(self, args, dict(kwargs, batch_of=batch_of))
         if batch_of is not None:
             bound = self._signature().bind(*args, **kwargs).arguments
             batch = tf.shape(batch_of)[0]

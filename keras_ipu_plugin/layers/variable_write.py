@@ -87,6 +87,9 @@ class VariableWrite(HoldsVariable, keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         entry = f"VariableWrite `{config.get('name')}`"
+        saved_values.saved_layer_config(config, entry, (
+            "method", "variable_shape", "variable_dtype", "variable_trainable",
+            "variable_owner"))
         method = config.get("method")
         if method not in METHODS:
             saved_values.refuse(entry, "method", f"one of {', '.join(METHODS)}", method)
@@ -124,6 +127,11 @@ class AfterWrites(keras.layers.Layer):
         config = super().get_config()
         config.pop("autocast", None)
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        saved_values.saved_layer_config(config, f"AfterWrites `{config.get('name')}`")
+        return cls(**config)
 
 
 def is_write_node(operation):

@@ -26,16 +26,25 @@ a float batch to an int input silently.
 
 import inspect
 import os
+import re
 
 import keras
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.errors import LoadError
+from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.layers.shared_variables import link_shared_variables
 from keras_ipu_plugin.layers.shared_variables import mark_shared_variables
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-in run-time effects)
+# Every kip layer a saved graph may hold is registered with Keras wherever a
+# graph can be loaded, not only once the code that records it has run
+# (`TensorSizedOperation` was registered by tracing alone).
+from keras_ipu_plugin.layers import added_loss, alias, batch_sized, masks, opaque  # noqa: F401
+from keras_ipu_plugin.layers import random_draws, reads, tensor_sized  # noqa: F401
+from keras_ipu_plugin.layers import tf_function, tf_random_draw, variable_write  # noqa: F401
 from keras_ipu_plugin.runtime.interpreter import needs_interpreter
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
@@ -408,10 +417,36 @@ def _is_mode_switch(layer):
         layer, "mode_outputs")
 
 
+#: The longest stage device name a saved graph may hold
+#: (`/job:worker/replica:0/task:12/device:IPU:3` is 41).
+MAX_DEVICE_NAME = 200
+_DEVICE_PART = re.compile(r"/?(job:[A-Za-z0-9_-]{1,64}|replica:\d{1,6}|task:\d{1,6}|"
+                          r"device:[A-Za-z_]{1,16}:(\d{1,6}|\*)|[A-Za-z_]{1,16}:(\d{1,6}|\*))")
+
+
+def _is_device_name(name):
+    """Whether `name` is a TensorFlow device name (`/cpu:0`,
+    `/device:IPU:1`, `/job:worker/replica:0/task:0/device:GPU:0`) of
+    bounded length and indices, as `tf.device` takes it."""
+    if not (isinstance(name, str) and 0 < len(name) <= MAX_DEVICE_NAME):
+        return False
+    parts = [part for part in name.split("/") if part]
+    return bool(parts) and all(_DEVICE_PART.fullmatch(part) for part in parts)
+
+
+#: The keys a saved functional model's config has: Keras's and the kip ones.
+_SAVED_KEYS = ("name", "trainable", "layers", "input_layers", "output_layers",
+               "kip_original_mask", "kip_pinned_training", "kip_annotations",
+               "kip_stage_devices", "kip_layer_paths", "kip_call_takes_training")
+
+
 def _check_saved_kip_entries(config, entry):
-    """The kip entries of a saved config are data of the kinds `get_config`
+    """The entries of a saved config are data of the kinds `get_config`
     writes (`kip.LoadError` naming the key otherwise), checked before any
-    layer is made."""
+    layer is made: the kip entries, and every node of the graph, which
+    Keras calls while loading (`_check_saved_nodes`)."""
+    saved_values.saved_keys(config, entry, _SAVED_KEYS)
+    _check_saved_nodes(config, entry)
     mask = config.get("kip_original_mask", MASK_ON_INPUTS)
     if mask not in (MASK_ON_INPUTS, MASK_ABSENT, MASK_ARGUMENT):
         saved_values.refuse(entry, "kip_original_mask",
@@ -423,8 +458,10 @@ def _check_saved_kip_entries(config, entry):
         saved_values.refuse(entry, "kip_pinned_training", "a mapping of layer names to true / "
                             "false", pinned)
     devices = config.get("kip_stage_devices") or []
-    if not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
-        saved_values.refuse(entry, "kip_stage_devices", "a list of device names", devices)
+    if not (isinstance(devices, list) and all(_is_device_name(d) for d in devices)):
+        saved_values.refuse(entry, "kip_stage_devices", "a list of TensorFlow device names "
+                            f"(such as '/cpu:0', '/device:IPU:1'; at most {MAX_DEVICE_NAME} "
+                            "characters)", devices)
     paths = config.get("kip_layer_paths") or {}
     if not (isinstance(paths, dict) and all(isinstance(v, str) for v in paths.values())):
         saved_values.refuse(entry, "kip_layer_paths", "a mapping of paths to layer names", paths)
@@ -450,3 +487,94 @@ def _check_saved_kip_entries(config, entry):
                 check_outline_kwargs(options)
             except PassError as error:
                 saved_values.refuse(entry, f"{where}.outline", str(error), options)
+
+
+#: How Keras writes a symbolic tensor among a node's saved arguments.
+_SYMBOLIC = "__keras_tensor__"
+#: The other values Keras writes there (constants: a held array or tensor,
+#: bytes, `...`, a slice); any other saved object is refused.
+_CONSTANTS = ("__numpy__", "__tensor__", "__bytes__", "__ellipsis__", "__slice__")
+
+
+def _check_saved_nodes(config, entry):
+    """Each layer entry of a saved functional config is a mapping with a
+    name, a class and a list of nodes, and each node (the arguments Keras
+    calls the layer with while loading) holds a symbolic tensor of the
+    graph: a traced call always does, so a node whose arguments are all
+    constants (`tf.broadcast_to(1.0, [huge])`, a random draw anchored on
+    a keyword constant) can only come from an edited file, and Keras would
+    run it, eagerly, inside `load_model`. Refused naming the node, before
+    any layer is made: whatever the load builds is built symbolically."""
+    layers = config.get("layers")
+    if not isinstance(layers, (list, tuple)):
+        saved_values.refuse(entry, "layers", "a list of saved layers", layers)
+    for key in ("input_layers", "output_layers"):
+        if not isinstance(config.get(key), (list, tuple, dict)):
+            saved_values.refuse(entry, key, "[layer, node, tensor] entries (a list or a "
+                                "mapping of them)", config.get(key))
+    inputs = config["input_layers"]
+    inputs = list(inputs.values()) if isinstance(inputs, dict) else inputs
+    if inputs and isinstance(inputs[0], str):  # one input: [layer, node, tensor] itself
+        inputs = [inputs]
+    shown = [repr(entry_) for entry_ in inputs]
+    if len(set(shown)) != len(shown):
+        # Keras writes each input once; one given twice loads a graph whose
+        # first call fails (it expects an input more than its caller gives).
+        saved_values.refuse(entry, "input_layers", "each input once", inputs)
+    for index, layer in enumerate(layers):
+        if not (isinstance(layer, dict) and isinstance(layer.get("name"), str)
+                and isinstance(layer.get("class_name"), str)
+                and isinstance(layer.get("inbound_nodes"), (list, tuple))):
+            saved_values.refuse(entry, f"layers[{index}]", "a saved layer with a name, a class "
+                                "and a list of inbound nodes", layer)
+        where = f"{short_repr(layer['class_name'])[1:-1]} `{short_repr(layer['name'])[1:-1]}`"
+        for node in layer["inbound_nodes"]:
+            if not (isinstance(node, dict) and set(node) == {"args", "kwargs"}
+                    and isinstance(node["args"], (list, tuple))
+                    and isinstance(node["kwargs"], dict)):
+                saved_values.refuse(entry, f"{where}: a node", "{'args': [...], 'kwargs': {...}}",
+                                    node)
+            if not _holds_symbolic_tensor(node, f"{entry}: {where}"):
+                raise LoadError(
+                    f"{entry}: {where} is called with constants only (no tensor of the graph "
+                    "among its arguments). A graph kip saves calls every node on a graph "
+                    "tensor; loading would run this one eagerly, so the file was edited. "
+                    "Nothing was run.")
+
+
+def _holds_symbolic_tensor(node, where):
+    """Whether a saved node's arguments hold a symbolic tensor of the graph
+    (`{"class_name": "__keras_tensor__", "config": {"keras_history": [layer,
+    node, tensor]}}`), looked for without recursion (any depth). A saved
+    object other than a tensor or a constant Keras writes (a layer, a
+    model: Keras would make it from the arguments) is refused, and so is a
+    constant of a dtype that is no Keras dtype (`"V1000000000"`: a
+    gigabyte a value)."""
+    found, stack = False, [node]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            stack.extend(value)
+            continue
+        if not isinstance(value, dict):
+            continue
+        inner = value.get("config")
+        if "class_name" in value and "config" in value:
+            kind = value["class_name"]
+            if kind == _SYMBOLIC:
+                history = inner.get("keras_history") if isinstance(inner, dict) else None
+                if not (isinstance(history, (list, tuple)) and len(history) == 3
+                        and isinstance(history[0], str) and all(
+                            isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                            for i in history[1:])):
+                    saved_values.refuse(where, "a tensor argument", "a graph tensor with its "
+                                        "keras_history [layer, node, tensor]", value)
+                found = True
+                continue
+            if kind not in _CONSTANTS or not isinstance(inner, dict):
+                saved_values.refuse(where, "an argument", "a tensor of the graph or a "
+                                    "constant", value)
+            if kind in ("__numpy__", "__tensor__"):
+                saved_values.saved_dtype(inner.get("dtype"), where, "a constant's dtype")
+        stack.extend(value.values())
+    return found

@@ -70,11 +70,12 @@ class ModeSwitch(keras.layers.Layer):
         _check_outputs(outputs, None, entry)  # before any layer of the file is made
         if none_means not in outputs:
             saved_values.refuse(entry, "none_means", f"one of {', '.join(outputs)}", none_means)
-        if isinstance(body, dict):  # loaded: a saved KipFunctional
+        if isinstance(body, dict):  # loaded: a saved KipFunctional (checked by from_config)
             from keras_ipu_plugin.runtime.functional import KipFunctional
 
+            _check_body_class(body, entry)
             body = saved_values.saved_keras_object(
-                body, entry, "body", KipFunctional, modules=("keras_ipu_plugin",))
+                body, entry, "body", KipFunctional, modules=(KipFunctional.__module__,))
         _check_outputs(outputs, len(body.outputs), entry)
         self.body = body
         self.mode_outputs = {mode: list(indices) for mode, indices in outputs.items()}
@@ -163,25 +164,56 @@ class ModeSwitch(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        entry = f"ModeSwitch `{config.get('name')}`"
-        outputs = config.get("outputs")
-        if not (isinstance(outputs, dict) and outputs and set(outputs) <= set(MODES)
-                and {"training", "inference"} <= set(outputs)):
-            saved_values.refuse(entry, "outputs", "a mapping of training / inference "
-                                "(/ default) to output indices", outputs)
-        paths = config.get("paths") or {}
-        if not (isinstance(paths, dict) and set(paths) <= set(MODES) and all(
-                isinstance(p, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                            for k, v in p.items())
-                for p in paths.values())):
-            saved_values.refuse(entry, "paths", "a mapping of modes to {path: layer name}",
-                                paths)
-        if config.get("of_layer") is not None:
-            saved_values.saved_str(config["of_layer"], entry, "of_layer")
-        if not isinstance(config.get("body"), dict):
-            saved_values.refuse(entry, "body", "a saved KipFunctional", config.get("body"))
+        _check_saved_config(config)
         return cls(**config)
+
+
+#: The keys of the switch's own that `get_config` writes.
+_OWN_KEYS = ("body", "outputs", "none_means", "paths", "of_layer")
+
+
+def _check_saved_config(config):
+    """Every value of a saved switch's config is of the kind `get_config`
+    writes (a `kip.LoadError` naming the key otherwise), checked before
+    anything is made from it: the body's class is read from the file, so a
+    body of another class (a `PluginModel` whose passes name a path) is
+    refused before Keras makes it."""
+    entry = f"ModeSwitch `{config.get('name') if isinstance(config, dict) else None}`"
+    saved_values.saved_layer_config(config, entry, _OWN_KEYS)
+    outputs = config.get("outputs")
+    if not (isinstance(outputs, dict) and outputs and set(outputs) <= set(MODES)
+            and {"training", "inference"} <= set(outputs)):
+        saved_values.refuse(entry, "outputs", "a mapping of training / inference "
+                            "(/ default) to output indices", outputs)
+    _check_outputs(outputs, None, entry)
+    none_means = config.get("none_means", "inference")
+    if not isinstance(none_means, str) or none_means not in outputs:
+        saved_values.refuse(entry, "none_means", f"one of {', '.join(outputs)}",
+                            config.get("none_means"))
+    paths = config.get("paths") or {}
+    if not (isinstance(paths, dict) and set(paths) <= set(MODES) and all(
+            isinstance(p, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in p.items())
+            for p in paths.values())):
+        saved_values.refuse(entry, "paths", "a mapping of modes to {path: layer name}",
+                            paths)
+    if config.get("of_layer") is not None:
+        saved_values.saved_str(config["of_layer"], entry, "of_layer")
+    _check_body_class(config.get("body"), entry)
+
+
+def _check_body_class(body, entry):
+    """A body read from a file names the class `KipFunctional` (by its
+    module and registered name), or is refused before Keras makes it."""
+    from keras_ipu_plugin.runtime.functional import KipFunctional
+
+    registered = keras.saving.get_registered_name(KipFunctional)
+    if not (isinstance(body, dict) and body.get("class_name") == KipFunctional.__name__
+            and body.get("module") == KipFunctional.__module__
+            and body.get("registered_name") == registered
+            and isinstance(body.get("config"), dict)):
+        shown = body.get("class_name") if isinstance(body, dict) else body
+        saved_values.refuse(entry, "body", "a saved KipFunctional", shown)
 
 
 def _check_outputs(outputs, count, entry):

@@ -19,7 +19,9 @@ from keras_ipu_plugin.passes.core.manager import validate_passes
 from keras_ipu_plugin.frontend.convert import as_tensors
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.runtime.backends import get_backend
+from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.passes.core.base import deserialize_pass
 from keras_ipu_plugin.passes.core.base import serialize_pass
@@ -289,7 +291,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         # model's variables must exist: call it once on zeros of the saved
         # input shape (float inputs; a model taking strings or ids needs
         # `plugin(first_batch)` before `load_weights` instead).
-        shape = (config or {}).get("input_shape")
+        shape = _saved_input_shape(config, f"PluginModel `{self.name}`")
         if shape is not None and not self.wrapped.built:
             self.wrapped(_zeros(shape))
         self.built = True
@@ -446,12 +448,105 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        config["model"] = keras.saving.deserialize_keras_object(config["model"])
-        passes = config.get("passes", ())
-        if isinstance(passes, list):  # as get_config saved them (older saves: a config)
-            config["passes"] = [deserialize_pass(saved) for saved in passes]
+        config = _checked_saved_config(config)
+        entry = f"PluginModel `{config.get('name')}`"
+        config["model"] = saved_values.saved_user_layer(config["model"], entry, "model")
+        if not isinstance(config["model"], keras.Model):
+            saved_values.refuse(entry, "model", "a saved keras.Model",
+                                type(config["model"]).__name__)
+        config["passes"] = _saved_passes(config.get("passes", []), entry)
         return cls(**config)
+
+
+#: The keys `get_config` writes.
+_SAVED_KEYS = ("name", "model", "passes", "rebuild_on_new_variables", "verify", "static_batch")
+
+
+def _checked_saved_config(config):
+    """A copy of a saved PluginModel config whose every value is of the
+    type `get_config` writes (a `kip.LoadError` naming the key otherwise),
+    checked before anything is made from it: `passes` is the list of saved
+    passes, never a path to read (`"static_batch": "false"` is no false).
+
+    Example:
+        >>> _checked_saved_config({"name": "p", "model": {...}, "verify": "no"})
+        Traceback (most recent call last):
+        keras_ipu_plugin.errors.LoadError: PluginModel `p`: verify must be true or false ...
+    """
+    entry = f"PluginModel `{config.get('name') if isinstance(config, dict) else None}`"
+    saved_values.saved_keys(config, entry, _SAVED_KEYS)
+    if not isinstance(config.get("model"), dict):
+        saved_values.refuse(entry, "model", "a saved keras.Model", config.get("model"))
+    if not isinstance(config.get("passes", []), (list, dict)):
+        saved_values.refuse(entry, "passes", "the list of saved passes", config["passes"])
+    if "name" in config:
+        saved_values.saved_str(config["name"], entry, "name")
+    for key in ("rebuild_on_new_variables", "verify", "static_batch"):
+        if key in config:
+            saved_values.saved_bool(config[key], entry, key)
+    return dict(config)
+
+
+#: The most values the zeros a loaded PluginModel builds its wrapped model
+#: on may hold (per input): the shape is the file's, so it is bounded.
+MAX_BUILD_VALUES = 2 ** 24
+
+
+def _saved_input_shape(config, entry):
+    """The input shape of a saved build config: a shape (a list of sizes
+    and null) or a list / mapping of them, as Keras writes it, each of at
+    most `MAX_BUILD_VALUES` values (null counts 1); a `kip.LoadError`
+    naming the key otherwise. The wrapped model is called on zeros of it
+    while loading, so a file must not choose gigabytes."""
+    key = "build_config.input_shape"
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        saved_values.refuse(entry, "build_config", "a mapping", config)
+    shape = config.get("input_shape")
+    stack = [(shape, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if value is None and depth == 0:
+            continue
+        if isinstance(value, dict) and depth < 4:
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, (list, tuple)) and value and all(
+                isinstance(item, (list, tuple, dict)) for item in value) and depth < 4:
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, (list, tuple)) and all(
+                dim is None or (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0)
+                for dim in value):
+            values = 1
+            for dim in value:
+                values *= 1 if dim is None else dim
+            if values > MAX_BUILD_VALUES:
+                saved_values.refuse(entry, key, f"at most {MAX_BUILD_VALUES} values an input",
+                                    value)
+        else:
+            saved_values.refuse(entry, key, "a shape (sizes and null), or a list or mapping "
+                                "of shapes", shape)
+    return shape
+
+
+def _saved_passes(passes, entry):
+    """The passes of a saved PluginModel: the list `serialize_pass` wrote
+    (older saves: a config mapping, which is data too), as pass objects;
+    any error is a `kip.LoadError` naming the pass."""
+    from keras_ipu_plugin.passes.core.config import passes_from_config
+
+    if isinstance(passes, dict):
+        try:
+            return passes_from_config(passes)
+        except (PassError, ValueError) as error:
+            raise LoadError(f"{entry}: passes: {error}") from error
+    made = []
+    for index, saved in enumerate(passes):
+        try:
+            made.append(deserialize_pass(saved))
+        except (PassError, ValueError) as error:
+            raise LoadError(f"{entry}: passes[{index}]: {error}") from error
+    return made
 
 
 def _set_by_library_code():
