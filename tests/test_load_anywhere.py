@@ -106,3 +106,44 @@ def test_a_model_holding_every_node_kind_loads_in_a_fresh_process(saved, tmp_pat
     """, tmp_path)
     for name, expected in outputs.items():
         np.testing.assert_allclose(loaded[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_plugin_model_file_whose_user_class_is_not_registered_names_the_class(tmp_path):
+    """Keras would say only that `PluginModel` "could not be deserialized
+    properly"; the cause is the user's class, not registered in the process
+    that loads (its module not imported)."""
+    (tmp_path / "user_models.py").write_text(textwrap.dedent("""
+        import keras
+
+        @keras.saving.register_keras_serializable(package="user_models")
+        class Mine(keras.Model):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.dense = keras.layers.Dense(2)
+
+            def call(self, x):
+                return self.dense(x)
+    """))
+    saved = _run_fresh(f"""
+        import json, sys
+        import numpy as np
+        sys.path.insert(0, {str(tmp_path)!r})
+        import keras_ipu_plugin as kip
+        import user_models
+        plugin = kip.PluginModel(user_models.Mine())
+        plugin(np.ones((2, 3), "float32"))
+        plugin.save("plugin.keras")
+        print(json.dumps("saved"))
+    """, tmp_path)
+    assert saved == "saved"
+    message = _run_fresh("""
+        import json
+        import keras
+        import keras_ipu_plugin as kip
+        try:
+            keras.models.load_model("plugin.keras")
+        except kip.LoadError as error:
+            print(json.dumps(str(error)))
+    """, tmp_path)
+    assert "model is a `Mine` (registered as `user_models>Mine`" in message
+    assert "has not registered" in message and "register_keras_serializable" in message

@@ -153,10 +153,31 @@ def saved_user_layer(value, entry, key="layer"):
     saved config (under Keras's safe mode: a `Lambda` needs safe_mode=False)."""
     if not isinstance(value, dict):
         refuse(entry, key, "a saved layer", value)
+    _refuse_unregistered_class(value, entry, key)
     layer = keras.saving.deserialize_keras_object(value)
     if not isinstance(layer, keras.layers.Layer):
         refuse(entry, key, "a saved layer", type(layer).__name__)
     return layer
+
+
+def _refuse_unregistered_class(value, entry, key):
+    """A `LoadError` naming the user's class a saved layer names when this
+    process has not registered it: Keras would say only that the kip layer
+    holding it "could not be deserialized properly"."""
+    module, registered = value.get("module"), value.get("registered_name")
+    if isinstance(module, str) and (module == "keras" or module.startswith(
+            ("keras.", "keras_hub.", "keras_ipu_plugin."))):
+        return
+    if not isinstance(registered, str):
+        return  # no name to register it by: Keras's own error says what it could not find
+    if keras.saving.get_registered_object(registered) is not None:
+        return
+    raise LoadError(
+        f"{entry}: {key} is a `{value.get('class_name')}` (registered as `{registered}`"
+        + (f", module `{module}`" if isinstance(module, str) else "")
+        + "), a class this process has not registered. Import the module that defines it "
+        "before loading; its class must be decorated with "
+        "`@keras.saving.register_keras_serializable()`.")
 
 
 def refuse_constant_call(operation, args, kwargs):
