@@ -26,8 +26,10 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.opaque import output_specs_of
+from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.tracing import TraceError
@@ -294,15 +296,27 @@ def as_tensors(x):
 
 
 def _call_original(model, x):
+    """Build a model never called by calling it as `fit` first calls it:
+    a sub-model built lazily in that call (a `Sequential` without an
+    `Input`, such as an augmentation kept at module level) records the
+    `training` of the call it is built in and keeps it, so a build under
+    another mode would change what the model computes ever after. For a
+    `call` that takes `training`, inference (`fit`'s `training=True` would
+    draw and move statistics; the eager call is a build, not a step); for
+    one that takes none, `model(x)`, as `fit` calls it. Whatever the call
+    writes (a draw from a layer the model does not own) is put back."""
+    call = ((lambda x: model(x, training=False)) if takes_training(model)
+            else (lambda x: model(x)))
     try:
-        return model(x, training=False)
+        with UndoneWrites():
+            return call(x)
     except Exception as error:
         if not getattr(model, "run_eagerly", False):
             # A model that runs in graph mode only (an op with no eager
             # kernel) trains with plain `fit`, which builds and runs it in a
             # function: build it so too (verification then runs so as well).
             try:
-                return tf.function(lambda x: model(x, training=False))(x)
+                return tf.function(call)(x)
             except Exception:
                 pass  # fails as a function too: the eager error is the one to see
         raise InputDataError(

@@ -109,6 +109,52 @@ class NewVariables:
                 variable.assign(value)
 
 
+class UndoneWrites:
+    """Puts back every variable that existed before and that a block of
+    eager code wrote, the model's or not (a random layer the model calls
+    but does not own: its seed generator's state), to the value first read
+    from it in the block. Seen through TensorFlow's op callbacks on this
+    thread, as `writes.WriteLog` sees writes: a write reads the variable
+    first (a seed generator's `next`, a moving average), and that read is
+    its value before.
+
+    Example:
+        >>> with UndoneWrites():
+        ...     model(x)            # builds the model; draws nothing that stays
+    """
+
+    def __init__(self):
+        self._first_reads = {}  # id(handle) -> (handle, value first read)
+        self._written = {}  # id(handle) -> handle
+        self._created = set()
+
+    def __enter__(self):
+        self._callback = _compat.op_callback(self._seen)
+        self._callback.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._callback.__exit__(*exc_info)
+        for key, handle in self._written.items():
+            if key in self._first_reads and key not in self._created:
+                tf.raw_ops.AssignVariableOp(resource=handle, value=self._first_reads[key][1])
+        self._first_reads.clear()
+        return False
+
+    def _seen(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is not None or not inputs:
+            return None  # an op added to a graph: nothing ran
+        if isinstance(op_type, bytes):
+            op_type = op_type.decode("utf-8", "replace")
+        if op_type == "VarHandleOp":
+            self._created.update(id(h) for h in outputs or ())
+        elif op_type == "ReadVariableOp":
+            self._first_reads.setdefault(id(inputs[0]), (inputs[0], outputs[0]))
+        elif op_type in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
+            self._written[id(inputs[0])] = inputs[0]
+        return None
+
+
 class ModelState:
     """A snapshot of what a conversion can change on `model`, to undo it.
 
