@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.layers.user_code import is_user_class
+from keras_ipu_plugin.frontend.writes import handles_of
 
 
 class VariableValues:
@@ -44,6 +45,13 @@ class VariableValues:
 
     def changed(self):
         return [v for v, value in self._values if not _same(_read(v), value)]
+
+    def handle_ids(self):
+        """The ids of the resource tensors behind the variables (what
+        TensorFlow's op callbacks see, `UndoneWrites`)."""
+        if not hasattr(self, "_handle_ids"):
+            self._handle_ids = {id(h) for v, _ in self._values for h in handles_of(v)}
+        return self._handle_ids
 
     def changed_values(self):
         """`{id(variable): (variable, its value now)}` for those changed."""
@@ -135,11 +143,25 @@ class UndoneWrites:
 
     def __exit__(self, *exc_info):
         self._callback.__exit__(*exc_info)
-        for key, handle in self._written.items():
-            if key in self._first_reads and key not in self._created:
-                tf.raw_ops.AssignVariableOp(resource=handle, value=self._first_reads[key][1])
+        self.put_back()
         self._first_reads.clear()
         return False
+
+    def _restorable(self):
+        return [(key, handle) for key, handle in self._written.items()
+                if key in self._first_reads and key not in self._created]
+
+    def written_values(self):
+        """`{id(handle): NumPy value now}` of the variables written so far
+        that existed before (those whose value before is known)."""
+        return {key: tf.raw_ops.ReadVariableOp(
+                    resource=handle, dtype=self._first_reads[key][1].dtype).numpy()
+                for key, handle in self._restorable()}
+
+    def put_back(self):
+        """Put the written variables back now (recording goes on)."""
+        for key, handle in self._restorable():
+            tf.raw_ops.AssignVariableOp(resource=handle, value=self._first_reads[key][1])
 
     def _seen(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not None or not inputs:

@@ -67,12 +67,14 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.training_branches import switch_modes
 from keras_ipu_plugin.frontend.verify_compare import as_numpy
 from keras_ipu_plugin.frontend.verify_compare import as_tensor
 from keras_ipu_plugin.frontend.verify_compare import comparable
+from keras_ipu_plugin.frontend.verify_compare import dtype_tolerances
 from keras_ipu_plugin.frontend.verify_compare import compare_values
 from keras_ipu_plugin.frontend.verify_compare import outputs_close
 from keras_ipu_plugin.frontend.verify_compare import path_name
@@ -172,7 +174,7 @@ def check_equivalent(
     with replay_state(original, converted) as replay, _restoring(state), \
             _compat.taped_stateful_draws() as draws:
 
-        def run(model, x, variables, role, tape=True):
+        def run(model, x, variables, role, tape=True, run_training=training):
             replay()
             state.restore()
             if before_each_run is not None:
@@ -180,7 +182,7 @@ def check_equivalent(
             draws.record() if role == "original" else draws.replay()
             try:
                 return run_model(model, x, variables, role=role, tape=tape, mode=mode,
-                            training=training)
+                            training=run_training)
             finally:
                 draws.stop()
 
@@ -192,8 +194,13 @@ def check_equivalent(
         refuse_untracked_variables(original, reference.watched)
         written = state.changed_values()
         result = run(converted, x, variables, role=what)
-        del x  # nothing of the batch is needed any more
         _compare_writes(written, state.changed_values(), rtol, atol, what, verification)
+        if training is False:
+            # What `fit`'s forward pass writes (statistics, counters, seed
+            # states), which an inference run never shows.
+            _check_training_step(run, state, original, converted, x, rtol, atol, what,
+                                 verification)
+        del x  # nothing of the batch is needed any more
     if mode.graph:
         verification.notes.append(mode.describe())
 
@@ -279,12 +286,17 @@ def _check_mode(original, converted, x, training, **options):
     return f"training={training}: {checked.describe()}"
 
 
-def _reproducible(model, x, training):
+def _reproducible(model, x, training, state=None):
     try:
-        with replay_state(model) as replay:
+        with replay_state(model) as replay, UndoneWrites() as undo:
             first = keras.tree.map_structure(as_numpy, model(x, training=training))
             replay()
+            undo.put_back()
+            if state is not None:
+                state.restore()
             second = keras.tree.map_structure(as_numpy, model(x, training=training))
+        if state is not None:
+            state.restore()
     except Exception:
         return True
     return all(outputs_close(a, b, 1e-4, 1e-5) for a, b in zip(
@@ -322,11 +334,76 @@ class _restoring:
         return False
 
 
-def _compare_writes(expected, actual, rtol, atol, what, verification):
+def _check_training_step(run, state, original, converted, x, rtol, atol, what,
+                         verification):
+    """Run both models forward as `fit`'s step calls them (`training=True`,
+    or no `training` for a model whose `call` takes none), each from the
+    same state, and compare their outputs and every variable the call
+    writes: non-trainable variables (BatchNormalization statistics,
+    counters, seed-generator states) of every nested sub-model, and the
+    variables of layers the model calls without owning them (a module-level
+    augmentation), seen through `UndoneWrites` and put back after each run.
+
+    A forward pass on the verified rows only, with no tape: its cost is a
+    fraction of the check's. Where the original itself gives other results
+    in two such runs from the same state (a random draw verification cannot
+    replay), the step is noted as not compared instead."""
+    step_mode = True if _compat.call_takes_training_argument(original) else None
+    runs = []
+    for model, role in ((original, "original"), (converted, what)):
+        with UndoneWrites() as unowned:
+            outcome = run(model, x, [], role=role, tape=False, run_training=step_mode)
+            owned = state.changed_values()
+            others = {key: value for key, value in unowned.written_values().items()
+                      if key not in state.handle_ids()}
+        runs.append((outcome, owned, others))
+    state.restore()
+    (reference, expected, expected_others), (result, actual, actual_others) = runs
+    label = f"training={step_mode}" if step_mode else "no `training` argument"
+    try:
+        for (path, want), got in zip(keras.tree.flatten_with_path(reference.outputs),
+                                     keras.tree.flatten(result.outputs)):
+            if want is not None and got is not None:
+                compare_values(f"output `{path_name(path, 'output')}` in a training step",
+                               want, got, *dtype_tolerances(want.dtype, rtol, atol), what)
+        _compare_writes(expected, actual, rtol, atol, what, None,
+                        when=f"in a training step ({label}, as `fit` calls the model)")
+        _compare_other_writes(expected_others, actual_others, rtol, atol, what)
+    except ConversionError:
+        if _reproducible(original, x, step_mode, state):
+            raise
+        verification.notes.append(
+            "training step: not compared, the original gives other outputs in two runs "
+            "from the same state")
+        return
+    written = len(expected) + len(expected_others)
+    verification.notes.append(
+        f"training step ({label}): outputs and {written} variable(s) it writes equal")
+
+
+def _compare_other_writes(expected, actual, rtol, atol, what):
+    """The writes of one training step to variables neither model holds
+    (`{id(handle): value}`), e.g. the seed states of a layer called but not
+    owned."""
+    for key in list(expected) + [k for k in actual if k not in expected]:
+        if key not in expected or key not in actual:
+            which = "original" if key in expected else what
+            raise ConversionError(
+                f"In a training step only the {which} model writes a variable that "
+                "neither model holds (a layer the model calls without owning it, such as "
+                "a random augmentation kept outside the model): a draw or an update is "
+                "lost or added.")
+        compare_values("a variable neither model holds (a layer called but not owned) "
+                       "after a training step", expected[key], actual[key],
+                       *dtype_tolerances(expected[key].dtype, rtol, atol), what)
+
+
+def _compare_writes(expected, actual, rtol, atol, what, verification, when="after the call"):
     """Raise `ConversionError` naming the first variable that one model's
-    call changed and the other's did not, or changed to another value.
-    `expected` / `actual`: `{id: (variable, value)}` of the variables each
-    run changed, from the same state (`VariableValues.changed_values`)."""
+    call changed and the other's did not, or changed to another value (within
+    the tolerance of the variable's dtype). `expected` / `actual`:
+    `{id: (variable, value)}` of the variables each run changed, from the
+    same state (`VariableValues.changed_values`)."""
     for key in list(expected) + [k for k in actual if k not in expected]:
         variable = (expected.get(key) or actual.get(key))[0]
         name = variable_name(variable)
@@ -334,15 +411,22 @@ def _compare_writes(expected, actual, rtol, atol, what, verification):
             changes, keeps = ("the original", f"the {what} model") if key not in actual else (
                 f"the {what} model", "the original")
             raise ConversionError(
-                f"Calling {changes} writes variable `{name}`, and calling {keeps} leaves "
-                "it as it was: a write the model makes in its forward pass (an `assign` "
-                "in `call`) is lost or added. A layer whose `call` writes a variable must "
-                "run whole.")
-        compare_values(f"variable `{name}` after the call", expected[key][1], actual[key][1],
-                 rtol, atol, what)
-    if expected:
+                f"Calling {changes} {when} writes variable `{name}`{_of_layer(name)}, and "
+                f"calling {keeps} leaves it as it was: a write the model makes in its "
+                "forward pass (BatchNormalization's moving statistics, a counter, a seed "
+                "generator's state, an `assign` in `call`) is lost or added. A layer "
+                "whose `call` writes a variable must run whole.")
+        compare_values(f"variable `{name}`{_of_layer(name)} {when}", expected[key][1],
+                       actual[key][1], *dtype_tolerances(variable.dtype, rtol, atol), what)
+    if expected and verification is not None:
         verification.notes.append(
             f"{len(expected)} variable(s) written by the call compared")
+
+
+def _of_layer(path):
+    """` (layer `a/b`)` for a variable path `a/b/moving_mean`, else ''."""
+    layer, _, _ = path.rpartition("/")
+    return f" (layer `{layer}`)" if layer else ""
 
 
 def check_runs(model, x, *, what="passed"):

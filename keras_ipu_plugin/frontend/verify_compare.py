@@ -72,6 +72,28 @@ def compare_values(label, expected, actual, rtol, atol, what):
     return difference
 
 
+# The spacing of floats near 1 (machine epsilon) of the half-precision dtypes.
+_HALF_EPSILON = {tf.float16: 2.0 ** -10, tf.bfloat16: 2.0 ** -7}
+
+
+def dtype_tolerances(dtype, rtol, atol):
+    """`(rtol, atol)` for values of `dtype`: at least 8 units of its
+    precision for float16 and bfloat16 (a statistic computed in them cannot
+    agree to float32's 1e-4), else as given.
+
+    Example:
+        >>> dtype_tolerances("bfloat16", 1e-4, 1e-5)
+        (0.0625, 0.0625)
+    """
+    try:
+        epsilon = _HALF_EPSILON.get(tf.as_dtype(dtype))
+    except TypeError:
+        epsilon = None
+    if epsilon is None:
+        return rtol, atol
+    return max(rtol, 8 * epsilon), max(atol, 8 * epsilon)
+
+
 def _real_view(array):
     """A complex array as its real and imaginary parts (the NaN / Inf
     tests are for reals)."""
