@@ -38,24 +38,30 @@ class Residual(layers.Layer):
 
 
 def backbone():
+    """A feature pyramid, as keras_hub's image backbones return: a dict of
+    the stem's and each stage's feature map."""
     inputs = keras.Input((8, 8, 3))
-    x = ConvNorm(4)(inputs)
-    x = Residual(4)(x)
-    x = Residual(4)(x)
-    return keras.Model(inputs, layers.BatchNormalization()(x), name="backbone")
+    stem = ConvNorm(4)(inputs)
+    stage1 = Residual(4)(stem)
+    stage2 = layers.BatchNormalization()(Residual(4)(stage1))
+    return keras.Model(inputs, {"stem": stem, "stage1": stage1, "stage2": stage2},
+                       name="backbone")
 
 
 class Classifier(keras.Model):
-    def __init__(self, make_backbone=backbone, **kwargs):
+    """Classifies one feature map of the backbone (`feature`); the later
+    stages' outputs are not read, and plain Keras still runs them in
+    training, moving their statistics."""
+
+    def __init__(self, make_backbone=backbone, feature="stage1", **kwargs):
         super().__init__(**kwargs)
         self.backbone = make_backbone()
+        self.feature = feature
         self.pool = layers.GlobalAveragePooling2D()
         self.head = layers.Dense(3)
 
     def call(self, x, training=None):
-        features = self.backbone(x, training=training)
-        if isinstance(features, dict):
-            features = features[sorted(features)[-1]]
+        features = self.backbone(x, training=training)[self.feature]
         return self.head(self.pool(features))
 
 
