@@ -195,11 +195,12 @@ def check_equivalent(
         written = state.changed_values()
         result = run(converted, x, variables, role=what)
         _compare_writes(written, state.changed_values(), rtol, atol, what, verification)
-        if training is False:
-            # What `fit`'s forward pass writes (statistics, counters, seed
-            # states), which an inference run never shows.
-            _check_training_step(run, state, original, converted, x, rtol, atol, what,
-                                 verification)
+        # What `fit`'s forward pass writes (statistics, counters, seed
+        # states), which an inference run never shows; compared last, after
+        # the inference and mode checks, whose differences are the clearer.
+        step = _training_step_runs(run, state, original, converted, x, what) if (
+            training is False) else None
+        step_rows = x
         del x  # nothing of the batch is needed any more
     if mode.graph:
         verification.notes.append(mode.describe())
@@ -252,6 +253,9 @@ def check_equivalent(
                 original, converted, whole, other, rtol=rtol, atol=atol, what=what,
                 gradients=gradients, variables=variables, rows=rows,
                 before_each_run=before_each_run))
+    if step is not None:
+        _compare_training_step(step, state, original, step_rows, rtol, atol, what,
+                               verification)
     return verification
 
 
@@ -334,20 +338,14 @@ class _restoring:
         return False
 
 
-def _check_training_step(run, state, original, converted, x, rtol, atol, what,
-                         verification):
+def _training_step_runs(run, state, original, converted, x, what):
     """Run both models forward as `fit`'s step calls them (`training=True`,
     or no `training` for a model whose `call` takes none), each from the
-    same state, and compare their outputs and every variable the call
-    writes: non-trainable variables (BatchNormalization statistics,
-    counters, seed-generator states) of every nested sub-model, and the
-    variables of layers the model calls without owning them (a module-level
-    augmentation), seen through `UndoneWrites` and put back after each run.
-
-    A forward pass on the verified rows only, with no tape: its cost is a
-    fraction of the check's. Where the original itself gives other results
-    in two such runs from the same state (a random draw verification cannot
-    replay), the step is noted as not compared instead."""
+    same state, with no tape; return `(mode, runs)`, each run its outputs,
+    the changed variables of either model (`state.changed_values()`) and
+    the writes to variables neither holds (a layer called but not owned: a
+    module-level augmentation's seed states), seen through `UndoneWrites`
+    and put back after each run."""
     step_mode = True if _compat.call_takes_training_argument(original) else None
     runs = []
     for model, role in ((original, "original"), (converted, what)):
@@ -358,7 +356,17 @@ def _check_training_step(run, state, original, converted, x, rtol, atol, what,
                       if key not in state.handle_ids()}
         runs.append((outcome, owned, others))
     state.restore()
-    (reference, expected, expected_others), (result, actual, actual_others) = runs
+    return step_mode, runs
+
+
+def _compare_training_step(step, state, original, x, rtol, atol, what, verification):
+    """Compare the training-step runs of `_training_step_runs`: outputs, and
+    every variable either run wrote, within the tolerance of its dtype.
+    Where the original itself gives other results in two such runs from the
+    same state (a draw verification cannot replay), the step is noted as not
+    compared instead."""
+    step_mode, ((reference, expected, expected_others),
+                (result, actual, actual_others)) = step
     label = f"training={step_mode}" if step_mode else "no `training` argument"
     try:
         for (path, want), got in zip(keras.tree.flatten_with_path(reference.outputs),
