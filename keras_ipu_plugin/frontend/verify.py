@@ -1,14 +1,22 @@
 """Check that a converted model computes what the original computes.
 
-`check_equivalent` runs both models on one batch in inference mode (so
-nothing stateful — BatchNormalization statistics, dropout — changes while
-checking) and compares
+`check_equivalent` runs both models on one batch in inference mode, every
+run from the same variable state (put back afterwards: verifying moves no
+statistic and consumes no draw), and compares
 
 - every output, element by element: floats within a tolerance scaled by
   the largest finite value, integers, booleans and strings exactly;
 - the gradients of a fixed random projection of the float outputs with
   respect to every trainable variable of the original (or the variables
-  asked for).
+  asked for);
+- a training step's forward pass, as `fit` calls the model (`training=True`,
+  or no `training` for a `call` that takes none), both models from the same
+  state: its outputs, and every variable it writes — BatchNormalization
+  statistics, counters, seed-generator states, variables a `call` assigns,
+  in any nested sub-model, and the state of layers the model calls without
+  owning them — within the tolerance of each value's dtype
+  (`dtype_tolerances`). A difference is a refusal naming the variable and
+  its layer.
 
 A check that cannot show a difference is refused, never reported equal
 (each of these once passed vacuously):
@@ -39,7 +47,8 @@ Cost: a training step runs forward and backward over the whole batch. The
 check runs both models forward and backward over a few of its rows (1/8 of
 the batch, at least 2), one after the other, keeping only NumPy copies of
 the results, after one forward pass (no tape, so no activations are kept)
-of the original over twice as many rows that contain them. The sub-batch
+of the original over twice as many rows that contain them, and the training
+step's forward pass (no tape) of each over the verified rows. The sub-batch
 is used only where it is the same computation: the original's outputs on
 those rows must equal its outputs for the same rows of that larger probe
 (a model that mixes rows even in inference mode is verified on the whole
