@@ -116,7 +116,8 @@ class Converter:
                 report.timings.append(("convert", model.name, time.perf_counter() - start))
                 if self.verify:
                     with report.timed("verify", model.name):
-                        report.add_verification(model.name, _verify(model, converted, x))
+                        report.add_verification(model.name,
+                                                _verify(model, converted, x, self.training))
             state.restore_after_success()
         except BaseException as error:
             state.undo_after(error)
@@ -193,11 +194,13 @@ def assigned_outside(graph, before):
     return [v for v in changed if id(v) not in owned]
 
 
-def _verify(model, converted, x):
+def _verify(model, converted, x, training=None):
     """`check_equivalent`, and a clearer refusal when the original model
-    itself gives different outputs on the same batch."""
+    itself gives different outputs on the same batch. `training`: the mode
+    the conversion pinned, if any (the training step is then run in it)."""
     try:
-        return check_equivalent(model, converted, x)
+        return check_equivalent(model, converted, x,
+                                step_training="fit" if training is None else training)
     except ConversionError as mismatch:
         differing = _nondeterministic_output(model, x)
         if differing is None:

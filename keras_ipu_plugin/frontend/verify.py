@@ -133,6 +133,7 @@ class Verification:
 def check_equivalent(
     original, converted, x, *, rtol=1e-4, atol=1e-5, what="converted",
     gradients=True, variables=None, rows="auto", before_each_run=None, training=False,
+    step_training="fit",
 ):
     """Compare `converted` with `original` on batch `x`; return a `Verification`.
 
@@ -150,6 +151,12 @@ def check_equivalent(
         before_each_run: called before every run of either model (e.g. to
             put seed generators back, so that every run sees the same
             random draws).
+        step_training: the `training` of the training step compared
+            (outputs and every variable its forward pass writes): "fit" for
+            the call `fit` makes (`training=True`, or none for a `call` that
+            takes none), True, or False for no training step (a conversion
+            that pins inference). Not compared with `gradients=False`: the
+            layers a pass replaced hold state of their own.
         training: the mode both models run in. A converted model holding
             a layer that branches on `training` (a `ModeSwitch`) is checked
             in inference, then in training (and with None where that is a
@@ -207,8 +214,9 @@ def check_equivalent(
         # What `fit`'s forward pass writes (statistics, counters, seed
         # states), which an inference run never shows; compared last, after
         # the inference and mode checks, whose differences are the clearer.
-        step = _training_step_runs(run, state, original, converted, x, what) if (
-            training is False) else None
+        step = _training_step_runs(run, state, original, converted, x, what,
+                                   step_training) if (
+            training is False and gradients and step_training is not False) else None
         step_rows = x
         del x  # nothing of the batch is needed any more
     if mode.graph:
@@ -347,7 +355,7 @@ class _restoring:
         return False
 
 
-def _training_step_runs(run, state, original, converted, x, what):
+def _training_step_runs(run, state, original, converted, x, what, step_training="fit"):
     """Run both models forward as `fit`'s step calls them (`training=True`,
     or no `training` for a model whose `call` takes none), each from the
     same state, with no tape; return `(mode, runs)`, each run its outputs,
@@ -355,7 +363,8 @@ def _training_step_runs(run, state, original, converted, x, what):
     the writes to variables neither holds (a layer called but not owned: a
     module-level augmentation's seed states), seen through `UndoneWrites`
     and put back after each run."""
-    step_mode = True if _compat.call_takes_training_argument(original) else None
+    step_mode = step_training if step_training != "fit" else (
+        True if _compat.call_takes_training_argument(original) else None)
     runs = []
     for model, role in ((original, "original"), (converted, what)):
         with UndoneWrites() as unowned:
