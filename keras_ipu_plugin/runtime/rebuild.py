@@ -4,7 +4,9 @@ The model calls the very same layer objects as the graph's nodes (so every
 variable a pass did not replace is shared), records each node without
 calling the layer where the IR already knows its output shapes, and keeps
 the graph, the pinned `training` values and the pass annotations on the
-model (`KipFunctional`).
+model (`KipFunctional`). Nodes whose outputs nothing reads but that write
+state when they run (BatchNormalization in training, random layers) still
+run, as in plain Keras (`_running_unread_state_writers`).
 """
 
 import keras
