@@ -219,7 +219,7 @@ def test_verification_compares_the_value_a_call_writes():
             node.operation = DecaysMoreAfterUse(node.operation)
             return graph
 
-    with pytest.raises(kip.PassError, match="variable `holder/block/dense/kernel` after the call differs"):
+    with pytest.raises(kip.PassError, match=r"variable `holder/block/dense/kernel` \(layer `holder/block/dense`\) after the call differs"):
         kip.apply_passes(converted, [DecaysMore()])
 
 

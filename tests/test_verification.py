@@ -420,8 +420,9 @@ def test_verification_differentiates_a_few_rows_when_rows_are_independent():
     converted = kip.convert_to_functional(model, x)
     # A probe of twice the verified rows forward once (the original, no
     # tape: it shows those rows compute as in a batch), then 1/8 of the
-    # batch through each model with gradients; never the whole batch.
-    assert sizes == [8, 4, 4]
+    # batch through each model with gradients, then the same rows through
+    # each model in a training step (forward only); never the whole batch.
+    assert sizes == [8, 4, 4, 4, 4]
     (row,) = verify_rows(converted)
     assert row.detail.startswith("4 of 32 rows")
 

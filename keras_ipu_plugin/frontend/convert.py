@@ -26,8 +26,10 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.opaque import output_specs_of
+from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.tracing import TraceError
@@ -116,7 +118,8 @@ class Converter:
                 report.timings.append(("convert", model.name, time.perf_counter() - start))
                 if self.verify:
                     with report.timed("verify", model.name):
-                        report.add_verification(model.name, _verify(model, converted, x))
+                        report.add_verification(model.name,
+                                                _verify(model, converted, x, self.training))
             converted.kip_report = report
             keep_first_batch(converted, x)  # what apply_passes verifies on
             # Last: a Ctrl-C anywhere before the result is handed back drops
@@ -196,11 +199,13 @@ def assigned_outside(graph, before):
     return [v for v in changed if id(v) not in owned]
 
 
-def _verify(model, converted, x):
+def _verify(model, converted, x, training=None):
     """`check_equivalent`, and a clearer refusal when the original model
-    itself gives different outputs on the same batch."""
+    itself gives different outputs on the same batch. `training`: the mode
+    the conversion pinned, if any (the training step is then run in it)."""
     try:
-        return check_equivalent(model, converted, x)
+        return check_equivalent(model, converted, x,
+                                step_training="fit" if training is None else training)
     except ConversionError as mismatch:
         differing = _nondeterministic_output(model, x)
         if differing is None:
@@ -304,15 +309,27 @@ def as_tensors(x):
 
 
 def _call_original(model, x):
+    """Build a model never called by calling it as `fit` first calls it:
+    a sub-model built lazily in that call (a `Sequential` without an
+    `Input`, such as an augmentation kept at module level) records the
+    `training` of the call it is built in and keeps it, so a build under
+    another mode would change what the model computes ever after. For a
+    `call` that takes `training`, inference (`fit`'s `training=True` would
+    draw and move statistics; the eager call is a build, not a step); for
+    one that takes none, `model(x)`, as `fit` calls it. Whatever the call
+    writes (a draw from a layer the model does not own) is put back."""
+    call = ((lambda x: model(x, training=False)) if takes_training(model)
+            else (lambda x: model(x)))
     try:
-        return model(x, training=False)
+        with UndoneWrites():
+            return call(x)
     except Exception as error:
         if not getattr(model, "run_eagerly", False):
             # A model that runs in graph mode only (an op with no eager
             # kernel) trains with plain `fit`, which builds and runs it in a
             # function: build it so too (verification then runs so as well).
             try:
-                return tf.function(lambda x: model(x, training=False))(x)
+                return tf.function(call)(x)
             except Exception:
                 pass  # fails as a function too: the eager error is the one to see
         raise InputDataError(

@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.layers.user_code import is_user_class
+from keras_ipu_plugin.frontend.writes import handles_of
 
 
 class VariableValues:
@@ -44,6 +45,13 @@ class VariableValues:
 
     def changed(self):
         return [v for v, value in self._values if not _same(_read(v), value)]
+
+    def handle_ids(self):
+        """The ids of the resource tensors behind the variables (what
+        TensorFlow's op callbacks see, `UndoneWrites`)."""
+        if not hasattr(self, "_handle_ids"):
+            self._handle_ids = {id(h) for v, _ in self._values for h in handles_of(v)}
+        return self._handle_ids
 
     def changed_values(self):
         """`{id(variable): (variable, its value now)}` for those changed."""
@@ -107,6 +115,66 @@ class NewVariables:
         for variable, value in self._records:
             if id(variable) in wanted and value is not None and not _same(_read(variable), value):
                 variable.assign(value)
+
+
+class UndoneWrites:
+    """Puts back every variable that existed before and that a block of
+    eager code wrote, the model's or not (a random layer the model calls
+    but does not own: its seed generator's state), to the value first read
+    from it in the block. Seen through TensorFlow's op callbacks on this
+    thread, as `writes.WriteLog` sees writes: a write reads the variable
+    first (a seed generator's `next`, a moving average), and that read is
+    its value before.
+
+    Example:
+        >>> with UndoneWrites():
+        ...     model(x)            # builds the model; draws nothing that stays
+    """
+
+    def __init__(self):
+        self._first_reads = {}  # id(handle) -> (handle, value first read)
+        self._written = {}  # id(handle) -> handle
+        self._created = set()
+
+    def __enter__(self):
+        self._callback = _compat.op_callback(self._seen)
+        self._callback.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._callback.__exit__(*exc_info)
+        self.put_back()
+        self._first_reads.clear()
+        return False
+
+    def _restorable(self):
+        return [(key, handle) for key, handle in self._written.items()
+                if key in self._first_reads and key not in self._created]
+
+    def written_values(self):
+        """`{id(handle): NumPy value now}` of the variables written so far
+        that existed before (those whose value before is known)."""
+        return {key: tf.raw_ops.ReadVariableOp(
+                    resource=handle, dtype=self._first_reads[key][1].dtype).numpy()
+                for key, handle in self._restorable()}
+
+    def put_back(self):
+        """Put the written variables back now (recording goes on)."""
+        for key, handle in self._restorable():
+            tf.raw_ops.AssignVariableOp(resource=handle, value=self._first_reads[key][1])
+
+    def _seen(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is not None or not inputs:
+            return None  # an op added to a graph: nothing ran
+        if isinstance(op_type, bytes):
+            op_type = op_type.decode("utf-8", "replace")
+        if op_type == "VarHandleOp":
+            self._created.update(id(h) for h in outputs or ())
+        elif op_type == "ReadVariableOp":
+            self._first_reads.setdefault(id(inputs[0]), (inputs[0], outputs[0]))
+        elif op_type in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
+            self._written[id(inputs[0])] = inputs[0]
+        return None
 
 
 class ModelState:

@@ -1,14 +1,22 @@
 """Check that a converted model computes what the original computes.
 
-`check_equivalent` runs both models on one batch in inference mode (so
-nothing stateful — BatchNormalization statistics, dropout — changes while
-checking) and compares
+`check_equivalent` runs both models on one batch in inference mode, every
+run from the same variable state (put back afterwards: verifying moves no
+statistic and consumes no draw), and compares
 
 - every output, element by element: floats within a tolerance scaled by
   the largest finite value, integers, booleans and strings exactly;
 - the gradients of a fixed random projection of the float outputs with
   respect to every trainable variable of the original (or the variables
-  asked for).
+  asked for);
+- a training step's forward pass, as `fit` calls the model (`training=True`,
+  or no `training` for a `call` that takes none), both models from the same
+  state: its outputs, and every variable it writes — BatchNormalization
+  statistics, counters, seed-generator states, variables a `call` assigns,
+  in any nested sub-model, and the state of layers the model calls without
+  owning them — within the tolerance of each value's dtype
+  (`Tolerance.for_values`). A difference is a refusal naming the variable and
+  its layer.
 
 A check that cannot show a difference is refused, never reported equal
 (each of these once passed vacuously):
@@ -39,7 +47,8 @@ Cost: a training step runs forward and backward over the whole batch. The
 check runs both models forward and backward over a few of its rows (1/8 of
 the batch, at least 2), one after the other, keeping only NumPy copies of
 the results, after one forward pass (no tape, so no activations are kept)
-of the original over twice as many rows that contain them. The sub-batch
+of the original over twice as many rows that contain them, and the training
+step's forward pass (no tape) of each over the verified rows. The sub-batch
 is used only where it is the same computation: the original's outputs on
 those rows must equal its outputs for the same rows of that larger probe
 (a model that mixes rows even in inference mode is verified on the whole
@@ -67,6 +76,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
+from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.training_branches import switch_modes
@@ -123,6 +133,7 @@ class Verification:
 def check_equivalent(
     original, converted, x, *, tolerance=None, what="converted",
     gradients=True, variables=None, rows="auto", before_each_run=None, training=False,
+    step_training="fit",
 ):
     """Compare `converted` with `original` on batch `x`; return a `Verification`.
 
@@ -144,6 +155,12 @@ def check_equivalent(
         before_each_run: called before every run of either model (e.g. to
             put seed generators back, so that every run sees the same
             random draws).
+        step_training: the `training` of the training step compared
+            (outputs and every variable its forward pass writes): "fit" for
+            the call `fit` makes (`training=True`, or none for a `call` that
+            takes none), True, or False for no training step (a conversion
+            that pins inference). Not compared with `gradients=False`: the
+            layers a pass replaced hold state of their own.
         training: the mode both models run in. A converted model holding
             a layer that branches on `training` (a `ModeSwitch`) is checked
             in inference, then in training (and with None where that is a
@@ -183,7 +200,7 @@ def check_equivalent(
     with replay_state(original, converted) as replay, _restoring(state), \
             _compat.taped_stateful_draws() as draws:
 
-        def run(model, x, variables, role, tape=True):
+        def run(model, x, variables, role, tape=True, run_training=training):
             replay()
             state.restore()
             if before_each_run is not None:
@@ -191,7 +208,7 @@ def check_equivalent(
             draws.record() if role == "original" else draws.replay()
             try:
                 return run_model(model, x, variables, role=role, tape=tape, mode=mode,
-                            training=training)
+                            training=run_training)
             finally:
                 draws.stop()
 
@@ -203,8 +220,15 @@ def check_equivalent(
         refuse_untracked_variables(original, reference.watched)
         written = state.changed_values()
         result = run(converted, x, variables, role=what)
-        del x  # nothing of the batch is needed any more
         _compare_writes(written, state.changed_values(), tolerance, what, verification)
+        # What `fit`'s forward pass writes (statistics, counters, seed
+        # states), which an inference run never shows; compared last, after
+        # the inference and mode checks, whose differences are the clearer.
+        step = _training_step_runs(run, state, original, converted, x, what,
+                                   step_training) if (
+            training is False and gradients and step_training is not False) else None
+        step_rows = x
+        del x  # nothing of the batch is needed any more
     if mode.graph:
         verification.notes.append(mode.describe())
 
@@ -256,6 +280,9 @@ def check_equivalent(
                 original, converted, whole, other, tolerance=tolerance, what=what,
                 gradients=gradients, variables=variables, rows=rows,
                 before_each_run=before_each_run))
+    if step is not None:
+        _compare_training_step(step, state, original, step_rows, tolerance, what,
+                               verification)
     return verification
 
 
@@ -290,12 +317,17 @@ def _check_mode(original, converted, x, training, **options):
     return f"training={training}: {checked.describe()}"
 
 
-def _reproducible(model, x, training, tolerance):
+def _reproducible(model, x, training, tolerance, state=None):
     try:
-        with replay_state(model) as replay:
+        with replay_state(model) as replay, UndoneWrites() as undo:
             first = keras.tree.map_structure(as_numpy, model(x, training=training))
             replay()
+            undo.put_back()
+            if state is not None:
+                state.restore()
             second = keras.tree.map_structure(as_numpy, model(x, training=training))
+        if state is not None:
+            state.restore()
     except Exception:
         return True
     return all(outputs_close(a, b, tolerance) for a, b in zip(
@@ -333,11 +365,81 @@ class _restoring:
         return False
 
 
-def _compare_writes(expected, actual, tolerance, what, verification):
+def _training_step_runs(run, state, original, converted, x, what, step_training="fit"):
+    """Run both models forward as `fit`'s step calls them (`training=True`,
+    or no `training` for a model whose `call` takes none), each from the
+    same state, with no tape; return `(mode, runs)`, each run its outputs,
+    the changed variables of either model (`state.changed_values()`) and
+    the writes to variables neither holds (a layer called but not owned: a
+    module-level augmentation's seed states), seen through `UndoneWrites`
+    and put back after each run."""
+    step_mode = step_training if step_training != "fit" else (
+        True if _compat.call_takes_training_argument(original) else None)
+    runs = []
+    for model, role in ((original, "original"), (converted, what)):
+        with UndoneWrites() as unowned:
+            outcome = run(model, x, [], role=role, tape=False, run_training=step_mode)
+            owned = state.changed_values()
+            others = {key: value for key, value in unowned.written_values().items()
+                      if key not in state.handle_ids()}
+        runs.append((outcome, owned, others))
+    state.restore()
+    return step_mode, runs
+
+
+def _compare_training_step(step, state, original, x, tolerance, what, verification):
+    """Compare the training-step runs of `_training_step_runs`: outputs, and
+    every variable either run wrote, within the tolerance of its dtype.
+    Where the original itself gives other results in two such runs from the
+    same state (a draw verification cannot replay), the step is noted as not
+    compared instead."""
+    step_mode, ((reference, expected, expected_others),
+                (result, actual, actual_others)) = step
+    label = f"training={step_mode}" if step_mode else "no `training` argument"
+    try:
+        for (path, want), got in zip(keras.tree.flatten_with_path(reference.outputs),
+                                     keras.tree.flatten(result.outputs)):
+            if want is not None and got is not None:
+                compare_values(f"output `{path_name(path, 'output')}` in a training step",
+                               want, got, tolerance, what)
+        _compare_writes(expected, actual, tolerance, what, None,
+                        when=f"in a training step ({label}, as `fit` calls the model)")
+        _compare_other_writes(expected_others, actual_others, tolerance, what)
+    except ConversionError:
+        if _reproducible(original, x, step_mode, tolerance, state):
+            raise
+        verification.notes.append(
+            "training step: not compared, the original gives other outputs in two runs "
+            "from the same state")
+        return
+    written = len(expected) + len(expected_others)
+    verification.notes.append(
+        f"training step ({label}): outputs and {written} variable(s) it writes equal")
+
+
+def _compare_other_writes(expected, actual, tolerance, what):
+    """The writes of one training step to variables neither model holds
+    (`{id(handle): value}`), e.g. the seed states of a layer called but not
+    owned."""
+    for key in list(expected) + [k for k in actual if k not in expected]:
+        if key not in expected or key not in actual:
+            which = "original" if key in expected else what
+            raise ConversionError(
+                f"In a training step only the {which} model writes a variable that "
+                "neither model holds (a layer the model calls without owning it, such as "
+                "a random augmentation kept outside the model): a draw or an update is "
+                "lost or added.")
+        compare_values("a variable neither model holds (a layer called but not owned) "
+                       "after a training step", expected[key], actual[key],
+                       tolerance, what)
+
+
+def _compare_writes(expected, actual, tolerance, what, verification, when="after the call"):
     """Raise `ConversionError` naming the first variable that one model's
-    call changed and the other's did not, or changed to another value.
-    `expected` / `actual`: `{id: (variable, value)}` of the variables each
-    run changed, from the same state (`VariableValues.changed_values`)."""
+    call changed and the other's did not, or changed to another value (within
+    the tolerance of the variable's dtype). `expected` / `actual`:
+    `{id: (variable, value)}` of the variables each run changed, from the
+    same state (`VariableValues.changed_values`)."""
     for key in list(expected) + [k for k in actual if k not in expected]:
         variable = (expected.get(key) or actual.get(key))[0]
         name = variable_name(variable)
@@ -345,15 +447,22 @@ def _compare_writes(expected, actual, tolerance, what, verification):
             changes, keeps = ("the original", f"the {what} model") if key not in actual else (
                 f"the {what} model", "the original")
             raise ConversionError(
-                f"Calling {changes} writes variable `{name}`, and calling {keeps} leaves "
-                "it as it was: a write the model makes in its forward pass (an `assign` "
-                "in `call`) is lost or added. A layer whose `call` writes a variable must "
-                "run whole.")
-        compare_values(f"variable `{name}` after the call", expected[key][1], actual[key][1],
-                 tolerance, what)
-    if expected:
+                f"Calling {changes} {when} writes variable `{name}`{_of_layer(name)}, and "
+                f"calling {keeps} leaves it as it was: a write the model makes in its "
+                "forward pass (BatchNormalization's moving statistics, a counter, a seed "
+                "generator's state, an `assign` in `call`) is lost or added. A layer "
+                "whose `call` writes a variable must run whole.")
+        compare_values(f"variable `{name}`{_of_layer(name)} {when}", expected[key][1],
+                       actual[key][1], tolerance, what)
+    if expected and verification is not None:
         verification.notes.append(
             f"{len(expected)} variable(s) written by the call compared")
+
+
+def _of_layer(path):
+    """` (layer `a/b`)` for a variable path `a/b/moving_mean`, else ''."""
+    layer, _, _ = path.rpartition("/")
+    return f" (layer `{layer}`)" if layer else ""
 
 
 def check_runs(model, x, *, what="passed"):

@@ -4,7 +4,9 @@ The model calls the very same layer objects as the graph's nodes (so every
 variable a pass did not replace is shared), records each node without
 calling the layer where the IR already knows its output shapes, and keeps
 the graph, the pinned `training` values and the pass annotations on the
-model (`KipFunctional`).
+model (`KipFunctional`). Nodes whose outputs nothing reads but that write
+state when they run (BatchNormalization in training, random layers) still
+run, as in plain Keras (`_running_unread_state_writers`).
 """
 
 import keras
@@ -14,6 +16,11 @@ from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.alias import LayerAlias
+from keras_ipu_plugin.layers.layer_kinds import seed_states
+from keras_ipu_plugin.layers.random_draws import RandomDraw
+from keras_ipu_plugin.layers.tf_random_draw import TFRandomDraw
+from keras_ipu_plugin.layers.variable_write import AfterWrites
+from keras_ipu_plugin.layers.variable_write import VariableWrite
 from keras_ipu_plugin.runtime.functional import KipFunctional
 
 
@@ -69,6 +76,7 @@ def rebuild(graph, name=None):
         if node.annotations:
             annotations.setdefault(operation.name, {}).update(node.annotations)
     outputs = map_leaves(resolve, graph.outputs)
+    outputs = _running_unread_state_writers(graph, outputs, tensors, named)
     model = KipFunctional(
         inputs,
         outputs,
@@ -80,6 +88,54 @@ def rebuild(graph, name=None):
     model.kip_graph = graph
     object.__setattr__(model, "kip_replaced", tuple(graph.replaced))
     return model
+
+
+def _running_unread_state_writers(graph, outputs, tensors, named):
+    """`outputs`, the first of them made to wait for the nodes whose outputs
+    nothing reads but that write state when they run: BatchNormalization's
+    moving statistics in training, a Dropout's or random layer's draw, a
+    counter. A Keras functional model runs only the nodes its outputs depend
+    on; plain Keras runs them all (a backbone's feature map the classifier
+    does not read still moves its layers' statistics, and still draws from
+    the seed generators, so the next draws are the same), so the rebuilt
+    model runs them too, through an `AfterWrites` on its first output."""
+    read = set()
+    pending = [v for v in keras.tree.flatten(graph.outputs) if isinstance(v, Value)]
+    while pending:
+        value = pending.pop()
+        if id(value) in read:
+            continue
+        read.add(id(value))
+        producer = value.producer
+        if producer is not None:
+            pending.extend(producer.input_values)
+            mask = getattr(value, "mask", None)
+            if isinstance(mask, Value):
+                pending.append(mask)
+    unread = [node for node in graph.nodes
+              if node.outputs and not any(id(v) in read for v in node.outputs)
+              and _writes_state(node.operation)]
+    if not unread:
+        return outputs
+    leaves = keras.tree.flatten(outputs)
+    first = next((i for i, leaf in enumerate(leaves) if leaf is not None), None)
+    if first is None:
+        return outputs
+    waits = [tensors[id(node.outputs[0])] for node in unread]
+    after = AfterWrites(name=named.taken.create("after_unread_state_writers"))
+    leaves[first] = after(leaves[first], waits)
+    return keras.tree.pack_sequence_as(outputs, leaves)
+
+
+def _writes_state(operation):
+    """Whether running `operation` may write state: a layer holding
+    non-trainable variables or seed generators (in it or its sub-layers),
+    a random draw, a variable write."""
+    if isinstance(operation, (RandomDraw, TFRandomDraw, VariableWrite)):
+        return True
+    if not isinstance(operation, keras.layers.Layer):
+        return False
+    return bool(operation.non_trainable_variables) or bool(seed_states(operation))
 
 
 class _UniqueNames:
