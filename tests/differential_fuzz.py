@@ -177,7 +177,7 @@ def generate_fit(rng, model_spec):
     partial = rng.random() < 0.3
     data = rng.choice(["numpy", "dataset"])
     single_class = model_spec["outputs"] == "single" and model_spec["task"] == "classification"
-    return {
+    settings = {
         "optimizer": rng.choice(["sgd", "adam", "adamw", "rmsprop"]),
         "batch_size": batch_size,
         "samples": batches * batch_size - (rng.randint(1, batch_size - 1) if partial else 0),
@@ -196,6 +196,9 @@ def generate_fit(rng, model_spec):
         "policy": rng.choice(["float32"] * 4 + ["mixed_float16", "mixed_bfloat16"]),
         "jit_compile": rng.random() < 0.2,
     }
+    # Keras takes one or the other.
+    settings["sample_weight"] = settings["sample_weight"] and not settings["class_weight"]
+    return settings
 
 
 PASS_NAMES = ["expand", "replace", "outline", "recompute_hand", "recompute_auto",
@@ -550,12 +553,23 @@ def _dataset(x, y, weights, fit_spec, seed):
     return ds.batch(fit_spec["batch_size"])
 
 
-def _variables(model, trainee, optimizer, unowned_keys):
+def _converted(model, trainee, callbacks):
+    """The functional model kip trains, whichever entry point made it."""
+    for holder in [trainee, *callbacks]:
+        if getattr(holder, "converted", None) is not None:
+            return holder.converted
+    from keras_ipu_plugin.training import scope as scope_module
+
+    runtime = scope_module._runtimes.get(model)
+    return None if runtime is None else runtime.converted
+
+
+def _variables(model, converted, optimizer, unowned_keys):
     """Every variable by a stable key: the model's (paths made unique by
-    their order), the unowned layers' and the optimizer's."""
+    their order; a layer `Replace` swapped out by the layer that trained in
+    its place), the unowned layers' and the optimizer's."""
     values = {}
     replaced = {}
-    converted = getattr(trainee, "converted", None)
     if converted is not None:
         for old, new in getattr(converted, "kip_replaced", ()):
             by_name = {v.name: v for v in new.weights}
@@ -647,7 +661,8 @@ def train(case, use_kip):
         else:
             history = trainee.fit(_dataset(x, y, weights, fit_spec, seed), **kwargs)
         unowned = list(_UNOWNED)
-        return _variables(model, trainee, trainee.optimizer, unowned), history.history
+        converted = _converted(model, trainee, callbacks) if use_kip else None
+        return _variables(model, converted, trainee.optimizer, unowned), history.history
     finally:
         keras.config.set_dtype_policy(previous_policy)
 
