@@ -777,6 +777,55 @@ def known_suspects(case):
     return suspects
 
 
+def _without_random(blocks):
+    kept = []
+    for block in blocks:
+        if block["kind"] in RANDOM_KINDS:
+            continue
+        if block.get("children"):
+            block = dict(block, children=_without_random(block["children"]))
+        kept.append(block)
+    return kept or [{"kind": "dense", "activation": None}]
+
+
+def without_suspect(case, suspect):
+    """`case` with one known suspect (see `known_suspects`) taken out."""
+    smaller = copy.deepcopy(case)
+    fit, run = smaller["fit"], smaller["run"]
+    if suspect == "steps_per_execution":
+        fit["steps_per_execution"] = 1
+    elif suspect == "batchnorm_after_expand":
+        run["passes"] = [p for p in run["passes"] if p not in ("expand", "outline")]
+    elif suspect == "random_streams":
+        smaller["model"]["body"] = _without_random(smaller["model"]["body"])
+    elif suspect == "dataset_shuffle":
+        fit["shuffle"] = "none"
+    elif suspect == "recompute_rounding":
+        fit["optimizer"] = "sgd"
+    elif suspect == "mixed_precision":
+        fit["policy"] = "float32"
+    else:
+        raise ValueError(suspect)
+    return smaller
+
+
+def attribute(case, status, run=None):
+    """Which known suspects the failure needs: {suspect: status without it},
+    and under "none" the status with all of them taken out (a failure there
+    is a new finding)."""
+    run = run or run_case
+    suspects = known_suspects(case)
+    found = {}
+    for suspect in suspects:
+        found[suspect] = run(without_suspect(case, suspect))["status"]
+    if suspects:
+        bare = case
+        for suspect in suspects:
+            bare = without_suspect(bare, suspect)
+        found["none"] = run(bare)["status"]
+    return found
+
+
 def _short(error, limit=600):
     text = " ".join(str(error).split())
     return text if len(text) <= limit else text[:limit] + " ..."
@@ -894,6 +943,7 @@ def main(argv=None):
     parser.add_argument("--shrink", action="store_true",
                         help="with --cases: shrink failures too (slow)")
     parser.add_argument("--no-shrink", action="store_true", help="with --seed: do not shrink")
+    parser.add_argument("--budget", type=int, default=40, help="runs the shrinker may make")
     args = parser.parse_args(argv)
     if args.seed is not None:
         case = generate_case(args.seed)
@@ -903,7 +953,9 @@ def main(argv=None):
         result = run_case(case)
         print(f"seed {args.seed}: {result['status']} ({result['seconds']:.1f} s)\n{result['detail']}")
         if result["status"] == "fail" and not args.no_shrink:
-            smallest = shrink(case, "fail")
+            found = attribute(case, "fail")
+            print("without each known suspect:", json.dumps(found))
+            smallest = shrink(case, "fail", budget=args.budget)
             print("smallest failing case:\n" + command_for(smallest))
             print(run_case(smallest)["detail"])
         return 1 if result["status"] == "fail" else 0
