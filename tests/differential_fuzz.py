@@ -933,6 +933,37 @@ def command_for(case):
 # -- command line ---------------------------------------------------------------
 
 
+def summarize(path):
+    """A Markdown summary of the JSON lines `--out` wrote: counts, then the
+    failing, refused and invalid seeds with their known suspects."""
+    records = {}
+    with open(path) as lines:
+        for line in lines:
+            record = json.loads(line)
+            records[record["seed"]] = record  # a seed run twice: the last run
+    counts = {}
+    for record in records.values():
+        counts[record["status"]] = counts.get(record["status"], 0) + 1
+    seconds = sum(r["seconds"] for r in records.values())
+    out = [f"{len(records)} cases (seeds {min(records)}-{max(records)}), "
+           f"{seconds / 60:.0f} min of case time: "
+           + ", ".join(f"{counts[k]} {k}" for k in sorted(counts)), ""]
+    for status in ("fail", "refused", "invalid"):
+        chosen = [r for r in records.values() if r["status"] == status]
+        if not chosen:
+            continue
+        out += [f"### {status} ({len(chosen)})", "",
+                "| seed | entry, passes | known suspects | first difference or error |",
+                "|---|---|---|---|"]
+        for r in sorted(chosen, key=lambda r: r["seed"]):
+            run = r["case"]["run"]
+            first = (r["detail"].splitlines() or [""])[0].replace("|", "\\|")[:160]
+            out.append(f"| {r['seed']} | {run['entry']}, {'+'.join(run['passes']) or '-'} | "
+                       f"{', '.join(r.get('suspects', [])) or '**none**'} | {first} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, help="run the case of this seed")
@@ -944,7 +975,12 @@ def main(argv=None):
                         help="with --cases: shrink failures too (slow)")
     parser.add_argument("--no-shrink", action="store_true", help="with --seed: do not shrink")
     parser.add_argument("--budget", type=int, default=40, help="runs the shrinker may make")
+    parser.add_argument("--summary", metavar="JSONL",
+                        help="print a Markdown summary of a --out file and exit")
     args = parser.parse_args(argv)
+    if args.summary:
+        print(summarize(args.summary))
+        return 0
     if args.seed is not None:
         case = generate_case(args.seed)
         if args.spec:
