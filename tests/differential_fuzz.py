@@ -840,7 +840,7 @@ def _short(error, limit=600):
 
 FIT_DEFAULTS = {
     "optimizer": "sgd", "epochs": 1, "initial_epoch": 0, "steps_per_execution": 1,
-    "data": "numpy", "shuffle": False, "validation": False, "validation_freq": 1,
+    "validation": False, "validation_freq": 1,
     "sample_weight": False, "class_weight": False, "policy": "float32", "jit_compile": False,
 }
 
@@ -878,6 +878,12 @@ def candidates(case):
     for key, default in FIT_DEFAULTS.items():
         if fit[key] != default:
             yield _with(case, "fit", **{key: default})
+    # Data and its shuffle change together: a dataset shuffles in the
+    # pipeline ("none", "seeded", "unseeded"), numpy in `fit` (a bool).
+    if fit["data"] != "numpy":
+        yield _with(case, "fit", data="numpy", shuffle=False)
+    if fit["shuffle"] not in (False, "none"):
+        yield _with(case, "fit", shuffle=False if fit["data"] == "numpy" else "none")
     full = -(-fit["samples"] // fit["batch_size"]) * fit["batch_size"]
     if fit["samples"] != full:
         yield _with(case, "fit", samples=full)

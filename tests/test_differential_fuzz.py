@@ -124,7 +124,8 @@ def test_shrinking_keeps_only_what_the_failure_needs():
         return {"status": "fail" if failing else "pass"}
 
     case = fuzz.generate_case(0)
-    case["fit"].update(steps_per_execution=3, jit_compile=True, sample_weight=True)
+    case["fit"].update(steps_per_execution=3, jit_compile=True, sample_weight=True,
+                       data="dataset", shuffle="seeded")
     case["run"].update(entry="scope", passes=["expand", "outline"])
     case["model"]["body"] = [
         {"kind": "residual", "pass_training": True, "norm": True, "children": [
@@ -138,6 +139,8 @@ def test_shrinking_keeps_only_what_the_failure_needs():
     assert smallest["fit"]["steps_per_execution"] == 3
     assert smallest["fit"]["jit_compile"] is False
     assert smallest["fit"]["sample_weight"] is False
+    # Numpy data shuffles in `fit` (a bool), never with a dataset's setting.
+    assert (smallest["fit"]["data"], smallest["fit"]["shuffle"]) == ("numpy", False)
     assert smallest["run"] == {"entry": "plugin", "passes": [], "verify": False}
     command = fuzz.command_for(smallest)
     assert command.startswith("python -m tests.differential_fuzz --seed 0 --spec '")
