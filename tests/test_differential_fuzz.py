@@ -166,3 +166,15 @@ def test_attribution_names_the_known_setting_a_failure_needs():
         {"kind": "dense", "activation": None}]
     new = fuzz.attribute(case, "fail", run=lambda candidate: {"status": "fail"})
     assert new["none"] == "fail"
+
+
+def test_every_smaller_case_is_one_keras_takes():
+    """Shrinking never hands `fit` a dataset's shuffle setting for numpy
+    data (a string Keras reads as `shuffle=True`), nor class and sample
+    weights together."""
+    for seed in range(60):
+        for candidate in fuzz.candidates(fuzz.generate_case(seed)):
+            fit = candidate["fit"]
+            allowed = {False, True} if fit["data"] == "numpy" else {"none", "seeded", "unseeded"}
+            assert fit["shuffle"] in allowed, (seed, fit)
+            assert not (fit["class_weight"] and fit["sample_weight"]), (seed, fit)
