@@ -47,10 +47,13 @@ The grammar (`generate_model`):
   (`tanh`, `sigmoid`, `concatenate`) in a `call`; a random layer held by no
   attribute (called, not owned, as a module-level augmentation `Sequential`).
 
-What the generator cannot produce: convolutions, recurrent layers and
-attention (the body is two-dimensional, `(batch, width)`, apart from the
-masked token branch); a layer shared between two different owners (sharing
-is within one `call`); Python control flow on tensor values; variables
+What the generator cannot produce: convolutions, recurrent layers,
+attention and image augmentation layers (`RandomFlip`, `RandomZoom`: the
+body is two-dimensional, `(batch, width)`, apart from the masked token
+branch); custom layers inside a `Sequential` or functional sub-model (their
+blocks are Keras layers: a functional backbone of custom blocks passing
+`training` down to `BatchNormalization` is out of reach); a layer shared
+between two different owners (sharing is within one `call`); Python control flow on tensor values; variables
 created after the first batch; `train_step` overrides; datasets that
 `repeat()` with `steps_per_epoch`, and callbacks that stop training;
 `MirroredStrategy`; string or ragged inputs.
