@@ -178,3 +178,19 @@ def test_every_smaller_case_is_one_keras_takes():
             allowed = {False, True} if fit["data"] == "numpy" else {"none", "seeded", "unseeded"}
             assert fit["shuffle"] in allowed, (seed, fit)
             assert not (fit["class_weight"] and fit["sample_weight"]), (seed, fit)
+
+
+def test_a_case_plain_keras_trains_to_nan_is_invalid_not_compared():
+    """A diverged plain run cannot show a difference (NaN on both sides)."""
+    nan = {"model/dense/kernel": np.array([np.nan], "float32")}
+
+    def diverging(case, use_kip):
+        return nan, {"loss": [1.0]}
+
+    result = fuzz.run_case(fuzz.generate_case(0), train_fn=diverging)
+    assert result["status"] == "invalid" and "diverged" in result["detail"]
+
+    def different(case, use_kip):
+        return {"model/dense/kernel": np.array([1.0 if use_kip else 0.0], "float32")}, {}
+
+    assert fuzz.run_case(fuzz.generate_case(0), train_fn=different)["status"] == "fail"
