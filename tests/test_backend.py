@@ -330,6 +330,9 @@ def test_outline_passes_tensor_keyword_arguments_through():
     outlined = kip.apply_passes(converted, [kip.passes.Outline(MaskedBlock)])
     kip.frontend.verify.check_equivalent(model, outlined, ids)
     # The three blocks share one body per training mode (attention dropout
-    # reads it from the context).
+    # reads it from the context): inference, training, and the mode `fit`
+    # calls a model whose `call` takes no `training` in (verification runs
+    # one such step).
     keys = list(outlined._kip_executor.effects["outline"].bodies)
-    assert len(keys) == len({key[-1] for key in keys}) == 2
+    assert len(keys) == len({key[-1] for key in keys})
+    assert {False, True} <= {key[-1] for key in keys} <= {False, True, None}

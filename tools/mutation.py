@@ -121,9 +121,9 @@ MUTATIONS = [
       "a variable `call` assigns itself is frozen in the graph", CONVERSION),
     M("convert-no-undo-on-failure", "frontend/convert.py",
       "        except BaseException as error:\n            state.undo_after(error)\n            raise\n"
-      "        converted.kip_report = report",
+      "        return converted\n",
       "        except BaseException as error:\n            raise\n"
-      "        converted.kip_report = report",
+      "        return converted\n",
       "a failed conversion leaves the model changed", MODEL_STATE),
     M("convert-opaque-branches-unbuilt", "frontend/convert.py",
       "    _build_all_branches(layer, specs)\n",

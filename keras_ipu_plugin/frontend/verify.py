@@ -79,6 +79,7 @@ from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
+from keras_ipu_plugin.frontend.writes import handles_of
 from keras_ipu_plugin.frontend.training_branches import switch_modes
 from keras_ipu_plugin.frontend.verify_compare import as_numpy
 from keras_ipu_plugin.frontend.verify_compare import as_tensor
@@ -376,12 +377,18 @@ def _training_step_runs(run, state, original, converted, x, what, step_training=
     step_mode = step_training if step_training != "fit" else (
         True if _compat.call_takes_training_argument(original) else None)
     runs = []
+    # Variables one model holds and the other does not (those of a layer a
+    # pass replaced, and of its replacement) are each model's own, not a
+    # layer called without being owned.
+    held = state.handle_ids() | {id(handle) for model in (original, converted)
+                                 for variable in model.variables
+                                 for handle in handles_of(variable)}
     for model, role in ((original, "original"), (converted, what)):
         with UndoneWrites() as unowned:
             outcome = run(model, x, [], role=role, tape=False, run_training=step_mode)
             owned = state.changed_values()
             others = {key: value for key, value in unowned.written_values().items()
-                      if key not in state.handle_ids()}
+                      if key not in held}
         runs.append((outcome, owned, others))
     state.restore()
     return step_mode, runs
