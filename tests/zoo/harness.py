@@ -451,19 +451,27 @@ def _inner_feature_result(label, converted, passed, inputs):
     return PASS, f"{label}: `{path}`"
 
 
+def _part_results(name, store):
+    """The per-part `(status, detail)` results check_expand's run left in
+    `store` for model `name` (running it if it has not run), or None when
+    Expand itself failed; raise `CheckFailed` naming the parts that failed."""
+    if name not in store:
+        check_expand(name)
+    results = store.get(name)
+    failed = [detail for status, detail in results or () if status == FAIL]
+    if failed:
+        raise CheckFailed("; ".join(failed))
+    return results
+
+
 def check_inner_feature(name):
     """`kip.create_feature_extractor` at a path inside a block kept whole
     (check_expand's run): equal to the same path of the expanded model."""
 
     def run():
-        if name not in _FEATURES:
-            check_expand(name)
-        results = _FEATURES.get(name)
+        results = _part_results(name, _FEATURES)
         if results is None:
             return ERROR, "Expand failed"
-        failed = [detail for status, detail in results if status == FAIL]
-        if failed:
-            raise CheckFailed("; ".join(failed))
         reached = [detail for status, detail in results if status == PASS]
         if not reached:
             return NA, "; ".join(detail for _, detail in results)
@@ -478,14 +486,9 @@ def check_to_keras(name):
     computing its outputs; n/a when a part keeps nodes that need kip."""
 
     def run():
-        if name not in _TO_KERAS:
-            check_expand(name)
-        results = _TO_KERAS.get(name)
+        results = _part_results(name, _TO_KERAS)
         if results is None:
             return ERROR, "Expand failed"
-        failed = [detail for status, detail in results if status == FAIL]
-        if failed:
-            raise CheckFailed("; ".join(failed))
         kept = [detail for status, detail in results if status == NA]
         if kept:
             return NA, "; ".join(kept)
