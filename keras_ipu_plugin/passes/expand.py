@@ -155,7 +155,7 @@ def expand_to_reach(graph, target, report, step):
     unreached = [
         node for node in graph.nodes
         if node.is_layer and not matches(node, target, aliases)
-        and (node.opaque_reason or id(node) in reasons or not _expandable(node))
+        and (node.opaque_reason or id(node) in reasons or _keras_layer_holding_layers(node))
         and contains(node, target, aliases)
     ]
     if not unreached:
@@ -175,6 +175,14 @@ def expand_to_reach(graph, target, report, step):
                    f"{describe(target)} inside it stays as it is: {why}")
         left.append((node.name, why))
     return left
+
+
+def _keras_layer_holding_layers(node):
+    """Whether `node` is one of Keras's own layers that Expand does not
+    inline (an RNN, a wrapper): a `ModeSwitch` or another kip layer holding
+    graphs is reached inside by the passes themselves (`run_inside`)."""
+    module = type(node.operation).__module__ or ""
+    return (module == "keras" or module.startswith("keras.")) and not _expandable(node)
 
 
 def _why_not_reached(node, reasons):
