@@ -355,12 +355,11 @@ def check_expand(name):
         shared = shared_conversion(subject)
         parts = shared.parts
         differences, left, errors = [], [], []
-        paths, plain, features = [], [], []
+        paths, plain, features, expanded = [], [], [], []
         for (label, part, inputs), converted in shared.for_passes():
             passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
             paths.append(sorted(node.name for node in graph_nodes(passed.kip_graph)))
-            plain.append(_plain_keras_result(label, passed, inputs))
-            features.append(_inner_feature_result(label, converted, passed, inputs))
+            expanded.append((label, converted, passed, inputs))
             left += [(label, *entry) for entry in custom_layers_left(passed)]
             try:
                 difference = compare_models(part, passed, inputs, gradients=True)
@@ -375,9 +374,15 @@ def check_expand(name):
                 differences.append(_labelled(label, difference, parts))
         outcome["left"] = (left, parts)
         _EXPANDED_PATHS[name] = paths
+        shared.check_unchanged("Expand")
+        # Run after the check: these call the models, and a call may write
+        # a variable (PixelCNN's masked kernel); the state is put back after.
+        for label, converted, passed, inputs in expanded:
+            plain.append(_plain_keras_result(label, passed, inputs))
+            features.append(_inner_feature_result(label, converted, passed, inputs))
+        shared.reset()
         _TO_KERAS[name] = plain
         _FEATURES[name] = features
-        shared.check_unchanged("Expand")
         if errors:
             return ERROR, "; ".join(errors + differences)
         if differences:
