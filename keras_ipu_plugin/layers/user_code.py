@@ -43,6 +43,13 @@ from keras_ipu_plugin import _compat
 LIBRARY_PACKAGES = ("keras", "tf_keras", "tensorflow", "keras_ipu_plugin", "optree")
 
 
+def is_keras_module(module):
+    """Whether a class of the module named `module` is one of Keras's own
+    (a saved file names it, and Keras alone resolves it)."""
+    module = module or ""
+    return module == "keras" or module.startswith("keras.")
+
+
 def is_user_module(module):
     """Whether code of the module named `module` is user code: not of a
     library package, or Keras's model code (its applications)."""

@@ -29,6 +29,7 @@ from keras_ipu_plugin.passes.core.patterns import Chain
 from keras_ipu_plugin.passes.core.patterns import names_a_path
 from keras_ipu_plugin.frontend.tracer import current_tracer
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
+from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.layers.reads import ReadLayers
 
@@ -181,8 +182,7 @@ def _keras_layer_holding_layers(node):
     """Whether `node` is one of Keras's own layers that Expand does not
     inline (an RNN, a wrapper): a `ModeSwitch` or another kip layer holding
     graphs is reached inside by the passes themselves (`run_inside`)."""
-    module = type(node.operation).__module__ or ""
-    return (module == "keras" or module.startswith("keras.")) and not _expandable(node)
+    return is_keras_module(type(node.operation).__module__) and not _expandable(node)
 
 
 def _why_not_reached(node, reasons):

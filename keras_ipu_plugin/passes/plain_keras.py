@@ -26,6 +26,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.passes.core.manager import graph_of_model
 from keras_ipu_plugin.passes.features import graph_model
 
@@ -110,10 +111,9 @@ def _classes_not_keras(operation):
 
 
 def _is_keras_module(module):
-    """Whether a class of `module` is one of Keras's own (a file names it
-    and Keras alone resolves it)."""
-    module = module or ""
-    return module in ("keras", "builtins") or module.startswith("keras.")
+    """Whether a class of `module` is one Keras alone resolves from a file:
+    Keras's own, or a Python builtin."""
+    return module == "builtins" or is_keras_module(module)
 
 
 def _layer_name(path):
