@@ -313,3 +313,19 @@ def test_a_whole_model_opaque_node_is_named_by_its_class_in_every_build():
     names = [[node.name for node in kip.convert_to_functional(Branchy(), x).kip_graph.nodes]
              for _ in range(2)]
     assert names[0] == names[1] == ["branchy_opaque"]
+
+
+def test_a_sequential_given_as_it_is_names_keras_named_layers_by_class_in_every_build():
+    """A GAN's generator converted on its own: `dense_1` in one build was
+    `dense_8` in the next, as Keras's counter moved on in between."""
+    x = np.ones((2, 3), "float32")
+
+    def names():
+        model = keras.Sequential([keras.Input((3,)), layers.Dense(4), layers.Dense(2, name="out")])
+        return [node.name for node in kip.convert_to_functional(model, x).kip_graph.nodes]
+
+    first = names()
+    for _ in range(5):
+        layers.Dense(2)  # Keras's counter moves on between the builds
+    assert names() == first
+    assert "out" in first and "dense" in first

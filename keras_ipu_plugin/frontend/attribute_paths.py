@@ -75,10 +75,13 @@ def direct_layers(layer, nested=True):
     """`[(relative path, layer)]` for the layers `layer` holds directly.
 
     The layers of a functional or Sequential model given as it is (not
-    `nested`) keep their Keras names, as its `summary()` shows them: the
-    user made those layers and holds them."""
+    `nested`) keep the names their code gave them, as its `summary()` shows
+    them; those Keras named are named by class (`dense`), numbered in graph
+    order, as Keras's process-wide counter differs from build to build."""
     if isinstance(layer, keras.Sequential) or _compat.is_graph_model(layer):
-        return [(str(index) if nested and _named_by_keras(sub) else _clean(sub.name), sub)
+        if not nested:  # by name; Keras's counter names by class, numbered in graph order
+            return [(_clean(stable_name(sub)), sub) for sub in layer.layers]
+        return [(str(index) if _named_by_keras(sub) else _clean(sub.name), sub)
                 for index, sub in enumerate(layer.layers)]
     if (type(layer).__module__ or "").startswith("keras.") and not _compat.sub_layers(
             layer, recursive=False):
