@@ -156,11 +156,46 @@ def _last_readers(graph, order, position):
     return last
 
 
-def plan_recompute(graph, memory_budget, report, step):
-    """Choose checkpoints for `graph` (annotating their nodes), for the
-    smallest peak (`memory_budget=None`) or the least recomputation under
-    `memory_budget` (bytes, or a fraction of the estimated peak without
-    recomputation). Adds the plan's table to `report`."""
+@dataclasses.dataclass
+class RecomputeChoice:
+    """A plan chosen for a graph, not yet written onto it: what
+    `choose_recompute` gives and `apply_recompute` writes."""
+
+    graph: object
+    order: list
+    profiles: list
+    costs: list
+    plan: object  # recompute_plan.RecomputePlan
+    batch: int
+    memory_budget: object
+    budget: object  # bytes, or None
+
+    @property
+    def extra_flops(self):
+        return self.plan.extra_flops
+
+
+def recompute_budget(graph, memory_budget):
+    """The budget in bytes of `memory_budget` for `graph` (a fraction is of
+    its estimated peak without recomputation), or None."""
+    if memory_budget is None:
+        return None
+    if not isinstance(memory_budget, float):
+        return memory_budget
+    batch = planning_batch(graph, "Recompute(auto=True)")
+    profiles = node_costs.profile_nodes(graph, batch)
+    order = node_costs.execution_order(graph)
+    return memory_budget * recompute_plan.estimate_peak(
+        recompute_costs(graph, order, profiles, batch, split=False))
+
+
+def choose_recompute(graph, memory_budget, step, budget=None):
+    """The plan for `graph` (a `RecomputeChoice`; nothing is annotated):
+    the smallest peak (`memory_budget=None`) or the least recomputation
+    under `memory_budget` (bytes, or a fraction of the estimated peak
+    without recomputation; `budget`: the bytes it stands for, when worked
+    out on another graph already). A `PassError` saying what the smallest
+    reachable peak is when no plan meets the budget."""
     batch = planning_batch(graph, "Recompute(auto=True)")
     profiles = node_costs.profile_nodes(graph, batch)
     order = node_costs.execution_order(graph)
@@ -168,8 +203,7 @@ def plan_recompute(graph, memory_budget, report, step):
     # Without recomputation of any kind: no activation split either.
     baseline = recompute_plan.estimate_peak(
         recompute_costs(graph, order, profiles, batch, split=False))
-    budget = None
-    if memory_budget is not None:
+    if budget is None and memory_budget is not None:
         budget = memory_budget * baseline if isinstance(memory_budget, float) else memory_budget
     try:
         plan = (recompute_plan.plan_smallest_peak(costs) if budget is None
@@ -185,6 +219,13 @@ def plan_recompute(graph, memory_budget, report, step):
             + (f" Layers with forward state are never recomputed: "
                f"{_names(fixed)}." if fixed else "")
             + " Raise the budget, or lower the batch.") from None
+    return RecomputeChoice(graph, order, profiles, costs, plan, batch, memory_budget, budget)
+
+
+def apply_recompute(choice, report, step, note=None):
+    """Write `choice`'s plan onto its graph's nodes and its table into
+    `report` (`note`: one more row, why the plan was made where it was)."""
+    order, plan, profiles = choice.order, choice.plan, choice.profiles
     for index in plan.checkpoints:
         node = order[index]
         node.annotations["recompute"] = True
@@ -203,9 +244,21 @@ def plan_recompute(graph, memory_budget, report, step):
         node.annotations[activation_remat.KEY] = True
         report.add(step, node.name, "activation recomputed from its kept pre-activation",
                    "planned (Recompute(auto=True)): keeps less at a few percent of its cost")
-    report.add_plan(_recompute_table(graph, costs, order, plan, batch, memory_budget, budget,
-                                     profiles, split))
+    table = _recompute_table(choice.graph, choice.costs, order, plan, choice.batch,
+                             choice.memory_budget, choice.budget, profiles, split)
+    if note:
+        table = dataclasses.replace(table, rows=table.rows + (("planned on", note),),
+                                    figures={**table.figures, "planned_on": note})
+    report.add_plan(table)
     return plan
+
+
+def plan_recompute(graph, memory_budget, report, step):
+    """Choose checkpoints for `graph` (annotating their nodes), for the
+    smallest peak (`memory_budget=None`) or the least recomputation under
+    `memory_budget` (bytes, or a fraction of the estimated peak without
+    recomputation). Adds the plan's table to `report`."""
+    return apply_recompute(choose_recompute(graph, memory_budget, step), report, step)
 
 
 def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, profiles,
