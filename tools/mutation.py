@@ -261,7 +261,7 @@ MUTATIONS = [
       "            v for v in variables if id(v) not in known_ids]",
       "an optimizer meeting as many variables as it knows assumes it knows them",
       REPLACE_STATE),
-    M("extend-forgets-old-state", "_compat.py",
+    M("extend-forgets-old-state", "_compat/optimizers.py",
       "            if old[index] is not None:\n                new[index].assign(old[index])",
       "            if old[index] is not None:\n                pass",
       "extending an optimizer resets the old variables' moments", DYNAMIC),
