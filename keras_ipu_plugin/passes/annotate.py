@@ -139,8 +139,14 @@ class Recompute(Pass):
     `memory_budget`, the smallest estimated peak memory among the plans
     that recompute at most one forward pass, with `memory_budget` (bytes as
     an int, or a float in (0, 1]: a fraction of the estimated peak without
-    recomputation) the least recomputation that meets it. The report holds
-    the plan's table (each node's kind included).
+    recomputation) the least recomputation that meets it. With a budget, custom
+    layers still whole (no `Expand()` before) are expanded when the plan
+    over their sub-layers meets the budget where the whole layers cannot, or
+    with less recomputation (then each sub-layer may be recomputed inside its
+    block's recomputation, as `keras.RematScope("larger_than")` does). The
+    estimate counts an optimizer update's temporaries and the prefetched
+    input batches too. The report holds the plan's table (each node's kind
+    included).
 
     Example:
         >>> kip.passes.Recompute(["block_1", "block_2"])
