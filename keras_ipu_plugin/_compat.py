@@ -8,7 +8,7 @@ gives each private access a name that says what it is for:
   `node_lists_snapshot`, `record_call`, ...); let TensorFlow's dispatch see
   symbolic tensors (`make_dispatchable`, `tf_elementwise_functions`); name
   the Keras objects the trace-time idioms wrap (`traced_idiom_targets`: the
-  wrappers are tracing behaviour, in `frontend/traced_idioms.py`);
+  wrappers are tracing behaviour, in `frontend/idioms/traced_idioms.py`);
 - the functional model: subclass it, run its graph with our own operation
   hook, read its nodes and output structure (`Functional`,
   `run_functional_graph`, `functional_nodes`, `output_structure`, ...);
@@ -23,7 +23,7 @@ checks both), so a Keras upgrade is a change in this file.
 
 It is one concept over ~600 lines on purpose: the whole quarantine in one file
 is what makes that so. What the accesses are used for lives with its users
-(the trace-time patches in `frontend/traced_idioms.py`, for one).
+(the trace-time patches in `frontend/idioms/traced_idioms.py`, for one).
 """
 
 import contextlib
@@ -686,7 +686,7 @@ OPERATION_BOOKKEEPING = frozenset({
 def copied_operation(operation):
     """A new `keras.Operation` (not a layer) of `operation`'s class with its
     attributes but none of its Keras nodes: the same `keras.ops` call made
-    again, for another block's graph (`frontend/replay.py`). Keras's
+    again, for another block's graph (`frontend/replay/templates.py`). Keras's
     operations hold their arguments as plain attributes and change none of
     them once made; the attributes are shared."""
     new = object.__new__(type(operation))
@@ -712,13 +712,13 @@ def broadcast_to_operation(shape):
     return BroadcastTo(shape=tuple(shape))
 
 
-# -- what the trace-time idioms wrap (frontend/traced_idioms.py) --------------
+# -- what the trace-time idioms wrap (frontend/idioms/traced_idioms.py) -------
 # The patches themselves (what each wrapper does, thread-confined) are tracing
 # behaviour and live with the tracer; only reaching the objects is access.
 
 
 def traced_idiom_targets():
-    """The Keras objects `frontend/traced_idioms.py` wraps while a trace runs:
+    """The Keras objects `frontend/idioms/traced_idioms.py` wraps while a trace runs:
     `variable` (the backend's Variable class) and `variable_initializer` (the
     name of its private method that draws the initial value), `tile` and
     `ndim` (the `ops.tile` / `ops.ndim` operation classes), `keras_tensor`,
@@ -738,7 +738,7 @@ def traced_idiom_targets():
 def eager_tensor_array_targets():
     """`(class, write, stack)`: TensorFlow's eager `TensorArray` implementation
     (what `tf.TensorArray` is while a trace runs `call` eagerly) and the names
-    of the methods `frontend/traced_idioms.py` wraps (`frontend/tensor_arrays.py`)."""
+    of the methods `frontend/idioms/traced_idioms.py` wraps (`frontend/idioms/tensor_arrays.py`)."""
     from tensorflow.python.ops import tensor_array_ops
 
     return tensor_array_ops._EagerTensorArray, "_write", "stack"
@@ -769,7 +769,7 @@ def tensor_size_attributes():
     `ops.repeat(x, tensor)`), with the value each attribute holds in a saved
     `layers.tensor_sized.TensorSizedOperation` (the tensor fills it when the
     graph runs). TensorFlow's functions under them take a tensor there.
-    Also what `frontend/traced_idioms.py` wraps the `symbolic_call` of."""
+    Also what `frontend/idioms/traced_idioms.py` wraps the `symbolic_call` of."""
     from keras.src.ops.math import SegmentMax
     from keras.src.ops.math import SegmentSum
     from keras.src.ops.math import TopK
@@ -790,7 +790,7 @@ def tensor_size_attributes():
 def segment_functions():
     """`[(module, name)]` where `keras.ops.segment_sum` / `segment_max` are
     reachable as module attributes (`keras.ops`, `keras.ops.math`, Keras's
-    own `keras.src.ops.math`): `frontend/traced_idioms.py` wraps them to
+    own `keras.src.ops.math`): `frontend/idioms/traced_idioms.py` wraps them to
     see a `num_segments` given explicitly as None (an unknown dimension,
     `ops.shape(x)[0]` while tracing)."""
     from keras.src.ops import math as keras_math
@@ -806,7 +806,7 @@ def segment_functions():
     return tuple(found)
 
 
-# -- TensorFlow functions on symbolic tensors (frontend/tf_functions.py) ------
+# -- TensorFlow functions on symbolic tensors (frontend/idioms/tf_functions.py) --
 # TensorFlow's type-based dispatch (`tf.experimental.dispatch_for_api`, public)
 # consults its targets only for argument types registered as dispatchable,
 # which only TensorFlow's internal API can do; and its lists of elementwise
@@ -1034,7 +1034,7 @@ def in_shape_inference():
     return in_symbolic_scope()
 
 
-# -- small reads of Keras's private attributes, each named for what it is -------------
+# -- small reads of Keras's private attributes, each named for what it is -----
 
 
 def output_structure(model):
@@ -1166,7 +1166,7 @@ def layer_bookkeeping_attributes():
     return frozenset(vars(keras.layers.Layer(name="kip_bare"))) | {"_tracked"}
 
 
-# -- stateful random draws replayed between two runs (frontend/verify.py) ----
+# -- stateful random draws replayed between two runs (frontend/verify/equivalence.py) --
 # `tf.random.normal(shape)` with no seed generator (a VAE's sampling layer
 # written with TensorFlow) draws from a stateful kernel: two runs of the same
 # model see other numbers, and no public API replays them. TensorFlow's
@@ -1339,7 +1339,7 @@ def _put_back_global_random_state(saved, drew):
         context.context().clear_kernel_cache()
 
 
-# -- which TensorFlow function raised (frontend/failures.py) ------------------
+# -- which TensorFlow function raised (frontend/trace/failures.py) ------------
 # TensorFlow filters its own frames out of the tracebacks of its errors
 # (`traceback_utils.filter_traceback`); the frame of its filter stays, and
 # holds the function it called (`fn`), TensorFlow's dispatch handler, whose
