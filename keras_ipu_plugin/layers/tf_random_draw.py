@@ -5,7 +5,7 @@ Code written for TensorFlow samples with its stateful functions:
 keras.io's VAE as often written, `epsilon = tf.random.normal(shape=(batch,
 dim))` with `batch = tf.shape(z_mean)[0]`. On Keras 3's symbolic tensors
 such a call raises, so the layer used to run whole. While tracing, the
-tracer records it as this operation instead (`frontend/tf_functions.py`):
+tracer records it as this operation instead (`frontend/idioms/tf_functions.py`):
 when the graph runs it makes the very same call (`tf.random.normal` with
 the same shape tensors, mean, stddev, dtype and op-level seed, or none), so
 it draws as the original does, from TensorFlow's own random state: the
