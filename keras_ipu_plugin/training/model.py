@@ -29,6 +29,7 @@ from keras_ipu_plugin.training.steps import Runtime
 from keras_ipu_plugin.training.step_functions import PredictFunction
 from keras_ipu_plugin.training.step_functions import StepFunction
 from keras_ipu_plugin.training.routes import training_route
+from keras_ipu_plugin.training.dynamic import optimizer_state_in_order
 from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
 from keras_ipu_plugin.runtime.functional import refuse_hdf5
 
@@ -151,7 +152,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return contextlib.nullcontext()
-        return _compat.optimizer_state_in_order(optimizer, self.trainable_variables)
+        return optimizer_state_in_order(optimizer, self.trainable_variables)
 
     def _copy_replacements_back(self):
         """Saved weights keep the wrapped model's layout, so that a fresh
