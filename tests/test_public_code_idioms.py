@@ -36,9 +36,9 @@ from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.tf_function import TFFunction
-from keras_ipu_plugin.layers.tf_random_draw import TFRandomDraw
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
+from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path
 from test_tracing_idioms import expands_exactly_at_any_batch_size

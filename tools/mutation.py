@@ -295,7 +295,7 @@ MUTATIONS = [
       "        if new.mask is not None or old.mask is None or not old.users:",
       "an expanded block's output no layer reads (a model output) loses its Keras mask",
       GUARDS),
-    M("attach-mask-drops-mask", "layers/masks.py",
+    M("attach-mask-drops-mask", "layers/keras_ops/masks.py",
       "    def compute_mask(self, inputs, mask=None):\n        return mask",
       "    def compute_mask(self, inputs, mask=None):\n        return None",
       "AttachMask attaches no mask: an expanded block's output loses it", GUARDS),

@@ -31,7 +31,7 @@ from keras_ipu_plugin.frontend.tracer import current_tracer
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
-from keras_ipu_plugin.layers.reads import ReadLayers
+from keras_ipu_plugin.layers.state.reads import ReadLayers
 
 
 @register_pass("expand", order=0)

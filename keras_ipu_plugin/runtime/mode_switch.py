@@ -266,8 +266,8 @@ def union_graph(graphs, name):
 
 
 def _is_kip_operation(node):
-    from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-    from keras_ipu_plugin.layers.random_draws import RandomDraw
+    from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+    from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 
     return isinstance(node.operation, (BatchSizedOperation, RandomDraw))
 

@@ -34,7 +34,7 @@ from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.layers.saved_values import refuse_constant_call
 from keras_ipu_plugin.layers.saved_values import saved_function_config
-from keras_ipu_plugin.layers.tf_function_table import draw_function_at
+from keras_ipu_plugin.layers.tf_calls.tf_function_table import draw_function_at
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
