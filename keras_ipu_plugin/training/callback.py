@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_ipu_plugin.passes.core.manager import validate_passes
+from keras_ipu_plugin.passes.infra.manager import validate_passes
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.scope import plugged_in
 from keras_ipu_plugin.training.steps import Runtime

@@ -15,7 +15,7 @@ import weakref
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes.core.manager import validate_passes
+from keras_ipu_plugin.passes.infra.manager import validate_passes
 from keras_ipu_plugin.passes.annotate import Recompute
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.training.model import PluginModel

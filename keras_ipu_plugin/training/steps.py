@@ -44,7 +44,7 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes.core.manager import apply_passes
+from keras_ipu_plugin.passes.infra.manager import apply_passes
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.training.calls import CallArguments
 from keras_ipu_plugin.training.calls import CallConversion
@@ -69,7 +69,7 @@ from keras_ipu_plugin.frontend.verify_runs import verifying_on
 from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
 from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
 from keras_ipu_plugin.passes.replace import copy_weights_by_name
-from keras_ipu_plugin.passes.core.base import serialize_pass
+from keras_ipu_plugin.passes.infra.base import serialize_pass
 from keras_ipu_plugin.errors import PassError
 
 
