@@ -18,7 +18,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
+from keras_ipu_plugin.runtime.backends.ipu import check_outline_kwargs
 from keras_ipu_plugin.passes.infra.branches import refuse_inside
 from keras_ipu_plugin.passes.infra.branches import run_inside
 from keras_ipu_plugin.passes.infra.branches import split_targets

@@ -479,7 +479,7 @@ def _check_saved_kip_entries(config, entry):
             saved_values.refuse(entry, f"{where}.stage", "a non-negative int", notes["stage"])
         if "outline" in notes:
             from keras_ipu_plugin.errors import PassError
-            from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
+            from keras_ipu_plugin.runtime.backends.ipu import check_outline_kwargs
 
             options = notes["outline"]
             try:
