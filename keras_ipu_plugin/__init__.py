@@ -33,7 +33,7 @@ from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.training.callback import PluginCallback
-from keras_ipu_plugin.training.dynamic import NewVariablesError
+from keras_ipu_plugin.training.session.new_variables import NewVariablesError
 from keras_ipu_plugin.training.model import PluginModel
 from keras_ipu_plugin.training.scope import scope
 from keras_ipu_plugin.training.scope import scope_report

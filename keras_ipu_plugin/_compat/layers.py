@@ -34,7 +34,7 @@ def clear_own_losses(layer):
 
 def own_losses(layer):
     """The losses `layer` itself added (`add_loss`), not its sub-layers'
-    (`training/step_losses.py`). No public API tells them apart."""
+    (`training/session/step_losses.py`). No public API tells them apart."""
     return layer._get_own_losses()
 
 

@@ -3,7 +3,7 @@
 Part of `_compat`, the one package that touches private Keras / TensorFlow
 APIs (see its `__init__`). What is done with the state (extending an
 optimizer for new variables, handing a variable's state to another, saving
-it in the model's order) is `training/dynamic.py`'s.
+it in the model's order) is `training/session/new_variables.py`'s.
 """
 
 

@@ -219,8 +219,8 @@ class PipelineStages(Pass):
     the plan's table.
 
     Training through PluginModel, PluginCallback or kip.scope with
-    `microbatches=M > 1` (or `devices`) is pipelined (`training/
-    pipelined_step.py`): each batch is split into M microbatches, stage s
+    `microbatches=M > 1` (or `devices`) is pipelined (`training/pipelined/
+    step.py`): each batch is split into M microbatches, stage s
     runs its forward and backward passes on `devices[s % len(devices)]`
     (default: the visible GPUs when there are at least as many as stages,
     else the current device, which makes it gradient accumulation), in the
@@ -280,7 +280,7 @@ class PipelineStages(Pass):
     @property
     def pipeline_settings(self):
         """`(microbatches, devices or None, schedule)`: what the pipelined
-        training step runs (`training/pipelined_step.py`)."""
+        training step runs (`training/pipelined/step.py`)."""
         return self.microbatches, self.devices, self.schedule
 
     @classmethod

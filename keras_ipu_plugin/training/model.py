@@ -25,11 +25,11 @@ from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.passes.infra.base import deserialize_pass
 from keras_ipu_plugin.passes.infra.base import serialize_pass
-from keras_ipu_plugin.training.steps import Runtime
-from keras_ipu_plugin.training.step_functions import PredictFunction
-from keras_ipu_plugin.training.step_functions import StepFunction
+from keras_ipu_plugin.training.session.session import Runtime
+from keras_ipu_plugin.training.session.step_functions import PredictFunction
+from keras_ipu_plugin.training.session.step_functions import StepFunction
 from keras_ipu_plugin.training.routes import training_route
-from keras_ipu_plugin.training.dynamic import optimizer_state_in_order
+from keras_ipu_plugin.training.session.new_variables import optimizer_state_in_order
 from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
 from keras_ipu_plugin.runtime.functional import refuse_hdf5
 
