@@ -24,7 +24,7 @@ from keras_ipu_plugin.frontend.batch.errors import MixedLeadingSizes
 from keras_ipu_plugin.frontend.batch.errors import NotBatchGeneral
 from keras_ipu_plugin.frontend.batch.switches import are_switches
 from keras_ipu_plugin.frontend.batch.switches import general_switch
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 
 
 def unknown_dimension_attributes(operation):
@@ -76,7 +76,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     """
     from keras_ipu_plugin.ir.graph import Node
     from keras_ipu_plugin.ir.graph import Value
-    from keras_ipu_plugin.layers.reads import HeldConstant
+    from keras_ipu_plugin.layers.state.reads import HeldConstant
 
     (nodes_s, outputs_s), (nodes_l, outputs_l) = small, large
     if groups is None:

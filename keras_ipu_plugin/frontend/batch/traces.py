@@ -288,8 +288,8 @@ def per_input_runs(runs, layer, args, kwargs, placeholders, prefix, reads, train
 def _reads_leading_size(node):
     """Whether `node` fills an unknown dimension from its anchor's leading
     size when the graph runs."""
-    from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-    from keras_ipu_plugin.layers.random_draws import RandomDraw
+    from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+    from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 
     operation = node.operation
     if isinstance(operation, BatchSizedOperation):

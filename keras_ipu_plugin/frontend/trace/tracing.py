@@ -58,7 +58,7 @@ from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
-from keras_ipu_plugin.layers.reads import ReadLayers
+from keras_ipu_plugin.layers.state.reads import ReadLayers
 
 
 def trace_model(model, input_specs, training=None, tracer=None):

@@ -23,7 +23,7 @@ Example:
 """
 
 from keras_ipu_plugin.layers import saved_values
-from keras_ipu_plugin.layers.reads import HoldsVariable
+from keras_ipu_plugin.layers.state.reads import HoldsVariable
 
 
 def mark_shared_variables(model, config):

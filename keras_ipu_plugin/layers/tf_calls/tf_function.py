@@ -29,7 +29,7 @@ from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.layers.saved_values import refuse_constant_call
 from keras_ipu_plugin.layers.saved_values import saved_function_config
-from keras_ipu_plugin.layers.tf_function_table import function_at
+from keras_ipu_plugin.layers.tf_calls.tf_function_table import function_at
 
 # The public namespaces a function is saved by, in the order its name is
 # looked for (`tf.square` is saved as "math.square"). "image" comes after

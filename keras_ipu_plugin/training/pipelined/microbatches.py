@@ -1,6 +1,6 @@
 """Splitting a batch into microbatches, and summing the microbatches'
 gradients in the form the whole batch's takes (the pipelined step's
-arithmetic, `training/pipelined_step.py`).
+arithmetic, `training/pipelined/step.py`).
 
 Example:
     >>> xs = split(x, 4, "x")                  # 4 equal row slices

@@ -20,9 +20,9 @@ from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.passes.core.base import EQUAL
-from keras_ipu_plugin.passes.core.base import Pass
-from keras_ipu_plugin.passes.core.base import registered_passes
+from keras_ipu_plugin.passes.infra.base import EQUAL
+from keras_ipu_plugin.passes.infra.base import Pass
+from keras_ipu_plugin.passes.infra.base import registered_passes
 from keras_ipu_plugin.planning.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
@@ -250,7 +250,7 @@ def _report_outlined_graph_size(graph, outlined, report):
 def validate_passes(passes):
     """A list of Pass objects from passes or a config (dict, list of
     one-pass dicts, or path)."""
-    from keras_ipu_plugin.passes.core.config import passes_from_config
+    from keras_ipu_plugin.passes.infra.config import passes_from_config
 
     if isinstance(passes, (dict, str)) or hasattr(passes, "__fspath__"):
         return passes_from_config(passes)

@@ -42,13 +42,13 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.passes.core.base import ALL
-from keras_ipu_plugin.passes.core.base import Pass
-from keras_ipu_plugin.passes.core.base import registered_passes
-from keras_ipu_plugin.passes.core.layer_class_names import class_named
-from keras_ipu_plugin.passes.core.layer_class_names import is_layer_class
-from keras_ipu_plugin.passes.core.layer_class_names import register_layer
-from keras_ipu_plugin.passes.core.patterns import Chain
+from keras_ipu_plugin.passes.infra.base import ALL
+from keras_ipu_plugin.passes.infra.base import Pass
+from keras_ipu_plugin.passes.infra.base import registered_passes
+from keras_ipu_plugin.passes.infra.layer_class_names import class_named
+from keras_ipu_plugin.passes.infra.layer_class_names import is_layer_class
+from keras_ipu_plugin.passes.infra.layer_class_names import register_layer
+from keras_ipu_plugin.passes.infra.patterns import Chain
 
 try:  # libyaml's parser, several times faster than PyYAML's Python one
     from yaml.cyaml import CParser as _YamlParser
@@ -389,7 +389,7 @@ class ConfigReader:
     def _chain(self, steps, path):
         """`{chain: [Dense, {op: gelu}]}`: a string step names a layer class
         if it names one, else a layer; `{op: ...}`, `{tf: ...}` name
-        functions (see `passes.core.patterns`)."""
+        functions (see `passes.infra.patterns`)."""
         if not isinstance(steps, list):
             raise ConfigError(path, f"expected a list of steps; got {short_repr(steps)}")
         resolved = []

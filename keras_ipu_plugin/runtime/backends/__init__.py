@@ -16,7 +16,7 @@ Portable (CPU / GPU / TPU):
 - pipeline stages: a stage index per layer (`model.kip_layer_stages`), and
   `tf.device` placement when the model is given stage devices.
 
-IPU (Graphcore's Poplar SDK, `ipu_backend.IpuBackend`): written against
+IPU (Graphcore's Poplar SDK, `backends.ipu.IpuBackend`): written against
 SDK 3.4 but never run on an IPU -- that SDK's TensorFlow 2.6 / Keras 2.6
 cannot import this Keras 3 library (see the README, "The IPU backend").
 
@@ -32,7 +32,7 @@ import importlib
 import tensorflow as tf
 
 from keras_ipu_plugin.errors import IpuError
-from keras_ipu_plugin.runtime.ipu_backend import IpuBackend
+from keras_ipu_plugin.runtime.backends.ipu import IpuBackend
 from keras_ipu_plugin.runtime.recompute_grad import recompute_grad
 
 

@@ -101,7 +101,7 @@ TENSOR_PARAMETERS = {
 RECORDED = ELEMENTWISE | frozenset(TENSOR_PARAMETERS)
 
 # TensorFlow's stateful random draws a graph may make (`TFRandomDraw`,
-# `layers/tf_random_draw.py`), with the parameters that make a call on a
+# `layers/tf_calls/tf_random_draw.py`), with the parameters that make a call on a
 # symbolic tensor (`tf.random.normal(shape=(tf.shape(x)[0], dim))`). Kept
 # apart from `RECORDED`: a draw is not side-effect free (it advances its
 # kernel's state), so a `TFFunction` never calls one, and a graph node
@@ -165,7 +165,7 @@ def function_at(path, entry):
         raise LoadError(
             f"TFFunction `{entry}`: refusing `tf.{path}` as a graph function ({reason}). "
             "kip calls only the public, side-effect free TensorFlow functions its tracer "
-            "records (keras_ipu_plugin.layers.tf_function_table.RECORDED)."
+            "records (keras_ipu_plugin.layers.tf_calls.tf_function_table.RECORDED)."
             if isinstance(path, str) else
             f"TFFunction `{entry}`: {reason}."
         )
@@ -185,7 +185,7 @@ def draw_function_at(path, entry):
         raise LoadError(
             f"TFRandomDraw `{entry}`: refusing {short_repr(path)} as a random draw: kip draws "
             f"only with {', '.join('tf.' + name for name in sorted(RANDOM_DRAWS))} "
-            "(keras_ipu_plugin.layers.tf_function_table.RANDOM_DRAWS)."
+            "(keras_ipu_plugin.layers.tf_calls.tf_function_table.RANDOM_DRAWS)."
         )
     return function
 

@@ -21,11 +21,11 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
-from keras_ipu_plugin.passes.core.layer_class_names import class_named
-from keras_ipu_plugin.passes.core.layer_class_names import name_of_class
-from keras_ipu_plugin.passes.core.patterns import Chain
-from keras_ipu_plugin.passes.core.patterns import Match
-from keras_ipu_plugin.passes.core.patterns import names_a_path
+from keras_ipu_plugin.passes.infra.layer_class_names import class_named
+from keras_ipu_plugin.passes.infra.layer_class_names import name_of_class
+from keras_ipu_plugin.passes.infra.patterns import Chain
+from keras_ipu_plugin.passes.infra.patterns import Match
+from keras_ipu_plugin.passes.infra.patterns import names_a_path
 
 ALL = "all"
 

@@ -29,7 +29,7 @@ import inspect
 
 import keras
 
-from keras_ipu_plugin.training.dynamic import OptimizingFacade
+from keras_ipu_plugin.training.session.new_variables import OptimizingFacade
 from keras_ipu_plugin.runtime.variables import union_of_variables
 
 _RUNTIME = "_kip_runtime"

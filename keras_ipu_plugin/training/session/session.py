@@ -44,32 +44,32 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes.core.manager import apply_passes
+from keras_ipu_plugin.passes.infra.manager import apply_passes
 from keras_ipu_plugin.runtime.backends import get_backend
-from keras_ipu_plugin.training.calls import CallArguments
-from keras_ipu_plugin.training.calls import CallConversion
-from keras_ipu_plugin.training.calls import convert_call
+from keras_ipu_plugin.training.session.calls import CallArguments
+from keras_ipu_plugin.training.session.calls import CallConversion
+from keras_ipu_plugin.training.session.calls import convert_call
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import assigned_outside
 from keras_ipu_plugin.runtime.distribution import check_built_under
-from keras_ipu_plugin.training.dynamic import VariableWatch
-from keras_ipu_plugin.training.dynamic import describe_new_variables
+from keras_ipu_plugin.training.session.new_variables import VariableWatch
+from keras_ipu_plugin.training.session.new_variables import describe_new_variables
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.state import VariableValues
-from keras_ipu_plugin.training.step_self import CalleeStandIn
-from keras_ipu_plugin.training.step_self import step_self
-from keras_ipu_plugin.training.step_losses import StepLosses
+from keras_ipu_plugin.training.session.step_self import CalleeStandIn
+from keras_ipu_plugin.training.session.step_self import step_self
+from keras_ipu_plugin.training.session.step_losses import StepLosses
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.frontend.verify.runs import verifying_on
-from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
-from keras_ipu_plugin.training.dynamic import replaced_variable_pairs
+from keras_ipu_plugin.training.session.new_variables import hand_over_optimizer_state
+from keras_ipu_plugin.training.session.new_variables import replaced_variable_pairs
 from keras_ipu_plugin.passes.replace import copy_weights_by_name
-from keras_ipu_plugin.passes.core.base import serialize_pass
+from keras_ipu_plugin.passes.infra.base import serialize_pass
 from keras_ipu_plugin.errors import PassError
 
 
@@ -584,7 +584,7 @@ def _same_weights_by_name(old, new):
 
 def _with_tensors(call, tensors):
     """`call` with its tensors replaced by `tensors` (a dict by name)."""
-    from keras_ipu_plugin.training.calls import BoundCall
+    from keras_ipu_plugin.training.session.calls import BoundCall
 
     return BoundCall.fill(call, tensors)
 

@@ -3,7 +3,7 @@
 `StepFunction` is the `train_function` / `test_function` that `fit` /
 `evaluate` call (Keras honours one set before the first step): it runs the
 step (the user's override, or Keras's own) on the converted graphs of a
-`Runtime` (`steps.py`), converting what the step calls at its first
+`Runtime` (`session.py`), converting what the step calls at its first
 occurrence (a dry run where the step is the user's), and rebuilding when
 the step meets new variables. `PredictFunction` is `predict`'s.
 `install` / `installed_runtime` give a model these functions (the callback
@@ -25,14 +25,14 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.inputs import without_autotuning
 from keras_ipu_plugin.runtime.distribution import check_trains_under
-from keras_ipu_plugin.training.calls import CallArguments
-from keras_ipu_plugin.training.dynamic import NeedsExtension
-from keras_ipu_plugin.training.dynamic import NewVariablesError
-from keras_ipu_plugin.training.dynamic import describe_new_variables
-from keras_ipu_plugin.training.dynamic import extend_optimizer
-from keras_ipu_plugin.training.pipelined_step import pipelined_train_step
-from keras_ipu_plugin.training.steps import NeedsConversion
-from keras_ipu_plugin.training.steps import describe_structure_change
+from keras_ipu_plugin.training.session.calls import CallArguments
+from keras_ipu_plugin.training.session.new_variables import NeedsExtension
+from keras_ipu_plugin.training.session.new_variables import NewVariablesError
+from keras_ipu_plugin.training.session.new_variables import describe_new_variables
+from keras_ipu_plugin.training.session.new_variables import extend_optimizer
+from keras_ipu_plugin.training.pipelined.step import pipelined_train_step
+from keras_ipu_plugin.training.session.session import NeedsConversion
+from keras_ipu_plugin.training.session.session import describe_structure_change
 
 _MAX_REBUILDS_PER_STEP = 8
 
@@ -186,7 +186,7 @@ class StepFunction:
 
         across_workers = _compat.reduces_across_workers(runtime.strategy)
         # PipelineStages(microbatches=M): the pipelined step replaces Keras's
-        # train_step (training/pipelined_step.py); None otherwise.
+        # train_step (training/pipelined/step.py); None otherwise.
         pipelined = pipelined_train_step(runtime, step, NeedsConversion)
 
         def run_step(batch):

@@ -35,9 +35,9 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin.layers import saved_values
-from keras_ipu_plugin.layers.added_loss import AddedLoss
-from keras_ipu_plugin.layers.reads import HoldsVariable
-from keras_ipu_plugin.layers.reads import ReadTensor
+from keras_ipu_plugin.layers.state.added_loss import AddedLoss
+from keras_ipu_plugin.layers.state.reads import HoldsVariable
+from keras_ipu_plugin.layers.state.reads import ReadTensor
 
 #: The write methods a node can make (the names of `keras.Variable`'s).
 METHODS = ("assign", "assign_add", "assign_sub")

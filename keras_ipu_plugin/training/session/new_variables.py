@@ -114,8 +114,86 @@ def extend_optimizer(optimizer, new_variables):
     with strategy.scope():
         scratch = optimizer.__class__.from_config(optimizer.get_config())
         scratch.build(known + new_variables)
-        _compat.transplant_optimizer_state(optimizer, scratch, len(known))
+        transplant_optimizer_state(optimizer, scratch, len(known))
     return new_variables
+
+
+def transplant_optimizer_state(target, scratch, old_count):
+    """Give `target` the state lists of `scratch` (built on target's old
+    variables followed by the new ones), keeping target's own non-slot
+    variables (iterations, learning rate, ...) and copying the old entries'
+    values across."""
+    old_lists = _compat.optimizer_slot_lists(target)
+    new_lists = _compat.optimizer_slot_lists(scratch)
+    for name, old in old_lists.items():
+        new = new_lists[name]
+        for index in range(old_count):
+            if old[index] is not None:
+                new[index].assign(old[index])
+    in_new_lists = {id(v) for lst in new_lists.values() for v in lst if v is not None}
+    in_old_lists = {id(v) for lst in old_lists.values() for v in lst if v is not None}
+    target_others = iter([v for v in _compat.optimizer_own_variables(target) if id(v) not in in_old_lists])
+    variables = [
+        v if id(v) in in_new_lists else next(target_others) for v in _compat.optimizer_own_variables(scratch)
+    ]
+    _compat.set_optimizer_state(target, new_lists, variables,
+                                _compat.optimizer_trainable_variables(scratch))
+
+
+@contextlib.contextmanager
+def optimizer_state_in_order(optimizer, variables):
+    """Within: a built `optimizer` lists its state (`optimizer.variables`,
+    what Keras saves, by position) in the order a build over `variables`
+    would have made it. `variables` are the optimizer's own, in the order
+    the model lists them when loaded; nothing but that list's order changes.
+
+    Keras loads saved optimizer state by position into an optimizer built
+    over the loaded model's variables. An optimizer extended for variables
+    created after the first batch holds them last: saved as it is, a grown
+    layer's moments loaded into its neighbour's (silently, where the shapes
+    agree). Keras's optimizers build their state variable by variable, so
+    the slots of the i-th variable take the place of those of the variable
+    now at that index.
+
+    Example:
+        >>> with optimizer_state_in_order(model.optimizer, model.trainable_variables):
+        ...     model.save("model.keras")
+    """
+    layers = [optimizer, getattr(optimizer, "inner_optimizer", None)]
+    saved = [(one, _compat.optimizer_own_variables(one)) for one in layers if one is not None and one.built]
+    try:
+        for one, current in saved:
+            reordered = _variables_in_order(one, variables)
+            if reordered is not None:
+                _compat.set_optimizer_variables(one, reordered)
+        yield
+    finally:
+        for one, current in saved:
+            _compat.set_optimizer_variables(one, current)
+
+
+def _variables_in_order(optimizer, variables):
+    """The optimizer's own variables with the per-variable slots permuted to the
+    order of `variables`, or None when they are not its own or it holds a
+    variable without slots (`overwrite_with_gradient`: positions shift)."""
+    known = _compat.optimizer_trainable_variables(optimizer)
+    position = {id(v): index for index, v in enumerate(known)}
+    sources = [position.get(id(v)) for v in variables]
+    if (len(sources) != len(known) or None in sources or len(set(sources)) != len(sources)
+            or sources == list(range(len(known)))):
+        return None
+    lists = _compat.optimizer_slot_lists(optimizer)
+    if any(item is None for slots in lists.values() for item in slots):
+        return None
+    slot_of = {id(item): (slots, index) for slots in lists.values()
+               for index, item in enumerate(slots)}
+    reordered = []
+    for variable in _compat.optimizer_own_variables(optimizer):
+        if id(variable) in slot_of:
+            slots, index = slot_of[id(variable)]
+            variable = slots[sources[index]]
+        reordered.append(variable)
+    return reordered
 
 
 def replaced_variable_pairs(replaced_layers):
@@ -163,9 +241,22 @@ def hand_over_optimizer_state(optimizer, replaced_layers):
     for old, new in replaced_variable_pairs(replaced_layers):
         if (_compat.optimizer_knows(optimizer, old)
                 and not _compat.optimizer_knows(optimizer, new)):
-            _compat.hand_over_optimizer_slot(optimizer, old, new)
+            hand_over_optimizer_slot(optimizer, old, new)
             handed.append((old, new))
     return handed
+
+
+def hand_over_optimizer_slot(optimizer, old, new):
+    """Make `optimizer` apply to `new` what it applied to `old`: `new` takes
+    `old`'s index, so its state (moments, EMA, accumulated gradients, every
+    per-variable list) becomes `new`'s, and `old` leaves the optimizer.
+
+    A LossScaleOptimizer keeps the per-variable state in its inner optimizer
+    and an index of its own: both are handed over.
+    """
+    for one in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if one is not None and one.built:
+            _compat.replace_optimizer_variable(one, old, new)
 
 
 class OptimizingFacade:

@@ -11,7 +11,7 @@ the same shape tensors, mean, stddev, dtype and op-level seed, or none), so
 it draws as the original does, from TensorFlow's own random state: the
 same numbers for the same op seed in a `tf.function`, fresh numbers for an
 unseeded draw. Verification replays the original's draws in the converted
-run (`_compat.taped_stateful_draws`), as it does for a layer kept whole.
+run (`frontend/verify/runs.py`'s `taped_stateful_draws`), as it does for a layer kept whole.
 
 A draw advances its kernel's state: it is no pure function, so it is not
 a `TFFunction` (whose table holds side-effect free functions only), and a
@@ -34,7 +34,7 @@ from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.layers.saved_values import refuse_constant_call
 from keras_ipu_plugin.layers.saved_values import saved_function_config
-from keras_ipu_plugin.layers.tf_function_table import draw_function_at
+from keras_ipu_plugin.layers.tf_calls.tf_function_table import draw_function_at
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")

@@ -64,8 +64,8 @@ from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.pipeline import StagedModel
 from keras_ipu_plugin.runtime.pipeline import stage_devices
 from keras_ipu_plugin.runtime.variables import union_of_variables
-from keras_ipu_plugin.training.calls import CallArguments
-from keras_ipu_plugin.training import microbatches
+from keras_ipu_plugin.training.session.calls import CallArguments
+from keras_ipu_plugin.training.pipelined import microbatches
 
 #: Loss reductions that are means over the batch's entries: the whole
 #: batch's loss is the mean of M equal microbatches' losses.

@@ -84,7 +84,7 @@ class HoldsVariable:
         if values > MAX_SAVED_VARIABLE_VALUES:
             saved_values.refuse(entry, "variable_shape", "a shape of at most "
                                 f"{MAX_SAVED_VARIABLE_VALUES} values (kip's limit on a variable "
-                                "a graph node holds: keras_ipu_plugin.layers.reads."
+                                "a graph node holds: keras_ipu_plugin.layers.state.reads."
                                 "MAX_SAVED_VARIABLE_VALUES)", list(shape))
         saved_values.saved_dtype(config.get("variable_dtype"), entry, "variable_dtype")
         saved_values.saved_bool(config.get("variable_trainable", True), entry,
