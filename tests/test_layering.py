@@ -6,9 +6,10 @@ The data flows one way (see docs/architecture.md):
     ir/           the graph IR
     layers/       the layers a graph may hold (alias, opaque, reads, writes, ...)
     runtime/      IR -> Keras model, and running it (rebuild, executor, backends)
-    frontend/     model + first batch -> IR (inputs, tracing, state, verify, convert)
+    frontend/     model + first batch -> IR: trace/, idioms/, batch/, replay/,
+                  verify/, and inputs, state, convert
     planning/     node costs, the recompute and stage planners, stage timing
-    passes/core/  pass infrastructure (Pass, registry, patterns, configs, manager)
+    passes/infra/  pass infrastructure (Pass, registry, patterns, configs, manager)
     passes/       IR -> IR (each pass, presets)
     training/   PluginModel, PluginCallback, kip.scope, dynamic variables
     cli, the package itself
@@ -35,7 +36,7 @@ LAYERS = [
     {"runtime"},
     {"frontend"},
     {"planning"},
-    {"passes.core"},
+    {"passes.infra"},
     {"passes"},
     {"training"},
     {"cli", "__main__", ""},
@@ -126,7 +127,7 @@ def _imports(module):
 
 def _layer(module):
     """The index in LAYERS of the longest folder holding `module`
-    (`passes.core.base` is in `passes.core`, `passes.expand` in `passes`)."""
+    (`passes.infra.base` is in `passes.infra`, `passes.expand` in `passes`)."""
     parts = module[len(NAME) + 1:].split(".") if module != NAME else [""]
     for end in range(len(parts), 0, -1):
         folder = ".".join(parts[:end])
@@ -298,12 +299,12 @@ def test_the_checks_see_what_they_must_see():
 
 
 def test_a_subfolder_is_its_own_layer():
-    """`passes/core/` (the infrastructure) sits before `passes/` (the
+    """`passes/infra/` (the infrastructure) sits before `passes/` (the
     passes): the infrastructure importing a pass would be caught."""
-    assert _layer(f"{NAME}.passes.core.base") < _layer(f"{NAME}.passes.expand")
+    assert _layer(f"{NAME}.passes.infra.base") < _layer(f"{NAME}.passes.expand")
     assert _layer(f"{NAME}.passes") == _layer(f"{NAME}.passes.expand")
     assert _layer(f"{NAME}.layers.opaque") < _layer(f"{NAME}.runtime.executor")
-    assert _layer(f"{NAME}.planning.node_costs") < _layer(f"{NAME}.passes.core.manager")
+    assert _layer(f"{NAME}.planning.node_costs") < _layer(f"{NAME}.passes.infra.manager")
 
 
 def test_the_architecture_page_draws_the_layers_in_their_import_order():

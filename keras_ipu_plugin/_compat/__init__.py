@@ -82,12 +82,13 @@ from keras_ipu_plugin._compat.trainer import (  # noqa: F401
     symbolic_build_from_one_replica,
 )
 from keras_ipu_plugin._compat.optimizers import (  # noqa: F401
-    hand_over_optimizer_slot,
     optimizer_knows,
+    optimizer_own_variables,
     optimizer_slot_lists,
-    optimizer_state_in_order,
     optimizer_trainable_variables,
-    transplant_optimizer_state,
+    replace_optimizer_variable,
+    set_optimizer_state,
+    set_optimizer_variables,
 )
 from keras_ipu_plugin._compat.layers import (  # noqa: F401
     KERAS_MODEL_CODE_MODULES,
@@ -144,9 +145,10 @@ from keras_ipu_plugin._compat.tf_ops import (  # noqa: F401
 from keras_ipu_plugin._compat.datasets import (  # noqa: F401
     dataset_is_batched,
     dataset_strategy,
-    dataset_with_own_seeds,
 )
 from keras_ipu_plugin._compat.random_state import (  # noqa: F401
-    DrawTape,
-    taped_stateful_draws,
+    global_random_state,
+    put_back_global_random_state,
+    restore_stateful_draw_ops,
+    swap_stateful_draw_ops,
 )

@@ -20,7 +20,7 @@ def sub_layers(layer, recursive=True):
 
 def clear_own_losses(layer):
     """Forget the losses `layer` itself added (`add_loss`), as Keras does at
-    the outermost call of a model (`layers/added_loss.py`: a graph's loss
+    the outermost call of a model (`layers/state/added_loss.py`: a graph's loss
     node replaces what its previous run added); nothing in a stateless
     scope, whose losses are the scope's (a recomputed segment: the executor
     adds them to the layer afterwards). No public API clears them."""
@@ -34,7 +34,7 @@ def clear_own_losses(layer):
 
 def own_losses(layer):
     """The losses `layer` itself added (`add_loss`), not its sub-layers'
-    (`training/step_losses.py`). No public API tells them apart."""
+    (`training/session/step_losses.py`). No public API tells them apart."""
     return layer._get_own_losses()
 
 

@@ -131,5 +131,5 @@ def print_msg(message):
 def loss_tracker(model):
     """The `Mean` metric Keras's own `train_step` feeds the loss to (no
     public accessor; `model.metrics` lists it without saying which it is).
-    The pipelined step (`training/pipelined_step.py`) feeds it the same."""
+    The pipelined step (`training/pipelined/step.py`) feeds it the same."""
     return model._loss_tracker
