@@ -496,6 +496,9 @@ def main(argv=None):
         for _ in range(args.rounds):  # alternate: each round runs every variant once
             for variant in variants:
                 runs[variant].append(run(model_name, variant))
+                # Each run as it ends: a long run cut short keeps what it measured.
+                print(f"# {model_name} {variant}: {json.dumps(runs[variant][-1])}",
+                      file=sys.stderr, flush=True)
         report(model_name, {variant: summarise(rs) for variant, rs in runs.items()},
                {"wall": "step_s", "cpu": "step_cpu_s"}[args.clock])
         sys.stdout.flush()
