@@ -563,8 +563,8 @@ def _converted(model, trainee, callbacks):
             return holder.converted
     from keras_ipu_plugin.training import scope as scope_module
 
-    runtime = scope_module._runtimes.get(model)
-    return None if runtime is None else runtime.converted
+    session = scope_module._sessions.get(model)
+    return None if session is None else session.converted
 
 
 def _variables(model, converted, optimizer, unowned_keys):

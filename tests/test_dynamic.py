@@ -206,11 +206,11 @@ def test_traces_once_per_variable_set_change():
     plugin.compile(optimizer="adam", loss="mse")
     plugin.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
                callbacks=[GrowAt(model, 2)])
-    runtime = plugin._kip_runtime
-    assert runtime.rebuilds == 1
+    session = plugin._kip_session
+    assert session.rebuilds == 1
     # 80 steps: a trace per step would show here; one per change plus
     # Keras's own first-batch and iterator traces does not.
-    assert runtime.traces <= 2 * (1 + runtime.rebuilds) + 1, runtime.traces
+    assert session.traces <= 2 * (1 + session.rebuilds) + 1, session.traces
 
 
 def test_new_variables_are_mirrored(mirrored):

@@ -194,7 +194,7 @@ def test_a_model_compiled_by_its_plugin_model_inside_the_scope_trains_through_th
         plugin = kip.PluginModel(wrapped)
         plugin.compile(optimizer="sgd", loss="mse", scale=2.0)
     # Compiled inside the scope by the wrapper's `compile`: not plugged in
-    # by itself (a second runtime around a model the wrapper trains).
+    # by itself (a second session around a model the wrapper trains).
     assert not isinstance(vars(wrapped).get("train_function"), step_functions.StepFunction)
     assert kip.scope_report(wrapped) is None
     plugin.fit(x, y, batch_size=16, verbose=0)

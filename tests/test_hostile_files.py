@@ -169,7 +169,7 @@ def test_the_untouched_files_load_and_compute_as_saved(saved, tmp_path):
     loaded = _load(graph_files, tmp_path / "graph.keras")
     np.testing.assert_allclose(loaded(X), passed(X), rtol=1e-5)
     plugin = _load(plugin_files, tmp_path / "plugin.keras")
-    assert [type(p).__name__ for p in plugin._kip_runtime.passes] == ["Expand", "Recompute"]
+    assert [type(p).__name__ for p in plugin._kip_session.passes] == ["Expand", "Recompute"]
 
 
 # -- TensorFlow functions ------------------------------------------------------

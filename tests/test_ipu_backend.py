@@ -411,7 +411,7 @@ def test_plugin_model_fit_hands_the_converted_model_to_graphcores_fit(standin):
             {"gradient_accumulation_steps_per_replica": 2}) in standin.recorder.calls
     assert standin.recorder.named("outlined_function") and standin.recorder.named("recomputation_checkpoint")
     assert converted.inputs[0].shape[0] == 8  # static batch
-    assert model._kip_runtime.traces == 0  # the wrapper's own train function never ran
+    assert model._kip_session.traces == 0  # the wrapper's own train function never ran
     assert np.isfinite(history.history["loss"]).all()
     assert "fit by Graphcore's Keras" in str(converted.kip_report)
 

@@ -180,7 +180,7 @@ def test_rebuild_after_new_variables_leaves_the_counter_at_the_steps_run():
     plugin.compile(optimizer="sgd", loss="mse")
     plugin.fit(x, np.zeros((8, 3), "float32"), batch_size=4, epochs=1, verbose=0)
     assert int(model.count.numpy()) == 2
-    plugin._kip_runtime.rebuild("test: convert again")
+    plugin._kip_session.rebuild("test: convert again")
     assert int(model.count.numpy()) == 2
 
 
@@ -457,8 +457,8 @@ def test_a_step_counter_reads_the_number_of_steps_across_rebuilds(entry, run_eag
         trained = model
     trained.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
     assert int(model.steps.numpy()) == 16
-    runtime = model.train_function.runtime if entry == "callback" else trained._kip_runtime
-    assert runtime.rebuilds >= 1
+    session = model.train_function.session if entry == "callback" else trained._kip_session
+    assert session.rebuilds >= 1
     # The head grown at epoch 2 was built and trained, in graph mode too.
     assert model.extra.built
 
@@ -532,7 +532,7 @@ def test_a_step_meeting_new_variables_under_mirrored_runs_once(mirrored, run_eag
     plugin.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
                callbacks=[GrowAt(model, 2)])
     assert int(model.steps.numpy()) == 16
-    assert plugin._kip_runtime.rebuilds >= 1
+    assert plugin._kip_session.rebuilds >= 1
     assert model.extra.built
 
 
@@ -1044,7 +1044,7 @@ def test_a_keyboard_interrupt_at_any_moment_of_a_conversion_in_fit_leaves_no_nod
     a `PluginCallback` (converting, applying the passes, keeping the result)
     leaves no Keras node on the user's layers: each fit tried again after
     one would add a node to every layer."""
-    from keras_ipu_plugin.training.session.session import Runtime
+    from keras_ipu_plugin.training.session.session import TrainingSession
 
     x = _x(features=4)
     y = np.zeros((4, 4), "float32")
@@ -1069,5 +1069,5 @@ def test_a_keyboard_interrupt_at_any_moment_of_a_conversion_in_fit_leaves_no_nod
 
     interrupted, missed = _interrupt_sweep(
         fit, x, make_model, points=6, tail=12,
-        within=Runtime.add_conversion.__code__, whole_model=entry == "model")
+        within=TrainingSession.add_conversion.__code__, whole_model=entry == "model")
     assert len(missed) <= (interrupted + len(missed)) // 5, missed

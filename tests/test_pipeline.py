@@ -226,9 +226,9 @@ def _traced_step(passes, build=Tower):
     model = kip.PluginModel(build(), passes=passes)
     _compile(model)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    runtime = model._kip_runtime
-    step = pipelined_train_step(runtime, keras.Model.train_step, NeedsConversion)
-    proxy = runtime.step_self()
+    session = model._kip_session
+    step = pipelined_train_step(session, keras.Model.train_step, NeedsConversion)
+    proxy = session.step_self()
     function = tf.function(lambda x, y: step(proxy, (x, y)), autograph=False)  # as Keras
     return function.get_concrete_function(
         tf.TensorSpec([None, 8]), tf.TensorSpec([None], tf.int32)).graph
@@ -404,20 +404,20 @@ def test_report_says_gradient_accumulation_without_devices():
 # -- XLA -------------------------------------------------------------------------------
 
 def _fitted_step(passes, jit="auto", entry="model"):
-    """`(the runtime, its pipelined step)` after one epoch through `entry`."""
+    """`(the session, its pipelined step)` after one epoch through `entry`."""
     x, y = _data(16)
     if entry == "model":
         model = kip.PluginModel(Tower(), passes=passes)
         _compile(model, jit)
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-        runtime = model._kip_runtime
+        session = model._kip_session
     else:
         model = Tower()
         _compile(model, jit)
         callback = kip.PluginCallback(passes=passes)
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback])
-        runtime = model.train_function.runtime
-    return runtime, pipelined_train_step(runtime, keras.Model.train_step, NeedsConversion)
+        session = model.train_function.session
+    return session, pipelined_train_step(session, keras.Model.train_step, NeedsConversion)
 
 
 def test_auto_jit_compile_leaves_stages_on_several_devices_in_graph_mode(monkeypatch):
@@ -427,10 +427,10 @@ def test_auto_jit_compile_leaves_stages_on_several_devices_in_graph_mode(monkeyp
     # resolves to is made that of a GPU machine.
     from keras_ipu_plugin import _compat
 
-    runtime, step = _fitted_step([_pipelined()])
-    assert runtime.jit_compile_asked == "auto"
+    session, step = _fitted_step([_pipelined()])
+    assert session.jit_compile_asked == "auto"
     assert step.jit_compile(compiled=True, asked="auto") is False
-    assert "train step in graph mode" in str(runtime.converted.kip_report)
+    assert "train step in graph mode" in str(session.converted.kip_report)
     # Not seen (PluginCallback, kip.scope): a True that auto gives too is auto ...
     monkeypatch.setattr(_compat, "auto_jit_compile", lambda model: True)
     assert step.jit_compile(compiled=True, asked=None) is False
@@ -443,19 +443,19 @@ def test_auto_jit_compile_leaves_stages_on_several_devices_in_graph_mode(monkeyp
 
 def test_explicit_jit_compile_is_kept_with_a_warning():
     with pytest.warns(UserWarning, match="jit_compile=True. XLA compiles the train step"):
-        runtime, step = _fitted_step([_pipelined()], jit=True)
-    assert runtime.jit_compile_asked is True
-    assert "train step under XLA" in str(runtime.converted.kip_report)
+        session, step = _fitted_step([_pipelined()], jit=True)
+    assert session.jit_compile_asked is True
+    assert "train step under XLA" in str(session.converted.kip_report)
     with pytest.warns(UserWarning, match="jit_compile=True"):
         assert step.jit_compile(compiled=True, asked=None) is True  # on a CPU-only machine
 
 
 def test_stages_on_one_device_keep_xla_without_a_word():
-    runtime, step = _fitted_step([PipelineStages(STAGES, microbatches=4, devices=["/CPU:0"])],
+    session, step = _fitted_step([PipelineStages(STAGES, microbatches=4, devices=["/CPU:0"])],
                                  jit=True, entry="callback")
-    assert runtime.jit_compile_asked is None
+    assert session.jit_compile_asked is None
     assert step.jit_compile(compiled=True, asked=None) is True
-    assert "XLA" not in str(runtime.converted.kip_report)
+    assert "XLA" not in str(session.converted.kip_report)
 
 
 def test_the_step_function_can_differ_from_the_model_in_jit_compile():

@@ -20,8 +20,8 @@ import keras_ipu_plugin as kip
 
 
 def _conversions(trained):
-    runtime = trained._kip_runtime if isinstance(trained, kip.PluginModel) else None
-    return runtime.conversions
+    session = trained._kip_session if isinstance(trained, kip.PluginModel) else None
+    return session.conversions
 
 
 def _assert_histories_equal(actual, expected, atol=1e-5):
@@ -488,8 +488,8 @@ def test_gan_trains_through_the_plugin_like_plain_keras(kind, entry):
     _assert_histories_equal(actual, expected)
     for mine, theirs in zip(gan.weights, reference.weights):
         np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=1e-5, err_msg=mine.path)
-    runtime = trained._kip_runtime if entry == "plugin_model" else callbacks[0].runtime
-    called = {c.callee.name: c for c in runtime.conversions}
+    session = trained._kip_session if entry == "plugin_model" else callbacks[0].session
+    called = {c.callee.name: c for c in session.conversions}
     assert set(called) == {"generator", "discriminator"}  # each sub-model the step calls
     assert all(isinstance(c.model, kip.KipFunctional) for c in called.values())
     assert int(gan.g_optimizer.iterations.numpy()) == 6
@@ -540,8 +540,8 @@ def test_fine_tuning_at_a_new_resolution_converts_anew_keeping_the_optimizer(ent
     for mine, theirs in zip(model.weights, reference.weights):
         np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=1e-5, err_msg=mine.path)
     assert int(trained.optimizer.iterations.numpy()) == 8  # one optimizer, state kept
-    runtime = trained._kip_runtime if entry == "plugin_model" else callbacks[0].runtime
-    first, second = [tuple(c.model.inputs[0].shape[1:3]) for c in runtime.conversions]
+    session = trained._kip_session if entry == "plugin_model" else callbacks[0].session
+    first, second = [tuple(c.model.inputs[0].shape[1:3]) for c in session.conversions]
     assert first == (32, 32)
     # Keras traces the step again with the size left open (None) when it
     # changes; a conversion made in that trace keeps it open too.
@@ -557,7 +557,7 @@ def test_plugin_model_called_at_a_new_size_converts_for_it():
     np.testing.assert_allclose(plugin(x48), model(x48), atol=1e-6)
     np.testing.assert_allclose(plugin.predict(x32, verbose=0), model(x32), atol=1e-5)
     np.testing.assert_allclose(plugin.predict(x48, verbose=0), model(x48), atol=1e-5)
-    assert len(plugin._kip_runtime.conversions) >= 2
+    assert len(plugin._kip_session.conversions) >= 2
 
 
 # -- an explicit mask is honoured as the original model honours it (12.4) ------
@@ -606,7 +606,7 @@ def test_plugin_model_honours_an_explicit_mask_as_the_original_does():
     assert not np.allclose(with_mask, without, atol=1e-3)  # the mask matters
     np.testing.assert_allclose(plugin(x, mask=mask), with_mask, atol=1e-6)
     np.testing.assert_allclose(plugin(x), without, atol=1e-6)
-    masked = [c for c in plugin._kip_runtime.conversions if not c.simple]
+    masked = [c for c in plugin._kip_session.conversions if not c.simple]
     assert len(masked) == 1 and "mask" in masked[0].model.input
 
 
