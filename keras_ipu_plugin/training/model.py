@@ -1,5 +1,6 @@
 """`PluginModel`: a drop-in `keras.Model` that runs its wrapped model's
-converted graph.
+converted graph. One concept over ~600 lines: the wrapper class, with what
+Keras asks of a model (calls, saving, loading, summaries) on it.
 
 The wrapped model is tracked under a dunder attribute, which Keras's saving
 skips, and the wrapped model's own attributes are exposed as the wrapper's

@@ -1,4 +1,6 @@
 """The pipelined training step: microbatches through stages on devices.
+One concept over ~600 lines: one train step, its schedule and its gradient
+sums read best in one place (the microbatch split is `microbatches.py`).
 
 With `PipelineStages(microbatches=M, devices=..., schedule=...)` among a
 session's passes, the train function of PluginModel, PluginCallback and
