@@ -771,7 +771,7 @@ def test_a_keyboard_interrupt_from_a_layer_leaves_the_model_as_it_was(at):
 
 @pytest.mark.parametrize("module, name, nth", [
     ("keras_ipu_plugin.frontend.convert", "rebuild", 1),  # the converted model's nodes made
-    ("keras_ipu_plugin.frontend.verify", "run_model", 2),  # in verification
+    ("keras_ipu_plugin.frontend.verify.equivalence", "run_model", 2),  # in verification
     ("keras_ipu_plugin.frontend.convert", "_verify", 1),  # all done but putting state back
 ])
 def test_a_keyboard_interrupt_late_in_a_conversion_leaves_the_model_as_it_was(

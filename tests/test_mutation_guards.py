@@ -14,7 +14,7 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from models import RegularizedTower  # tests/models.py
-from keras_ipu_plugin.frontend.verify import check_equivalent
+from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.passes import Chain
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import PipelineStages

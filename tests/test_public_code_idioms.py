@@ -31,7 +31,7 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.verify_runs import taped_stateful_draws
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Replace

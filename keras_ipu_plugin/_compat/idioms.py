@@ -1,4 +1,4 @@
-"""The Keras and TensorFlow objects the trace-time idioms wrap (`frontend/traced_idioms.py`): the wrappers are tracing behaviour and live with the tracer; only reaching the objects is access.
+"""The Keras and TensorFlow objects the trace-time idioms wrap (`frontend/idioms/traced_idioms.py`): the wrappers are tracing behaviour and live with the tracer; only reaching the objects is access.
 
 Part of `_compat`, the one package that touches private Keras / TensorFlow
 APIs (see its `__init__`)."""
@@ -13,7 +13,7 @@ import types
 
 
 def traced_idiom_targets():
-    """The Keras objects `frontend/traced_idioms.py` wraps while a trace runs:
+    """The Keras objects `frontend/idioms/traced_idioms.py` wraps while a trace runs:
     `variable` (the backend's Variable class) and `variable_initializer` (the
     name of its private method that draws the initial value), `tile` and
     `ndim` (the `ops.tile` / `ops.ndim` operation classes), `keras_tensor`,
@@ -33,7 +33,7 @@ def traced_idiom_targets():
 def eager_tensor_array_targets():
     """`(class, write, stack)`: TensorFlow's eager `TensorArray` implementation
     (what `tf.TensorArray` is while a trace runs `call` eagerly) and the names
-    of the methods `frontend/traced_idioms.py` wraps (`frontend/tensor_arrays.py`)."""
+    of the methods `frontend/idioms/traced_idioms.py` wraps (`frontend/idioms/tensor_arrays.py`)."""
     from tensorflow.python.ops import tensor_array_ops
 
     return tensor_array_ops._EagerTensorArray, "_write", "stack"
@@ -64,7 +64,7 @@ def tensor_size_attributes():
     `ops.repeat(x, tensor)`), with the value each attribute holds in a saved
     `layers.tensor_sized.TensorSizedOperation` (the tensor fills it when the
     graph runs). TensorFlow's functions under them take a tensor there.
-    Also what `frontend/traced_idioms.py` wraps the `symbolic_call` of."""
+    Also what `frontend/idioms/traced_idioms.py` wraps the `symbolic_call` of."""
     from keras.src.ops.math import SegmentMax
     from keras.src.ops.math import SegmentSum
     from keras.src.ops.math import TopK
@@ -85,7 +85,7 @@ def tensor_size_attributes():
 def segment_functions():
     """`[(module, name)]` where `keras.ops.segment_sum` / `segment_max` are
     reachable as module attributes (`keras.ops`, `keras.ops.math`, Keras's
-    own `keras.src.ops.math`): `frontend/traced_idioms.py` wraps them to
+    own `keras.src.ops.math`): `frontend/idioms/traced_idioms.py` wraps them to
     see a `num_segments` given explicitly as None (an unknown dimension,
     `ops.shape(x)[0]` while tracing)."""
     from keras.src.ops import math as keras_math

@@ -145,7 +145,7 @@ OPERATION_BOOKKEEPING = frozenset({
 def copied_operation(operation):
     """A new `keras.Operation` (not a layer) of `operation`'s class with its
     attributes but none of its Keras nodes: the same `keras.ops` call made
-    again, for another block's graph (`frontend/replay.py`). Keras's
+    again, for another block's graph (`frontend/replay/templates.py`). Keras's
     operations hold their arguments as plain attributes and change none of
     them once made; the attributes are shared."""
     new = object.__new__(type(operation))

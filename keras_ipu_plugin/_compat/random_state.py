@@ -1,6 +1,6 @@
 """TensorFlow's stateful random draws and global random state: the ops a
 recorder takes the place of, and the state put back after runs that drew
-(`frontend/verify_runs.py`'s `taped_stateful_draws` is the recorder).
+(`frontend/verify/runs.py`'s `taped_stateful_draws` is the recorder).
 
 Part of `_compat`, the one package that touches private Keras / TensorFlow
 APIs (see its `__init__`)."""

@@ -103,7 +103,7 @@ def seed_states(layer):
 
 
 # The classes whose `call` was seen writing a variable while traced
-# (`frontend/writes.py`): a recomputation would run the write again (or,
+# (`frontend/trace/writes.py`): a recomputation would run the write again (or,
 # inside a segment's stateless scope, never on the variable), so such a
 # layer runs outside recomputed segments. Kept by class: blocks of one kind
 # are traced once for all of them.

@@ -1,7 +1,7 @@
 """Inline one call of a custom layer: what `Expand` does at each node.
 
 `inline_call(graph, node, ...)` traces the layer's `call` at `node` (or
-replays the trace of a block of the same kind, `frontend/replay.py`) and
+replays the trace of a block of the same kind, `frontend/replay/templates.py`) and
 puts the nodes it makes in the node's place with the graph's primitives:
 inserted before it, the node's users rewired to the new outputs, the node
 erased. The new nodes are named after their path, `parent.child`, in the
@@ -19,10 +19,10 @@ import re
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend import tracing
-from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
-from keras_ipu_plugin.frontend.attribute_paths import path_of
-from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace import tracing
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
+from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import InlinedBlock
 from keras_ipu_plugin.ir.graph import Node

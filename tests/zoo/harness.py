@@ -66,7 +66,7 @@ import tensorflow as tf
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.frontend.inputs import without_autotuning
-from keras_ipu_plugin.frontend.verify_runs import taped_stateful_draws
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 
 SEED = 1234
 STEPS = 3

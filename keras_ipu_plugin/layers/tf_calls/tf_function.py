@@ -6,7 +6,7 @@ TensorFlow's own functions (`tf.square(a - b)`, `tf.nn.relu(x)`,
 `tf.reduce_sum(x, -1)`): "A KerasTensor cannot be used as input to a
 TensorFlow function". Code written for Keras 2 is full of them, and every
 layer using one stayed a black box to Expand. While tracing, the tracer
-records such a call as this operation (`frontend/tf_functions.py`), which
+records such a call as this operation (`frontend/idioms/tf_functions.py`), which
 calls the very same TensorFlow function when the graph runs: its gradient
 is TensorFlow's, its output shapes are TensorFlow's shape inference, and it
 saves by the function's public name (`"math.square"`). A name is resolved

@@ -5,7 +5,7 @@ A `TFFunction` node calls a TensorFlow function named by its public path
 from a file must never become arbitrary code: `tf` reaches `os.system`,
 `eval`, `tf.load_library`, file writes and more by walking attributes.
 So a path is resolved only when it is an entry of this table, and the table
-is exactly what the tracer records (`frontend/tf_functions.py` registers
+is exactly what the tracer records (`frontend/idioms/tf_functions.py` registers
 these functions and no others): what one run recorded, another loads, and
 nothing else loads.
 
@@ -80,7 +80,7 @@ TENSOR_PARAMETERS = {
     "nn.space_to_depth": ("input",), "linalg.matmul": ("a", "b"),
     # `tf.einsum(equation, *inputs)`: its inputs are a var-positional
     # parameter, which TensorFlow's type-based dispatch does not take; it is
-    # recorded through its fallback dispatch (`frontend/tf_functions.py`)
+    # recorded through its fallback dispatch (`frontend/idioms/tf_functions.py`)
     "linalg.einsum": ("*inputs",),
     "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
     "image.resize": ("images",), "image.extract_patches": ("images",),

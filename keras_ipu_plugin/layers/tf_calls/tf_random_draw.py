@@ -5,13 +5,13 @@ Code written for TensorFlow samples with its stateful functions:
 keras.io's VAE as often written, `epsilon = tf.random.normal(shape=(batch,
 dim))` with `batch = tf.shape(z_mean)[0]`. On Keras 3's symbolic tensors
 such a call raises, so the layer used to run whole. While tracing, the
-tracer records it as this operation instead (`frontend/tf_functions.py`):
+tracer records it as this operation instead (`frontend/idioms/tf_functions.py`):
 when the graph runs it makes the very same call (`tf.random.normal` with
 the same shape tensors, mean, stddev, dtype and op-level seed, or none), so
 it draws as the original does, from TensorFlow's own random state: the
 same numbers for the same op seed in a `tf.function`, fresh numbers for an
 unseeded draw. Verification replays the original's draws in the converted
-run (`frontend/verify_runs.py`'s `taped_stateful_draws`), as it does for a layer kept whole.
+run (`frontend/verify/runs.py`'s `taped_stateful_draws`), as it does for a layer kept whole.
 
 A draw advances its kernel's state: it is no pure function, so it is not
 a `TFFunction` (whose table holds side-effect free functions only), and a

@@ -19,8 +19,8 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
-from keras_ipu_plugin.frontend.attribute_paths import path_of
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
 from keras_ipu_plugin.passes.infra.layer_class_names import class_named
 from keras_ipu_plugin.passes.infra.layer_class_names import name_of_class
 from keras_ipu_plugin.passes.infra.patterns import Chain

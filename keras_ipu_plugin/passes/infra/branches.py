@@ -14,8 +14,8 @@ Example:
 """
 
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.frontend.tracing import TraceError
-from keras_ipu_plugin.frontend.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.passes.infra.base import ALL
 from keras_ipu_plugin.passes.infra.base import contains
@@ -23,7 +23,7 @@ from keras_ipu_plugin.passes.infra.base import describe
 from keras_ipu_plugin.passes.infra.base import matched_blocks
 from keras_ipu_plugin.passes.infra.base import nodes_matching
 from keras_ipu_plugin.passes.infra.patterns import Chain
-from keras_ipu_plugin.frontend.tracer import current_tracer
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 

@@ -26,14 +26,14 @@ from keras_ipu_plugin.passes.infra.base import registered_passes
 from keras_ipu_plugin.planning.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import ModelState
-from keras_ipu_plugin.frontend.tracing import TraceError
-from keras_ipu_plugin.frontend.failures import failing_layer as _failing_layer
-from keras_ipu_plugin.frontend.tracing import essential_message
-from keras_ipu_plugin.frontend.tracing import trace_model
-from keras_ipu_plugin.frontend.verify import check_equivalent
-from keras_ipu_plugin.frontend.verify import check_runs
-from keras_ipu_plugin.frontend.verify import keep_first_batch
-from keras_ipu_plugin.frontend.verify import synthetic_batch
+from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.failures import failing_layer as _failing_layer
+from keras_ipu_plugin.frontend.trace.tracing import essential_message
+from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
+from keras_ipu_plugin.frontend.verify.equivalence import check_runs
+from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch
+from keras_ipu_plugin.frontend.verify.equivalence import synthetic_batch
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 

@@ -28,7 +28,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.passes.infra.layer_class_names import class_named
 from keras_ipu_plugin.passes.infra.layer_class_names import name_of_class
-from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
 from keras_ipu_plugin.errors import LoadError

@@ -52,7 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend import tensor_arrays
+from keras_ipu_plugin.frontend.idioms import tensor_arrays
 
 _idioms_state = threading.local()
 _idioms_lock = threading.Lock()

@@ -39,20 +39,20 @@ weight.
 import keras
 import tensorflow as tf
 
-from keras_ipu_plugin.frontend import training_branches
-from keras_ipu_plugin.frontend import writes as writes_lib
-from keras_ipu_plugin.frontend.batch_traces import one_graph_for_any_batch
-from keras_ipu_plugin.frontend.batch_traces import per_input_runs
-from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
-from keras_ipu_plugin.frontend.batch_divisions import divided_trial_sizes
-from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
-from keras_ipu_plugin.frontend.call_trace import CallTrace
-from keras_ipu_plugin.frontend.failures import TraceError
-from keras_ipu_plugin.frontend.failures import essential_message  # noqa: F401 (re-exported)
-from keras_ipu_plugin.frontend.failures import writes_reason
-from keras_ipu_plugin.frontend.tracer import current_tracer
-from keras_ipu_plugin.frontend.tracer import Tracer  # noqa: F401 (re-exported)
-from keras_ipu_plugin.frontend.training_modes import trace_modes
+from keras_ipu_plugin.frontend.trace import training_branches
+from keras_ipu_plugin.frontend.trace import writes as writes_lib
+from keras_ipu_plugin.frontend.batch.traces import one_graph_for_any_batch
+from keras_ipu_plugin.frontend.batch.traces import per_input_runs
+from keras_ipu_plugin.frontend.batch.traces import trace_at_two_batch_sizes
+from keras_ipu_plugin.frontend.batch.divisions import divided_trial_sizes
+from keras_ipu_plugin.frontend.batch.traces import TRIAL_BATCH_SIZES
+from keras_ipu_plugin.frontend.trace.call_trace import CallTrace
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.failures import essential_message  # noqa: F401 (re-exported)
+from keras_ipu_plugin.frontend.trace.failures import writes_reason
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
+from keras_ipu_plugin.frontend.trace.tracer import Tracer  # noqa: F401 (re-exported)
+from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves

@@ -18,23 +18,23 @@ import re
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
-from keras_ipu_plugin.frontend.attribute_paths import path_of
-from keras_ipu_plugin.frontend.attribute_paths import stable_name
-from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
-from keras_ipu_plugin.frontend.traced_idioms import unknown_sizes
-from keras_ipu_plugin.frontend.failures import STATIC_BATCH_HINT
-from keras_ipu_plugin.frontend.failures import TraceError
-from keras_ipu_plugin.frontend.output_specs import dense_unless_given_sparse
-from keras_ipu_plugin.frontend.output_specs import precise_specs
-from keras_ipu_plugin.frontend.trace_views import OPAQUE
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
+from keras_ipu_plugin.frontend.trace.attribute_paths import stable_name
+from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.idioms.traced_idioms import unknown_sizes
+from keras_ipu_plugin.frontend.trace.failures import STATIC_BATCH_HINT
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.output_specs import dense_unless_given_sparse
+from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
+from keras_ipu_plugin.frontend.trace.trace_views import OPAQUE
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.frontend.batch_generalization import fixed_batch_reason
-from keras_ipu_plugin.frontend.batch_generalization import unknown_dimension_attributes
+from keras_ipu_plugin.frontend.batch.generalization import fixed_batch_reason
+from keras_ipu_plugin.frontend.batch.generalization import unknown_dimension_attributes
 from keras_ipu_plugin.layers.state.reads import is_read
 from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
 from keras_ipu_plugin.layers.state.variable_write import is_write_node

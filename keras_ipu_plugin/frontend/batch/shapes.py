@@ -17,11 +17,11 @@ from fractions import Fraction
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.failures import STATIC_BATCH_HINT
-from keras_ipu_plugin.frontend.failures import TraceError
-from keras_ipu_plugin.frontend.failures import essential_message
-from keras_ipu_plugin.frontend.output_specs import precise_specs
-from keras_ipu_plugin.frontend.output_specs import states_own_output_shape
+from keras_ipu_plugin.frontend.trace.failures import STATIC_BATCH_HINT
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.failures import essential_message
+from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
+from keras_ipu_plugin.frontend.trace.output_specs import states_own_output_shape
 from keras_ipu_plugin.ir.graph import map_values
 
 

@@ -30,7 +30,7 @@ import inspect
 
 import keras
 
-from keras_ipu_plugin.frontend.tracer import current_tracer
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value

@@ -34,9 +34,9 @@ import math
 
 import keras
 
-from keras_ipu_plugin.frontend.batch_traces import TRIAL_BATCH_SIZES
-from keras_ipu_plugin.frontend.batch_traces import trace_at_two_batch_sizes
-from keras_ipu_plugin.frontend.failures import TraceError
+from keras_ipu_plugin.frontend.batch.traces import TRIAL_BATCH_SIZES
+from keras_ipu_plugin.frontend.batch.traces import trace_at_two_batch_sizes
+from keras_ipu_plugin.frontend.trace.failures import TraceError
 
 # The size the probe trace gives its inputs' leading dimension: that of the
 # second trial trace, so that code branching on a batch of one does not

@@ -20,18 +20,18 @@ Example:
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.batch_guards import divisibility_guards
-from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
-from keras_ipu_plugin.frontend.call_trace import CallTrace
-from keras_ipu_plugin.frontend.call_trace import anchor_of
-from keras_ipu_plugin.frontend.failures import TraceError
-from keras_ipu_plugin.frontend.training_modes import node_identity
-from keras_ipu_plugin.frontend.training_modes import trace_modes
-from keras_ipu_plugin.frontend.batch_generalization import MixedLeadingSizes
-from keras_ipu_plugin.frontend.batch_generalization import NotBatchGeneral
-from keras_ipu_plugin.frontend.batch_generalization import batch_signature
-from keras_ipu_plugin.frontend.batch_generalization import generalize_batch
-from keras_ipu_plugin.frontend.batch_generalization import has_offsets
+from keras_ipu_plugin.frontend.batch.guards import divisibility_guards
+from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.trace.call_trace import CallTrace
+from keras_ipu_plugin.frontend.trace.call_trace import anchor_of
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.training_modes import node_identity
+from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
+from keras_ipu_plugin.frontend.batch.generalization import MixedLeadingSizes
+from keras_ipu_plugin.frontend.batch.generalization import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch.generalization import batch_signature
+from keras_ipu_plugin.frontend.batch.generalization import generalize_batch
+from keras_ipu_plugin.frontend.batch.generalization import has_offsets
 
 
 # The batch sizes a call is traced at when its symbolic trace fails on the
@@ -266,7 +266,7 @@ def per_input_runs(runs, layer, args, kwargs, placeholders, prefix, reads, train
     adds them row by row), they are one batch, and the symbolic trace
     stands. Where it can, the per-input traces decide, and where they are
     not one graph the layer stays whole, with the reason."""
-    from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
+    from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
 
     inputs = independent_inputs(args, kwargs)
     readers = [node.name for _, (nodes, _) in runs for node in with_branch_nodes(nodes)

@@ -17,12 +17,12 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin.errors import InputDataError
-from keras_ipu_plugin.frontend.verify_compare import is_float_array
-from keras_ipu_plugin.frontend.verify_compare import is_inexact
-from keras_ipu_plugin.frontend.verify_compare import outputs_close
-from keras_ipu_plugin.frontend.verify_compare import path_name
-from keras_ipu_plugin.frontend.verify_compare import some
-from keras_ipu_plugin.frontend.verify_compare import values_of
+from keras_ipu_plugin.frontend.verify.compare import is_float_array
+from keras_ipu_plugin.frontend.verify.compare import is_inexact
+from keras_ipu_plugin.frontend.verify.compare import outputs_close
+from keras_ipu_plugin.frontend.verify.compare import path_name
+from keras_ipu_plugin.frontend.verify.compare import some
+from keras_ipu_plugin.frontend.verify.compare import values_of
 
 
 # The share of the batch verified, and the fewest rows: two rows at least,

@@ -31,14 +31,14 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend import write_nodes
-from keras_ipu_plugin.frontend import writes as writes_lib
-from keras_ipu_plugin.frontend.failures import describe_failure
-from keras_ipu_plugin.frontend.losses import traced_add_loss
-from keras_ipu_plugin.frontend.failures import TraceError
-from keras_ipu_plugin.frontend.output_specs import precise_specs
-from keras_ipu_plugin.frontend.output_specs import states_own_output_shape
-from keras_ipu_plugin.frontend.replay import output_specs_key
+from keras_ipu_plugin.frontend.trace import write_nodes
+from keras_ipu_plugin.frontend.trace import writes as writes_lib
+from keras_ipu_plugin.frontend.trace.failures import describe_failure
+from keras_ipu_plugin.frontend.trace.losses import traced_add_loss
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
+from keras_ipu_plugin.frontend.trace.output_specs import states_own_output_shape
+from keras_ipu_plugin.frontend.replay.templates import output_specs_key
 from keras_ipu_plugin.layers.user_code import takes_keyword
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.layers.views import shallow_view
@@ -68,7 +68,7 @@ def in_progress(trace):
 def inline_view_class(cls, function):
     """A subclass of `cls` whose symbolic calls run `call` inline (see the
     module docstring); classes that say their own output shape keep it."""
-    # `add_loss` of a symbolic loss is a graph node (`frontend/losses.py`).
+    # `add_loss` of a symbolic loss is a graph node (`frontend/trace/losses.py`).
     if states_own_output_shape(cls):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                            "compute_output_spec": _own_output_spec,

@@ -79,23 +79,23 @@ from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
-from keras_ipu_plugin.frontend.writes import handles_of
-from keras_ipu_plugin.frontend.training_branches import switch_modes
-from keras_ipu_plugin.frontend.verify_compare import as_numpy
-from keras_ipu_plugin.frontend.verify_compare import as_tensor
-from keras_ipu_plugin.frontend.verify_compare import comparable
-from keras_ipu_plugin.frontend.verify_compare import compare_values
-from keras_ipu_plugin.frontend.verify_compare import outputs_close
-from keras_ipu_plugin.frontend.verify_compare import path_name
-from keras_ipu_plugin.frontend.verify_compare import tolerance_for
-from keras_ipu_plugin.frontend.verify_compare import variable_name
-from keras_ipu_plugin.frontend.verify_rows import fixed_batch_size
-from keras_ipu_plugin.frontend.verify_rows import reference_run
-from keras_ipu_plugin.frontend.verify_rows import row_count
-from keras_ipu_plugin.frontend.verify_runs import RunMode
-from keras_ipu_plugin.frontend.verify_runs import refuse_untracked_variables
-from keras_ipu_plugin.frontend.verify_runs import run_model
-from keras_ipu_plugin.frontend.verify_runs import taped_stateful_draws
+from keras_ipu_plugin.frontend.trace.writes import handles_of
+from keras_ipu_plugin.frontend.trace.training_branches import switch_modes
+from keras_ipu_plugin.frontend.verify.compare import as_numpy
+from keras_ipu_plugin.frontend.verify.compare import as_tensor
+from keras_ipu_plugin.frontend.verify.compare import comparable
+from keras_ipu_plugin.frontend.verify.compare import compare_values
+from keras_ipu_plugin.frontend.verify.compare import outputs_close
+from keras_ipu_plugin.frontend.verify.compare import path_name
+from keras_ipu_plugin.frontend.verify.compare import tolerance_for
+from keras_ipu_plugin.frontend.verify.compare import variable_name
+from keras_ipu_plugin.frontend.verify.rows import fixed_batch_size
+from keras_ipu_plugin.frontend.verify.rows import reference_run
+from keras_ipu_plugin.frontend.verify.rows import row_count
+from keras_ipu_plugin.frontend.verify.runs import RunMode
+from keras_ipu_plugin.frontend.verify.runs import refuse_untracked_variables
+from keras_ipu_plugin.frontend.verify.runs import run_model
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 
 
 @dataclass

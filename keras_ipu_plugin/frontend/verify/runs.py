@@ -24,11 +24,11 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
-from keras_ipu_plugin.frontend.attribute_paths import direct_layers
-from keras_ipu_plugin.frontend.failures import essential_message
-from keras_ipu_plugin.frontend.failures import failing_layer as _failing_layer
-from keras_ipu_plugin.frontend.verify_compare import as_numpy
-from keras_ipu_plugin.frontend.verify_compare import gradient_numpy
+from keras_ipu_plugin.frontend.trace.attribute_paths import direct_layers
+from keras_ipu_plugin.frontend.trace.failures import essential_message
+from keras_ipu_plugin.frontend.trace.failures import failing_layer as _failing_layer
+from keras_ipu_plugin.frontend.verify.compare import as_numpy
+from keras_ipu_plugin.frontend.verify.compare import gradient_numpy
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 
 

@@ -20,10 +20,10 @@ import keras
 import numpy as np
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.batch_errors import MixedLeadingSizes
-from keras_ipu_plugin.frontend.batch_errors import NotBatchGeneral
-from keras_ipu_plugin.frontend.batch_switches import are_switches
-from keras_ipu_plugin.frontend.batch_switches import general_switch
+from keras_ipu_plugin.frontend.batch.errors import MixedLeadingSizes
+from keras_ipu_plugin.frontend.batch.errors import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch.switches import are_switches
+from keras_ipu_plugin.frontend.batch.switches import general_switch
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 
 
@@ -250,7 +250,7 @@ def batch_signature(nodes):
 
 
 def _with_branches(nodes):
-    from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
+    from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
 
     return with_branch_nodes(nodes)
 

@@ -20,9 +20,9 @@ import os
 import textwrap
 import tokenize
 
-from keras_ipu_plugin.frontend import training_branches
-from keras_ipu_plugin.frontend.call_trace import trace_once
-from keras_ipu_plugin.frontend.failures import TraceError
+from keras_ipu_plugin.frontend.trace import training_branches
+from keras_ipu_plugin.frontend.trace.call_trace import trace_once
+from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.state.reads import HeldConstant

@@ -29,7 +29,7 @@ Example:
 
 import keras
 
-from keras_ipu_plugin.frontend import write_nodes
+from keras_ipu_plugin.frontend.trace import write_nodes
 from keras_ipu_plugin.layers.state.added_loss import AddedLoss
 from keras_ipu_plugin.layers.views import viewed_layer
 

@@ -26,20 +26,20 @@ import functools
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend import tf_functions
-from keras_ipu_plugin.frontend import trace_views
-from keras_ipu_plugin.frontend import write_nodes
-from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
-from keras_ipu_plugin.frontend.attribute_paths import path_of
-from keras_ipu_plugin.frontend.failures import TraceError
-from keras_ipu_plugin.frontend.failures import describe_failure
-from keras_ipu_plugin.frontend.failures import essential_message
-from keras_ipu_plugin.frontend.keras_nodes import collect_nodes
-from keras_ipu_plugin.frontend.trace_views import builtin_view_class
-from keras_ipu_plugin.frontend.trace_views import inline_view_class
-from keras_ipu_plugin.frontend.trace_views import is_concrete
-from keras_ipu_plugin.frontend.traced_idioms import traced_idioms
-from keras_ipu_plugin.frontend.tracer import current_tracer
+from keras_ipu_plugin.frontend.idioms import tf_functions
+from keras_ipu_plugin.frontend.trace import trace_views
+from keras_ipu_plugin.frontend.trace import write_nodes
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.failures import describe_failure
+from keras_ipu_plugin.frontend.trace.failures import essential_message
+from keras_ipu_plugin.frontend.trace.keras_nodes import collect_nodes
+from keras_ipu_plugin.frontend.trace.trace_views import builtin_view_class
+from keras_ipu_plugin.frontend.trace.trace_views import inline_view_class
+from keras_ipu_plugin.frontend.trace.trace_views import is_concrete
+from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.state.reads import HeldConstant
 from keras_ipu_plugin.layers.views import layer_view

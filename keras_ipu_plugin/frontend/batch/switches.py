@@ -17,9 +17,9 @@ Example:
     ...                            generalize_batch, general_spec)
 """
 
-from keras_ipu_plugin.frontend.batch_errors import NotBatchGeneral
-from keras_ipu_plugin.frontend.batch_shapes import check_batch_dimensions
-from keras_ipu_plugin.frontend.failures import TraceError
+from keras_ipu_plugin.frontend.batch.errors import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch

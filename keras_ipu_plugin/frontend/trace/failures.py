@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend import writes as writes_lib
+from keras_ipu_plugin.frontend.trace import writes as writes_lib
 from keras_ipu_plugin.layers.user_code import is_user_source
 
 

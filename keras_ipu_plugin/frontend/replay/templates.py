@@ -40,12 +40,12 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.signatures import PLAIN
-from keras_ipu_plugin.frontend.signatures import Unknown
-from keras_ipu_plugin.frontend.signatures import block_signature
-from keras_ipu_plugin.frontend.signatures import call_signature
-from keras_ipu_plugin.frontend.signatures import frozen_tensor_arguments
-from keras_ipu_plugin.frontend.signatures import layer_signature
+from keras_ipu_plugin.frontend.replay.signatures import PLAIN
+from keras_ipu_plugin.frontend.replay.signatures import Unknown
+from keras_ipu_plugin.frontend.replay.signatures import block_signature
+from keras_ipu_plugin.frontend.replay.signatures import call_signature
+from keras_ipu_plugin.frontend.replay.signatures import frozen_tensor_arguments
+from keras_ipu_plugin.frontend.replay.signatures import layer_signature
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
