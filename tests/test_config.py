@@ -552,7 +552,7 @@ def test_plugin_model_with_python_passes_saves_loads_and_trains_on_identically(t
     path = tmp_path / "plugin.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert loaded._kip_runtime.passes == passes
+    assert loaded._kip_session.passes == passes
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
     for fitted in (model, loaded):
         fit_one_epoch(fitted, x, y)
@@ -569,7 +569,7 @@ def test_plugin_model_with_a_new_pass_saves_and_loads(tmp_path, pass_registry):
     fit_one_epoch(model, x, y)
     model.save(tmp_path / "counted.keras")
     loaded = keras.models.load_model(tmp_path / "counted.keras")
-    assert loaded._kip_runtime.passes == [Expand(), CountLayers([keras.layers.Dense])]
+    assert loaded._kip_session.passes == [Expand(), CountLayers([keras.layers.Dense])]
 
 
 def test_plugin_model_saved_with_a_config_dict_by_earlier_versions_still_loads():
@@ -577,4 +577,4 @@ def test_plugin_model_saved_with_a_config_dict_by_earlier_versions_still_loads()
         "name": "old", "model": keras.saving.serialize_keras_object(Net()),
         "passes": {"expand": "all"}, "rebuild_on_new_variables": True, "verify": True,
     }
-    assert kip.PluginModel.from_config(config)._kip_runtime.passes == [Expand()]
+    assert kip.PluginModel.from_config(config)._kip_session.passes == [Expand()]

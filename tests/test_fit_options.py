@@ -405,7 +405,7 @@ def test_a_later_fit_on_shorter_sequences_trains_as_plain_keras(passes, in_call)
         _plain_lengths[in_call] = _train_lengths(None, in_call)[0]
     expected = _plain_lengths[in_call]
     actual, plugin = _train_lengths(passes(), in_call)
-    assert [c.signature.describe() for c in plugin._kip_runtime.conversions] == [
+    assert [c.signature.describe() for c in plugin._kip_session.conversions] == [
         "(?, 16) int32", "(?, 8) int32"]
     for name, value in expected.items():
         np.testing.assert_allclose(actual[name], value, rtol=0, atol=1e-6,

@@ -260,7 +260,7 @@ def test_rebuild_with_replace_keeps_trained_replacements_and_their_optimizer_sta
         {keras.layers.Dense: kip.passes.Replacement(FastDense, copy_weights=True)})]
     plugin, before = _grown(replace, run_eagerly)
     twin, _ = _grown([], run_eagerly)
-    assert plugin._kip_runtime.rebuilds == 1
+    assert plugin._kip_session.rebuilds == 1
     after = {id(new) for _, new in plugin._replaced_pairs()}
     assert all(id(layer) in after for layer in before)  # the grown head's is new
     assert len(after) == len(before) + 1
@@ -307,7 +307,7 @@ def test_a_conversion_for_a_new_input_shape_runs_the_trained_replacements():
     twin = trained([])
     own = _by_path(plugin.wrapped.weights)
     prediction = plugin.predict(longer, verbose=0)
-    assert len(plugin._kip_runtime.conversions) == 2  # a new input shape
+    assert len(plugin._kip_session.conversions) == 2  # a new input shape
     assert len(plugin._replaced_pairs()) == 2  # the same replacements in both
     np.testing.assert_allclose(prediction, twin.predict(longer, verbose=0), atol=1e-5)
     # verified with the trained weights copied back for the occasion only:

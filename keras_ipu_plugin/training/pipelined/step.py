@@ -239,7 +239,7 @@ class _Run:
         self.ws = microbatches.split(sample_weight, self.count, "sample_weight")
         self.trainable = list(proxy.trainable_weights)
         self.state = union_of_variables(
-            list(runtime_variables(owner.session)) + list(model.variables),
+            list(session_variables(owner.session)) + list(model.variables),
             _compat.global_seed_variables())
         self.values = [self.staged.input_tensors(xm) for xm in self.xs]
         self.forward = {}  # (stage position, m) -> (tape, watched ids, outputs, losses)
@@ -525,7 +525,7 @@ class _Run:
                     "cannot be weighed to equal the whole batch's. Not supported yet.")
 
 
-def runtime_variables(session):
+def session_variables(session):
     """Every variable a step may write: the model's, and the metrics' (the
     compiled loss's per-output trackers are written inside `compute_loss`)."""
     found = list(session.subject.variables)

@@ -216,7 +216,7 @@ class StepFunction:
             session.watch.take()
             try:
                 # In graph mode variables can only appear while the step is
-                # traced, which `runtime.traces` counts: the compiled steps
+                # traced, which `session.traces` counts: the compiled steps
                 # pay nothing. Eager steps run under the watch's creator scope.
                 with session.watch.watching() if eager else contextlib.nullcontext():
                     outputs = self.function(source)

@@ -37,7 +37,7 @@ _SHADOWED = "_kip_shadowed"
 
 
 def step_self(session):
-    """A stand-in for `runtime.subject` as `self` of its steps."""
+    """A stand-in for `session.subject` as `self` of its steps."""
     cls = _step_self_class(type(session.subject))
     proxy = object.__new__(cls)
     object.__setattr__(proxy, _RUNTIME, session)
