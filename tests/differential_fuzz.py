@@ -6,7 +6,7 @@ point. The case trains the model twice from the same seed and the same
 initial weights, once with plain Keras and once through kip, and compares
 every variable afterwards (trainable, non-trainable, seed-generator states,
 variables `call` assigns, the optimizer's), and the `fit` history, to
-`ATOL` (the tolerance `tests/test_pass_training_equivalence.py` holds every
+`ATOL` (the tolerance `tests/passes/test_pass_training_equivalence.py` holds every
 pass to under every precision policy). A case ends as
 
 - ``pass``:    everything equal to `ATOL`;
@@ -99,7 +99,7 @@ layers = keras.layers
 ops = keras.ops
 
 # The weights of every pass are held to this against plain Keras under every
-# precision policy (tests/test_pass_training_equivalence.py); a wrong pass
+# precision policy (tests/passes/test_pass_training_equivalence.py); a wrong pass
 # is 1e-3 to 1e-2 away.
 ATOL = 1e-5
 # Losses and metrics in the history: the same, relative to their size.

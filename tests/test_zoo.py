@@ -43,7 +43,7 @@ REQUIRED = (
 STAYS_WHOLE = {
     # `tf.reshape(inputs, [NUM_TOKENS_PER_BATCH, embed_dim])`: a batch
     # written as a constant (written with -1 it expands:
-    # tests/test_added_losses.py)
+    # tests/layers/test_added_losses.py)
     "switch_transformer": {"Switch"},
 }
 

@@ -28,7 +28,7 @@ from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.keras_ops.tensor_sized import TensorSizedOperation
 from keras_ipu_plugin.passes import Expand
 
-from test_conversion import assert_equivalent  # tests/ is on sys.path
+from graph_checks import assert_equivalent  # tests/ is on sys.path
 from models import BlockBetweenDense as Net  # tests/models.py
 
 

@@ -9,7 +9,7 @@ batch), and three training steps later the weights differed from plain
 Keras. A layer whose `call` writes a variable was then kept whole, with the
 reason, and verification compares the variables a call changes. Now
 the write is a graph node (`VariableWrite`, see
-tests/test_variable_write_nodes.py): the PixelCNN expands and still trains
+tests/layers/test_variable_write_nodes.py): the PixelCNN expands and still trains
 as plain Keras.
 """
 

@@ -11,7 +11,7 @@
   (`batch + 1`, `batch - 1`) is followed, confirmed by a third trace; what
   is not (`batch * batch`) and a batch written as a constant
   (`ops.reshape(x, (4, 6))`) stay whole saying what to write (`batch // 2`
-  is followed at multiples of 2: tests/test_batch_divisions.py);
+  is followed at multiples of 2: tests/frontend/batch/test_batch_divisions.py);
 - unseeded TensorFlow draws (`tf.random.normal(shape)`): verification
   replays the original's draws in the converted run and puts TensorFlow's
   global random state back, so the model converts and trains; the draw
@@ -40,8 +40,8 @@ from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
 from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
 
-from test_conversion import assert_equivalent  # tests/ is on sys.path
-from test_tracing_idioms import expands_exactly_at_any_batch_size
+from graph_checks import assert_equivalent  # tests/ is on sys.path
+from graph_checks import expands_exactly_at_any_batch_size
 from models import BlockBetweenDense as Net  # tests/models.py
 
 
@@ -192,7 +192,7 @@ def test_ddpm_time_embedding_expands_although_keras_marks_its_product_sparse(tmp
 
 class AddsALossInABranch(layers.Layer):
     """`add_loss` inside `ops.cond` (an `add_loss` in `call` itself is a
-    graph node: tests/test_added_losses.py)."""
+    graph node: tests/layers/test_added_losses.py)."""
 
     def call(self, x):
         def adding():
@@ -327,7 +327,7 @@ class RoutedTokensInTensorFlow(layers.Layer):
 def test_a_multiple_of_the_batch_divided_back_is_followed_at_any_batch_size(block, tmp_path):
     """`ops.shape(x)[0] // k` where x has `batch * k`
     rows is the batch size at every batch size (`ops.shape(x)[0] // k` of
-    the batch itself is followed at multiples of k: tests/test_batch_divisions.py)."""
+    the batch itself is followed at multiples of k: tests/frontend/batch/test_batch_divisions.py)."""
     expands_exactly_at_any_batch_size(block(name="block"), tmp_path)
 
 

@@ -26,48 +26,13 @@ import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
 
-from test_conversion import assert_equivalent  # tests/ is on sys.path
-from test_tracing_coverage import custom_layers_left
-from test_tracing_coverage import fully_traced
+from graph_checks import Wrapper, assert_equivalent, custom_layers_left  # tests/ is on sys.path
+from graph_checks import expands_exactly_at_any_batch_size
 
 
 def _rand(*shape, seed=0):
     return np.random.RandomState(seed).normal(size=shape).astype("float32")
 
-
-class Wrapper(keras.Model):
-    def __init__(self, block, **kwargs):
-        super().__init__(**kwargs)
-        self.embed = layers.Dense(8, name="embed")
-        self.block = block
-        self.head = layers.Dense(2, name="head")
-
-    def call(self, x):
-        return self.head(self.block(self.embed(x)))
-
-
-def expands_exactly_at_any_batch_size(block, tmp_path):
-    """Convert and `Expand` a model around `block`; the expanded graph has
-    no custom layer left and equals the original at other batch sizes and
-    after saving and loading. Returns the expanded model."""
-    x = _rand(4, 5, 3)
-    model = Wrapper(block, name="wrapper")
-    model(x)
-    converted = kip.convert_to_functional(model, x)
-    fully_traced(converted)
-    passed = kip.apply_passes(converted, [Expand()])
-    assert custom_layers_left(passed) == []
-    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
-    assert_equivalent(model, passed, x)
-    for batch in (1, 7):
-        other = _rand(batch, 5, 3, seed=batch)
-        np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
-    path = str(tmp_path / "passed.keras")
-    passed.save(path)
-    loaded = keras.models.load_model(path)
-    other = _rand(6, 5, 3, seed=6)
-    np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
-    return passed
 
 
 class TiledClassToken(layers.Layer):

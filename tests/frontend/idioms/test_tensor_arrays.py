@@ -21,7 +21,7 @@ from keras import ops
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
 
-from test_tracing_coverage import custom_layers_left  # tests/ is on sys.path
+from graph_checks import custom_layers_left  # tests/ is on sys.path
 
 WIDTH = 4
 

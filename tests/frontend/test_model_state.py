@@ -187,7 +187,7 @@ def test_rebuild_after_new_variables_leaves_the_counter_at_the_steps_run():
 # -- a call that assigns a variable itself is not dropped by the graph ------------
 def test_call_that_assigns_a_variable_itself_keeps_the_write_as_a_node():
     """It once ran whole (opaque): the write is now a
-    `VariableWrite` node of the graph (tests/test_variable_write_nodes.py)."""
+    `VariableWrite` node of the graph (tests/layers/test_variable_write_nodes.py)."""
     from keras_ipu_plugin.layers.state.variable_write import VariableWrite
 
     model, x = CountingModel(), _x()
@@ -698,7 +698,7 @@ def test_the_undo_snapshot_puts_back_nested_shared_and_self_holding_containers()
 
 
 # -- an interrupt (Ctrl-C) in a conversion leaves the model as it was -------------
-from test_conversion import Snapshot  # noqa: E402  (tests/ is on sys.path)
+from graph_checks import Snapshot  # noqa: E402  (tests/ is on sys.path)
 from keras_ipu_plugin import _compat  # noqa: E402
 
 

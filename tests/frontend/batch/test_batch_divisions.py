@@ -26,7 +26,7 @@ from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
-from test_conversion import assert_equivalent  # tests/ is on sys.path
+from graph_checks import assert_equivalent  # tests/ is on sys.path
 from models import BlockBetweenDense as Net  # tests/models.py
 
 WINDOWS, TOKENS, DIM = 4, 3, 6

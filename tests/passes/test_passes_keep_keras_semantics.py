@@ -1,7 +1,9 @@
-"""Behaviours of the passes that no test guarded.
+"""The passes keep what plain Keras does with `training`, weights, state and
+losses.
 
-Each of these was broken on purpose in a copy of the library and the whole
-suite still passed. Each test here fails when its behaviour breaks:
+Provenance: each of these was broken on purpose in a copy of the library
+(`tools/mutation.py`) and the whole suite still passed. Each test here
+fails when its behaviour breaks:
 
 - a `training=False` pinned by the code is honoured by the executor (a
   frozen BatchNormalization keeps its statistics with Recompute, Outline and

@@ -20,8 +20,7 @@ from keras_ipu_plugin.training.session.new_variables import OptimizingFacade
 from keras_ipu_plugin.training.session.new_variables import extend_optimizer
 from keras_ipu_plugin.training.session.new_variables import hand_over_optimizer_state
 
-from test_dynamic import GrowAt
-from test_dynamic import GrowingModel
+from models import GrowAt, GrowingModel  # tests/models.py
 
 
 @keras.saving.register_keras_serializable("kip_test_replace_state")

@@ -9,39 +9,13 @@ import keras_ipu_plugin as kip
 from keras_ipu_plugin.training.session.new_variables import NewVariablesError
 from keras_ipu_plugin.training.session.new_variables import extend_optimizer
 
-import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
+import models as zoo
+from models import GrowAt, GrowingModel  # tests/models.py (tests/ is on sys.path under pytest)
 
 
 # The model of the dynamically-added-variables discussion (Keras 3 port).
 BranchModel = zoo.DynamicBranchModel
 
-
-class GrowingModel(keras.Model):
-    """Grows a head when a callback flips `grow` between epochs."""
-
-    def __init__(self):
-        super().__init__()
-        self.grow = False
-        self.base = keras.layers.Dense(4, activation="tanh")
-        self.extra = keras.layers.Dense(
-            4, kernel_initializer=keras.initializers.GlorotUniform(seed=3), name="extra")
-        self.out = keras.layers.Dense(1)
-
-    def call(self, x):
-        x = self.base(x)
-        if self.grow:
-            x = x + self.extra(x)
-        return self.out(x)
-
-
-class GrowAt(keras.callbacks.Callback):
-    def __init__(self, model, epoch):
-        super().__init__()
-        self.target, self.epoch = model, epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            self.target.grow = True
 
 
 def _mixed_batches(n=64):

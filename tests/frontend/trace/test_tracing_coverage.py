@@ -25,28 +25,13 @@ from keras import ops
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
 
-from test_conversion import assert_equivalent  # tests/ is on sys.path
+from graph_checks import assert_equivalent, custom_layers_left, fully_traced  # tests/ is on sys.path
 
 
 # -- helpers -------------------------------------------------------------------
 def _rand(*shape, seed=0):
     return np.random.RandomState(seed).normal(size=shape).astype("float32")
 
-
-def fully_traced(converted):
-    """No node of the graph is opaque."""
-    assert converted.kip_report.opaque == {}, converted.kip_report.opaque
-    assert not any(isinstance(l, kip.OpaqueLayer) for l in converted.layers)
-
-
-def custom_layers_left(passed):
-    """Nodes whose layer is neither Keras's nor the plugin's own."""
-    return [
-        node.name for node in passed.kip_graph.nodes
-        if node.is_layer and not type(node.operation).__module__.startswith(
-            ("keras.", "keras_ipu_plugin.")
-        )
-    ]
 
 
 def expand_all(model, converted, x):

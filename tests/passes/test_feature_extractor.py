@@ -188,7 +188,7 @@ def test_the_grad_cam_example_runs_and_gives_one_map_per_image(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "grad_cam.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "grad_cam.py"
     spec = importlib.util.spec_from_file_location("kip_example_grad_cam", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

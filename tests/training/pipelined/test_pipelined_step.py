@@ -28,7 +28,7 @@ from tests.models import RegularizedTower
 DEVICES = ["/CPU:0", "/CPU:1"]
 STAGES = [["blocks.0", "blocks.1"], ["blocks.2", "head"]]
 RTOL = 1e-5
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 class Tower(keras.Model):

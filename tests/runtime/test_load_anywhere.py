@@ -20,7 +20,7 @@ import pytest
 
 import saved_kinds
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "keras_ipu_plugin"
 
 

@@ -19,7 +19,7 @@ kip class reads, or a graph node's arguments): a Keras layer's own field
 
 CI runs `CI_CASES` cases. The long run:
 
-    python tests/test_loader_fuzz.py --cases 10000 [--seed 0] [--report out.json]
+    python tests/layers/test_loader_fuzz.py --cases 10000 [--seed 0] [--report out.json]
 
 (`docs/loading-fuzz.md` records its runs).
 """
@@ -35,7 +35,7 @@ import sys
 import time
 import zipfile
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 CI_CASES = 100

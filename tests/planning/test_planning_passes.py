@@ -31,7 +31,7 @@ from keras_ipu_plugin.planning import node_costs
 from keras_ipu_plugin.planning import stage_timing
 
 layers = keras.layers
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WIDTH, FEATURES, BATCH = 64, 16, 64
 #: A budget the tower meets only with recomputed segments: its gelu Dense
 #: layers, split (`activation_remat`), already bring it to 0.59x.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multi_worker.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "multi_worker.py"
 
 
 #: Each multi-process test starts two TensorFlow workers: under pytest-xdist
