@@ -308,6 +308,12 @@ def functional_nodes(model):
     return ordered
 
 
+def inbound_nodes(operation):
+    """The Keras nodes of `operation`'s calls, in the order they were made
+    (a saved functional model loads them back in this order)."""
+    return list(getattr(operation, "_inbound_nodes", ()))
+
+
 def node_input_ids(node):
     return [id(tensor) for tensor in node.arguments.keras_tensors]
 

@@ -103,8 +103,7 @@ def _passed(plan):
         return kip.apply_passes(converted, [Expand(), Recompute(auto=True)])
     passed = kip.apply_passes(converted, [Expand()])
     for path, kind in PLANS[plan].items():
-        name = _name(passed, path)
-        passed.kip_annotations.setdefault(name, {}).update(_notes(kind))
+        passed.kip_graph.node(path).annotations.update(_notes(kind))
     return passed
 
 
