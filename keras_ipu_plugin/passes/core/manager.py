@@ -19,6 +19,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
+from keras_ipu_plugin.runtime.graph_of import graph_of as run_graph_of
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.core.base import EQUAL
@@ -342,12 +343,19 @@ def graph_of_model(model, caller):
         graph = trace_model(_plain_view(model), specs)
     except TraceError as error:  # pragma: no cover - functional models trace
         raise PassError(f"Cannot read the graph of `{model.name}`: {error.reason}")
-    annotations = getattr(model, "kip_annotations", {})
     for node in graph.nodes:
-        node.annotations.update(annotations.get(getattr(node.operation, "name", None), {}))
         if isinstance(node.operation, OpaqueLayer):
             node.opaque_reason = node.operation.reason
-    _restore_paths(graph, getattr(model, "kip_layer_paths", {}))
+    if isinstance(model, KipFunctional):
+        _restore_paths(graph, model.kip_layer_paths)
+        # Each call site's annotations, by node path, as the model runs them
+        # (by Keras name where the trace named a node otherwise).
+        by_path = {node.name: node.annotations for node in run_graph_of(model).nodes}
+        by_name = model.kip_annotations
+        for node in graph.nodes:
+            notes = (by_path[node.name] if node.name in by_path
+                     else by_name.get(getattr(node.operation, "name", None), {}))
+            node.annotations.update(notes)
     return graph
 
 
@@ -384,6 +392,8 @@ def _plain_view(model):
     return KipFunctional(
         model.input, model.output, name=model.name,
         kip_pinned_training=model.kip_pinned_training,
+        kip_node_training=model.kip_node_training,
+        kip_layer_paths=model.kip_layer_paths,
     )
 
 
