@@ -309,7 +309,8 @@ class KipFunctional(_compat.Functional):
         graph = graph_of(self)
         key = (tuple(self.kip_stage_devices), repr([node.annotations for node in graph.nodes]))
         if self._kip_executor is None or self._kip_executor[0] != key:
-            self._kip_executor = (key, interpreter_for(self, get_backend()))
+            # Not tracked by Keras: the interpreter holds no state of its own.
+            object.__setattr__(self, "_kip_executor", (key, interpreter_for(self, get_backend())))
         return self._kip_executor[1]
 
     def call(self, inputs, training=None, mask=None, **kwargs):
