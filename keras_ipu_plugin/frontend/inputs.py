@@ -99,7 +99,16 @@ def _first_dataset_element(dataset):
     # A dataset drawing its order from seeds (a reshuffling shuffle) is
     # read through a copy with seeds of its own: read itself, its next
     # iteration (`fit`'s) would see another order.
-    source = _compat.dataset_with_own_seeds(dataset) or dataset
+    try:
+        source = _compat.dataset_to_peek(dataset)
+    except _compat.DatasetStateError as error:
+        raise InputDataError(
+            f"Cannot read the dataset's first batch without changing what a later `fit` "
+            f"sees: {error}. Give the first batch itself (`convert_to_functional(model, "
+            "x_batch)`, or `plugin_model.convert(x_batch)` before `fit`), train with "
+            "`kip.PluginCallback` (it converts from the batch `fit` reads), or draw in the "
+            "pipeline from stateless sources (`tf.random.stateless_uniform`, a seeded "
+            "`shuffle`).") from None
     for element in without_autotuning(source.take(1)):
         if batched is None:
             _check_batch_rank(element)
