@@ -19,8 +19,9 @@ pass to under every precision policy). A case ends as
 - ``invalid``: plain Keras itself failed (the generator made a case Keras
                does not train); counted, never compared;
 - ``documented``: a value differs through a difference kip documents
-               (`DOCUMENTED`: microbatches seen by BatchNormalization and
-               random layers), and the same case without it passes.
+               (`DOCUMENTED`: microbatches seen by random layers and by
+               layers writing variables in `call`, BatchNormalization
+               included), and the same case without it passes.
 
 A failing case is shrunk: grammar elements and settings are dropped or set
 back to their plain defaults one at a time while the case still fails, and
@@ -772,17 +773,19 @@ def run_case(case, train_fn=None):
 #: "Pipelined training"): a case that differs only through one of them ends
 #: as "documented", not "fail".
 DOCUMENTED = {
-    "microbatches": "documented: BatchNormalization and random layers see each microbatch "
-                    "of a pipeline (docs/reference.md, Pipelined training)",
+    "microbatches": "documented: in a pipeline random layers draw, and BatchNormalization "
+                    "and other variables a `call` writes are updated, once per microbatch "
+                    "(docs/reference.md, Pipelined training)",
 }
 
 
 def documented_cause(case):
     """The documented difference `case` holds (a key of `DOCUMENTED`), or
-    None: microbatches where a layer sees them (BatchNormalization, or a
-    random layer, which draws per microbatch)."""
+    None: microbatches where a layer sees them (a random layer draws per
+    microbatch; BatchNormalization and a layer assigning a variable in
+    `call` update it per microbatch)."""
     if ("stages_microbatched" in case["run"]["passes"]
-            and _has(case["model"]["body"], RANDOM_KINDS | {"batchnorm"})):
+            and _has(case["model"]["body"], RANDOM_KINDS | {"batchnorm", "assign"})):
         return "microbatches"
     return None
 
