@@ -223,3 +223,24 @@ def test_a_difference_only_microbatches_make_is_documented_not_a_failure():
     plain = dict(case, model=dict(case["model"], body=[{"kind": "dense", "activation": None}]))
     assert fuzz.documented_cause(plain) is None
     assert fuzz.run_case(plain, train_fn=microbatches_differ)["status"] == "fail"
+
+
+def test_a_batch_microbatches_cannot_split_is_a_refusal_not_a_failure():
+    """kip refuses a partial last batch that its microbatches cannot split
+    with TensorFlow's assertion error (checked inside the traced step), as
+    documented: the fuzzer counts it as refused; any other error of
+    TensorFlow's is a failure."""
+    import tensorflow as tf
+
+    def refusing(message):
+        def train(candidate, use_kip):
+            if use_kip:
+                raise tf.errors.InvalidArgumentError(None, None, message)
+            return {"model/dense/kernel": np.array([0.0], "float32")}, {}
+        return train
+
+    split = ("PipelineStages(microbatches=2): a batch of 3 rows (`x`) cannot be split into 2 "
+             "equal microbatches; use a batch size that 2 divides")
+    case = fuzz.generate_case(0)
+    assert fuzz.run_case(case, train_fn=refusing(split))["status"] == "refused"
+    assert fuzz.run_case(case, train_fn=refusing("Incompatible shapes"))["status"] == "fail"
