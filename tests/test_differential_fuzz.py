@@ -223,6 +223,19 @@ def test_a_difference_only_microbatches_make_is_documented_not_a_failure():
     plain = dict(case, model=dict(case["model"], body=[{"kind": "dense", "activation": None}]))
     assert fuzz.documented_cause(plain) is None
     assert fuzz.run_case(plain, train_fn=microbatches_differ)["status"] == "fail"
+    # Under a mixed policy, a difference of its rounding's size is documented;
+    # a larger one is a failure.
+    mixed = dict(plain, fit=dict(plain["fit"], policy="mixed_float16"))
+
+    def rounding(size):
+        def train(candidate, use_kip):
+            differs = use_kip and "stages_microbatched" in candidate["run"]["passes"]
+            return {key: value + size * differs for key, value in weights.items()}, {}
+        return train
+
+    assert fuzz.run_case(mixed, train_fn=rounding(1e-4))["status"] == "documented"
+    assert fuzz.run_case(mixed, train_fn=rounding(0.5))["status"] == "fail"
+    assert fuzz.run_case(plain, train_fn=rounding(1e-4))["status"] == "fail"
 
 
 def test_a_batch_microbatches_cannot_split_is_a_refusal_not_a_failure():
