@@ -312,20 +312,20 @@ def test_reading_a_seeded_shuffle_for_conversion_leaves_fit_its_order(reader):
 
 
 def test_a_seeded_shuffle_copy_gives_the_first_order_and_leaves_the_original():
-    from keras_ipu_plugin import _compat
+    from keras_ipu_plugin.frontend.inputs import dataset_to_peek
 
     def orders(dataset):
         return [batch.numpy().tolist() for batch in dataset]
 
     expected = orders(tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4))
     dataset = tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4)
-    copy = _compat.dataset_to_peek(dataset)
+    copy = dataset_to_peek(dataset)
     assert copy is not dataset
     assert orders(copy) == expected
     assert orders(dataset) == expected
     # Nothing to copy where nothing draws seeds: the dataset is read itself.
     plain = tf.data.Dataset.range(4).batch(2)
-    assert _compat.dataset_to_peek(plain) is plain
+    assert dataset_to_peek(plain) is plain
 
 
 def _through_a_generator(dataset):

@@ -6,6 +6,7 @@ here, with errors that say what is wrong.
 
 import collections.abc
 import inspect
+import re
 from dataclasses import dataclass
 
 import keras
@@ -100,8 +101,8 @@ def _first_dataset_element(dataset):
     # read through a copy with seeds of its own: read itself, its next
     # iteration (`fit`'s) would see another order.
     try:
-        source = _compat.dataset_to_peek(dataset)
-    except _compat.DatasetStateError as error:
+        source = dataset_to_peek(dataset)
+    except DatasetStateError as error:
         raise InputDataError(
             f"Cannot read the dataset's first batch without changing what a later `fit` "
             f"sees: {error}. Give the first batch itself (`convert_to_functional(model, "
@@ -263,3 +264,104 @@ def _keras_dtype(dtype):
     if name == "float64":
         return keras.config.floatx()
     return name
+
+
+# Dataset operations that draw their seeds from a seed generator resource
+# each time an iterator is made (a reshuffling `shuffle`, `Dataset.random`):
+# {op: (index of seed, of seed2, of the generator input; the attribute that
+# says whether each iteration draws anew)}.
+_SEEDED_DATASET_OPS = {
+    "ShuffleDatasetV3": (2, 3, 4, "reshuffle_each_iteration"),
+    "ShuffleAndRepeatDatasetV2": (2, 3, 5, "reshuffle_each_iteration"),
+    "RandomDatasetV2": (0, 1, 2, "rerandomize_each_iteration"),
+}
+
+# Stateful ops a dataset's functions may run whose state does not outlive
+# an iteration, or that only read: each iterator instantiates the functions
+# anew (a seeded `tf.random.uniform` in `map` gives the same numbers every
+# epoch), a lookup table or variable read changes nothing, and a Python
+# function (`from_generator`, `py_function`) is called again from the start
+# (from_generator starts its generator anew for each iterator).
+_PER_ITERATION_STATEFUL_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2",
+    "ReadVariableOp", "VarHandleOp", "LookupTableFindV2", "LookupTableSizeV2",
+    "LookupTableExportV2", "HashTableV2", "LookupTableImportV2",
+    "InitializeTableV2", "InitializeTableFromTextFileV2",
+    "Assert", "Print", "PrintV2",
+    "PyFunc", "PyFuncStateless", "EagerPyFunc",
+    "_Arg", "_Retval",
+})
+_DATASET_OP = re.compile(r"(Dataset|DatasetV\d+)$")
+
+
+class DatasetStateError(ValueError):
+    """Reading a dataset's first element would change what its next
+    iteration gives, and no copy of it avoids that."""
+
+
+def dataset_to_peek(dataset):
+    """The dataset to read `dataset`'s first element from such that what a
+    later iteration of `dataset` gives is unchanged: `dataset` itself, or a
+    copy of its pipeline whose seed generators are its own. Raises
+    `DatasetStateError` naming the ops where neither is possible.
+
+    A reshuffling `shuffle(seed=...)` draws the order of each iteration from
+    a generator that the dataset object holds: one element read from a
+    fresh iterator moves it on, so the next `fit` would see the order of
+    the second iteration, not the first. The copy is the same pipeline
+    (serialized and rebuilt) with a fresh generator of the same seeds: its
+    first iteration gives the first order, and the user's dataset still
+    gives it too. A function in the pipeline that writes state living
+    outside the iterator (a `tf.random.Generator`, a variable it assigns)
+    would move that state from the copy too: that is the error.
+
+    Example:
+        >>> ds = tf.data.Dataset.range(8).shuffle(8, seed=1).batch(4)
+        >>> copy = dataset_to_peek(ds)
+        >>> next(iter(copy)).numpy().tolist() == next(iter(ds)).numpy().tolist()
+        True
+    """
+    try:
+        serialized = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            external_state_policy=1,  # IGNORE: a generator's function is called anew
+            strip_device_assignment=True)
+        graph = tf.compat.v1.GraphDef.FromString(serialized.numpy())
+    except (tf.errors.OpError, ValueError, TypeError) as error:
+        raise DatasetStateError(
+            "its pipeline cannot be inspected for state that reading an element would "
+            f"move ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+    writes = sorted(op for op in _compat.stateful_op_names(graph)
+                    if op not in _PER_ITERATION_STATEFUL_OPS and not _DATASET_OP.search(op))
+    if writes:
+        raise DatasetStateError(
+            f"a function in its pipeline runs {', '.join(f'`{op}`' for op in writes)}, "
+            "which changes state outside the dataset (a `tf.random.Generator`, a variable "
+            "it assigns), so reading an element would change what the next iteration gives")
+    seeded = [node for node in graph.node if node.op in _SEEDED_DATASET_OPS]
+    if not seeded:
+        return dataset
+    for node in seeded:
+        seed, seed2, generator, attribute = _SEEDED_DATASET_OPS[node.op]
+        if len(node.input) <= generator:
+            raise DatasetStateError(f"its `{node.op}` has no seed generator input to copy")
+        redraw = graph.node.add()
+        redraw.name = f"{node.name}/kip_redraw"
+        redraw.op = "Const"
+        redraw.attr["dtype"].type = tf.bool.as_datatype_enum
+        redraw.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(node.attr[attribute].b))
+        fresh = graph.node.add()
+        fresh.name = f"{node.name}/kip_seed_generator"
+        fresh.op = "AnonymousSeedGenerator"
+        fresh.input.extend([node.input[seed], node.input[seed2], redraw.name])
+        node.input[generator] = f"{fresh.name}:0"
+    try:
+        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
+        return tf.data.experimental.from_variant(variant, dataset.element_spec)
+    except (tf.errors.OpError, ValueError, TypeError) as error:
+        raise DatasetStateError(
+            "its pipeline draws from seed generators and cannot be rebuilt with seed "
+            f"generators of its own ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200]})") from None
