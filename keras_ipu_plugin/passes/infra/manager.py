@@ -109,6 +109,7 @@ def _apply_passes(model, passes, verify, reuse_replacements):
         with report.timed(one_pass.step, model.name):
             graph = one_pass.run(graph, report)
         _lint(graph, f"after pass {type(one_pass).__name__}")
+        _check_stage_order(graph, f"after pass {type(one_pass).__name__}")
     result = _rebuilt(graph, model, passes)
     if isinstance(model, KipFunctional):
         adopt_call_semantics(result, model)
@@ -137,6 +138,29 @@ def _lint(graph, when):
         graph.lint()
     except ValueError as error:
         raise PassError(f"apply_passes: {when}: {error}") from error
+
+
+def _check_stage_order(graph, when):
+    """A `PassError` naming the first layer that sits in an earlier pipeline
+    stage than a layer it reads: a pass run after `PipelineStages` must keep
+    the stages following the data flow, else the pipelined step could not
+    run them in order (and would fail at the first batch, far from the
+    pass at fault). Graphs without stages pass unchecked."""
+    staged = {id(node): node.annotations["stage"] for node in graph.nodes
+              if "stage" in node.annotations}
+    if not staged:
+        return
+    for node in graph.nodes:
+        stage = staged.get(id(node), 0)
+        for value in node.input_values:
+            producer = value.producer
+            if producer is not None and staged.get(id(producer), 0) > stage:
+                raise PassError(
+                    f"apply_passes: {when}: layer `{node.name}` is in pipeline stage "
+                    f"{stage} but reads the output of `{producer.name}`, in stage "
+                    f"{staged.get(id(producer), 0)}: stages must follow the data flow "
+                    "(a pass after PipelineStages moved a layer out of its stage; run "
+                    "it before PipelineStages).")
 
 
 def _rebuilt(graph, model, passes):
