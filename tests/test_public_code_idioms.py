@@ -694,3 +694,32 @@ def test_a_weight_used_in_an_overridden_private_attention_method_expands():
     assert_equivalent(model, passed, x)
     other = _rand(7, 5, 3, seed=7)
     np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class WeightReadEagerly(layers.Layer):
+    """Holds its weight in a list beside a non-weight, which the trace does
+    not read through: `ops.exp` of it runs eagerly, and the projection is
+    called on that concrete tensor."""
+
+    def build(self, shape):
+        scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="scale")
+        self.params = [scale, "per-feature scale"]
+        self.project = layers.Dense(shape[-1], name="project")
+
+    def call(self, x):
+        bias = self.project(ops.expand_dims(ops.exp(self.params[0]), 0))  # line read eagerly
+        return x + bias
+
+
+def test_a_weight_read_eagerly_keeps_its_layer_whole_naming_the_weight_and_the_line():
+    """The reason a layer stays whole is true (the weight is held, but read
+    eagerly) and located: it names the weight and the user's line."""
+    x = _rand(4, 3)
+    model = Net(WeightReadEagerly(name="block"), name="net")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    reason = passed.kip_report.opaque["block"]
+    assert "scale`" in reason, reason
+    assert "test_public_code_idioms.py:" in reason and "line read eagerly" in reason, reason
+    assert "not held as an attribute" not in reason
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-5)

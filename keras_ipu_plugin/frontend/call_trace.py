@@ -27,6 +27,7 @@ import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend import tf_functions
+from keras_ipu_plugin.frontend.failures import user_stack_line
 from keras_ipu_plugin.frontend import trace_views
 from keras_ipu_plugin.frontend import write_nodes
 from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
@@ -81,6 +82,7 @@ class CallTrace:
         # all) for a call that returned None among its outputs (`_tensors_only`)
         self.none_leaves = {}
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
+        self.lift_sites = {}  # id(HeldConstant) -> the user's line that made its tensor
         self.output_specs = {}  # replay.output_specs_key -> output KerasTensors
         self._names = Namespace()  # the node names this trace gave
         self._new_reads = []
@@ -188,6 +190,7 @@ class CallTrace:
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
+            self.lift_sites[id(held)] = user_stack_line()
             return held(self.anchor)
 
         return keras.tree.map_structure(lift, (args, kwargs))
