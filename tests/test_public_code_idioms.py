@@ -576,7 +576,7 @@ class StochasticDepthOfTheTFShapesLength(layers.Layer):
 
 def test_the_length_of_tf_shape_is_the_rank_and_stochastic_depth_expands(tmp_path):
     """`len(tf.shape(x))` is the rank while tracing, as TensorFlow gives it
-    (autograph, in `fit`): the layer expands, each mode a graph, and in
+    for an eager tensor: the layer expands, each mode a graph, and in
     training drops whole rows as the original does (kept rows scaled by
     1 / keep_prob)."""
     passed = expands_exactly_at_any_batch_size(

@@ -198,11 +198,13 @@ def _target(path, signature, operation=TFFunction):
 
 class _SymbolicShape(keras.KerasTensor):
     """`tf.shape(x)` of a symbolic tensor, recorded while tracing: `len()`
-    of it is `x`'s rank, as TensorFlow gives it for a tensor (eagerly, and in
-    a `tf.function` through autograph, which `fit` runs user code in):
-    `(tf.shape(x)[0],) + (1,) * (len(tf.shape(x)) - 1)`, keras.io's
-    `StochasticDepth`. A KerasTensor has no `len()`; only the tensors this
-    tracer makes for `tf.shape` get one, so no other KerasTensor changes."""
+    of it is `x`'s rank, as TensorFlow gives it for an eager tensor:
+    `(tf.shape(x)[0],) + (1,) * (len(tf.shape(x)) - 1)`, a `StochasticDepth`
+    written for Keras 2 (keras.io's CCT once). (Inside a `tf.function`
+    TensorFlow refuses `len` of a graph tensor, so such a model runs
+    eagerly only in plain Keras 3; the graph follows the eager meaning.)
+    A KerasTensor has no `len()`; only the tensors this tracer makes for
+    `tf.shape` get one, so no other KerasTensor changes."""
 
     def __len__(self):
         return self.shape[0]
