@@ -305,7 +305,7 @@ def test_a_subfolder_is_its_own_layer():
     passes): the infrastructure importing a pass would be caught."""
     assert _layer(f"{NAME}.passes.infra.base") < _layer(f"{NAME}.passes.expand")
     assert _layer(f"{NAME}.passes") == _layer(f"{NAME}.passes.expand")
-    assert _layer(f"{NAME}.layers.opaque") < _layer(f"{NAME}.runtime.executor")
+    assert _layer(f"{NAME}.layers.opaque") < _layer(f"{NAME}.runtime.interpreter")
     assert _layer(f"{NAME}.planning.node_costs") < _layer(f"{NAME}.passes.infra.manager")
     assert _layer(f"{NAME}.training.session.session") < _layer(f"{NAME}.training.model")
     assert _layer(f"{NAME}.training.pipelined.step") == _layer(f"{NAME}.training.session.calls")

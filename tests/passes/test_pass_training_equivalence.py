@@ -157,7 +157,7 @@ def test_every_pass_trains_to_the_same_weights_as_plain_keras_with_adamw(
     if pass_name == "recompute":
         # The lookup and the block owning the spare weight really are in a
         # recomputed segment (else this test could not fail).
-        segments = trained.converted._kip_executor.steps
+        segments = trained.converted.kip_interpreter().steps
         recomputed = [
             node.operation.name for s in segments if s.recompute for node in s.nodes
         ]

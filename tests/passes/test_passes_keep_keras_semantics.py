@@ -98,7 +98,7 @@ def test_frozen_batch_normalization_keeps_its_statistics_under_each_executor_pas
     converted = plugin.converted
     if pass_name == "stages":
         converted.kip_stage_devices = ["/cpu:0", "/cpu:1"]
-    assert converted._uses_executor()  # the executor runs the model
+    assert converted.kip_interpreter().effects  # the pass's effect runs with the model
     assert converted.kip_graph.node("block.bn").training is False
     plugin.compile(optimizer="sgd", loss="mse")
     plugin.fit(x, y, batch_size=8, epochs=2, verbose=0)
@@ -209,7 +209,7 @@ def test_batch_normalization_and_dropout_between_checkpoints_train_as_plain_kera
         trained.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         results.append((model, _numpy(model.weights)))
         if passes is not None:
-            segments = trained.converted._kip_executor.steps
+            segments = trained.converted.kip_interpreter().steps
             assert sum(s.recompute for s in segments) >= 2
     (plain, expected), (recomputed, actual) = results
     moving_mean = [v.path for v in plain.weights].index(plain.blocks[1].bn.moving_mean.path)
@@ -241,7 +241,7 @@ def test_dropout_between_checkpoints_draws_one_mask_for_forward_and_recompute():
         return step()
 
     expected, actual = gradients(model), gradients(passed)
-    segments = passed._kip_executor.steps
+    segments = passed.kip_interpreter().steps
     assert any(s.recompute for s in segments)
     for variable, e, a in zip(model.trainable_variables, expected, actual):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=variable.path)
@@ -285,7 +285,7 @@ def test_a_dropout_inside_a_recomputed_segment_trains_as_plain_keras(jit_compile
         history = trained.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         results.append((model, _numpy(model.weights), history.history["loss"]))
         if passes is not None:
-            segments = trained.converted._kip_executor.steps
+            segments = trained.converted.kip_interpreter().steps
             dropouts = [s for s in segments if s.recompute
                         and any("dropout" in n.operation.name for n in s.nodes)]
             assert len(dropouts) >= 2, [[n.operation.name for n in s.nodes] for s in segments]
@@ -316,7 +316,7 @@ def test_outline_shares_bodies_only_between_layers_of_equal_config():
     converted = kip.convert_to_functional(model, x)
     outlined = kip.apply_passes(converted, [Outline(layers.Dense)])
     np.testing.assert_allclose(outlined(x), model(x), atol=1e-6)
-    bodies = outlined._kip_executor.effects["outline"].bodies
+    bodies = outlined.kip_interpreter().effects["outline"].bodies
     # relu | tanh + tanh_2 | no_bias | head (another width)
     assert len(bodies) == 4
     kip.frontend.verify.equivalence.check_equivalent(model, outlined, x)
@@ -535,7 +535,7 @@ def test_losses_added_inside_outlined_layers_keep_their_value_and_gradient():
 
     expected_loss, expected = loss_and_gradients(converted)
     actual_loss, actual = loss_and_gradients(outlined)
-    assert len(outlined._kip_executor.effects["outline"].bodies) == 1
+    assert len(outlined.kip_interpreter().effects["outline"].bodies) == 1
     np.testing.assert_allclose(actual_loss, expected_loss, rtol=1e-6)
     for variable, e, a in zip(model.trainable_variables, expected, actual):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=variable.path)

@@ -103,8 +103,7 @@ def _passed(plan):
         return kip.apply_passes(converted, [Expand(), Recompute(auto=True)])
     passed = kip.apply_passes(converted, [Expand()])
     for path, kind in PLANS[plan].items():
-        name = _name(passed, path)
-        passed.kip_annotations.setdefault(name, {}).update(_notes(kind))
+        passed.kip_graph.node(path).annotations.update(_notes(kind))
     return passed
 
 
@@ -123,8 +122,8 @@ def _segments(model):
 
 def test_the_notes_make_the_segments_the_plan_means():
     model = _passed("mixed")
-    runs = [([n.operation.name for n in s.nodes], s.recompute) for s in _segments(model)]
-    name = {path: _name(model, path) for path in PLANS["mixed"]}
+    runs = [([n.name for n in s.nodes], s.recompute) for s in _segments(model)]
+    name = {path: path for path in PLANS["mixed"]}
     # the kept add ends block 0's run, which runs normally
     kept = next(i for i, (names, _) in enumerate(runs) if names == [name["blocks.0.add"]])
     assert not runs[kept][1] and not runs[kept - 1][1]

@@ -17,7 +17,7 @@ from keras_ipu_plugin.runtime import interpreter as interpreter_lib
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.interpreter import Interpreter
 from keras_ipu_plugin.runtime.rebuild import rebuild
-from keras_ipu_plugin.runtime.run_graph import graph_to_run
+from keras_ipu_plugin.runtime.graph_of import graph_of
 
 
 @pytest.fixture
@@ -79,9 +79,9 @@ def test_a_new_run_time_pass_in_one_file_takes_effect_when_the_model_runs(regist
     ScaleOutputs = define_scale_outputs()
     model, x = _model(), _x()
     converted = kip.convert_to_functional(model, x)
-    assert not converted._uses_executor()
+    assert "test_scale_outputs" not in converted.kip_interpreter().effects
     passed = kip.apply_passes(converted, [ScaleOutputs("head", 3.0)])
-    assert passed._uses_executor()
+    assert "test_scale_outputs" in passed.kip_interpreter().effects
     np.testing.assert_allclose(passed(x), 3.0 * model(x), rtol=1e-5, atol=1e-6)
     # compiled too, and in training mode
     np.testing.assert_allclose(tf.function(lambda x: passed(x, training=True))(x),
@@ -106,7 +106,7 @@ def test_without_its_effect_the_annotation_changes_nothing(registries):
     interpreter_lib.unregister_run_effect("test_scale_outputs")
     model, x = _model(), _x()
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [ScaleOutputs("head")])
-    assert not passed._uses_executor()
+    assert not passed.kip_interpreter().effects
     np.testing.assert_allclose(passed(x), model(x), rtol=1e-5, atol=1e-6)
 
 
@@ -137,7 +137,7 @@ def test_run_node_sees_every_node_of_kips_graph_with_its_annotations(registries)
     seen.clear()  # (apply_passes ran it to verify it)
     np.testing.assert_allclose(recomputed(x, training=True), model(x), rtol=1e-5, atol=1e-6)
     assert [name for name, notes, _ in seen if notes] == ["hidden", "head"]
-    segments = recomputed._kip_executor.steps
+    segments = recomputed.kip_interpreter().steps
     assert [node.name for segment in segments for node in segment.nodes][-2:] == ["hidden", "head"]
     assert segments[0].nodes[-1].annotations.get("recompute")
 
@@ -152,13 +152,16 @@ def test_an_interpreter_subclass_overrides_one_step():
             outputs = super().call_operation(node, args, kwargs)
             return 2.0 * outputs if node.is_layer else outputs
 
-    interpreter = Doubling(graph_to_run(converted), get_backend(), owner=converted)
+    interpreter = Doubling(graph_of(converted), get_backend(), owner=converted)
     inner = keras.Model(model.inputs, model.get_layer("hidden").output)
     expected = 2.0 * model.get_layer("head")(2.0 * inner(x))
     np.testing.assert_allclose(interpreter.run([x])[0], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_the_graph_to_run_holds_pinned_training_and_annotations_on_its_nodes():
+def test_the_graph_to_run_holds_pinned_training_and_annotations_on_its_nodes(tmp_path):
+    """The graph a model runs is the one the passes produced, and a loaded
+    model's, read back from the file, holds the same `training` and
+    annotations on the same node paths."""
     class Frozen(keras.Model):
         def __init__(self):
             super().__init__()
@@ -172,14 +175,18 @@ def test_the_graph_to_run_holds_pinned_training_and_annotations_on_its_nodes():
     x = _x()
     converted = kip.convert_to_functional(Frozen(), x)
     passed = kip.apply_passes(converted, [kip.passes.Recompute(["norm"])])
-    graph = graph_to_run(passed)
-    by_name = {node.name: node for node in graph.nodes}
-    assert by_name["norm"].training is False
-    assert by_name["norm"].annotations == {"recompute": True}
-    assert by_name["head"].annotations == {}
-    assert by_name["drop"].training == "follow"
-    assert {name: node.training for name, node in by_name.items() if node.training in (True, False)
-            } == passed.kip_pinned_training
+    assert graph_of(passed) is passed.kip_graph
+    passed.save(tmp_path / "frozen.keras")
+    loaded = keras.models.load_model(tmp_path / "frozen.keras")
+    assert loaded.kip_graph is None
+    for graph in (graph_of(passed), graph_of(loaded)):
+        by_name = {node.name: node for node in graph.nodes}
+        assert by_name["norm"].training is False
+        assert by_name["norm"].annotations == {"recompute": True}
+        assert by_name["head"].annotations == {}
+        assert by_name["drop"].training == "follow"
+        assert {name: node.training for name, node in by_name.items()
+                if node.training in (True, False)} == passed.kip_pinned_training
 
 
 def test_register_run_effect_refuses_what_it_cannot_run(registries):

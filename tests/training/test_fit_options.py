@@ -312,18 +312,76 @@ def test_reading_a_seeded_shuffle_for_conversion_leaves_fit_its_order(reader):
 
 
 def test_a_seeded_shuffle_copy_gives_the_first_order_and_leaves_the_original():
-    from keras_ipu_plugin.frontend.inputs import dataset_with_own_seeds
+    from keras_ipu_plugin.frontend.inputs import dataset_to_peek
 
     def orders(dataset):
         return [batch.numpy().tolist() for batch in dataset]
 
     expected = orders(tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4))
     dataset = tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4)
-    copy = dataset_with_own_seeds(dataset)
+    copy = dataset_to_peek(dataset)
+    assert copy is not dataset
     assert orders(copy) == expected
     assert orders(dataset) == expected
-    # Nothing to copy where nothing draws seeds.
-    assert dataset_with_own_seeds(tf.data.Dataset.range(4).batch(2)) is None
+    # Nothing to copy where nothing draws seeds: the dataset is read itself.
+    plain = tf.data.Dataset.range(4).batch(2)
+    assert dataset_to_peek(plain) is plain
+
+
+def _through_a_generator(dataset):
+    generator = tf.random.Generator.from_seed(3)
+    return dataset.map(lambda x, y: (x + generator.normal(tf.shape(x)), y))
+
+
+@pytest.mark.parametrize("pipeline", [
+    "seeded random map", "seeded shuffle of a seeded random map", "python map"])
+def test_a_pipeline_whose_draws_restart_each_iteration_is_read_exactly(pipeline):
+    """A dataset whose functions draw from seeded random ops (instantiated
+    anew for each iteration) or call Python trains through PluginModel,
+    which reads its first batch to convert, exactly as with plain Keras."""
+
+    def make():
+        dataset = tf.data.Dataset.from_tensor_slices(_data(40))
+        if pipeline == "python map":
+            dataset = dataset.map(lambda x, y: (tf.py_function(
+                lambda v: v * 2.0, [x], tf.float32), y))
+            dataset = dataset.map(lambda x, y: (tf.ensure_shape(x, (FEATURES,)), y))
+        else:
+            dataset = dataset.map(lambda x, y: (x + tf.random.uniform(tf.shape(x), seed=4), y))
+        if pipeline == "seeded shuffle of a seeded random map":
+            dataset = dataset.shuffle(40, seed=1)
+        return dataset.batch(8)
+
+    def train(plugin):
+        keras.utils.set_random_seed(7)
+        model = Classifier(name="classifier")
+        trained = kip.PluginModel(model) if plugin else model
+        trained.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = trained.fit(make(), epochs=2, verbose=0)
+        return _state(model, trained.optimizer), history.history
+
+    _assert_same_training(train(plugin=True), train(plugin=False), pipeline)
+
+
+def test_a_pipeline_writing_state_outside_it_is_refused_with_what_to_do():
+    """A `map` drawing from a `tf.random.Generator` moves the generator at
+    every element read, copy or not: reading the first batch to convert
+    would give `fit` other numbers than plain Keras, so it is refused,
+    naming the op and the ways out; the first batch given itself trains."""
+    dataset = _through_a_generator(tf.data.Dataset.from_tensor_slices(_data(16))).batch(8)
+    expected_error = (r"without changing what a later `fit` sees: .*`RngReadAndSkip`.*"
+                      r"Give the first batch itself.*PluginCallback")
+    with pytest.raises(kip.InputDataError, match=expected_error):
+        kip.convert_to_functional(Classifier(name="classifier"), dataset)
+    model = kip.PluginModel(Classifier(name="classifier"))
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(kip.InputDataError, match=expected_error):
+        model.fit(dataset, epochs=1, verbose=0)
+    model.convert(_data(8)[0])
+    model.fit(dataset, epochs=1, verbose=0)
+    assert model.converted is not None
 
 
 # -- a later fit on sequences of another length ---------------------------------

@@ -555,3 +555,172 @@ def test_layers_named_like_the_model_inputs_convert_expand_replace_and_save(tmp_
     path = str(tmp_path / "grn.keras")
     replaced.save(path)
     np.testing.assert_allclose(keras.models.load_model(path)(x), replaced(x), atol=1e-6)
+
+
+# -- idioms of keras.io's augmentation, stochastic depth and attention ----------
+class StochasticDepthOfTheTFShapesLength(layers.Layer):
+    """keras.io's CCT / ConvNeXt `StochasticDepth` as written for Keras 2:
+    the noise's shape from `len(tf.shape(x))`, drawn with `tf.random`."""
+
+    def __init__(self, drop_prob, **kwargs):
+        super().__init__(**kwargs)
+        self.drop_prob = drop_prob
+
+    def call(self, x, training=None):
+        if training:
+            keep_prob = 1 - self.drop_prob
+            shape = (tf.shape(x)[0],) + (1,) * (len(tf.shape(x)) - 1)
+            random_tensor = tf.floor(keep_prob + tf.random.uniform(shape, 0, 1))
+            return (x / keep_prob) * random_tensor
+        return x
+
+
+def test_the_length_of_tf_shape_is_the_rank_and_stochastic_depth_expands(tmp_path):
+    """`len(tf.shape(x))` is the rank while tracing, as TensorFlow gives it
+    for an eager tensor: the layer expands, each mode a graph, and in
+    training drops whole rows as the original does (kept rows scaled by
+    1 / keep_prob)."""
+    passed = expands_exactly_at_any_batch_size(
+        StochasticDepthOfTheTFShapesLength(0.5, name="block"), tmp_path)
+    assert any(isinstance(node.operation, kip.ModeSwitch) for node in passed.kip_graph.nodes)
+    x = _rand(64, 5, 3, seed=3)
+    inference = np.asarray(passed(x, training=False))
+    trained = np.asarray(passed(x, training=True))
+    bias = np.asarray(passed.get_layer("head").bias)  # the head of a dropped row
+    dropped = [np.allclose(row, bias, atol=1e-5) for row in trained]
+    kept = [np.allclose(row, 2 * i - bias, atol=1e-4) for row, i in zip(trained, inference)]
+    assert all(d or k for d, k in zip(dropped, kept))
+    assert 0 < sum(dropped) < len(dropped), "rows are dropped at random, not all or none"
+    # Outside a trace a KerasTensor still has no len().
+    with pytest.raises(TypeError):
+        len(keras.KerasTensor((None, 4)))
+
+
+class ImageAugmentation(layers.Layer):
+    """keras.io-style preprocessing written with `tf.image`: crops, flips,
+    rotations, pads and colour conversions, each a deterministic function
+    of the image."""
+
+    def call(self, images):
+        y = tf.image.crop_to_bounding_box(images, 1, 1, 4, 4)
+        y = tf.image.flip_up_down(tf.image.flip_left_right(y))
+        y = tf.image.rgb_to_grayscale(y) + tf.image.rgb_to_yuv(y)
+        y = tf.image.rot90(tf.image.per_image_standardization(y))
+        y = tf.image.pad_to_bounding_box(y, 1, 1, 6, 6)
+        return tf.image.resize_with_crop_or_pad(tf.image.central_crop(y, 0.5), 5, 5)
+
+
+class AugmentThenClassify(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(3, name="embed")
+        self.augment = ImageAugmentation(name="augment")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, images):
+        return self.head(self.augment(self.embed(images)))
+
+
+def test_tf_image_computations_are_recorded_and_expand_exactly(tmp_path):
+    """`tf.image`'s deterministic computations are recorded functions of
+    the table (saved by name): the layer using them expands, equal at
+    other batch sizes and after saving and loading."""
+    x = _rand(4, 6, 6, 3)
+    model = AugmentThenClassify(name="classifier")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+    assert {"image.crop_to_bounding_box", "image.flip_left_right", "image.rot90",
+            "image.pad_to_bounding_box", "image.central_crop",
+            "image.per_image_standardization"} <= set(_functions(passed))
+    assert_equivalent(model, passed, x)
+    other = _rand(7, 6, 6, 3, seed=7)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+    passed.save(tmp_path / "augment.keras")
+    loaded = keras.models.load_model(tmp_path / "augment.keras")
+    np.testing.assert_allclose(loaded(other), model(other), atol=1e-5)
+
+
+def test_tf_image_draws_and_glimpses_are_never_recorded_functions():
+    from keras_ipu_plugin.layers.tf_calls import tf_function_table as table
+
+    for path in ("image.random_flip_left_right", "image.stateless_random_crop",
+                 "image.extract_glimpse", "image.encode_png", "image.draw_bounding_boxes"):
+        with pytest.raises(LoadError, match="refusing"):
+            table.function_at(path, "block.evil")
+
+
+class BiasedAttention(layers.MultiHeadAttention):
+    """A `MultiHeadAttention` with a learned per-head bias on its scores,
+    added in an override of the private `_compute_attention` (as public
+    relative-position and ALiBi variants do)."""
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        super().build(query_shape, value_shape, key_shape)
+        self.score_bias = self.add_weight(
+            shape=(self._num_heads, 1, 1), initializer="random_normal", name="score_bias")
+
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                           return_attention_scores=False):
+        query = ops.multiply(query, 1.0 / float(self._key_dim) ** 0.5)
+        scores = ops.einsum(self._dot_product_equation, key, query) + self.score_bias
+        scores = self._masked_softmax(scores, attention_mask)
+        return ops.einsum(self._combine_equation, scores, value), scores
+
+
+class SelfAttentionModel(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = layers.Dense(8, name="embed")
+        self.attention = BiasedAttention(num_heads=2, key_dim=4, name="attention")
+        self.head = layers.Dense(2, name="head")
+
+    def call(self, x):
+        h = self.embed(x)
+        return self.head(self.attention(h, h))
+
+
+def test_a_weight_used_in_an_overridden_private_attention_method_expands():
+    """Keras's `call` reaching the user's `_compute_attention` is traced
+    inline, the user's weight read as a graph node: the attention expands
+    (it stayed whole, its reason blaming a variable not held as an
+    attribute) and trains its bias."""
+    x = _rand(4, 5, 3)
+    model = SelfAttentionModel(name="attending")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    assert passed.kip_report.opaque == {}, passed.kip_report.opaque
+    assert not any(isinstance(node.operation, BiasedAttention) for node in passed.kip_graph.nodes)
+    assert any(node.operation is model.attention._query_dense for node in passed.kip_graph.nodes)
+    assert_equivalent(model, passed, x)
+    other = _rand(7, 5, 3, seed=7)
+    np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
+
+
+class WeightReadEagerly(layers.Layer):
+    """Holds its weight in a list beside a non-weight, which the trace does
+    not read through: `ops.exp` of it runs eagerly, and the projection is
+    called on that concrete tensor."""
+
+    def build(self, shape):
+        scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="scale")
+        self.params = [scale, "per-feature scale"]
+        self.project = layers.Dense(shape[-1], name="project")
+
+    def call(self, x):
+        bias = self.project(ops.expand_dims(ops.exp(self.params[0]), 0))  # line read eagerly
+        return x + bias
+
+
+def test_a_weight_read_eagerly_keeps_its_layer_whole_naming_the_weight_and_the_line():
+    """The reason a layer stays whole is true (the weight is held, but read
+    eagerly) and located: it names the weight and the user's line."""
+    x = _rand(4, 3)
+    model = Net(WeightReadEagerly(name="block"), name="net")
+    model(x)
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand("all")])
+    reason = passed.kip_report.opaque["block"]
+    assert "scale`" in reason, reason
+    assert "test_public_code_idioms.py:" in reason and "line read eagerly" in reason, reason
+    assert "not held as an attribute" not in reason
+    np.testing.assert_allclose(passed(x), model(x), atol=1e-5)

@@ -189,9 +189,35 @@ class InFunctional(keras.Model):
         return self.body(inputs)
 
 
+def _functional_given_as_it_is():
+    """A functional model converted itself: its layers are named as its
+    graph's nodes are, by name, or by class where Keras named them."""
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, RawVariableCell()(keras.layers.Dense(3)(inputs)))
+
+
+def _sequential_given_as_it_is():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), RawVariableCell()])
+
+
+class HoldsASequential(keras.Model):
+    """A Sequential inside a list: its Keras-named layers by position, as
+    the graph's node paths name them (`parts.0.1`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.parts = [_sequential_given_as_it_is()]
+
+    def call(self, inputs):
+        return self.parts[0](inputs)
+
+
 @pytest.mark.parametrize("model_class, named", [
     (RawVariable, r"`scale` \(tf.Variable 'raw_scale:0'\)"),
     (InFunctional, r"`body.cell.tau` \(tf.Variable 'raw_tau:0'\)"),
+    (_functional_given_as_it_is, r"`raw_variable_cell.tau` \(tf.Variable 'raw_tau:0'\)"),
+    (_sequential_given_as_it_is, r"`raw_variable_cell.tau` \(tf.Variable 'raw_tau:0'\)"),
+    (HoldsASequential, r"`parts.0.1.tau` \(tf.Variable 'raw_tau:0'\)"),
     (HiddenLayer, r"`holder.head.\w*kernel`"),
     (WrapsForeign, r"`foreign.module.w` \(tf.Variable 'foreign_w:0'\)"),
 ])

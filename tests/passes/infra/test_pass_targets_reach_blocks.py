@@ -107,7 +107,7 @@ def test_class_target_reaches_blocks_inside_another_layer(vit):
     kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
     _gradients_equal(model, passed, images)
     passed(images)
-    assert sum(s.recompute for s in passed._kip_executor.steps) >= DEPTH - 1
+    assert sum(s.recompute for s in passed.kip_interpreter().steps) >= DEPTH - 1
 
 
 def test_class_target_after_expand_checkpoints_at_the_end_of_each_expanded_block(vit):
@@ -127,9 +127,9 @@ def test_class_target_after_expand_checkpoints_at_the_end_of_each_expanded_block
     kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
     _gradients_equal(model, passed, images)
     passed(images)
-    segments = passed._kip_executor.steps
-    checkpointed = [s.nodes[-1].operation.name for s in segments if s.recompute]
-    assert set(checkpointed) <= {passed.kip_layer_paths.get(end, end) for end in ends} and checkpointed
+    segments = passed.kip_interpreter().steps
+    checkpointed = [s.nodes[-1].name for s in segments if s.recompute]
+    assert set(checkpointed) <= set(ends) and checkpointed
 
 
 @pytest.mark.parametrize("target", ["block_1", "encoder.blocks.1"])
@@ -154,7 +154,7 @@ def test_outline_of_an_expanded_block_class_outlines_its_layers(vit):
     kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
     # One body per kind of layer, shared by the three blocks (per mode for
     # the attention, whose dropout reads the training mode).
-    bodies = passed._kip_executor.effects["outline"].bodies
+    bodies = passed.kip_interpreter().effects["outline"].bodies
     assert len({key[:3] for key in bodies}) == 4  # norm, attention, mlp_1, mlp_2
 
 

@@ -106,7 +106,7 @@ def test_recompute_gradients_equal_in_graph_mode(tower, jit_compile):
     actual = _gradients(recomputed, x, y, jit_compile=jit_compile)
     for e, a in zip(expected, actual):
         np.testing.assert_allclose(a, e, atol=1e-5)
-    plan = recomputed._kip_executor.steps
+    plan = recomputed.kip_interpreter().steps
     assert sum(s.recompute for s in plan) == 2
 
 
@@ -117,7 +117,7 @@ def test_last_segment_is_recomputed_only_when_the_layers_after_it_keep_more(towe
     def plan(checkpoints):
         recomputed = kip.apply_passes(converted, [kip.passes.Recompute(checkpoints)])
         recomputed(x)  # makes the executor
-        return recomputed._kip_executor.steps
+        return recomputed.kip_interpreter().steps
 
     # After block_5 only the 1-wide head: recomputing block_2..block_5 would
     # not lower the peak (its activations are needed first in the backward).
@@ -273,7 +273,7 @@ def test_outline_shares_one_body_and_keeps_results():
         np.testing.assert_allclose(a, e, atol=1e-5)
     plain, shared = _op_count(converted), _op_count(outlined)
     assert shared < plain / 2, (plain, shared)
-    assert len(outlined._kip_executor.effects["outline"].bodies) == 1
+    assert len(outlined.kip_interpreter().effects["outline"].bodies) == 1
     metrics = outlined.kip_report.metrics
     assert metrics["train graph ops with outlining"] < metrics["train graph ops without outlining"] / 2
     assert "train graph ops with outlining" in str(outlined.kip_report)
@@ -333,6 +333,6 @@ def test_outline_passes_tensor_keyword_arguments_through():
     # reads it from the context): inference, training, and the mode `fit`
     # calls a model whose `call` takes no `training` in (verification runs
     # one such step).
-    keys = list(outlined._kip_executor.effects["outline"].bodies)
+    keys = list(outlined.kip_interpreter().effects["outline"].bodies)
     assert len(keys) == len({key[-1] for key in keys})
     assert {False, True} <= {key[-1] for key in keys} <= {False, True, None}

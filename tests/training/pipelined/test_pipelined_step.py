@@ -578,3 +578,81 @@ def test_kip_stage_devices_this_process_does_not_have_are_an_error_naming_them()
     staged.kip_stage_devices = ["/CPU:0", "/device:GPU:3"]
     with pytest.raises(ValueError, match=r"'/device:GPU:3', which this process does not have"):
         staged(x[:16])
+
+
+# -- passes after PipelineStages ------------------------------------------------------
+
+class TwoSubModels(keras.Model):
+    """Two functional sub-models (one Dense each) and a head: PipelineStages
+    can put each in its own stage, and Expand then opens them."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = _one_dense_model("first", 8)
+        self.second = _one_dense_model("second", 8)
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+def _one_dense_model(name, width):
+    inputs = keras.Input((width,))
+    return keras.Model(inputs, keras.layers.Dense(width, name=f"{name}_dense")(inputs),
+                       name=name)
+
+
+@pytest.mark.parametrize("later", ["expand", "outline"])
+def test_a_block_expanded_after_pipeline_stages_keeps_its_stage(later):
+    """Expand (or Outline, which expands to reach its targets) run after
+    PipelineStages opens a staged block: its layers stay in the block's stage,
+    and the pipelined model trains as the unpipelined one."""
+    x, y = _data(16)
+    keras.utils.set_random_seed(5)
+    model = TwoSubModels()
+    model(x[:16])
+    converted = kip.convert_to_functional(model, x[:16])
+    after = ([kip.passes.Expand("all")] if later == "expand"
+             else [kip.passes.Expand("all"), kip.passes.Outline(keras.layers.Dense)])
+    staged = kip.apply_passes(converted, [PipelineStages([["first"], ["second", "head"]],
+                                                         microbatches=2), *after])
+    stages = staged.kip_layer_stages
+    assert stages["first_dense"] == 0
+    assert stages["second_dense"] == 1 and stages["head"] == 1
+
+    def train(passes):
+        keras.utils.set_random_seed(5)
+        user = TwoSubModels()
+        user(x[:16])
+        trained = kip.PluginModel(user, passes=passes) if passes else user
+        _compile(trained)
+        trained.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        return [v.numpy() for v in user.weights]
+
+    _assert_same_weights(train(None), train([PipelineStages([["first"], ["second", "head"]],
+                                                            microbatches=2), *after]))
+
+
+class _StagesBackwards(kip.passes.Pass):
+    """A pass of the user's own that puts the first layer in a later stage
+    than the layer reading it."""
+
+    step = "stages_backwards"
+
+    def run(self, graph, report):
+        for node in graph.nodes:
+            if node.name == "blocks.0":
+                node.annotations["stage"] = 1
+        return graph
+
+
+def test_a_pass_leaving_stages_against_the_data_flow_is_refused_by_name():
+    """A later pass that leaves a layer in an earlier stage than a layer it
+    reads is a PassError naming the pass and both layers, at apply_passes,
+    not a plain error at the first training step."""
+    x, _ = _data()
+    converted = kip.convert_to_functional(Tower(), x[:16])
+    with pytest.raises(kip.PassError, match=(
+            r"after pass _StagesBackwards: layer `blocks.1` is in pipeline stage 0 but "
+            r"reads the output of `blocks.0`, in stage 1")):
+        kip.apply_passes(converted, [PipelineStages(STAGES), _StagesBackwards()])
