@@ -6,7 +6,7 @@ point. The case trains the model twice from the same seed and the same
 initial weights, once with plain Keras and once through kip, and compares
 every variable afterwards (trainable, non-trainable, seed-generator states,
 variables `call` assigns, the optimizer's), and the `fit` history, to
-`ATOL` (the tolerance `tests/test_pass_training_equivalence.py` holds every
+`ATOL` (the tolerance `tests/passes/test_pass_training_equivalence.py` holds every
 pass to under every precision policy). A case ends as
 
 - ``pass``:    everything equal to `ATOL`;
@@ -105,7 +105,7 @@ layers = keras.layers
 ops = keras.ops
 
 # The weights of every pass are held to this against plain Keras under every
-# precision policy (tests/test_pass_training_equivalence.py); a wrong pass
+# precision policy (tests/passes/test_pass_training_equivalence.py); a wrong pass
 # is 1e-3 to 1e-2 away.
 ATOL = 1e-5
 # Losses and metrics in the history: the same, relative to their size.
@@ -569,8 +569,8 @@ def _converted(model, trainee, callbacks):
             return holder.converted
     from keras_ipu_plugin.training import scope as scope_module
 
-    runtime = scope_module._runtimes.get(model)
-    return None if runtime is None else runtime.converted
+    session = scope_module._sessions.get(model)
+    return None if session is None else session.converted
 
 
 def _variables(model, converted, optimizer, unowned_keys):

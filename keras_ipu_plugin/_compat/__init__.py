@@ -62,6 +62,7 @@ from keras_ipu_plugin._compat.calls import (  # noqa: F401
 from keras_ipu_plugin._compat.functional import (  # noqa: F401
     Functional,
     functional_nodes,
+    inbound_nodes,
     graph_call_through,
     is_graph_model,
     output_structure,
