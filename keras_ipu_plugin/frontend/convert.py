@@ -25,6 +25,7 @@ from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
+from keras_ipu_plugin.layers.opaque import autograph_call
 from keras_ipu_plugin.layers.opaque import output_specs_of
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.report import Report
@@ -33,6 +34,7 @@ from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.tracing import TraceError
+from keras_ipu_plugin.frontend.training_branches import default_training
 from keras_ipu_plugin.frontend.tracing import essential_message
 from keras_ipu_plugin.frontend.tracing import trace_model
 from keras_ipu_plugin.frontend.verify import check_equivalent
@@ -254,15 +256,24 @@ def _nondeterministic_output(model, x):
 
 
 def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
-    """A graph of one `OpaqueLayer` node that runs `model`'s own code."""
+    """A graph of one `OpaqueLayer` node that runs `model`'s own code.
+
+    A `call` returning another structure in training than in inference
+    (only inference adds top-k `"predictions"`) is held with the specs of
+    each mode: the node outputs the leaves of every mode and the graph's
+    `output_modes` says which make each mode's structure, so the converted
+    model returns what the original returns in each mode."""
     # Named by the model's class, not its Keras name (`sas_rec_1` the second
     # time the class is built): a path from one run's report names the node
     # in the next.
-    layer = OpaqueLayer(
-        model, output_specs_of(outputs, batch_size, static_batch), reason=reason,
-        name=f"{_compat.auto_layer_name_base(model)}_opaque",
-    )
+    output_specs = output_specs_of(outputs, batch_size, static_batch)
+    layer = OpaqueLayer(model, output_specs, reason=reason,
+                        name=f"{_compat.auto_layer_name_base(model)}_opaque")
     _build_all_branches(layer, specs)
+    modes = _mode_output_specs(model, specs, output_specs)
+    if modes is not None:
+        layer = OpaqueLayer(model, output_specs, reason=reason, mode_output_specs=modes[0],
+                            none_means=modes[1], name=layer.name)
     input_values = keras.tree.map_structure(
         lambda spec: Value(None, 0, keras.KerasTensor(
             (spec.batch_size,) + spec.shape, dtype=spec.dtype, name=spec.name)),
@@ -275,7 +286,46 @@ def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
         Value(node, i, t) for i, t in enumerate(keras.tree.flatten(output_tensors))
     ]
     outputs_nest = keras.tree.pack_sequence_as(output_tensors, node.outputs)
-    return Graph(specs, input_values, [node], outputs_nest, name=model.name)
+    graph = Graph(specs, input_values, [node], outputs_nest, name=model.name)
+    if modes is not None:
+        graph.output_modes = {"outputs": layer.mode_outputs(), "none_means": layer.none_means}
+    return graph
+
+
+def _mode_output_specs(model, specs, inference_specs):
+    """`({mode: output specs}, none_means)` where `model`'s `call` returns
+    another structure under `training=True` (or None) than in inference
+    (`inference_specs`, from the eager call); None where it returns one
+    structure in every mode (or takes no `training`). Each mode is traced
+    as the opaque node runs it in a function, symbolically: nothing runs."""
+    if not takes_training(model):
+        return None
+    signature = keras.tree.map_structure(
+        lambda spec: tf.TensorSpec((spec.batch_size,) + spec.shape, spec.dtype), specs)
+
+    def specs_in(training):
+        probe = tf.function(
+            lambda inputs: autograph_call(model, (inputs,), {"training": training}))
+        traced = probe.get_concrete_function(signature).structured_outputs
+        return output_specs_of(traced, None, True)
+
+    def structure(nest):
+        return keras.tree.map_structure(lambda leaf: "tensor", nest)
+
+    held = structure(keras.tree.map_structure(lambda t: 0, inference_specs))
+    in_training = specs_in(True)
+    if structure(in_training) == held:
+        return None
+    modes = {"training": in_training, "inference": inference_specs}
+    default = default_training(model)
+    if default is not None:
+        return modes, "training" if default else "inference"
+    in_none = structure(specs_in(None))
+    for mode in ("inference", "training"):
+        if in_none == structure(modes[mode]):
+            return modes, mode
+    modes["default"] = specs_in(None)
+    return modes, "default"
 
 
 def _build_all_branches(layer, specs):

@@ -84,6 +84,7 @@ def rebuild(graph, name=None):
         kip_pinned_training=pinned,
         kip_annotations=annotations,
         kip_layer_paths=paths,
+        kip_output_modes=graph.output_modes,
     )
     model.kip_graph = graph
     object.__setattr__(model, "kip_replaced", tuple(graph.replaced))
