@@ -49,7 +49,9 @@ def train_graph_ops(model):
     strategy = strategy_owning(model.trainable_variables)
 
     def one_replica(inputs):
-        with tf.GradientTape() as tape:
+        # Under a scope of its own, as Keras's `fit` calls the model: a
+        # model's root scope may not start with `_` (a class `_Net`).
+        with tf.GradientTape() as tape, tf.name_scope("train_step"):
             outputs = model(inputs, training=True)
             loss = tf.add_n([
                 tf.reduce_sum(tf.cast(output, "float32"))
