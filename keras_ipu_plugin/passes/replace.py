@@ -5,10 +5,13 @@ Each target's nodes call a new layer made by its `Replacement` (see
 call sites stay shared, or the layer an earlier conversion of the same
 model made (trained since). Targets inside custom layers that are not
 expanded are reached by expanding the layers that contain them, which the
-report says. A matching layer out of reach (inside a layer that cannot be
-expanded, or inside Keras's own layers holding layers: an RNN's cell, a
-wrapper) is named in the report as "not reached", with why;
-`strict=True` makes any such layer an error instead.
+report says. Inside Keras's own layers holding layers (an RNN's cell or a
+layer the cell holds, Bidirectional, TimeDistributed) the node calls a new
+holder built from the holder's config around the new layers
+(`replacement.holder_with_replaced`). A matching layer out of reach (inside
+a layer that cannot be expanded, a holder that cannot be rebuilt) is named
+in the report as "not reached", with why; `strict=True` makes any such
+layer an error instead.
 """
 
 import keras
