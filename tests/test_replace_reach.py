@@ -225,3 +225,17 @@ def test_replaced_inside_holders_trains_as_plain_keras(which):
                                   verbose=0).history["loss"]
     assert losses["plain"][0] != losses["plain"][-1]
     np.testing.assert_allclose(losses["plugin"], losses["plain"], rtol=1e-5)
+
+
+def test_a_cell_with_a_replaced_attribute_refuses_to_be_saved(tmp_path):
+    """The cell's config cannot say its LayerNormalization is a MyNorm: the
+    passed model refuses to be saved (it would load the original class)
+    rather than load another computation."""
+    keras.utils.set_random_seed(0)
+    model = Wrapped()
+    x, _ = _wrapped_data()
+    mapping, _ = WRAPPED_REPLACEMENTS["path"]
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [Replace(mapping)])
+    with pytest.raises(ValueError, match=r"`rnn.cell` holds `norm` replaced by MyNorm"):
+        passed.save(str(tmp_path / "m.keras"))
+    passed.save_weights(str(tmp_path / "m.weights.h5"))

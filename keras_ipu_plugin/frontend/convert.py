@@ -34,6 +34,7 @@ from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.training_branches import default_training
 from keras_ipu_plugin.frontend.trace.tracing import essential_message
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
@@ -155,6 +156,7 @@ class Converter:
             graph = opaque_graph(
                 model, specs, outputs, error.reason,
                 batch_size=inputs_lib.batch_size_of(x), static_batch=self.static_batch,
+                modes_differ=isinstance(error, ModeStructureError),
             )
             report.add_opaque(model.name, error.reason)
         for node in graph.nodes:
@@ -256,14 +258,17 @@ def _nondeterministic_output(model, x):
     return None
 
 
-def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
+def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch,
+                 modes_differ=False):
     """A graph of one `OpaqueLayer` node that runs `model`'s own code.
 
     A `call` returning another structure in training than in inference
     (only inference adds top-k `"predictions"`) is held with the specs of
     each mode: the node outputs the leaves of every mode and the graph's
     `output_modes` says which make each mode's structure, so the converted
-    model returns what the original returns in each mode."""
+    model returns what the original returns in each mode. `modes_differ`:
+    tracing found so; where the modes' structures cannot then be learnt,
+    conversion refuses (`ConversionError`): the model could not train."""
     # Named by the model's class, not its Keras name (`sas_rec_1` the second
     # time the class is built): a path from one run's report names the node
     # in the next.
@@ -271,7 +276,7 @@ def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
     layer = OpaqueLayer(model, output_specs, reason=reason,
                         name=f"{_compat.auto_layer_name_base(model)}_opaque")
     _build_all_branches(layer, specs)
-    modes = _mode_output_specs(model, specs, output_specs)
+    modes = _mode_output_specs(model, specs, output_specs, reason if modes_differ else None)
     if modes is not None:
         layer = OpaqueLayer(model, output_specs, reason=reason, mode_output_specs=modes[0],
                             none_means=modes[1], name=layer.name)
@@ -293,12 +298,14 @@ def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
     return graph
 
 
-def _mode_output_specs(model, specs, inference_specs):
+def _mode_output_specs(model, specs, inference_specs, differ_reason=None):
     """`({mode: output specs}, none_means)` where `model`'s `call` returns
     another structure under `training=True` (or None) than in inference
     (`inference_specs`, from the eager call); None where it returns one
     structure in every mode (or takes no `training`). Each mode is traced
-    as the opaque node runs it in a function, symbolically: nothing runs."""
+    as the opaque node runs it in a function, symbolically: nothing runs.
+    A mode that cannot be traced so leaves the one structure, unless
+    tracing said they differ (`differ_reason`): then `ConversionError`."""
     if not takes_training(model):
         return None
     signature = keras.tree.map_structure(
@@ -307,26 +314,51 @@ def _mode_output_specs(model, specs, inference_specs):
     def specs_in(training):
         probe = tf.function(
             lambda inputs: autograph_call(model, (inputs,), {"training": training}))
-        traced = probe.get_concrete_function(signature).structured_outputs
+        try:
+            traced = probe.get_concrete_function(signature).structured_outputs
+        except Exception as error:  # noqa: BLE001 - said below, or the one structure kept
+            if differ_reason is None:
+                raise _NoModeSpecs() from error
+            raise ConversionError(
+                f"Cannot convert `{model.name}`: {differ_reason}; but its `call` under "
+                f"training={training} fails when traced in a function "
+                f"({type(error).__name__}: {essential_message(error)}), so the structure it "
+                "returns in that mode is unknown and the converted model could not train. "
+                "Return the same structure in every mode (the loss reading the keys it "
+                "needs), or train the model with plain Keras.") from error
         return output_specs_of(traced, None, True)
 
     def structure(nest):
         return keras.tree.map_structure(lambda leaf: "tensor", nest)
 
     held = structure(keras.tree.map_structure(lambda t: 0, inference_specs))
-    in_training = specs_in(True)
+    try:
+        in_training = specs_in(True)
+    except _NoModeSpecs:
+        return None
     if structure(in_training) == held:
         return None
     modes = {"training": in_training, "inference": inference_specs}
     default = default_training(model)
     if default is not None:
         return modes, "training" if default else "inference"
-    in_none = structure(specs_in(None))
+    try:
+        in_none = specs_in(None)
+    except _NoModeSpecs as error:
+        raise ConversionError(
+            f"Cannot convert `{model.name}`: its `call` returns another structure in "
+            "training than in inference, and fails when traced in a function with "
+            f"training=None ({essential_message(error.__cause__)}), so the structure it "
+            "returns when called without a mode is unknown.") from error
     for mode in ("inference", "training"):
-        if in_none == structure(modes[mode]):
+        if structure(in_none) == structure(modes[mode]):
             return modes, mode
-    modes["default"] = specs_in(None)
+    modes["default"] = in_none
     return modes, "default"
+
+
+class _NoModeSpecs(Exception):
+    """A mode of an opaque model cannot be traced in a function."""
 
 
 def _build_all_branches(layer, specs):

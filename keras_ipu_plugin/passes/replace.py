@@ -42,7 +42,7 @@ from keras_ipu_plugin.passes.replacement import copy_weights_by_name  # noqa: F4
 from keras_ipu_plugin.passes.replacement import NotRebuilt
 from keras_ipu_plugin.passes.replacement import holder_with_replaced
 from keras_ipu_plugin.passes.replacement import new_layer_for
-from keras_ipu_plugin.passes.core.patterns import names_a_path
+from keras_ipu_plugin.passes.infra.patterns import names_a_path
 
 
 @register_pass("replace", order=1)

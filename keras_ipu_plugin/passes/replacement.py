@@ -394,6 +394,10 @@ def holder_with_replaced(node, is_target, replacement, name):
         # On the new holder only (ours): its own fresh layer there is never
         # built, so it holds no weight.
         setattr(holder, attribute, made)
+        # Its config does not record the swap: a saved model would load the
+        # old class there. Refused when saving, never loaded otherwise.
+        object.__setattr__(holder, "get_config", functools.partial(
+            _unsaved_swap, f"{node.name}.{role}", attribute, type(made).__name__))
         pairs.append((role, attribute, old_sub))
     strategy = strategy_owning(old.weights)
     with strategy.scope():
@@ -442,3 +446,11 @@ def _without_build_configs(config):
     if isinstance(config, list):
         return [_without_build_configs(value) for value in config]
     return config
+
+
+def _unsaved_swap(path, attribute, new_class):
+    raise ValueError(
+        f"`{path}` holds `{attribute}` replaced by {new_class}, which the config of "
+        f"`{path}` does not record (its class builds its own `{attribute}`): a saved model "
+        "would load the original layer there. Save the weights (`save_weights`), or "
+        "save the model before Replace.")
