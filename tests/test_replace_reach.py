@@ -239,3 +239,48 @@ def test_a_cell_with_a_replaced_attribute_refuses_to_be_saved(tmp_path):
     with pytest.raises(ValueError, match=r"`rnn.cell` holds `norm` replaced by MyNorm"):
         passed.save(str(tmp_path / "m.keras"))
     passed.save_weights(str(tmp_path / "m.weights.h5"))
+
+
+@keras.saving.register_keras_serializable(package="test_replace_reach")
+class DeepNormedCell(SavedNormedCell):
+    """A LayerNormalization as an attribute, and another one deeper, in a block."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(units, **kwargs)
+        self.block = keras.Sequential([layers.LayerNormalization()])
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.block.build((input_shape[0], self.units))
+
+    def call(self, inputs, states):
+        h, _ = super().call(inputs, states)
+        h = self.block(h)
+        return h, [h]
+
+
+class WithDeepCell(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.rnn = layers.RNN(DeepNormedCell(4))
+        self.norm = layers.LayerNormalization()
+
+    def call(self, x):
+        return self.norm(self.rnn(x))
+
+
+def test_a_cell_with_a_target_deeper_than_an_attribute_is_not_partly_replaced():
+    """Replace cannot reach the cell's deeper LayerNormalization: it leaves
+    the whole RNN as it is (not the one norm it could reach) and names it,
+    with why; the norm outside is replaced."""
+    keras.utils.set_random_seed(0)
+    model = WithDeepCell()
+    x = np.random.default_rng(0).normal(size=(3, 5, 2)).astype("float32")
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), [_replace()])
+    assert passed.kip_graph.node("rnn").operation is model.rnn
+    assert isinstance(passed.kip_graph.node("norm").operation, MyNorm)
+    rows = [row for row in passed.kip_report.entries if row.action == "not reached"]
+    assert [row.layer for row in rows] == ["rnn"]
+    assert "is deeper inside `rnn`" in rows[0].detail
+    with pytest.raises(kip.PassError, match="is deeper inside `rnn`"):
+        kip.apply_passes(kip.convert_to_functional(model, x), [_replace(strict=True)])

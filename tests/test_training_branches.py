@@ -616,3 +616,8 @@ def test_a_model_returning_another_structure_in_training_saves_and_loads(tmp_pat
     assert sorted(loaded(x, training=True)) == TRAINING_KEYS
     assert sorted(loaded(x)) == INFERENCE_KEYS
     np.testing.assert_array_equal(loaded(x)["predictions"], model(x)["predictions"])
+    # Passes on the loaded model keep each mode's structure.
+    (node,) = converted.kip_graph.nodes
+    passed = kip.apply_passes(loaded, [Recompute([node.name])])
+    assert sorted(passed(x, training=True)) == TRAINING_KEYS
+    assert sorted(passed(x)) == INFERENCE_KEYS

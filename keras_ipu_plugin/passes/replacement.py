@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
@@ -376,9 +377,17 @@ def holder_with_replaced(node, is_target, replacement, name):
                     value, f"{path}.{attribute}"):
                 swaps.append((role, attribute, value))
                 paths.append(f"{path}.{attribute}")
-    if not paths:
-        raise NotRebuilt(f"the target is deeper inside `{node.name}` than a layer it holds "
-                         "or an attribute of one")
+    reached = {id(inner) for role in roles for inner in [getattr(old, role)]
+               if f"{node.name}.{role}" in paths}
+    reached |= {id(sub) for _, _, sub in swaps}
+    deeper = [sub for sub in _compat.sub_layers(old)
+              if id(sub) not in reached and is_target(sub, None)
+              and not any(id(outer) in reached and sub in _compat.sub_layers(outer)
+                          for outer in _compat.sub_layers(old))]
+    if not paths or deeper:
+        shown = f" (`{deeper[0].name}`)" if deeper else ""
+        raise NotRebuilt(f"a matching layer{shown} is deeper inside `{node.name}` than a "
+                         "layer it holds or an attribute of one")
     # Unbuilt, so that a layer swapped in below is built in its place.
     config = _without_build_configs(config)
     try:

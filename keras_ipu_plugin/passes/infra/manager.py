@@ -315,6 +315,8 @@ def graph_of_model(model, caller):
         if isinstance(node.operation, OpaqueLayer):
             node.opaque_reason = node.operation.reason
     _restore_paths(graph, getattr(model, "kip_layer_paths", {}))
+    # Read as a plain functional model: the outputs of every mode, flat.
+    graph.output_modes = getattr(model, "kip_output_modes", None)
     return graph
 
 
