@@ -288,7 +288,9 @@ def train_graph_ops(model):
     strategy = strategy_owning(model.trainable_variables)
 
     def one_replica(inputs):
-        with tf.GradientTape() as tape:
+        # Under a scope of its own, as Keras's `fit` calls the model: a
+        # model's root scope may not start with `_` (a class `_Net`).
+        with tf.GradientTape() as tape, tf.name_scope("train_step"):
             outputs = model(inputs, training=True)
             loss = tf.add_n([
                 tf.reduce_sum(tf.cast(output, "float32"))
@@ -380,6 +382,8 @@ def graph_of_model(model, caller):
             notes = (by_path[node.name] if node.name in by_path
                      else by_name.get(getattr(node.operation, "name", None), {}))
             node.annotations.update(notes)
+    # Read as a plain functional model: the outputs of every mode, flat.
+    graph.output_modes = getattr(model, "kip_output_modes", None)
     return graph
 
 
