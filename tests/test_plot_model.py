@@ -138,11 +138,16 @@ def test_without_pydot_the_error_says_what_to_install(monkeypatch, tmp_path):
     assert not (tmp_path / "m.png").exists()
 
 
-def test_without_graphviz_the_error_says_what_to_install(monkeypatch, tmp_path):
+def test_without_graphviz_an_image_is_an_error_saying_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(shutil, "which", lambda name: None)
+    passed = _passed()
     with pytest.raises(ImportError, match=r"no `dot` program on PATH.*apt-get install graphviz"):
-        kip.plot_model(_passed(), to_file=tmp_path / "m.png")
+        kip.plot_model(passed, to_file=tmp_path / "m.png")
     assert not (tmp_path / "m.png").exists()
+    # the dot source needs pydot alone
+    kip.plot_model(passed, to_file=tmp_path / "m.dot", show_shapes=True)
+    source = (tmp_path / "m.dot").read_text()
+    assert source.startswith("digraph") and "<b>blocks.1.att</b> (MultiHeadAttention)" in source
 
 
 @pytest.mark.skipif(

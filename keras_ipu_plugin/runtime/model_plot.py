@@ -37,6 +37,9 @@ PLOT_NEEDS = (
     "(`apt-get install graphviz`, `brew install graphviz` or `conda install graphviz`)."
 )
 
+#: Extensions `plot_model` writes the dot source to (no graphviz needed).
+DOT_SOURCE_EXTENSIONS = ("dot", "gv")
+
 #: Layers that take a graph tensor only to be part of the graph, not as input.
 _READ_NO_INPUT = (VariableRead, HeldConstant)
 
@@ -105,7 +108,8 @@ def plot_model(model, to_file="model.png", show_shapes=False, show_dtype=False,
     """Draw `model` to `to_file` as `keras.utils.plot_model` does, each box
     named by its node path (see `model_to_dot` for what `model` may be).
 
-    The format is the file's extension (`.png` without one). Raises
+    The format is the file's extension (`.png` without one); `.dot` (or
+    `.gv`) writes the graph's dot source, which needs pydot alone. Raises
     `ImportError` saying what to install where pydot or graphviz's `dot`
     program is missing. Returns the image (png, jpg, gif or svg) for a
     notebook to show where IPython is installed, as Keras does; else None.
@@ -113,17 +117,18 @@ def plot_model(model, to_file="model.png", show_shapes=False, show_dtype=False,
     Example:
         >>> kip.plot_model(passed, to_file="passed.png", show_shapes=True)
     """
+    to_file = os.fspath(to_file)
+    extension = os.path.splitext(to_file)[1][1:].lower() or "png"
+    source = extension in DOT_SOURCE_EXTENSIONS
     _import_pydot()
-    if shutil.which("dot") is None:
+    if not source and shutil.which("dot") is None:
         raise ImportError("graphviz is not installed (no `dot` program on PATH). " + PLOT_NEEDS)
     dot = _dot(model, "kip.plot_model", show_shapes=show_shapes, show_dtype=show_dtype,
                show_layer_names=show_layer_names, rankdir=rankdir,
                expand_nested=expand_nested, dpi=dpi,
                show_layer_activations=show_layer_activations,
                show_trainable=show_trainable, splines=splines)
-    to_file = os.fspath(to_file)
-    extension = os.path.splitext(to_file)[1][1:] or "png"
-    dot.write(to_file, format=extension)
+    dot.write(to_file, format="raw" if source else extension)
     try:
         from IPython import display
     except ImportError:
@@ -235,4 +240,4 @@ def _one_or_list(items):
     return str(items[0]) if len(items) == 1 else str(list(items))
 
 
-__all__ = ["PLOT_NEEDS", "model_to_dot", "plot_model"]
+__all__ = ["DOT_SOURCE_EXTENSIONS", "PLOT_NEEDS", "model_to_dot", "plot_model"]
