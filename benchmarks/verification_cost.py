@@ -91,7 +91,7 @@ def child(variant, size):
         tensors = {k: tf.constant(v) for k, v in x.items()}
         rows = "auto" if variant == "verify" else None
         start = time.perf_counter()
-        result = kip.frontend.verify.check_equivalent(model, converted, tensors, rows=rows)
+        result = kip.frontend.verify.equivalence.check_equivalent(model, converted, tensors, rows=rows)
         seconds = time.perf_counter() - start
         detail = result.describe()
     else:

@@ -266,7 +266,7 @@ def test_outline_shares_one_body_and_keeps_results():
     model = Tower(depth=12)
     converted = kip.convert_to_functional(model, x)
     outlined = kip.apply_passes(converted, [kip.passes.Outline(Block)])
-    kip.frontend.verify.check_equivalent(model, outlined, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, outlined, x)
     expected = _gradients(converted, x, y)
     actual = _gradients(outlined, x, y)
     for e, a in zip(expected, actual):
@@ -328,7 +328,7 @@ def test_outline_passes_tensor_keyword_arguments_through():
     model = MaskedTower()
     converted = kip.convert_to_functional(model, ids)
     outlined = kip.apply_passes(converted, [kip.passes.Outline(MaskedBlock)])
-    kip.frontend.verify.check_equivalent(model, outlined, ids)
+    kip.frontend.verify.equivalence.check_equivalent(model, outlined, ids)
     # The three blocks share one body per training mode (attention dropout
     # reads it from the context): inference, training, and the mode `fit`
     # calls a model whose `call` takes no `training` in (verification runs

@@ -22,7 +22,7 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.errors import LoadError
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
@@ -259,7 +259,7 @@ def test_a_division_the_traces_at_multiples_cannot_follow_stays_whole_with_the_r
 def test_a_division_by_more_than_is_traced_at_stays_whole_saying_so():
     """Past `LARGEST_DIVISOR` the traces would be of batches that many times
     larger; at the trial sizes the division is 0."""
-    from keras_ipu_plugin.frontend.batch_divisions import LARGEST_DIVISOR
+    from keras_ipu_plugin.frontend.batch.divisions import LARGEST_DIVISOR
 
     class Blocks(layers.Layer):
         def call(self, x):
@@ -292,7 +292,7 @@ def test_a_division_at_batch_sizes_known_only_when_the_graph_runs_is_checked_the
 
 def test_a_probe_notes_only_divisions_the_batch_needs_to_be_exact():
     """`(b * 8) // 8`, as Keras works out a reshape's -1, needs nothing."""
-    from keras_ipu_plugin.frontend.batch_divisions import _TracedSize
+    from keras_ipu_plugin.frontend.batch.divisions import _TracedSize
 
     noted = []
     b = _TracedSize(3, noted)

@@ -160,7 +160,7 @@ def test_outputs_and_gradients_match(name):
     converted = kip.convert_to_functional(model, x)
     assert isinstance(converted, kip.KipFunctional)
     no_opaque(converted)
-    kip.frontend.verify.check_equivalent(model, converted, zoo.as_tensor(x))
+    kip.frontend.verify.equivalence.check_equivalent(model, converted, zoo.as_tensor(x))
     assert_equivalent(model, converted, x)
     assert_shares_variables(model, converted)
 
@@ -362,7 +362,7 @@ def test_original_matches_after_training_converted(name):
     ]
     assert all(changed), [v.path for v, c in zip(model.trainable_variables, changed) if not c]
     assert_equivalent(model, converted, x)
-    kip.frontend.verify.check_equivalent(model, converted, zoo.as_tensor(x))
+    kip.frontend.verify.equivalence.check_equivalent(model, converted, zoo.as_tensor(x))
 
 
 # -- inputs: names, dtypes, batch dimension --------------------------------------
@@ -613,7 +613,7 @@ def test_dynamic_branch_model_becomes_opaque_and_matches_both_branches():
     for value in (0.2, 0.02):
         other = np.full((4, 1), value, "float32")
         assert_equivalent(model, converted, other)
-        kip.frontend.verify.check_equivalent(model, converted, other)
+        kip.frontend.verify.equivalence.check_equivalent(model, converted, other)
     assert not np.allclose(converted(np.full((4, 1), 0.02, "float32")),
                            model.dense_layer(np.full((4, 1), 0.02, "float32")))
 
@@ -807,7 +807,7 @@ def test_verify_names_the_mismatching_output():
     other, _ = zoo.make_dict_model()
     converted_other = kip.convert_to_functional(other, x)
     with pytest.raises(kip.ConversionError, match=r"output `label`") as info:
-        kip.frontend.verify.check_equivalent(model, converted_other, zoo.as_tensor(x))
+        kip.frontend.verify.equivalence.check_equivalent(model, converted_other, zoo.as_tensor(x))
     assert isinstance(info.value, ValueError)
 
 
@@ -818,9 +818,9 @@ def test_verify_names_a_variable_with_a_missing_gradient():
     twin(x)
     twin.set_weights(model.get_weights())  # same values, other variables
     converted_twin = kip.convert_to_functional(twin, x)
-    kip.frontend.verify.check_equivalent(model, converted_twin, tf.constant(x), gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(model, converted_twin, tf.constant(x), gradients=False)
     with pytest.raises(kip.ConversionError) as info:
-        kip.frontend.verify.check_equivalent(model, converted_twin, tf.constant(x))
+        kip.frontend.verify.equivalence.check_equivalent(model, converted_twin, tf.constant(x))
     message = str(info.value)
     assert f"`{model.trainable_variables[0].path}`" in message
     assert "missing" in message
@@ -845,7 +845,7 @@ def test_verify_names_a_variable_whose_gradient_differs():
     plain, tricked = Scaled(dense), Scaled(dense, trick=True)
     converted = kip.convert_to_functional(tricked, x)
     with pytest.raises(kip.ConversionError, match="differs") as info:
-        kip.frontend.verify.check_equivalent(plain, converted, tf.constant(x))
+        kip.frontend.verify.equivalence.check_equivalent(plain, converted, tf.constant(x))
     assert f"gradient w.r.t. variable `{dense.kernel.path}`" in str(info.value)
 
 

@@ -84,11 +84,11 @@ def test_outputs_and_gradients_equal_after_conversion_and_passes(name):
     # (`convert_to_functional` verified `converted` on the first half: its
     # `verify=True` is this `check_equivalent`, raising on a mismatch.)
     second = tf.nest.map_structure(lambda t: t[8:], x)
-    kip.frontend.verify.check_equivalent(model, converted, second)
+    kip.frontend.verify.equivalence.check_equivalent(model, converted, second)
     for half in (first, second):
         # Replace gives the replaced layers new variables: the original's
         # gradients are compared with the new layers' below instead.
-        kip.frontend.verify.check_equivalent(
+        kip.frontend.verify.equivalence.check_equivalent(
             model, passed, half, what="passed", gradients=not has_replace(passes)
         )
     if has_replace(passes):

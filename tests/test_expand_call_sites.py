@@ -59,7 +59,7 @@ def test_a_layer_behind_an_alias_computes_its_mask_from_its_own_arguments():
     assert isinstance(passed.get_layer("block.attention"), kip.layers.alias.LayerAlias)
     assert node.operation is model.block.attention
     np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 class MaskedSelfAttentionBlock(layers.Layer):
@@ -102,7 +102,7 @@ def test_multi_head_attention_behind_an_alias_keeps_query_value_and_attention_ma
     passed = kip.apply_passes(kip.convert_to_functional(model, x), [Expand()])
     assert passed.kip_graph.node("block.attention").operation is model.block.attention
     np.testing.assert_allclose(passed(x), model(x), atol=1e-5)
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 def make_encoder():
@@ -144,7 +144,7 @@ def test_shared_sub_model_expands_at_every_call_site_with_unique_names():
     names = [layer.name for layer in passed.layers]
     assert len(names) == len(set(names))
     np.testing.assert_allclose(passed(x), model(x), atol=1e-6)
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
     plugin = kip.PluginModel(Siamese(name="siamese_2"), passes=[Expand("all")])
     plugin.compile(optimizer="sgd", loss="mse")
     history = plugin.fit(x, np.ones((8, 1), "float32"), epochs=2, verbose=0)

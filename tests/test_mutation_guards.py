@@ -14,13 +14,13 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from models import RegularizedTower  # tests/models.py
-from keras_ipu_plugin.frontend.verify import check_equivalent
+from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.passes import Chain
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.planning import node_costs
 from keras_ipu_plugin.planning import stage_timing
-from keras_ipu_plugin.passes.core.manager import graph_of
+from keras_ipu_plugin.passes.infra.manager import graph_of
 
 def _rand(*shape, seed=0):
     return np.random.RandomState(seed).normal(size=shape).astype("float32")

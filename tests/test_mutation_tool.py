@@ -29,7 +29,7 @@ def test_every_mutation_applies_to_exactly_one_place_of_the_code():
 
 def test_the_mutation_tool_check_fails_naming_a_stale_mutation(capsys):
     tool = _mutation_tool()
-    stale = tool.Mutation("gone", "frontend/verify.py", "no such snippet #$%", "", "stale", ())
+    stale = tool.Mutation("gone", "frontend/verify/equivalence.py", "no such snippet #$%", "", "stale", ())
     assert tool.check([stale], ROOT) == 1
     assert "gone" in capsys.readouterr().out
     assert tool.check(tool.MUTATIONS, ROOT) == 0
@@ -37,7 +37,7 @@ def test_the_mutation_tool_check_fails_naming_a_stale_mutation(capsys):
 
 def test_a_run_with_a_stale_mutation_fails_before_running_any_test(monkeypatch, capsys):
     tool = _mutation_tool()
-    stale = tool.Mutation("gone", "frontend/verify.py", "no such snippet #$%", "", "stale", ())
+    stale = tool.Mutation("gone", "frontend/verify/equivalence.py", "no such snippet #$%", "", "stale", ())
     monkeypatch.setattr(tool, "MUTATIONS", [stale, *tool.MUTATIONS[:1]])
     ran = []
     monkeypatch.setattr(tool, "mutate_and_test", lambda *args: ran.append(args))

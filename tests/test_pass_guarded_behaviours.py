@@ -317,7 +317,7 @@ def test_outline_shares_bodies_only_between_layers_of_equal_config():
     bodies = outlined._kip_executor.effects["outline"].bodies
     # relu | tanh + tanh_2 | no_bias | head (another width)
     assert len(bodies) == 4
-    kip.frontend.verify.check_equivalent(model, outlined, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, outlined, x)
 
 
 # -- Recompute lowers what a training step keeps for the backward pass --------

@@ -104,7 +104,7 @@ def test_class_target_reaches_blocks_inside_another_layer(vit):
     assert _checkpoints(passed) == [f"encoder.blocks.{i}" for i in range(DEPTH)]
     # The encoder was expanded to reach them, and the report says so.
     assert "encoder" in passed.kip_report.touched("recompute")
-    kip.frontend.verify.check_equivalent(model, passed, images)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
     _gradients_equal(model, passed, images)
     passed(images)
     assert sum(s.recompute for s in passed._kip_executor.steps) >= DEPTH - 1
@@ -124,7 +124,7 @@ def test_class_target_after_expand_checkpoints_at_the_end_of_each_expanded_block
         [b.path for b in graph.node(end).from_blocks] == ["encoder", f"encoder.blocks.{i}"]
         for i, end in enumerate(ends)
     )
-    kip.frontend.verify.check_equivalent(model, passed, images)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
     _gradients_equal(model, passed, images)
     passed(images)
     segments = passed._kip_executor.steps
@@ -138,7 +138,7 @@ def test_name_target_after_expand_means_the_expanded_block(vit, target):
     passed = kip.apply_passes(converted, [Expand(), Recompute(target)])
     block_nodes = [n.name for n in passed.kip_graph.nodes if n.name.startswith("encoder.blocks.1.")]
     assert _checkpoints(passed) == [block_nodes[-1]]
-    kip.frontend.verify.check_equivalent(model, passed, images)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
 
 
 def test_outline_of_an_expanded_block_class_outlines_its_layers(vit):
@@ -151,7 +151,7 @@ def test_outline_of_an_expanded_block_class_outlines_its_layers(vit):
         for layer in ("norm_1", "attention", "norm_2", "mlp_1", "mlp_2")
     )
     assert outlined == expected
-    kip.frontend.verify.check_equivalent(model, passed, images)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
     # One body per kind of layer, shared by the three blocks (per mode for
     # the attention, whose dropout reads the training mode).
     bodies = passed._kip_executor.effects["outline"].bodies
@@ -179,7 +179,7 @@ def test_expand_by_class_reaches_blocks_inside_another_layer(vit):
     assert "encoder.blocks.0.mlp_1" in names and "encoder.norm" in names
     assert not any(isinstance(n.operation, (TransformerEncoder, Encoder))
                    for n in passed.kip_graph.nodes)
-    kip.frontend.verify.check_equivalent(model, passed, images)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, images)
 
 
 def test_a_block_inside_a_layer_that_cannot_be_expanded_is_a_clear_error():

@@ -288,7 +288,7 @@ def test_expand_all_leaves_builtin_layers_same_results_same_variables(name):
             layer = layer.layer
         if not isinstance(layer, layers.InputLayer):
             assert type(layer).__module__.startswith("keras."), layer
-    kip.frontend.verify.check_equivalent(model, passed, x)  # outputs and gradients
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)  # outputs and gradients
     assert {id(v) for v in passed.weights} == {id(v) for v in model.weights}
     assert len(passed.weights) == len(model.weights)
 
@@ -382,7 +382,7 @@ def test_expand_inlines_nested_sequential_and_functional_models():
     assert passed.kip_graph.node("seq.drop").training == kip.ir.graph.FOLLOW
     for node in layer_nodes(passed):
         assert not isinstance(node.operation, keras.Model)
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 def test_passes_apply_to_hand_written_functional_and_sequential_models():
@@ -397,11 +397,11 @@ def test_passes_apply_to_hand_written_functional_and_sequential_models():
     # The model keys them by Keras layer name: `rb.add` kept its own, `add`.
     assert passed.kip_layer_paths["rb.add"] == "add"
     assert passed.kip_annotations["add"] == {"recompute": True}
-    kip.frontend.verify.check_equivalent(functional, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(functional, passed, x)
     sequential = keras.Sequential([keras.Input((5,)), layers.Dense(3), Tower(2, name="tw")])
     passed = kip.apply_passes(sequential, [Expand()])
     assert node_names(passed)[-2:] == ["tw.dense", "tw.out"]
-    kip.frontend.verify.check_equivalent(sequential, passed, _rand(3, 5))
+    kip.frontend.verify.equivalence.check_equivalent(sequential, passed, _rand(3, 5))
 
 
 def test_expand_one_target_expands_one_level_only():
@@ -411,7 +411,7 @@ def test_expand_one_target_expands_one_level_only():
     assert "l1.inner" in names and "l1.proj" in names
     assert isinstance(passed.kip_graph.node("l1.inner").operation, Level2)
     assert kip.apply_passes(conv, [Expand("l1")]).kip_report.touched("expand") == ["l1"]
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 def test_shared_custom_layer_stays_shared():
@@ -428,7 +428,7 @@ def test_shared_custom_layer_stays_shared():
     passed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     passed.fit(x, np.ones((3, 1), "float32"), epochs=1, verbose=0)
     assert not np.allclose(before, np.array(model.shared.dense.kernel))
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 def test_training_passes_through_expanded_dropout():
@@ -575,7 +575,7 @@ def test_training_branches_and_counters_expand_and_follow_training():
     assert graph.node("scaled.calls.assign_add").operation.variable is model.scaled.calls
     assert set(passed.kip_report.opaque) == set()
     # The expanded parts still follow `training` and share their variables.
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
     for training in (True, False):
         np.testing.assert_allclose(
             outputs_of(passed, x, training)[0], outputs_of(model, x, training)[0], atol=1e-6
@@ -655,7 +655,7 @@ def test_layer_that_would_freeze_its_weights_expands_with_the_lookup_in_the_grap
     assert node.operation is model.pos.positions
     assert type(node.args[0].producer.operation).__name__ == "HeldConstant"
     assert passed.kip_report.opaque == {}
-    kip.frontend.verify.check_equivalent(model, passed, x)  # the gradient reaches the table
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)  # the gradient reaches the table
     model.pos.positions.embeddings.assign(np.ones((5, 8), "float32"))
     assert_same_outputs(model, passed, x, atol=1e-5)  # and new weights are used
 
@@ -672,7 +672,7 @@ def test_replace_dense_by_subclass_with_copied_weights_is_equivalent():
     for node in replaced:
         assert id(node.operation) not in old
     assert passed.kip_graph.node("encoder.norm_1").operation is model.encoder.norm_1
-    kip.frontend.verify.check_equivalent(model, passed, x, gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x, gradients=False)
     assert len(passed.kip_report.touched("replace")) == 3
 
 
@@ -681,7 +681,7 @@ def test_replace_without_copying_weights_gives_new_weights():
     passed = kip.apply_passes(conv, [Replace({"head": Replacement(MyDense)})])
     assert isinstance(passed.kip_graph.node("head").operation, MyDense)
     with pytest.raises(kip.ConversionError):
-        kip.frontend.verify.check_equivalent(model, passed, x, gradients=False)
+        kip.frontend.verify.equivalence.check_equivalent(model, passed, x, gradients=False)
 
 
 def test_replace_params_merge_into_the_old_config():
@@ -696,7 +696,7 @@ def test_replace_params_merge_into_the_old_config():
     assert config["units"] == model.head.units == 2
     assert config["use_bias"] is True
     assert new.name == "fast" and "fast" in [layer.name for layer in passed.layers]
-    kip.frontend.verify.check_equivalent(model, passed, x, gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x, gradients=False)
 
 
 def test_replace_params_that_change_the_layer_are_applied():
@@ -718,7 +718,7 @@ def test_replace_name_param_on_several_layers_keeps_names_unique():
     names = [layer.name for layer in passed.layers]
     assert len(names) == len(set(names))
     assert "fast" in names
-    kip.frontend.verify.check_equivalent(model, passed, x, gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x, gradients=False)
 
 
 class DoublingDense(layers.Dense):
@@ -758,7 +758,7 @@ def test_replace_finds_target_inside_unexpanded_custom_layer():
     ]
     assert expanded_by_replace == ["l1", "l1.inner", "l1.inner.inner"]
     assert "l1.inner.inner.dense" in report.touched("replace")
-    kip.frontend.verify.check_equivalent(model, passed, x, gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x, gradients=False)
 
 
 def test_replace_keeps_shared_layers_shared():
@@ -819,7 +819,7 @@ def test_annotations_are_recorded_in_the_graph_and_the_model():
     assert passed.kip_annotations["add"] == {"recompute": True, "stage": 0}
     assert passed.kip_annotations["block_2.bn2"] == {
         "outline": {"unique_sharding": True}, "stage": 1}
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 def test_annotations_are_in_the_report():
@@ -935,9 +935,9 @@ pipeline_stages: [[stem, block_1.add], [block_2.conv1], [fast]]
 @pytest.fixture
 def registry(monkeypatch):
     """A clean layer registry, with MyDense registered, for one test."""
-    monkeypatch.setattr(kip.passes.core.layer_class_names, "_registry", {})
+    monkeypatch.setattr(kip.passes.infra.layer_class_names, "_registry", {})
     kip.register_layer(MyDense)
-    return kip.passes.core.layer_class_names._registry
+    return kip.passes.infra.layer_class_names._registry
 
 
 def python_passes():
@@ -1085,7 +1085,7 @@ def test_yaml_python_tags_fail_safely(tmp_path):
 
 
 def test_register_layer_makes_a_class_nameable(monkeypatch):
-    monkeypatch.setattr(kip.passes.core.layer_class_names, "_registry", {})
+    monkeypatch.setattr(kip.passes.infra.layer_class_names, "_registry", {})
     config = {"replace": {"Dense": {"class": "MyDense", "params": {"units": 2}}}}
     with pytest.raises(kip.ConfigError) as caught:
         kip.passes_from_config(config)

@@ -1,5 +1,5 @@
 """Each kind of block is traced once and replayed over the others
-(`frontend/replay.py`), and blocks that differ are never replayed from
+(`frontend/replay/templates.py`), and blocks that differ are never replayed from
 each other."""
 
 import keras
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.frontend.replay import layer_signature
+from keras_ipu_plugin.frontend.replay.templates import layer_signature
 from keras_ipu_plugin.passes import Expand
 
 layers = keras.layers
@@ -61,7 +61,7 @@ def test_expand_traces_each_kind_of_block_once():
     # ... and each block's nodes call its own layers.
     for i, block in enumerate(model.blocks):
         assert passed.kip_graph.node(f"blocks.{i}.dense").operation is block.dense
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 def test_blocks_that_differ_are_not_replayed_from_each_other():
@@ -76,7 +76,7 @@ def test_blocks_that_differ_are_not_replayed_from_each_other():
     # By attribute path: blocks.1 is `twice`, blocks.0 is `plain`.
     assert sum(name.startswith("blocks.1.") for name in names) == 5  # dense, norm twice, add
     assert sum(name.startswith("blocks.0.") for name in names) == 3
-    kip.frontend.verify.check_equivalent(model, passed, x)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x)
 
 
 class Table:
@@ -173,17 +173,17 @@ def test_blocks_whose_weights_differ_in_shape_or_dtype_have_other_signatures():
 
 import tensorflow as tf  # noqa: E402
 
-from keras_ipu_plugin.frontend.replay import CallTemplates  # noqa: E402
+from keras_ipu_plugin.frontend.replay.templates import CallTemplates  # noqa: E402
 from keras_ipu_plugin.ir.graph import Value  # noqa: E402
 from keras_ipu_plugin.ir.graph import map_leaves  # noqa: E402
 from keras_ipu_plugin.passes.expand import expand_graph  # noqa: E402
 from keras_ipu_plugin.report import Report  # noqa: E402
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation  # noqa: E402
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation  # noqa: E402
 from keras_ipu_plugin.layers.layer_kinds import is_expandable  # noqa: E402
-from keras_ipu_plugin.layers.random_draws import RandomDraw  # noqa: E402
-from keras_ipu_plugin.layers.reads import HeldConstant  # noqa: E402
-from keras_ipu_plugin.layers.reads import VariableRead  # noqa: E402
-from keras_ipu_plugin.layers.tf_function import TFFunction  # noqa: E402
+from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw  # noqa: E402
+from keras_ipu_plugin.layers.state.reads import HeldConstant  # noqa: E402
+from keras_ipu_plugin.layers.state.reads import VariableRead  # noqa: E402
+from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction  # noqa: E402
 
 ops = keras.ops
 

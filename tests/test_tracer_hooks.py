@@ -9,10 +9,10 @@ import numpy as np
 from keras import layers
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.frontend.tracer import DEFAULT_TRACER
-from keras_ipu_plugin.frontend.tracer import Tracer
-from keras_ipu_plugin.frontend.tracer import current_tracer
-from keras_ipu_plugin.frontend.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracer import DEFAULT_TRACER
+from keras_ipu_plugin.frontend.trace.tracer import Tracer
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
+from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.frontend.inputs import input_specs
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.layers import user_code

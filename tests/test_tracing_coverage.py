@@ -163,7 +163,7 @@ def test_replace_reaches_the_sub_layers_of_a_layer_that_owns_a_weight():
     node = passed.kip_graph.node("block.norm")
     assert isinstance(node.operation, layers.LayerNormalization)
     assert node.operation is not model.block.norm
-    kip.frontend.verify.check_equivalent(model, passed, x, gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(model, passed, x, gradients=False)
 
 
 class Temperature(keras.Model):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.frontend.verify import check_equivalent
+from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Outline
 from keras_ipu_plugin.passes import PipelineStages

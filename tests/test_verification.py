@@ -22,8 +22,8 @@ import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
-from keras_ipu_plugin.passes.core.base import Pass
-from keras_ipu_plugin.passes.core.base import matched_nodes
+from keras_ipu_plugin.passes.infra.base import Pass
+from keras_ipu_plugin.passes.infra.base import matched_nodes
 
 
 def _rand(*shape, seed=0):
@@ -74,7 +74,7 @@ def test_a_dict_batch_without_a_finite_row_names_the_inputs():
     a, b = keras.Input((3,), name="a"), keras.Input((3,), name="b")
     model = keras.Model({"a": a, "b": b}, keras.layers.Add()([a, b]))
     with pytest.raises(kip.InputDataError, match=r"`a` has NaN or Inf in rows 0, 1.*`b`.*2, 3"):
-        kip.frontend.verify.check_equivalent(model, model, x)
+        kip.frontend.verify.equivalence.check_equivalent(model, model, x)
 
 
 def test_a_first_batch_with_zero_rows_is_refused_not_verified():
@@ -120,7 +120,7 @@ def test_nan_where_the_original_is_finite_is_a_mismatch():
     poisoned = keras.Model(inputs, keras.layers.Lambda(
         lambda y: y * np.array([1.0, np.nan], "float32"))(dense(inputs)))
     with pytest.raises(kip.ConversionError, match=r"NaN in one and not in the other"):
-        kip.frontend.verify.check_equivalent(original, poisoned, _rand(4, 3), gradients=False)
+        kip.frontend.verify.equivalence.check_equivalent(original, poisoned, _rand(4, 3), gradients=False)
 
 
 # -- variables Keras cannot see ---------------------------------------------------
@@ -259,7 +259,7 @@ def test_an_output_half_a_percent_off_is_rejected():
     0.5%)."""
     original, twin = _mlp_and_twin(1.005)
     with pytest.raises(kip.ConversionError, match=r"output `output` differs"):
-        kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+        kip.frontend.verify.equivalence.check_equivalent(original, twin, _rand(8, 6), gradients=False)
 
 
 class GradientSkew(keras.Model):
@@ -281,7 +281,7 @@ def test_a_gradient_half_a_percent_off_is_rejected():
     plain, skewed = GradientSkew(dense, 1.0), GradientSkew(dense, 1.005)
     plain(x)
     with pytest.raises(kip.ConversionError, match=r"gradient w.r.t. variable .*kernel"):
-        kip.frontend.verify.check_equivalent(plain, skewed, x)
+        kip.frontend.verify.equivalence.check_equivalent(plain, skewed, x)
 
 
 def _three_outputs(last):
@@ -308,9 +308,9 @@ def test_a_difference_in_the_last_of_several_outputs_is_rejected(kind):
     original = keras.Model(inputs, outputs)
     other = keras.Model(inputs, outputs[:2] + [different(y)])
     x = _rand(16, 4)
-    kip.frontend.verify.check_equivalent(original, keras.Model(inputs, outputs), x)
+    kip.frontend.verify.equivalence.check_equivalent(original, keras.Model(inputs, outputs), x)
     with pytest.raises(kip.ConversionError, match=r"output `2` differs"):
-        kip.frontend.verify.check_equivalent(original, other, x)
+        kip.frontend.verify.equivalence.check_equivalent(original, other, x)
 
 
 # -- tolerances follow the dtype the layers compute in ---------------------------------
@@ -334,10 +334,10 @@ def test_a_real_difference_is_still_refused_under_mixed_precision(dtype_policy):
     # A tenth of a percent is rounding in half precision: accepted (bfloat16
     # outputs were compared exactly, as if they were integers).
     original, twin = _mlp_and_twin(1.001)
-    kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(original, twin, _rand(8, 6), gradients=False)
     original, twin = _mlp_and_twin(1.2)
     with pytest.raises(kip.ConversionError, match=r"output `output` differs") as info:
-        kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+        kip.frontend.verify.equivalence.check_equivalent(original, twin, _rand(8, 6), gradients=False)
     assert (f"the tolerance for {compute_dtype} computation, dtype policy `{dtype_policy}`"
             in str(info.value))
     assert "allowed: " in str(info.value)
@@ -347,7 +347,7 @@ def test_a_real_difference_is_still_refused_under_mixed_precision(dtype_policy):
     plain, skewed = GradientSkew(dense, 1.0), GradientSkew(dense, 1.2)
     plain(x)
     with pytest.raises(kip.ConversionError, match=r"gradient w.r.t. variable .*kernel"):
-        kip.frontend.verify.check_equivalent(plain, skewed, x)
+        kip.frontend.verify.equivalence.check_equivalent(plain, skewed, x)
 
     converted = kip.convert_to_functional(WithBlock(), _rand(8, 4))
     with pytest.raises(kip.PassError, match=rf"after pass SwapActivation: .*{dtype_policy}"):
@@ -362,13 +362,13 @@ def test_the_tolerance_follows_the_least_precise_compute_dtype(dtype_policy, exp
     """A model computing in float64 is held to float64's tolerance, one
     with a float16 layer among float32 ones to float16's."""
     original, twin = _mlp_and_twin(1.0)
-    tolerance = kip.frontend.verify_compare.tolerance_for(original, twin)
+    tolerance = kip.frontend.verify.compare.tolerance_for(original, twin)
     assert tolerance.dtype == expected
     if dtype_policy == "float32":
         keras.config.set_dtype_policy("mixed_float16")
         half = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, dtype="float32"),
                                  keras.layers.Dense(3)])
-        assert kip.frontend.verify_compare.tolerance_for(half).dtype == "float16"
+        assert kip.frontend.verify.compare.tolerance_for(half).dtype == "float16"
 
 
 @pytest.mark.parametrize("dtype_policy", ["float64"], indirect=True)
@@ -377,10 +377,10 @@ def test_a_float64_model_is_held_to_float64_rounding(dtype_policy):
     outside what float64 computation rounds to: refused."""
     original, twin = _mlp_and_twin(1.0 + 1e-6)
     with pytest.raises(kip.ConversionError, match=r"for float64 computation"):
-        kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+        kip.frontend.verify.equivalence.check_equivalent(original, twin, _rand(8, 6), gradients=False)
     keras.config.set_dtype_policy("float32")
     original, twin = _mlp_and_twin(1.0 + 1e-6)
-    kip.frontend.verify.check_equivalent(original, twin, _rand(8, 6), gradients=False)
+    kip.frontend.verify.equivalence.check_equivalent(original, twin, _rand(8, 6), gradients=False)
 
 
 # -- cost: a few rows where that is the same computation ----------------------------------
@@ -499,7 +499,7 @@ def test_a_model_that_fails_on_the_whole_batch_is_still_refused_as_failing():
     model = ConstantBatch()
     converted = kip.convert_to_functional(model, _rand(BATCH, 4, 3))
     with pytest.raises(kip.InputDataError, match="the original model `.*` fails on the batch"):
-        kip.frontend.verify.check_equivalent(model, converted, _rand(2 * BATCH, 4, 3))
+        kip.frontend.verify.equivalence.check_equivalent(model, converted, _rand(2 * BATCH, 4, 3))
 
 
 class GraphModeOnly(keras.layers.Layer):
@@ -788,10 +788,10 @@ def test_a_sparse_embedding_gradient_is_compared_on_the_rows_it_touches():
     embedding, head = keras.layers.Embedding(50, 4), keras.layers.Dense(1)
     model = Lookup(embedding, head)
     model(ids)
-    verification = kip.frontend.verify.check_equivalent(model, model, ids)
+    verification = kip.frontend.verify.equivalence.check_equivalent(model, model, ids)
     assert verification.gradients == 3
     with pytest.raises(kip.ConversionError, match=r"gradient w.r.t. variable .*embeddings"):
-        kip.frontend.verify.check_equivalent(model, Lookup(embedding, head, twisted=True), ids)
+        kip.frontend.verify.equivalence.check_equivalent(model, Lookup(embedding, head, twisted=True), ids)
 
 
 class FreezeDense(Pass):

@@ -32,13 +32,14 @@ from keras_ipu_plugin.frontend.state import ModelState
 from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
-from keras_ipu_plugin.frontend.tracing import TraceError
-from keras_ipu_plugin.frontend.tracing import essential_message
-from keras_ipu_plugin.frontend.tracing import trace_model
-from keras_ipu_plugin.frontend.verify import check_equivalent
-from keras_ipu_plugin.frontend.verify import keep_first_batch
-from keras_ipu_plugin.frontend.verify_compare import is_float_array
-from keras_ipu_plugin.frontend.verify_compare import tolerance_for
+from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracing import essential_message
+from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
+from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch
+from keras_ipu_plugin.frontend.verify.compare import is_float_array
+from keras_ipu_plugin.frontend.verify.compare import tolerance_for
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
@@ -231,7 +232,7 @@ def _nondeterministic_output(model, x):
     try:
         # TensorFlow's stateful draws are replayed as verification replays
         # them: what still differs, verification cannot make equal.
-        with replay_state(model) as replay, _compat.taped_stateful_draws() as draws:
+        with replay_state(model) as replay, taped_stateful_draws() as draws:
             draws.record()
             first = model(x, training=False)
             replay()

@@ -17,7 +17,7 @@ tracing makes views of (`user_call`), which layers Expand inlines
 which layers' attributes are put back after a trace and which frame of a
 traceback is the user's line (`is_user_class`, `is_user_source`). Every
 place that asks whether a layer's `call` takes `training` asks
-`takes_training`. The frontend's `Tracer` (`frontend/tracer.py`) exposes
+`takes_training`. The frontend's `Tracer` (`frontend/trace/tracer.py`) exposes
 the layer rule and the probe as overridable hooks.
 
 Example:

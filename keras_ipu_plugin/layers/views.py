@@ -10,7 +10,7 @@ used as they are. Being a subclass keeps `isinstance` and zero-argument
 `super()` in the user's code working.
 
 `opaque.py` uses views whose `call` is AutoGraph-converted; the trace
-(`frontend/trace_views.py`) uses views whose symbolic calls are traced
+(`frontend/trace/trace_views.py`) uses views whose symbolic calls are traced
 inline on KerasTensors.
 
 Example:

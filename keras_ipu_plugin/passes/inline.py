@@ -1,7 +1,7 @@
 """Inline one call of a custom layer: what `Expand` does at each node.
 
 `inline_call(graph, node, ...)` traces the layer's `call` at `node` (or
-replays the trace of a block of the same kind, `frontend/replay.py`) and
+replays the trace of a block of the same kind, `frontend/replay/templates.py`) and
 puts the nodes it makes in the node's place with the graph's primitives:
 inserted before it, the node's users rewired to the new outputs, the node
 erased. The new nodes are named after their path, `parent.child`, in the
@@ -19,24 +19,24 @@ import re
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend import tracing
-from keras_ipu_plugin.frontend.attribute_paths import attribute_paths
-from keras_ipu_plugin.frontend.attribute_paths import path_of
-from keras_ipu_plugin.frontend.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace import tracing
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
+from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import InlinedBlock
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.ir.graph import values_in
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.layer_kinds import training_agnostic
-from keras_ipu_plugin.layers.masks import AttachMask
+from keras_ipu_plugin.layers.keras_ops.masks import AttachMask
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.layers.random_draws import RandomDraw
-from keras_ipu_plugin.layers.reads import is_read
-from keras_ipu_plugin.layers.variable_write import is_write_node
+from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
+from keras_ipu_plugin.layers.state.reads import is_read
+from keras_ipu_plugin.layers.state.variable_write import is_write_node
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")
 

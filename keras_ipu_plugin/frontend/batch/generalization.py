@@ -1,0 +1,524 @@
+"""Batch generalisation: one graph for any batch size from two traces of a
+call made at two batch sizes (what the tracer does where a call computes
+with the batch size, `ops.shape(x)[0]`).
+
+A dimension that is the one batch size in one trace and the other in the
+other becomes unknown, in output shapes and in operations' shape attributes
+(the operation becomes a `layers.batch_sized.BatchSizedOperation`, which
+reads the batch size from a graph tensor when the graph runs); anything else
+that differs raises `NotBatchGeneral`, with the reason.
+
+Example:
+    >>> nodes, outputs = generalize_batch((nodes_2, outputs_2), (nodes_3, outputs_3),
+    ...                                   (2, 3), anchor, same_operation)
+"""
+
+
+from fractions import Fraction
+
+import keras
+import numpy as np
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.batch.errors import MixedLeadingSizes
+from keras_ipu_plugin.frontend.batch.errors import NotBatchGeneral
+from keras_ipu_plugin.frontend.batch.switches import are_switches
+from keras_ipu_plugin.frontend.batch.switches import general_switch
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+
+
+def unknown_dimension_attributes(operation):
+    """Names of `operation`'s shape attributes (lists / tuples of
+    dimensions) that hold None."""
+    return [
+        name for name, value in vars(operation).items()
+        if not name.startswith("_") and isinstance(value, (list, tuple))
+        and any(item is None for item in value)
+        and all(item is None or isinstance(item, int) for item in value)
+    ]
+
+
+
+
+def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="",
+                     groups=None, known=None):
+    """One graph for any batch size from two traces of the same call, made
+    with its inputs' batch size set to `batch_sizes = (s, l)`.
+
+    `groups`: for inputs whose leading sizes are independent of each other
+    (a graph's node features and its edge list), `[(anchor, (s, l))]`, one
+    per input, each traced at sizes of its own; then `batch_sizes` and
+    `anchor` are unused. Each dimension is then matched to the one input
+    whose sizes it follows (their ratios differ, so no dimension follows
+    two), and an operation reads it from that input's Value; an operation
+    holding the sizes of two inputs, or a size that is one plus a constant,
+    raises `NotBatchGeneral`.
+
+    `small` / `large`: `(nodes, outputs)` of the two traces. They must match
+    node for node (`same_operation(a, b)`), and differ only where the batch
+    size was: a dimension that is `s` in one and `l` in the other becomes
+    unknown (None) in output shapes and in operations' shape attributes
+    (the operation becomes a `BatchSizedOperation` reading it from the
+    `anchor` Value); a constant that differs only by its batch dimensions,
+    and is the same slice repeated along them (a causal mask broadcast to
+    the batch), becomes that slice broadcast to the batch in the graph.
+    Anything else raises `NotBatchGeneral`: the call computes with the batch
+    size in a way one graph cannot follow.
+
+    A `ModeSwitch` in both (a call branching on `training` in Python) is
+    made one of its modes' graphs, each generalized so
+    (`batch_switches.py`). `known`: {id(Value of the large trace): Value of
+    the small one} for the inputs the two traces read apart (a switch's
+    graphs').
+
+    Returns `(nodes, outputs)` of `small`, generalized (its Nodes are
+    reused; new ones are named `prefix + ...`).
+    """
+    from keras_ipu_plugin.ir.graph import Node
+    from keras_ipu_plugin.ir.graph import Value
+    from keras_ipu_plugin.layers.state.reads import HeldConstant
+
+    (nodes_s, outputs_s), (nodes_l, outputs_l) = small, large
+    if groups is None:
+        groups = [(anchor, tuple(batch_sizes))]
+    anchors = [group_anchor for group_anchor, _ in groups]
+    batch_sizes = [tuple(sizes) for _, sizes in groups]
+
+    def anchor_for(used, name):
+        """The Value whose leading size the dimensions `used` (group
+        indices) follow."""
+        if len(used) > 1:
+            raise MixedLeadingSizes(
+                f"`{name}` holds the leading sizes of {len(used)} inputs whose leading "
+                "dimensions are independent of each other, which no one graph tensor "
+                "gives when the graph runs; compute it from one input's size, or pass "
+                "static_batch=True to trace with the first batch's sizes")
+        return anchors[next(iter(used))] if used else anchors[0]
+    if len(nodes_s) != len(nodes_l):
+        raise NotBatchGeneral("the two traces call different layers")
+    value_of = dict(known or {})  # id(Value of the large trace) -> Value of the small one
+    result = []
+
+    def broadcast_node(constant, node_name):
+        """Nodes making `constant` (a broadcast of one slice along its batch
+        dimensions) in the graph; returns the Value of the broadcast."""
+        base = node_name[len(prefix):] if node_name.startswith(prefix) else node_name
+        held = HeldConstant(constant.slice, name=f"{prefix}{base}_slice")
+        anchor = anchor_for(constant.groups, node_name)
+        held_node = Node(held.name, held, (anchor,), {}, output_structure=None)
+        held_node.outputs = [Value(held_node, 0, keras.KerasTensor(
+            constant.slice.shape, dtype=str(constant.slice.dtype)))]
+        shape = {"shape": tuple(constant.shape)}
+        broadcast = BatchSizedOperation(
+            _compat.broadcast_to_operation(_with_none(constant.shape)), ["shape"],
+            multiples=_multiples_of(shape), offsets=_offsets_of(shape),
+            divisors=_divisors_of(shape), name=f"{base}_broadcast",
+        )
+        node = Node(prefix + broadcast.name, broadcast, (anchor, held_node.outputs[0]), {},
+                    output_structure=None)
+        node.outputs = [Value(node, 0, keras.KerasTensor(
+            _with_none(constant.shape), dtype=str(constant.slice.dtype)))]
+        result.extend([held_node, node])
+        return node.outputs[0]
+
+    def argument(a, b, name):
+        if isinstance(a, Value) or isinstance(b, Value):
+            expected = value_of.get(id(a), a)
+            if not (isinstance(a, Value) and isinstance(b, Value)
+                    and value_of.get(id(b), b) is expected):
+                raise NotBatchGeneral(f"`{name}` is given other tensors")
+            return expected
+        if _is_array(a) or _is_array(b):
+            constant = _general_constant(a, b, batch_sizes, name)
+            return a if constant is None else broadcast_node(constant, name)
+        if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+            return type(a)(argument(x, y, name) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+            return {k: argument(a[k], b[k], name) for k in a}
+        if type(a) is not type(b) or a != b:
+            raise NotBatchGeneral(f"`{name}` is given {a!r} and {b!r}")
+        return a
+
+    for node_s, node_l in zip(nodes_s, nodes_l):
+        switches = are_switches(node_s, node_l)
+        if not switches and not same_operation(node_s, node_l):
+            raise NotBatchGeneral(f"`{node_s.name}` is not called in both traces")
+        if len(node_s.outputs) != len(node_l.outputs):
+            raise NotBatchGeneral(f"`{node_s.name}` has other outputs")
+        args = argument(node_s.args, node_l.args, node_s.name)
+        kwargs = argument(node_s.kwargs, node_l.kwargs, node_s.name)
+        operation = node_s.operation
+        if switches:
+            inputs = [leaf for leaf in keras.tree.flatten(args) if isinstance(leaf, Value)]
+            operation = general_switch(node_s, node_l, inputs,
+                                       batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes,
+                                       anchors[0], same_operation, prefix,
+                                       generalize_batch, _general_spec)
+        elif isinstance(operation, HeldConstant):
+            constant = _general_constant(operation.value, node_l.operation.value,
+                                         batch_sizes, node_s.name)
+            if constant is not None:  # a lifted tensor with the batch in it
+                value = broadcast_node(constant, node_s.name)
+                value_of[id(node_l.outputs[0])] = value
+                value_of[id(node_s.outputs[0])] = value
+                continue
+        elif not isinstance(operation, keras.layers.Layer):
+            used = set()
+            shapes = _general_attributes(operation, node_l.operation, batch_sizes, node_s.name,
+                                         used)
+            if shapes:
+                anchor = anchor_for(used, node_s.name)
+                multiples, offsets = _multiples_of(shapes), _offsets_of(shapes)
+                divisors = _divisors_of(shapes)
+                shapes = {key: _with_none(shape) for key, shape in shapes.items()}
+                operation = BatchSizedOperation(
+                    _rebuilt_with(operation, shapes, node_s.name), list(shapes),
+                    multiples=multiples, offsets=offsets, divisors=divisors,
+                    name=operation.name)
+                args, kwargs = BatchSizedOperation.arguments(
+                    operation.operation, anchor, args, kwargs)
+        node_s.operation, node_s.args, node_s.kwargs = operation, args, kwargs
+        for value_s, value_l in zip(node_s.outputs, node_l.outputs):
+            value_s.spec = _general_spec(value_s.spec, value_l.spec, batch_sizes, node_s.name)
+            value_of[id(value_l)] = value_s
+        result.append(node_s)
+
+    def same_output(a, b):
+        expected = value_of.get(id(a), a)
+        if value_of.get(id(b), b) is not expected:
+            raise NotBatchGeneral("the two traces return other tensors")
+        return expected
+
+    flat_s, flat_l = keras.tree.flatten(outputs_s), keras.tree.flatten(outputs_l)
+    outputs = keras.tree.pack_sequence_as(
+        outputs_s, [same_output(a, b) for a, b in zip(flat_s, flat_l)])
+    return result, outputs
+
+
+def fixed_batch_reason(operation, arguments, outputs, name):
+    """Why the call of `operation` (a reshape or broadcast) at node `name`
+    runs at one batch size only, or None: it takes a tensor whose batch
+    size is unknown (None) to a shape that is all constants, so the batch
+    size is one of them (keras.io's Switch Transformer reshapes to
+    `[num_tokens_per_batch, embed_dim]`, a Python int from the data's
+    batch size). `arguments`: the call's arguments, flattened."""
+    kind = type(operation).__name__
+    function = getattr(operation, "function", None)
+    if kind == "TFFunction" and function in ("reshape", "broadcast_to"):
+        kind = "Reshape" if function == "reshape" else "BroadcastTo"
+    if kind not in ("Reshape", "BroadcastTo"):
+        return None
+    given = next((t for t in arguments if isinstance(t, keras.KerasTensor)), None)
+    if given is None or not given.shape or given.shape[0] is not None or None in given.shape[1:]:
+        return None
+    if len(outputs) != 1 or not outputs[0].shape or None in tuple(outputs[0].shape):
+        return None
+    shape, fixed = tuple(given.shape), tuple(outputs[0].shape)
+    rows = int(np.prod(fixed)) / max(int(np.prod(shape[1:])), 1)
+    batch = f"the batch size {int(rows)}" if rows == int(rows) else "a batch size"
+    verb = "reshapes" if kind == "Reshape" else "broadcasts"
+    return (
+        f"`{name}` {verb} a tensor whose batch size is unknown, of shape {shape}, to the "
+        f"fixed shape {fixed}: the code holds {batch} as a constant, so it runs at that "
+        "batch size only; write that dimension as -1 (`ops.reshape(x, (-1, "
+        f"{', '.join(map(str, fixed[1:]))}))`) or from `ops.shape(x)[0]` (times what it "
+        "multiplies) for the layer to expand and run at any batch size, or convert with "
+        "static_batch=True"
+    )
+
+
+def has_offsets(nodes):
+    """Whether a `BatchSizedOperation` among `nodes` (or the graphs of a
+    `ModeSwitch` among them) adds a constant to a multiple of the batch
+    size, or divides it."""
+    return any(isinstance(node.operation, BatchSizedOperation)
+               and (node.operation.offsets or node.operation.divisors)
+               for node in _with_branches(nodes))
+
+
+def batch_signature(nodes):
+    """How `nodes` compute with the batch size: per `BatchSizedOperation`,
+    its operation's kind, shapes, multiples, offsets and divisors; two
+    generalizations of the same call made from other batch sizes have the
+    same."""
+    return [
+        (type(node.operation.operation).__name__,
+         {name: getattr(node.operation.operation, name) for name in node.operation.attributes},
+         node.operation.multiples, node.operation.offsets, node.operation.divisors)
+        for node in _with_branches(nodes) if isinstance(node.operation, BatchSizedOperation)
+    ]
+
+
+def _with_branches(nodes):
+    from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+
+    return with_branch_nodes(nodes)
+
+
+class _BatchConstant:
+    """A constant repeated along its batch dimensions: `slice` (size 1
+    there) broadcast to `shape` (None there)."""
+
+    def __init__(self, slice_, shape):
+        self.slice, self.shape = slice_, shape
+
+
+def _is_array(value):
+    import tensorflow as tf
+
+    return isinstance(value, np.ndarray) or (
+        tf.is_tensor(value) and not isinstance(value, keras.KerasTensor)
+    )
+
+
+class BatchMultiple:
+    """A dimension that is `multiple` times the batch size divided by
+    `divisor`, plus `offset` (Swin's windows: `batch * windows` rows, and
+    `batch_windows // windows`; `batch + 1`, `batch - 1`), in a shape
+    attribute of a traced operation."""
+
+    def __init__(self, multiple, offset=0, divisor=1):
+        self.multiple = multiple
+        self.offset = offset
+        self.divisor = divisor
+
+    def at(self, batch_size):
+        return batch_size // self.divisor * self.multiple + self.offset
+
+
+def _fraction_of(ratio, small, offset=0):
+    """`BatchMultiple` of `ratio` (a `Fraction`: the dimension over the
+    batch size) plus `offset`, where the trial batch size `small` is a
+    multiple of its denominator (the batch was traced at multiples of the
+    divisor the call divides it by); None where it is not."""
+    if ratio <= 0 or small % ratio.denominator:
+        return None
+    return BatchMultiple(ratio.numerator, offset, divisor=ratio.denominator)
+
+
+def _size_pairs(batch_sizes):
+    """`[(s, l)]`: one pair of trial sizes, or one per independent input."""
+    if len(batch_sizes) == 2 and all(_is_int(size) for size in batch_sizes):
+        return [tuple(batch_sizes)]
+    return [tuple(pair) for pair in batch_sizes]
+
+
+def _batch_dimension(a, b, batch_sizes, name, multiples=False, used=None):
+    """None where `(a, b)` are the two batch sizes, the size where they are
+    equal; with `multiples`, a `BatchMultiple` where they are the same
+    multiple of both; `NotBatchGeneral` otherwise. `batch_sizes`: `(s, l)`,
+    or one such pair per input of independent leading size (see
+    `generalize_batch`); the index of the pair matched is added to `used`."""
+    if a == b:
+        return a
+    pairs = _size_pairs(batch_sizes)
+    for index, (small, large) in enumerate(pairs):
+        if (a, b) == (small, large):
+            if used is not None:
+                used.add(index)
+            return None
+    for index, (small, large) in enumerate(pairs):
+        if (multiples and _is_int(a) and _is_int(b) and a > 0 and a % small == 0
+                and b == a // small * large):
+            if used is not None:
+                used.add(index)
+            return BatchMultiple(a // small)
+    if len(pairs) > 1:
+        raise NotBatchGeneral(
+            f"`{name}` has a dimension {a} in one trace and {b} in the other, which is "
+            "no multiple of the leading size of one of its inputs (whose leading "
+            "dimensions are independent of each other)")
+    small, large = pairs[0]
+    if multiples and _is_int(a) and _is_int(b) and a > 0 and a * large == b * small:
+        # `batch // windows`, traced at multiples of the windows
+        # (`batch_divisions.divided_trial_sizes`): a fraction of the batch size,
+        # confirmed by a third trace (`has_offsets`).
+        found = _fraction_of(Fraction(int(a), int(small)), small)
+        if found is not None:
+            return found
+    if multiples and _is_int(a) and _is_int(b) and b > a and (b - a) % (large - small) == 0:
+        # `batch + 1`, `2 * batch - 1`: a multiple of the batch size plus a
+        # constant, which a third trace confirms (`confirm_batch_general`).
+        multiple = (b - a) // (large - small)
+        return BatchMultiple(multiple, int(a - multiple * small))
+    if multiples and _is_int(a) and _is_int(b) and b > a:
+        # `batch // 2 + 1`, traced at even batch sizes
+        ratio = Fraction(int(b - a), int(large - small))
+        offset = a - ratio * small
+        found = _fraction_of(ratio, small, int(offset)) if offset.denominator == 1 else None
+        if found is not None:
+            return found
+    raise NotBatchGeneral(
+        f"`{name}` has a dimension {a} at batch size {small} and {b} at batch size {large}, "
+        "which is no multiple of the batch size plus a constant")
+
+
+def _multiples_of(shapes):
+    """{attribute: multiples} for the attributes holding a `BatchMultiple`:
+    the multiple at each of its dimensions (1 where it is the batch size,
+    unused where it is fixed)."""
+    def multiple(dim):
+        return dim.multiple if isinstance(dim, BatchMultiple) else 1
+
+    found = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            if any(isinstance(dim, BatchMultiple) for dim in shape):
+                found[key] = [multiple(dim) for dim in shape]
+        elif isinstance(shape, BatchMultiple):
+            found[key] = shape.multiple
+    return found
+
+
+def _offsets_of(shapes):
+    """{attribute: offsets}, as `_multiples_of`, for the attributes holding
+    a `BatchMultiple` with a constant added (0 elsewhere)."""
+    def offset(dim):
+        return dim.offset if isinstance(dim, BatchMultiple) else 0
+
+    found = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            if any(isinstance(dim, BatchMultiple) and dim.offset for dim in shape):
+                found[key] = [offset(dim) for dim in shape]
+        elif isinstance(shape, BatchMultiple) and shape.offset:
+            found[key] = shape.offset
+    return found
+
+
+def _divisors_of(shapes):
+    """{attribute: divisors}, as `_multiples_of`, for the attributes holding
+    a `BatchMultiple` that divides the batch size (1 elsewhere)."""
+    def divisor(dim):
+        return dim.divisor if isinstance(dim, BatchMultiple) else 1
+
+    found = {}
+    for key, shape in shapes.items():
+        if isinstance(shape, (list, tuple)):
+            if any(isinstance(dim, BatchMultiple) and dim.divisor != 1 for dim in shape):
+                found[key] = [divisor(dim) for dim in shape]
+        elif isinstance(shape, BatchMultiple) and shape.divisor != 1:
+            found[key] = shape.divisor
+    return found
+
+
+def _with_none(shape):
+    """`shape` with each `BatchMultiple` unknown (None)."""
+    if isinstance(shape, (list, tuple)):
+        return type(shape)(None if isinstance(dim, BatchMultiple) else dim for dim in shape)
+    return None if isinstance(shape, BatchMultiple) else shape
+
+
+def _general_constant(a, b, batch_sizes, name):
+    """None when the constants are equal; a `_BatchConstant` when they are
+    one slice repeated along their batch dimensions (its `groups`: the
+    inputs whose leading sizes those are)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.ndim != b.ndim:
+        raise NotBatchGeneral(f"`{name}` holds other constants")
+    if a.shape == b.shape:
+        if not np.array_equal(a, b):
+            raise NotBatchGeneral(f"`{name}` holds other constants")
+        return None
+    used = set()
+    shape = tuple(_batch_dimension(x, y, batch_sizes, name, multiples=True, used=used)
+                  for x, y in zip(a.shape, b.shape))
+    index = tuple(slice(0, 1) if dim is None or isinstance(dim, BatchMultiple) else slice(None)
+                  for dim in shape)
+    slice_ = a[index]
+    if not (np.array_equal(np.broadcast_to(slice_, a.shape), a)
+            and np.array_equal(np.broadcast_to(slice_, b.shape), b)):
+        raise NotBatchGeneral(f"`{name}` holds a constant that varies along the batch")
+    constant = _BatchConstant(slice_, shape)
+    constant.groups = used
+    return constant
+
+
+def _general_attributes(a, b, batch_sizes, name, used=None):
+    """`{attribute: shape with None}` for the shape attributes of operation
+    `a` that hold the batch size (`b`: the same operation in the other trace)."""
+    shapes = {}
+    public_a = {k: v for k, v in vars(a).items() if not k.startswith("_") and k != "name"}
+    public_b = {k: v for k, v in vars(b).items() if not k.startswith("_") and k != "name"}
+    if public_a.keys() != public_b.keys():
+        raise NotBatchGeneral(f"`{name}` is configured differently")
+    for key, value in public_a.items():
+        other = public_b[key]
+        if _is_array(value) or _is_array(other):
+            if _general_constant(value, other, batch_sizes, name) is not None:
+                raise NotBatchGeneral(f"`{name}` holds a constant with the batch in it")
+            continue
+        if value == other:
+            continue
+        if _same_held_operation(value, other):
+            continue  # `TensorSizedOperation.operation`: its sizes are graph tensors
+        if _is_int(value) and _is_int(other):
+            # One dimension (`ops.repeat(table, ops.shape(x)[0], axis=0)`).
+            shapes[key] = _batch_dimension(value, other, batch_sizes, name, multiples=True,
+                                           used=used)
+            continue
+        if (isinstance(value, (list, tuple)) and type(value) is type(other)
+                and len(value) == len(other)
+                and all(isinstance(x, int) and isinstance(y, int) for x, y in zip(value, other))):
+            shapes[key] = type(value)(
+                _batch_dimension(x, y, batch_sizes, name, multiples=True, used=used)
+                for x, y in zip(value, other))
+            continue
+        raise NotBatchGeneral(f"`{name}` is given {value!r} and {other!r} ({key})")
+    return shapes
+
+
+def _same_held_operation(a, b):
+    """Whether `a` and `b` are `keras.ops` operations configured alike
+    (names aside): an operation held by another (`TensorSizedOperation`)."""
+    if not (isinstance(a, keras.Operation) and type(a) is type(b)) or isinstance(
+            a, keras.layers.Layer):
+        return False
+    try:
+        config_a, config_b = a.get_config(), b.get_config()
+    except NotImplementedError:
+        return False
+    config_a.pop("name", None)
+    config_b.pop("name", None)
+    return config_a == config_b
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _rebuilt_with(operation, shapes, name):
+    """A new operation like `operation`, with `shapes` ({attribute: shape})
+    as constructor arguments.
+
+    Setting the attribute on the traced operation would not last: Keras
+    copies an operation (`copy.copy`, as `BatchSizedOperation` does for each
+    batch size) and saves it from the arguments it was constructed with, so
+    a Reshape traced at batch size 1 would go on reshaping to batch 1 (T5's
+    attention, seen as a 24 where 8 was due at batch size 3)."""
+    config = operation.get_config()
+    if not set(shapes) <= set(config):
+        raise NotBatchGeneral(
+            f"`{name}` holds the batch size in {sorted(set(shapes) - set(config))}, "
+            "which its config does not rebuild")
+    rebuilt = type(operation).from_config({**config, **shapes})
+    if any(_as_tuple(getattr(rebuilt, key)) != _as_tuple(shape) for key, shape in shapes.items()):
+        raise NotBatchGeneral(f"`{name}` does not rebuild from its config")
+    return rebuilt
+
+
+def _as_tuple(shape):
+    return tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
+
+
+def _general_spec(a, b, batch_sizes, name):
+    if a.dtype != b.dtype or len(a.shape) != len(b.shape):
+        raise NotBatchGeneral(f"`{name}` makes other outputs")
+    # A multiple of the batch size is unknown in a spec, as the batch is.
+    shape = _with_none(tuple(_batch_dimension(x, y, batch_sizes, name, multiples=True)
+                             for x, y in zip(a.shape, b.shape)))
+    return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
+
+
+__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason",
+           "generalize_batch", "has_offsets", "unknown_dimension_attributes"]

@@ -1,0 +1,2 @@
+"""Trace each kind of block once and replay it over the others (block signatures,
+call templates)."""

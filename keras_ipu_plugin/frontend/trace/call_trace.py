@@ -1,0 +1,334 @@
+"""One symbolic call of a layer's `call`, and the trace it makes.
+
+`trace_once` calls `type(layer).call` on a view of the layer
+(`trace_views.py`) with KerasTensors, under one `training` mode, and walks
+the Keras nodes it recorded into IR nodes (`keras_nodes.py`). `CallTrace`
+is the trace in progress: what `call` holds rather than receives becomes a
+node too (`reads.py`): the variables the traced layer keeps as attributes
+are read through `VariableRead` nodes (their symbolic reads stand in the
+view's attributes), a direct sub-layer called on concrete tensors only
+(`self.embedding(ops.arange(n))`) is called on `HeldConstant` nodes holding
+them, a `keras.random` draw is a `RandomDraw` node, and a write is a
+`VariableWrite` node (`write_nodes.py`).
+
+Where tracing stops (which sub-layers are traced through, and whether a
+layer's `call` is handed `training`) is the `Tracer`'s to say
+(`tracer.py`); the trace carries the one in use.
+
+Example:
+    >>> trace = CallTrace(layer, (x,), {}, placeholders, "", ReadLayers(), tracer=Tracer())
+    >>> nodes, outputs = trace_once(trace, True, False, {})
+"""
+
+import contextlib
+import functools
+
+import keras
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.idioms import tf_functions
+from keras_ipu_plugin.frontend.trace import trace_views
+from keras_ipu_plugin.frontend.trace import write_nodes
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.failures import describe_failure
+from keras_ipu_plugin.frontend.trace.failures import essential_message
+from keras_ipu_plugin.frontend.trace.keras_nodes import collect_nodes
+from keras_ipu_plugin.frontend.trace.trace_views import builtin_view_class
+from keras_ipu_plugin.frontend.trace.trace_views import inline_view_class
+from keras_ipu_plugin.frontend.trace.trace_views import is_concrete
+from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
+from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.layers.state.reads import HeldConstant
+from keras_ipu_plugin.layers.views import layer_view
+from keras_ipu_plugin.layers.views import shallow_view
+from keras_ipu_plugin.layers.views import viewed_layer
+
+
+class CallTrace:
+    """The trace of one `call` in progress: the graph values that `call`
+    holds rather than receives (see `reads.py`).
+
+    `hold_attributes(view)` puts the symbolic read of each variable the
+    traced layer keeps as an attribute (alone, or in a list or dict) in the
+    view's attributes, so `keras.ops` on it stay in the graph; and marks its
+    direct sub-layers (made views, Keras's own layers too) to be called on
+    `HeldConstant` nodes when `call` hands them only concrete tensors. The
+    reads take a graph tensor of the call (`anchor`), which they ignore.
+    """
+
+    def __init__(self, layer, args, kwargs, placeholders, prefix, reads, anchor=None,
+                 tracer=None):
+        self.layer = layer
+        # where tracing stops, and which `call`s take `training` (`tracer.py`)
+        self.tracer = current_tracer() if tracer is None else tracer
+        self.args, self.kwargs = args, kwargs
+        self.placeholders = placeholders
+        self.prefix = prefix
+        self.reads = reads
+        self.anchor = anchor_of((args, kwargs)) if anchor is None else anchor
+        self.failure = None  # why the symbolic trace failed, for a retry
+        # [(input Value, its two trial sizes)] of a call traced per input
+        # (`batch_traces.trace_at_two_batch_sizes`), else None
+        self.batch_groups = None
+        self.group_of = None  # {id(input Value): its group in batch_groups}
+        self.generalized = None  # (nodes, outputs) made one graph per input
+        self.lift_for = set()  # ids of the views whose concrete calls are lifted
+        self.read_names = {}  # id(Keras node of a read) -> its node name
+        # id(Keras node) -> (the node, its output structure, None leaves and
+        # all) for a call that returned None among its outputs (`_tensors_only`)
+        self.none_leaves = {}
+        self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
+        self.output_specs = {}  # replay.output_specs_key -> output KerasTensors
+        self._names = Namespace()  # the node names this trace gave
+        self._new_reads = []
+        self._draws = []  # the RandomDraw layers, the same in every mode traced
+        self._draws_made, self._drawn_from = 0, set()
+        # the variable writes `call` makes, as nodes (`write_nodes.py`)
+        self.writes = write_nodes.WriteRecorder(self)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this the trace in progress (one per mode traced)."""
+        self._names, self._new_reads = Namespace(), []
+        self._draws_made, self._drawn_from = 0, set()
+        self.writes.reset()
+        try:
+            # The read layers outlive the trace (a graph keeps them): leave
+            # none of the trace's Keras nodes on them. Public code's
+            # `ops.tile(t, (ops.shape(x)[0], 1, 1))` and `table[None]` are
+            # followed (`traced_idioms.py`), and TensorFlow functions
+            # on symbolic tensors are recorded (`tf_functions.recorded`).
+            with trace_views.in_progress(self), \
+                    _compat.node_lists_snapshot(self.reads.layers(), always=True), \
+                    traced_idioms(self.record_draw), \
+                    tf_functions.recorded(batch_anchor=self.batch_anchor), \
+                    self.writes.recording():
+                yield
+        finally:
+            _compat.forget_nodes(self._new_reads)
+
+    def hold_attributes(self, view):
+        self.writes.view = view
+        state = vars(view)
+        for name in list(state):
+            if name in _KERAS_ATTRIBUTES or name.startswith("_self_"):
+                continue  # Keras's and TensorFlow's own bookkeeping
+            state[name] = self._held(state[name], name)
+
+    def _held(self, value, name):
+        if isinstance(value, keras.Variable):
+            return self._read(value, name)
+        if isinstance(value, keras.layers.Layer):
+            return self._lifting(value)
+        if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (keras.Variable, keras.layers.Layer)) for v in value
+        ):
+            items = [self._held(v, f"{name}_{i}") for i, v in enumerate(value)]
+            return tuple(items) if isinstance(value, tuple) else items
+        if isinstance(value, dict) and value and all(
+            isinstance(v, (keras.Variable, keras.layers.Layer)) for v in value.values()
+        ):
+            return {k: self._held(v, f"{name}_{k}") for k, v in value.items()}
+        return value
+
+    def _read(self, variable, name, anchor=None):
+        node_name = self._names.create(self.prefix + name)
+        known = {id(layer) for layer in self.reads.layers()}
+        read = self.reads.variable_read(variable, like=self.layer, name=node_name)
+        if id(read) not in known:
+            self._new_reads.append(read)
+        tensor = read(self.anchor if anchor is None else anchor)
+        self.read_names[id(_compat.producing_node(tensor)[0])] = node_name
+        self.writes.held(variable, tensor, name)
+        return tensor
+
+    read = _read  # for `write_nodes`: a read of a sub-layer's variable
+
+    def unique_name(self, name):
+        """A node name for a graph layer the trace makes (`prefix` + `name`)."""
+        return self._names.create(self.prefix + name)
+
+    def record_layer(self, layer, node_name, *args, **kwargs):
+        """The output of graph layer `layer` (a write, an ordering: made by
+        this trace, named `node_name`) called on graph tensors."""
+        self._new_reads.append(layer)
+        tensor = layer(*args, **kwargs)
+        self.read_names[id(_compat.producing_node(tensor)[0])] = node_name
+        return tensor
+
+    def path_of(self, layer):
+        return self._path_of(layer)
+
+    def _lifting(self, layer):
+        if viewed_layer(layer) is None:  # a Keras layer: called as it is
+            if not layer.built or "call" in vars(layer):
+                return layer
+            # its variables read as graph values from `call`'s own code
+            # (`self.conv.kernel`), so writes of them are nodes
+            layer = shallow_view(layer, builtin_view_class(
+                type(layer), write_nodes.variable_attributes(layer)))
+        self.lift_for.add(id(layer))
+        return layer
+
+    def lift(self, args, kwargs, consumer, role="input"):
+        """`(args, kwargs)` with each concrete tensor replaced by the output
+        of a `HeldConstant` node holding it (named `<consumer>_<role>`, the
+        consumer by its attribute path: its Keras name changes each build;
+        `<role>` alone for the traced layer's own outputs)."""
+        stem = self._path_of(consumer)
+        stem = f"{stem}_{role}" if stem else role
+
+        def lift(leaf):
+            if not is_concrete(leaf):
+                return leaf
+            name = self._names.create(f"{self.prefix}{stem}")
+            held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
+            self._new_reads.append(held)
+            self.lifted[id(held)] = leaf
+            return held(self.anchor)
+
+        return keras.tree.map_structure(lift, (args, kwargs))
+
+    def _path_of(self, layer):
+        """`layer`'s attribute path in the traced layer (`attribute_paths`),
+        None for the traced layer itself."""
+        owner = viewed_layer(self.layer) or self.layer
+        layer = viewed_layer(layer) or layer
+        if layer is owner or layer is self.layer:
+            return None
+        return path_of(layer, attribute_paths(owner))
+
+    def batch_anchor(self):
+        """The graph tensor whose batch size a None in a shape made inside
+        `call` is (`ops.shape(x)` while the batch is unknown), or None where
+        a None may be another unknown size."""
+        if self.anchor is None or not _only_the_batch_is_unknown(self):
+            return None
+        return self.anchor
+
+    def record_draw(self, distribution, arguments):
+        """The graph tensor of a `keras.random` draw `call` makes: the output
+        of a `RandomDraw` node (`random_draws.py`) that makes it when the
+        graph runs; None (Keras then runs it) where it is given tensors."""
+        from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
+
+        arguments = dict(arguments)
+        shape, seed = arguments.pop("shape"), arguments.pop("seed")
+        dtype = arguments.pop("dtype")
+        if (self.anchor is None or not isinstance(shape, (list, tuple))
+                or not all(dim is None or isinstance(dim, int) for dim in shape)
+                or not all(isinstance(v, (int, float)) for v in arguments.values())
+                or not (seed is None or isinstance(seed, (int, keras.random.SeedGenerator)))):
+            return None
+        what = f"`call` draws `keras.random.{distribution}` of shape {tuple(shape)}"
+        if None in shape and not _only_the_batch_is_unknown(self):
+            raise TraceError(f"{what}, whose unknown dimension may not be the batch size")
+        if not isinstance(seed, int):
+            # Two draws from one generator give different numbers in the
+            # order they are made; the graph does not order them.
+            if id(seed) in self._drawn_from:
+                raise TraceError(f"{what} from a seed generator it already drew from: "
+                                 "the graph would not keep the order of the draws")
+            self._drawn_from.add(id(seed))
+        config = (distribution, tuple(shape), arguments, dtype)
+        if self._draws_made < len(self._draws):  # the same draw in another mode
+            draw = self._draws[self._draws_made]
+            if draw.seed_generator is not seed or (
+                draw.distribution, draw.draw_shape, draw.arguments, draw.draw_dtype
+            ) != config:
+                draw = None
+        else:
+            draw = None
+        if draw is None:
+            draw = RandomDraw(distribution, shape, arguments, seed=seed, draw_dtype=dtype,
+                              name=f"random_{distribution}")
+            del self._draws[self._draws_made:]
+            self._draws.append(draw)
+        self._draws_made += 1
+        self._new_reads.append(draw)
+        return draw(self.anchor)
+
+
+# What every Keras layer / model holds (its variable lists among them): not
+# the user's attributes, never replaced by reads.
+_KERAS_ATTRIBUTES = frozenset(vars(keras.layers.Layer())) | frozenset(vars(keras.Model()))
+
+
+def anchor_of(structure):
+    """The graph tensor read nodes hang from, and `BatchSizedOperation`s
+    read the batch size of: the first KerasTensor of the call's inputs,
+    preferring a numeric one whose batch size is unknown."""
+    tensors = [leaf for leaf in keras.tree.flatten(structure)
+               if isinstance(leaf, keras.KerasTensor)]
+    numeric = [t for t in tensors if t.dtype != "string"]
+    batched = [t for t in numeric if t.shape and t.shape[0] is None]
+    return (batched or numeric or tensors or [None])[0]
+
+
+def _only_the_batch_is_unknown(trace):
+    """Whether the traced call's inputs know every dimension but the
+    batch size, and `trace.anchor` has it unknown: a None in a shape made
+    inside `call` is then the batch size."""
+    symbols = [leaf for leaf in keras.tree.flatten((trace.args, trace.kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+    anchor_shape = tuple(trace.anchor.shape)
+    return bool(anchor_shape) and anchor_shape[0] is None and not any(
+        None in tuple(t.shape)[1:] for t in symbols)
+
+
+def trace_once(trace, training, pinned, opaque_layers):
+    """Call `trace.layer`'s `call` once on its symbolic inputs under
+    `training` (handed to `call` where it takes it; `pinned`: every
+    sub-layer's recorded mode made a bool) and walk what it recorded into
+    `(nodes, outputs)`; `opaque_layers` shares the `OpaqueLayer`s made
+    between the modes traced. Raises `TraceError` with the reason."""
+    layer = trace.layer
+    kwargs = dict(trace.kwargs)
+    if trace.tracer.takes_training(layer):
+        kwargs["training"] = training
+    sub_layers = _compat.all_layers(layer)
+    view = layer_view(layer, inline_view_class, traced_call=trace.tracer.traced_call)
+    with _compat.node_lists_snapshot(sub_layers, always=True), trace.active():
+        if viewed_layer(view) is not None and trace.anchor is not None:
+            trace.hold_attributes(view)
+        with _compat.call_context(layer, training):
+            try:
+                outputs = _traced_call(layer, view)(*trace.args, **kwargs)
+                # every write `call` made is before an output (`write_nodes.py`)
+                outputs = trace.writes.finish(outputs)
+            except TraceError:
+                raise
+            except write_nodes.WriteError as error:  # a write no graph can hold
+                # (without the banner Keras puts on it when raised in `ops.cond`)
+                raise TraceError(essential_message(error, limit=2000)) from error
+            except Exception as error:  # user code failing on symbols
+                raise TraceError(describe_failure(error)) from error
+            outputs = _lifted_outputs(trace, outputs, layer)
+        return collect_nodes(outputs, trace.placeholders, trace.prefix, pinned,
+                             opaque_layers, trace.read_names, trace.anchor,
+                             trace.none_leaves, owner=layer)
+
+
+def _traced_call(layer, view):
+    """The `call` the trace runs for `layer` on `view`: its class's, but a
+    functional model's graph is run calling its layers as
+    `trace_views.graph_operation` says (one whose `compute_output_spec`
+    takes no `training` is not handed it there)."""
+    run = _compat.graph_call_through(view, trace_views.graph_operation)
+    if run is not None:
+        return run
+    return functools.partial(type(layer).call, view)
+
+
+def _lifted_outputs(trace, outputs, layer):
+    """`outputs` with each concrete tensor `call` returns held by a
+    `HeldConstant` node: keras_hub's `DeiTEncoder` returns
+    `ops.empty((0, length, dim))` for the hidden states it was not asked
+    for, and the block stayed whole ("returns a EagerTensor")."""
+    leaves = keras.tree.flatten(outputs)
+    if trace.anchor is None or not any(is_concrete(leaf) for leaf in leaves):
+        return outputs
+    return trace.lift(outputs, {}, layer, role="output")[0]

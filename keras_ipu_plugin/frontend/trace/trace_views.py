@@ -1,0 +1,314 @@
+"""The classes of the views a trace calls instead of the user's layers.
+
+`call` runs on a view of the traced layer (`views.layer_view`) whose
+user-written sub-layers are views too, of a class made here
+(`inline_view_class`): their symbolic calls work out the output shapes by
+running their own `call` inline on the KerasTensors
+(`_inline_output_spec`). Keras would otherwise trace each custom block's
+`call` in a scratch TensorFlow graph (`compute_output_spec`), several times
+slower. A block whose `call` does not run on KerasTensors (TensorFlow ops on
+them) falls back to Keras's own way; one that fails that way too (Python
+control flow on a tensor's value) but runs once AutoGraph has converted it
+is marked to become one opaque node (`OPAQUE`), so the rest of the model is
+still traced.
+
+Keras's own layers held by the traced layer are called through views of
+`builtin_view_class`: a call on concrete tensors only is lifted onto
+`HeldConstant` nodes (`_lifting_call`) and their output specs are made
+precise (`output_specs.py`). Both kinds consult the trace in progress
+(`current_trace`, set by `CallTrace.active` in `call_trace.py`).
+
+Example:
+    >>> view = layer_view(block, inline_view_class)   # what `trace_once` calls
+"""
+
+import contextlib
+import functools
+import threading
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.trace import write_nodes
+from keras_ipu_plugin.frontend.trace import writes as writes_lib
+from keras_ipu_plugin.frontend.trace.failures import describe_failure
+from keras_ipu_plugin.frontend.trace.losses import traced_add_loss
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
+from keras_ipu_plugin.frontend.trace.output_specs import states_own_output_shape
+from keras_ipu_plugin.frontend.replay.templates import output_specs_key
+from keras_ipu_plugin.layers.user_code import takes_keyword
+from keras_ipu_plugin.layers.user_code import takes_training
+from keras_ipu_plugin.layers.views import shallow_view
+from keras_ipu_plugin.layers.views import viewed_layer
+
+_active = threading.local()  # the stack of traces in progress, on this thread
+
+
+def current_trace():
+    """The `CallTrace` in progress on this thread (the innermost), or None."""
+    stack = getattr(_active, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def in_progress(trace):
+    """Make `trace` the one in progress while the context lasts."""
+    stack = _active.__dict__.setdefault("stack", [])
+    stack.append(trace)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+@functools.lru_cache(maxsize=None)
+def inline_view_class(cls, function):
+    """A subclass of `cls` whose symbolic calls run `call` inline (see the
+    module docstring); classes that say their own output shape keep it."""
+    # `add_loss` of a symbolic loss is a graph node (`frontend/trace/losses.py`).
+    if states_own_output_shape(cls):
+        return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                           "compute_output_spec": _own_output_spec,
+                                           "__call__": _lifting_call,
+                                           "add_loss": traced_add_loss})
+    return type(cls.__name__, (cls,), {
+        "__module__": cls.__module__,
+        "compute_output_spec": _inline_output_spec,
+        "__call__": _lifting_call,
+        "add_loss": traced_add_loss,
+    })
+
+
+_NONE_LEAVES = "_kip_none_leaves"  # in a view's dict: see `_tensors_only`
+
+
+def _tensors_only(view, outputs):
+    """`outputs` for Keras's node: a layer may return None among its outputs
+    (keras_hub's attention returns `(output, None)` when given no cache),
+    which a Keras node rejects. The node then records the tensors alone, and
+    the structure with its None leaves is kept on the view until its
+    `__call__` (`_lifting_call`) hands it back to the calling code."""
+    leaves = keras.tree.flatten(outputs)
+    if not any(leaf is None for leaf in leaves):
+        return outputs
+    if all(leaf is None for leaf in leaves):
+        raise TraceError(f"`{viewed_layer(view).name}` returns no tensor, only None")
+    vars(view)[_NONE_LEAVES] = outputs
+    return [leaf for leaf in leaves if leaf is not None]
+
+
+def _own_output_spec(self, *args, **kwargs):
+    """The class's own `compute_output_spec`, with None outputs kept aside
+    (`_tensors_only`), handed `training` only if it takes it: Keras passes
+    the mode of the trace on to every layer whose `call` takes it, and
+    keras_hub's `DINOV2Embedding.compute_output_spec(inputs)` does not."""
+    compute_output_spec = super(type(self), self).compute_output_spec
+    if "training" in kwargs and not takes_keyword(compute_output_spec, "training"):
+        kwargs = {key: value for key, value in kwargs.items() if key != "training"}
+    return _tensors_only(self, compute_output_spec(*args, **kwargs))
+
+
+OPAQUE = "_kip_opaque"  # in a view's dict: (reason, output specs) when opaque
+
+
+def _inline_output_spec(self, *args, **kwargs):
+    """Output KerasTensors of `self.call(*args, **kwargs)`, run on the
+    KerasTensors themselves; Keras's scratch-graph way if that fails, and
+    AutoGraph's (the view then stands for an opaque node) if that fails."""
+    # Blocks of one kind (`replay.output_specs_key`) give the same output
+    # specs: their `call` runs once per trace, not once per block.
+    trace = current_trace()
+    key = None if trace is None else output_specs_key(
+        viewed_layer(self), args, kwargs, _compat.current_training())
+    if key is not None and key in trace.output_specs:
+        return _tensors_only(
+            self, keras.tree.map_structure(fresh_keras_tensor, trace.output_specs[key]))
+    layers = _compat.all_layers(self)
+    # A failure of the layer's own code (a TraceError too: a draw the graph
+    # cannot order) makes this layer opaque, not the one calling it; only
+    # `_tensors_only`'s refusal (a layer returning no tensor) goes up.
+    try:
+        with _compat.node_lists_snapshot(layers, always=True), \
+                writes_lib.deferred(viewed_layer(self)):
+            outputs = keras.tree.map_structure(fresh_keras_tensor, self.call(*args, **kwargs))
+    except Exception:
+        pass
+    else:
+        if key is not None:
+            trace.output_specs[key] = outputs
+        return _tensors_only(self, outputs)
+    try:
+        outputs = super(type(self), self).compute_output_spec(*args, **kwargs)
+    except Exception as error:
+        layer = viewed_layer(self)  # only views have this method
+        try:
+            outputs = _scratch_graph_output_spec(self, args, kwargs)
+        except Exception:
+            try:
+                outputs = _autograph_output_spec(layer, args, kwargs)
+            except Exception:
+                raise error from None
+            vars(self)[OPAQUE] = (describe_failure(error, default=layer.name), outputs)
+    return _tensors_only(self, outputs)
+
+
+def _scratch_graph_output_spec(view, args, kwargs):
+    """Output KerasTensors of `view.call` run on symbolic TensorFlow tensors
+    in a scratch graph, as Keras runs a layer stating no output shape.
+
+    A class here inherits its `compute_output_spec` from a class whose `call`
+    it overrides (keras_hub's XLNet `TwoStreamRelativeAttention`, a
+    `MultiHeadAttention` called with `content_stream=...`), so that one
+    refuses the arguments; and `call` on KerasTensors can fail where a
+    sub-layer's own spec is less precise than TensorFlow's shape inference
+    (an `EinsumDense(output_shape=(None, heads, dim))` leaving the sequence
+    length unknown, which `call` then computes with)."""
+    if states_own_output_shape(type(viewed_layer(view))):
+        raise TypeError("the class states its own output shape")
+    return _compat.Operation.compute_output_spec(view, *args, **kwargs)
+
+
+def _autograph_output_spec(layer, args, kwargs):
+    """Output KerasTensors of `layer`'s call run as an `OpaqueLayer` runs it
+    in graph mode (AutoGraph-converted), traced in a scratch graph."""
+    from keras_ipu_plugin.layers.opaque import autograph_call
+
+    symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
+               if isinstance(leaf, keras.KerasTensor)]
+
+    def run(*tensors):
+        supply = iter(tensors)
+        filled_args, filled_kwargs = keras.tree.map_structure(
+            lambda leaf: next(supply) if isinstance(leaf, keras.KerasTensor) else leaf,
+            (args, kwargs),
+        )
+        return autograph_call(layer, filled_args, filled_kwargs)
+
+    function = tf.function(run, autograph=False)
+    traced = function.get_concrete_function(
+        *[tf.TensorSpec(t.shape, t.dtype) for t in symbols]
+    )
+    return keras.tree.map_structure(
+        lambda t: keras.KerasTensor(t.shape, dtype=t.dtype), traced.structured_outputs
+    )
+
+
+def _lifting_call(self, *args, **kwargs):
+    """`__call__` of a view: a direct sub-layer of the traced layer called
+    on concrete tensors only (`self.embedding(ops.arange(n))`) would run
+    eagerly and its output, computed from its weights, would be frozen into
+    the graph; it is called on `HeldConstant` nodes holding them instead."""
+    trace = current_trace()
+    if trace is not None and id(self) in trace.lift_for:
+        leaves = keras.tree.flatten((args, kwargs))
+        if not any(isinstance(leaf, keras.KerasTensor) for leaf in leaves) and any(
+            is_concrete(leaf) for leaf in leaves
+        ):
+            args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
+    if trace is None:
+        outputs = super(type(self), self).__call__(*args, **kwargs)
+    else:  # ordered among the writes `call` makes (`write_nodes.py`)
+        args, kwargs = trace.writes.before_call(self, args, kwargs)
+        outputs = None
+        try:
+            outputs = super(type(self), self).__call__(*args, **kwargs)
+        finally:
+            trace.writes.after_call(self, outputs)
+    structure = vars(self).pop(_NONE_LEAVES, None)
+    if structure is None:
+        return outputs
+    # Keras recorded the tensors alone (`_tensors_only`); the calling code
+    # gets the structure it returned, None leaves and all, holding the very
+    # tensors Keras recorded (and set masks on).
+    if trace is not None:
+        # The Keras node is kept with the entry: a node of an inline
+        # computation is dropped once it ends, and its id can come back as
+        # another node's.
+        keras_node = _compat.producing_node(outputs[0])[0]
+        trace.none_leaves[id(keras_node)] = (keras_node, structure)
+    return structure
+
+
+def graph_operation(operation):
+    """`operation`, one of the layers of a functional model whose graph a
+    trace runs, as the trace calls it: `Functional.call` hands `training` to
+    every layer whose `call` takes it, and a symbolic call hands it on to
+    the layer's `compute_output_spec`, which may not take it (keras_hub's
+    `DINOV2Embedding.compute_output_spec(inputs)`: Keras builds the model
+    without `training`, so never calls it with one). Such a layer is called
+    through a view whose `compute_output_spec` is called without it, as
+    Keras calls it; its node still records `training`, which its `call`
+    is handed when the graph runs.
+
+    Example:
+        >>> run = _compat.graph_call_through(backbone, graph_operation)
+    """
+    if not isinstance(operation, keras.layers.Layer) or not takes_training(operation):
+        return operation
+    if not _spec_refuses_training(type(operation)):
+        return operation
+    return shallow_view(operation, _spec_without_training_class(type(operation)))
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_refuses_training(cls):
+    return not takes_keyword(cls.compute_output_spec, "training")
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_without_training_class(cls):
+    def compute_output_spec(self, *args, **kwargs):
+        kwargs = {key: value for key, value in kwargs.items() if key != "training"}
+        return super(view_class, self).compute_output_spec(*args, **kwargs)
+
+    view_class = type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                             "compute_output_spec": compute_output_spec})
+    return view_class
+
+
+@functools.lru_cache(maxsize=None)
+def builtin_view_class(cls, variable_names=frozenset()):
+    """A subclass of a Keras layer class whose calls on concrete tensors are
+    lifted (`_lifting_call`), whose output shapes are as precise as its
+    inputs allow (`_precise_output_spec`) and whose variables
+    `variable_names` read as graph values from the traced `call`'s own code
+    (`write_nodes.reading_members`); everything else is the class's own."""
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                       "__call__": _lifting_call,
+                                       "compute_output_spec": _precise_output_spec,
+                                       **write_nodes.reading_members(cls, variable_names)})
+
+
+def _precise_output_spec(self, *args, **kwargs):
+    """The layer's own output spec, made precise by `precise_specs` where
+    it leaves a dimension unknown that its inputs know: the code after it
+    in `call` reads it (keras_hub's Gemma attention reshapes to
+    `ops.shape(q)` after an `EinsumDense(output_shape=(None, heads, dim))`,
+    whose own spec leaves the sequence length out; a None there would be
+    taken for the batch size)."""
+    outputs = super(type(self), self).compute_output_spec(*args, **kwargs)
+    flat = keras.tree.flatten(outputs)
+    if not all(isinstance(t, keras.KerasTensor) for t in flat):
+        return outputs
+    precise = precise_specs(self, args, kwargs, flat)
+    if precise is flat:
+        return outputs
+    return keras.tree.pack_sequence_as(outputs, precise)
+
+
+def is_concrete(leaf):
+    return isinstance(leaf, np.ndarray) or (
+        tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, keras.Variable))
+        and not isinstance(leaf, tf.Variable)
+    )
+
+
+def fresh_keras_tensor(tensor):
+    if tensor is None:  # kept aside by `_tensors_only`
+        return None
+    if not isinstance(tensor, keras.KerasTensor):
+        raise TypeError(f"`call` returned a {type(tensor).__name__}")
+    return _compat.keras_tensor_like(tensor)
