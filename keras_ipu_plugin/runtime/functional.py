@@ -41,6 +41,7 @@ import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import LoadError
+from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
@@ -101,6 +102,25 @@ def adopt_call_semantics(converted, source):
     else:
         converted.kip_original_mask = mask_semantics(source)
         converted.kip_call_takes_training = takes_training(source)
+
+
+def graph_model(model, caller):
+    """`model`, or the converted graph of a `PluginModel` (a model whose
+    class has a `converted` property), which must have seen a batch
+    (`caller` names the function in errors).
+
+    Example:
+        >>> graph_model(plugin, "kip.plot_model") is plugin.converted
+        True
+    """
+    if isinstance(getattr(type(model), "converted", None), property):
+        if model.converted is None:
+            raise PassError(
+                f"{caller}: the PluginModel `{model.name}` has not seen a "
+                "batch yet, so it has no converted graph: call it once (`plugin(x)`, "
+                "`plugin.predict(x)` or `plugin.fit(...)`) first.")
+        return model.converted
+    return model
 
 
 def refuse_hdf5(model, filepath=None, zipped=None):
