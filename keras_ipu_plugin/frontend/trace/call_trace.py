@@ -34,6 +34,7 @@ from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.failures import describe_failure
 from keras_ipu_plugin.frontend.trace.failures import essential_message
+from keras_ipu_plugin.frontend.trace.failures import user_stack_line
 from keras_ipu_plugin.frontend.trace.keras_nodes import collect_nodes
 from keras_ipu_plugin.frontend.trace.trace_views import builtin_view_class
 from keras_ipu_plugin.frontend.trace.trace_views import inline_view_class
@@ -81,6 +82,7 @@ class CallTrace:
         # all) for a call that returned None among its outputs (`_tensors_only`)
         self.none_leaves = {}
         self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
+        self.lift_sites = {}  # id(HeldConstant) -> the user's line that made its tensor
         self.output_specs = {}  # replay.output_specs_key -> output KerasTensors
         self._names = Namespace()  # the node names this trace gave
         self._new_reads = []
@@ -188,6 +190,7 @@ class CallTrace:
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
+            self.lift_sites[id(held)] = user_stack_line()
             return held(self.anchor)
 
         return keras.tree.map_structure(lift, (args, kwargs))

@@ -15,6 +15,7 @@ Example:
     '`call` adds a loss computed from its inputs (`self.add_loss(...)`) in `vq`: ...'
 """
 
+import inspect
 import linecache
 import re
 
@@ -57,6 +58,13 @@ class TraceError(Exception):
     def __init__(self, reason):
         self.reason = reason
         super().__init__(reason)
+
+
+class ModeStructureError(TraceError):
+    """A `call` returns another output structure in training than in
+    inference. No node inside a traced call can hold that (the call's
+    code reads one structure), so it goes up to the model, which then runs
+    whole and returns each mode's structure (`convert.opaque_graph`)."""
 
 
 STATIC_BATCH_HINT = (
@@ -180,6 +188,19 @@ _TENSOR_AS_BOOL = "A symbolic KerasTensor cannot be used as a boolean"
 _SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DOTALL)
 
 
+def user_stack_line():
+    """`file:line: source` of the innermost frame of user code on the
+    current stack (the line of `call` running now), or None."""
+    frame = inspect.currentframe().f_back
+    while frame is not None:
+        code = frame.f_code
+        if is_user_source(code.co_filename):
+            source = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            return f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}: {source}"
+        frame = frame.f_back
+    return None
+
+
 def _user_source_line(error):
     """`file:line: source` of the innermost frame of user code (not
     TensorFlow's, Keras's or ours) in `error`'s traceback, or None."""
@@ -252,5 +273,5 @@ def writes_reason(layer, lost):
     )
 
 
-__all__ = ["TraceError", "STATIC_BATCH_HINT", "NUMPY_OPERAND_HINT", "describe_failure",
+__all__ = ["TraceError", "ModeStructureError", "STATIC_BATCH_HINT", "NUMPY_OPERAND_HINT", "describe_failure",
            "essential_message", "failing_layer", "known_failure", "writes_reason"]

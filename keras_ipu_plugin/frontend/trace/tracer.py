@@ -50,7 +50,7 @@ class Tracer:
         """The `call` tracing runs inline for `layer` (its class's, when
         written in user code: `user_code.user_call`), or None for a leaf;
         override `is_user_code`, not this."""
-        return user_code.user_call(layer, self.is_user_code)
+        return user_code.user_call(layer, self.is_user_code, through_overrides=True)
 
     @contextlib.contextmanager
     def tracing(self):

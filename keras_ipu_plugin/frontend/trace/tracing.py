@@ -48,6 +48,7 @@ from keras_ipu_plugin.frontend.batch.divisions import divided_trial_sizes
 from keras_ipu_plugin.frontend.batch.traces import TRIAL_BATCH_SIZES
 from keras_ipu_plugin.frontend.trace.call_trace import CallTrace
 from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.failures import essential_message  # noqa: F401 (re-exported)
 from keras_ipu_plugin.frontend.trace.failures import writes_reason
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
@@ -128,6 +129,8 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
         try:
             runs = per_input_runs([(trace, trace_modes(trace, training))], layer, args,
                                   kwargs, placeholders, prefix, reads, training, tracer)
+        except ModeStructureError:
+            raise  # the same at any batch size
         except TraceError as error:
             # `ops.shape(x)[0] // k` (Swin's windows): at multiples of k
             sizes = divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads,
@@ -137,7 +140,7 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
                 batch_sizes=sizes or TRIAL_BATCH_SIZES)
     for trace, (nodes, _) in runs:
         nodes = training_branches.with_branch_nodes(nodes)
-        _reject_frozen_variables(nodes, trace.lifted, tape, variables)
+        _reject_frozen_variables(nodes, trace, tape, variables)
         _reject_lost_writes(layer, nodes, log)
     if len(runs) == 1:
         return runs[0][1]
@@ -146,24 +149,40 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
         prefix)
 
 
-def _reject_frozen_variables(nodes, lifted, tape, variables):
+def _reject_frozen_variables(nodes, trace, tape, variables):
     """Raise `TraceError` when a traced node holds a concrete tensor that was
-    computed from the traced layer's variables (it would never change)."""
+    computed from the traced layer's variables (it would never change),
+    naming the variables and, where the tensor was met as a sub-layer's or
+    operation's input, the line of the user's code that computed it."""
+    lifted = trace.lifted
     constants = [
-        leaf for node in nodes
+        (leaf, None) for node in nodes
         for leaf in _leaves((node.args, node.kwargs))
         if tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, Value))
     ]
-    constants += [lifted[id(node.operation)] for node in nodes if id(node.operation) in lifted]
-    constants = [c for c in constants if c.dtype.is_floating]
-    for constant in constants:
-        if any(g is not None for g in tape.gradient(constant, variables)):
+    constants += [(lifted[id(node.operation)], trace.lift_sites.get(id(node.operation)))
+                  for node in nodes if id(node.operation) in lifted]
+    for constant, site in constants:
+        if not constant.dtype.is_floating:
+            continue
+        gradients = tape.gradient(constant, variables)
+        used = [variable for variable, gradient in zip(variables, gradients)
+                if gradient is not None]
+        if used:
+            names = ", ".join(f"`{_variable_name(variable)}`" for variable in used[:4])
+            at = f" (`{site}`)" if site else ""
             raise TraceError(
-                "`call` computes a tensor from the layer's weights outside the "
-                "graph (a variable not held as an attribute of the layer, or "
-                "an operation on one before the graph starts); traced, it "
-                "would be frozen"
+                f"`call` computes a tensor from the weight {names} outside the graph{at}: "
+                "the weight is read eagerly (not through the layer's attribute while traced: "
+                "a variable the layer does not hold, one captured before `call`, or an "
+                "operation on it run eagerly), so the traced graph would hold its value "
+                "frozen; compute it with `keras.ops` from a weight the layer holds as an "
+                "attribute for the layer to expand"
             )
+
+
+def _variable_name(variable):
+    return getattr(variable, "path", None) or str(getattr(variable, "name", variable)).split(":")[0]
 
 
 def _reject_lost_writes(layer, nodes, log):
