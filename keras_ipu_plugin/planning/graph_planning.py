@@ -205,7 +205,7 @@ def recompute_budget(graph, memory_budget):
         return memory_budget
     batch = planning_batch(graph, "Recompute(auto=True)")
     profiles = node_costs.profile_nodes(graph, batch)
-    order = node_costs.execution_order(graph)
+    order = graph.nodes  # the order the interpreter runs them in
     return memory_budget * (step_overhead(graph, batch) + recompute_plan.estimate_peak(
         recompute_costs(graph, order, profiles, batch, split=False)))
 
