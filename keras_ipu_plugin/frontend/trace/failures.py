@@ -15,9 +15,9 @@ Example:
     '`call` adds a loss computed from its inputs (`self.add_loss(...)`) in `vq`: ...'
 """
 
+import inspect
 import linecache
 import re
-import sys
 
 import keras
 import tensorflow as tf
@@ -184,7 +184,7 @@ _SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DO
 def user_stack_line():
     """`file:line: source` of the innermost frame of user code on the
     current stack (the line of `call` running now), or None."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     while frame is not None:
         code = frame.f_code
         if is_user_source(code.co_filename):
