@@ -1,4 +1,6 @@
-"""The graph IR: a small, explicit graph that passes transform.
+"""The graph IR: a small, explicit graph that passes transform. One concept
+over ~600 lines: `Graph`, `Node`, `Value` and the primitives that keep them
+consistent.
 
 A `Graph` holds its inputs, its `nodes` in topological order and its
 outputs. Each `Node` is one call of one Keras operation (a layer, or a
@@ -280,6 +282,10 @@ class Graph:
         self.reusable = {}
         # the per-replica rows of the first batch, for planning passes (None: unknown)
         self.batch_rows = None
+        # None, or where the model returns another structure in each
+        # `training` mode: `{"outputs": {mode: nest of indices into the flat
+        # outputs}, "none_means": mode}` (`layers/opaque.py`)
+        self.output_modes = None
 
     # -- the node list -----------------------------------------------------
     @property
@@ -554,6 +560,7 @@ class Graph:
         graph.replaced = list(self.replaced)
         graph.reusable = dict(self.reusable)
         graph.batch_rows = self.batch_rows
+        graph.output_modes = self.output_modes
         return graph
 
     def summary_rows(self):

@@ -73,7 +73,7 @@ _KERAS_LAYER_CLASSES = frozenset(
 def is_user_layer(layer):
     """Whether `layer` is user code: its class is not one `keras.layers`
     exports (exactly: a subclass is user code) nor the plugin's own.
-    (`tests/test_expand_public_architectures.py` pins a user's subclass of
+    (`tests/passes/test_expand_public_architectures.py` pins a user's subclass of
     `Dense` and Keras's applications' `LayerScale` as user code.)"""
     cls = type(layer)
     return cls not in _KERAS_LAYER_CLASSES and not (cls.__module__ or "").startswith(

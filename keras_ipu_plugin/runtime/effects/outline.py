@@ -12,7 +12,7 @@ stateless scope that would keep the write.
 Example:
     >>> outlined = kip.apply_passes(converted, [kip.passes.Outline(Block)])
     >>> outlined(x)
-    >>> len(outlined._kip_executor.effects["outline"].bodies)   # one per group
+    >>> len(outlined.kip_interpreter().effects["outline"].bodies)   # one per group
     1
 """
 
@@ -27,7 +27,6 @@ from keras_ipu_plugin.layers.layer_kinds import training_agnostic
 from keras_ipu_plugin.layers.state.variable_write import is_write_node
 from keras_ipu_plugin.runtime.interpreter import RunEffect
 from keras_ipu_plugin.runtime.interpreter import register_run_effect
-from keras_ipu_plugin.runtime.run_graph import inputs_of
 
 
 @register_run_effect
@@ -111,7 +110,11 @@ def _shared_body(representative, kwargs, model, training):
         mapping = list(zip(representative.trainable_variables, trainable)) + list(
             zip(representative.non_trainable_variables, non_trainable)
         )
-        with _compat.stateless_scope(mapping, collect_losses=True) as scope:
+        # Under a scope of its own: the body may be traced in a graph of its
+        # own, where the layer's would be a root scope, which TensorFlow
+        # refuses for a name starting with `_` (a layer of a class `_Conv`).
+        with _compat.stateless_scope(mapping, collect_losses=True) as scope, \
+                tf.name_scope("outlined"):
             with _compat.call_context(model, training):
                 outputs = representative(*args, **kwargs, **tensor_kwargs)
         new_state = [
@@ -135,7 +138,7 @@ def _outline_key(layer, node, kwargs):
     config, _ = outline_config(layer)
     config = ("alone", id(layer)) if config is None else repr(sorted(config.items()))
     signature = tuple(
-        (tuple(value.spec.shape), value.spec.dtype) for value in inputs_of(node)
+        (tuple(value.spec.shape), value.spec.dtype) for value in node.input_values
     )
     return (type(layer), config, signature, repr(sorted(kwargs.items())))
 
