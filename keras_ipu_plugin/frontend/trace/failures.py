@@ -15,9 +15,9 @@ Example:
     '`call` adds a loss computed from its inputs (`self.add_loss(...)`) in `vq`: ...'
 """
 
+import inspect
 import linecache
 import re
-import sys
 
 import keras
 import tensorflow as tf
@@ -58,6 +58,13 @@ class TraceError(Exception):
     def __init__(self, reason):
         self.reason = reason
         super().__init__(reason)
+
+
+class ModeStructureError(TraceError):
+    """A `call` returns another output structure in training than in
+    inference. No node inside a traced call can hold that (the call's
+    code reads one structure), so it goes up to the model, which then runs
+    whole and returns each mode's structure (`convert.opaque_graph`)."""
 
 
 STATIC_BATCH_HINT = (
@@ -184,7 +191,7 @@ _SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DO
 def user_stack_line():
     """`file:line: source` of the innermost frame of user code on the
     current stack (the line of `call` running now), or None."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         code = frame.f_code
         if is_user_source(code.co_filename):
@@ -266,5 +273,5 @@ def writes_reason(layer, lost):
     )
 
 
-__all__ = ["TraceError", "STATIC_BATCH_HINT", "NUMPY_OPERAND_HINT", "describe_failure",
+__all__ = ["TraceError", "ModeStructureError", "STATIC_BATCH_HINT", "NUMPY_OPERAND_HINT", "describe_failure",
            "essential_message", "failing_layer", "known_failure", "writes_reason"]

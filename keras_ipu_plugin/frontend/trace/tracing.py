@@ -48,6 +48,7 @@ from keras_ipu_plugin.frontend.batch.divisions import divided_trial_sizes
 from keras_ipu_plugin.frontend.batch.traces import TRIAL_BATCH_SIZES
 from keras_ipu_plugin.frontend.trace.call_trace import CallTrace
 from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.failures import essential_message  # noqa: F401 (re-exported)
 from keras_ipu_plugin.frontend.trace.failures import writes_reason
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
@@ -128,6 +129,8 @@ def _trace_call(layer, args, kwargs, placeholders, training, prefix, reads, trac
         try:
             runs = per_input_runs([(trace, trace_modes(trace, training))], layer, args,
                                   kwargs, placeholders, prefix, reads, training, tracer)
+        except ModeStructureError:
+            raise  # the same at any batch size
         except TraceError as error:
             # `ops.shape(x)[0] // k` (Swin's windows): at multiples of k
             sizes = divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads,
