@@ -154,8 +154,8 @@ MUTATIONS = [
       "variables a conversion created keep what its runs changed", MODEL_STATE),
     # -- the interpreter and its run-time effects (runtime/effects/) ----------------------------------------------------------------
     M("executor-ignores-pinned-training", "runtime/interpreter.py",
-      '                if key == "training" and node.training in (True, False):',
-      '                if False:',
+      '        if node.training in (True, False):\n            kwargs["training"] = node.training',
+      '        if False:\n            kwargs["training"] = node.training',
       "the executor overrides a pinned training=False", GUARDED),
     M("executor-state-in-recompute-segments", "runtime/effects/recompute.py",
       "        if (not backend.recomputes_segments or has_forward_state(node.operation)\n"
