@@ -182,3 +182,62 @@ def test_no_module_probes_a_signature_for_training_but_the_one_probe():
     # The check sees the probe it is there to catch.
     planted = 'self.training = "training" in inspect.signature(call).parameters'
     assert _signature_training_probes(planted) == [1]
+
+
+class GrowingNet(keras.Model):
+    """Calls a second block once `grow` is set: its variables, made then,
+    make the plugin convert the model again."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.grow = False
+        self.first = Outer(name="first")
+        self.second = Outer(name="second")
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        x = self.first(x)
+        if self.grow:
+            x = self.second(x)
+        return self.head(x)
+
+
+def test_a_plugin_model_made_in_a_tracer_block_keeps_that_tracer_for_every_conversion():
+    """A PluginModel made inside `with tracer.tracing():` converts with that
+    tracer at its first fit and at every rebuild for new variables, even
+    when fit runs outside the block (the block only picks the default of
+    `PluginModel(..., tracer=)`)."""
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    model = GrowingNet(name="growing")
+    model(x[:2])
+    with KeepInner().tracing():
+        plugin = kip.PluginModel(model, passes=[Expand("all")])
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
+        model.first.inner]
+    model.grow = True
+    plugin.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert plugin._kip_runtime.rebuilds == 1
+    assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
+        model.first.inner, model.second.inner]
+
+
+def test_a_tracer_given_by_keyword_decides_conversion_passes_and_plugin_model():
+    """`tracer=` of `convert_to_functional`, `apply_passes` and `PluginModel`
+    says where tracing stops, with no block around the call."""
+    model, x = _model()
+    converted = kip.convert_to_functional(model, x, tracer=KeepInner())
+    expanded = kip.apply_passes(converted, [Expand("all")], tracer=KeepInner())
+    assert [op for op in _operations(expanded) if isinstance(op, Inner)] == [
+        block.inner for block in model.blocks]
+    # The default tracer goes through every Inner.
+    plain = kip.apply_passes(converted, [Expand("all")])
+    assert not any(isinstance(op, Inner) for op in _operations(plain))
+    plugin = kip.PluginModel(model, passes=[Expand("all")], tracer=KeepInner())
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, np.zeros((3, 4), "float32"), batch_size=3, epochs=1, verbose=0)
+    assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
+        block.inner for block in model.blocks]

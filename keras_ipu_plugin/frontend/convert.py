@@ -34,6 +34,7 @@ from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
 from keras_ipu_plugin.frontend.trace.tracing import essential_message
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch
@@ -42,7 +43,8 @@ from keras_ipu_plugin.frontend.verify.compare import tolerance_for
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
-def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False):
+def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False,
+                          tracer=None):
     """Convert `model` to a functional model sharing its variables.
 
     Args:
@@ -57,6 +59,8 @@ def convert_to_functional(model, data, *, training=None, verify=True, static_bat
             model that cannot show one. The report says what was compared.
         static_batch: fix the batch dimension to the per-replica batch of
             the active `tf.distribute` strategy.
+        tracer: the `Tracer` saying where tracing stops; by default the one
+            in use (`with tracer.tracing():`), else `DEFAULT_TRACER`.
 
     Example:
         >>> model = MyModel()
@@ -65,18 +69,19 @@ def convert_to_functional(model, data, *, training=None, verify=True, static_bat
         True
         >>> print(converted.kip_report)
     """
-    return Converter(training=training, verify=verify, static_batch=static_batch).convert(
-        model, data
-    )
+    return Converter(training=training, verify=verify, static_batch=static_batch,
+                     tracer=tracer).convert(model, data)
 
 
 class Converter:
     """The one conversion routine every entry point shares."""
 
-    def __init__(self, *, training=None, verify=True, static_batch=False):
+    def __init__(self, *, training=None, verify=True, static_batch=False, tracer=None):
         if training not in (None, True, False):
             raise ValueError(f"`training` must be None, True or False; got {training!r}.")
         self.training = training
+        # Taken now: the conversion traces with it whatever is in use later.
+        self.tracer = current_tracer() if tracer is None else tracer
         self.verify = verify
         self.static_batch = static_batch
 
@@ -144,7 +149,7 @@ class Converter:
         report = Report()
         try:
             before = VariableValues(model.non_trainable_variables)
-            graph = trace_model(model, specs, training=self.training)
+            graph = trace_model(model, specs, training=self.training, tracer=self.tracer)
             _refuse_lost_updates(graph, before)
         except TraceError as error:
             if outputs is None:

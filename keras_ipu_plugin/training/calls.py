@@ -256,14 +256,16 @@ class CallConversion:
         return self.model(call.tensors(), training=call.training)
 
 
-def convert_call(callee, call, *, verify=True, signature=None, static_batch=False):
-    """Convert `callee` for calls like `call` (concrete arguments).
+def convert_call(callee, call, *, verify=True, signature=None, static_batch=False,
+                 tracer=None):
+    """Convert `callee` for calls like `call` (concrete arguments), tracing
+    with `tracer` (a `Tracer`; the one in use by default).
 
     `signature` (default: the call's own) gives the shapes the graph takes:
     a signature from a traced step keeps unknown dimensions unknown.
     """
     signature = signature or call.signature()
-    converter = Converter(verify=verify, static_batch=static_batch)
+    converter = Converter(verify=verify, static_batch=static_batch, tracer=tracer)
     if call.simple:
         x = as_tensors(call.inputs)
         specs = signature.specs(call)
@@ -293,7 +295,8 @@ def _convert_bound_call_now(callee, call, converter, tensors, specs, reference):
     state = ModelState(callee)
     try:
         with state.recording():
-            converted, report = _traced_bound_call(callee, call, tensors, specs, reference)
+            converted, report = _traced_bound_call(callee, call, tensors, specs, reference,
+                                                   converter.tracer)
             if converter.verify:
                 report.add_verification(
                     callee.name, check_equivalent(reference, converted, tensors))
@@ -305,7 +308,7 @@ def _convert_bound_call_now(callee, call, converter, tensors, specs, reference):
     return converted
 
 
-def _traced_bound_call(callee, call, tensors, specs, reference):
+def _traced_bound_call(callee, call, tensors, specs, reference, tracer):
     """`(graph model, report)` of `callee.call`'s body traced with every
     tensor of `call` as a named input."""
     inputs = {name: spec.keras_input() for name, spec in specs.items()}
@@ -316,7 +319,8 @@ def _traced_bound_call(callee, call, tensors, specs, reference):
     report = Report()
     try:
         nodes, outputs = trace_call(
-            callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="")
+            callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="",
+            tracer=tracer)
         graph = Graph(specs, values, nodes, outputs, name=callee.name)
         converted = rebuild(graph, name=f"{callee.name}_functional")
         adopt_call_semantics(converted, reference)
@@ -325,7 +329,8 @@ def _traced_bound_call(callee, call, tensors, specs, reference):
     except TraceError as error:
         # The body cannot be traced with these arguments: the callee is
         # one node of the graph, called with them as the step calls it.
-        converted = Converter(verify=False).convert(reference, (tensors,), specs=specs)
+        converted = Converter(verify=False, tracer=tracer).convert(
+            reference, (tensors,), specs=specs)
         report = converted.kip_report
         report.add_opaque(callee.name, error.reason)
     return converted, report

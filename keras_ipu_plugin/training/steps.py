@@ -64,6 +64,7 @@ from keras_ipu_plugin.training.step_self import CalleeStandIn
 from keras_ipu_plugin.training.step_self import step_self
 from keras_ipu_plugin.training.step_losses import StepLosses
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.frontend.verify.runs import verifying_on
 from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
@@ -91,8 +92,12 @@ class Runtime:
     """
 
     def __init__(self, subject, owner, passes, verify=True, rebuild_on_new_variables=True,
-                 static_batch=False):
+                 static_batch=False, tracer=None):
         self.subject = subject
+        # Every conversion and rebuild of the subject traces with this
+        # `Tracer`, the one in use where the runtime is made by default:
+        # never the one in use where a later `fit` happens to run.
+        self.tracer = current_tracer() if tracer is None else tracer
         self.owner = owner
         self.passes = passes
         self.verify = verify
@@ -233,11 +238,12 @@ class Runtime:
                     # The IPU backend needs static shapes (static_batch=True there).
                     graph_model = convert_call(
                         callee, call, verify=self.verify, signature=signature,
-                        static_batch=self.static_batch or get_backend().static_batch)
+                        static_batch=self.static_batch or get_backend().static_batch,
+                        tracer=self.tracer)
                     if self.passes:
                         with _replaced_layers_in_sync(reuse):
                             model = apply_passes(graph_model, self.passes, verify=self.verify,
-                                                 reuse_replacements=reuse)
+                                                 reuse_replacements=reuse, tracer=self.tracer)
                     else:
                         model = graph_model
                 self.watch.take()
@@ -387,7 +393,7 @@ class Runtime:
             try:
                 with state.recording():
                     before = VariableValues(self.subject.non_trainable_variables)
-                    graph = trace_model(callee, specs)
+                    graph = trace_model(callee, specs, tracer=self.tracer)
                     assigns = bool(assigned_outside(graph, before))
                 state.restore_after_success()
             except TraceError as error:
