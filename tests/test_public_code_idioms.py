@@ -11,7 +11,7 @@
   (`batch + 1`, `batch - 1`) is followed, confirmed by a third trace; what
   is not (`batch * batch`) and a batch written as a constant
   (`ops.reshape(x, (4, 6))`) stay whole saying what to write (`batch // 2`
-  is followed at multiples of 2: tests/test_batch_divisions.py);
+  is followed at multiples of 2: tests/test_batch/divisions.py);
 - unseeded TensorFlow draws (`tf.random.normal(shape)`): verification
   replays the original's draws in the converted run and puts TensorFlow's
   global random state back, so the model converts and trains; the draw
@@ -326,7 +326,7 @@ class RoutedTokensInTensorFlow(layers.Layer):
 def test_a_multiple_of_the_batch_divided_back_is_followed_at_any_batch_size(block, tmp_path):
     """`ops.shape(x)[0] // k` where x has `batch * k`
     rows is the batch size at every batch size (`ops.shape(x)[0] // k` of
-    the batch itself is followed at multiples of k: tests/test_batch_divisions.py)."""
+    the batch itself is followed at multiples of k: tests/test_batch/divisions.py)."""
     expands_exactly_at_any_batch_size(block(name="block"), tmp_path)
 
 

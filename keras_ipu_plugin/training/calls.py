@@ -40,7 +40,6 @@ from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
-from keras_ipu_plugin.frontend.trace.tracing import trace_call
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.runtime.rebuild import rebuild
@@ -318,9 +317,8 @@ def _traced_bound_call(callee, call, tensors, specs, reference, tracer):
     kwargs.pop("training", None)
     report = Report()
     try:
-        nodes, outputs = trace_call(
-            callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="",
-            tracer=tracer)
+        nodes, outputs = tracer.trace(
+            callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="")
         graph = Graph(specs, values, nodes, outputs, name=callee.name)
         converted = rebuild(graph, name=f"{callee.name}_functional")
         adopt_call_semantics(converted, reference)
