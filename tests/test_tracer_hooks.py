@@ -7,12 +7,15 @@ from pathlib import Path
 import keras
 import numpy as np
 from keras import layers
+from keras import ops
 
 import keras_ipu_plugin as kip
+from keras_ipu_plugin.frontend.trace.call_trace import Traces
 from keras_ipu_plugin.frontend.trace.tracer import DEFAULT_TRACER
 from keras_ipu_plugin.frontend.trace.tracer import Tracer
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
 from keras_ipu_plugin.frontend.inputs import input_specs
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.layers import user_code
@@ -241,3 +244,61 @@ def test_a_tracer_given_by_keyword_decides_conversion_passes_and_plugin_model():
     plugin.fit(x, np.zeros((3, 4), "float32"), batch_size=3, epochs=1, verbose=0)
     assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
         block.inner for block in model.blocks]
+
+
+class PositionsOfHeads(layers.Layer):
+    """keras_hub's T5 attention: a position table as long as heads reshaped
+    to `(batch_size, -1, ...)`, which the unknown batch size leaves unknown:
+    the call is traced again, at two batch sizes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = layers.Dense(8, name="proj")
+
+    def call(self, x):
+        heads = ops.reshape(self.proj(x), (ops.shape(x)[0], -1, 2, 4))
+        positions = ops.cast(ops.arange(ops.shape(heads)[1]), heads.dtype)
+        return ops.reshape(heads + positions[None, :, None, None], (ops.shape(x)[0], -1, 8))
+
+
+class HoldsBlock(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = PositionsOfHeads(name="block")
+
+    def call(self, x):
+        return self.block(x)
+
+
+class SymbolicOnly(Tracer):
+    """Traces each call once, symbolically, in both modes: never again at
+    trial batch sizes."""
+
+    def traces(self, call):
+        return Traces(((call, trace_modes(call)),))
+
+
+def test_the_retry_policy_is_one_method_a_tracer_subclass_overrides():
+    """`Tracer.traces` decides how a call is traced again when its symbolic
+    trace fails: the default traces a call needing its batch size at two
+    batch sizes (the block expands), a subclass that never retries leaves
+    that block whole, with the reason."""
+    x = np.random.RandomState(0).normal(size=(4, 5, 3)).astype("float32")
+    model = HoldsBlock(name="holds")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    retried = []
+
+    class Recording(Tracer):
+        def traces(self, call):
+            traces = super().traces(call)
+            retried.append((call.layer, traces.trial is not None))
+            return traces
+
+    expanded = kip.apply_passes(converted, [Expand("all")], tracer=Recording())
+    assert "block" not in expanded.kip_report.opaque
+    assert (model.block, True) in retried  # traced again, at trial batch sizes
+    kept = kip.apply_passes(converted, [Expand("all")], tracer=SymbolicOnly())
+    assert "block" in kept.kip_report.opaque
+    for passed in (expanded, kept):
+        np.testing.assert_allclose(passed(x), model(x), atol=1e-5)

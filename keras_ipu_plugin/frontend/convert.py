@@ -28,7 +28,7 @@ from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.opaque import output_specs_of
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
@@ -111,30 +111,26 @@ class Converter:
         # Calling, tracing and verifying build layers, record nodes on the
         # user's objects and run the model's own code (counters, seed
         # generators): a failure must leave none of it behind, a success
-        # only the building (see ModelState).
-        state = ModelState(model)
-        try:
-            with state.recording():
-                start = time.perf_counter()
-                graph, report = self.trace(model, x, specs, state)
-                state.settle()
-                converted = rebuild(graph, name=f"{model.name}_functional")
-                adopt_call_semantics(converted, model)
-                report.timings.append(("convert", model.name, time.perf_counter() - start))
-                if self.verify:
-                    with report.timed("verify", model.name):
-                        report.add_verification(model.name,
-                                                _verify(model, converted, x, self.training))
+        # only the building (see `state.guarded`).
+        def convert(state):
+            start = time.perf_counter()
+            graph, report = self.trace(model, x, specs, state)
+            state.settle()
+            converted = rebuild(graph, name=f"{model.name}_functional")
+            adopt_call_semantics(converted, model)
+            report.timings.append(("convert", model.name, time.perf_counter() - start))
+            if self.verify:
+                with report.timed("verify", model.name):
+                    report.add_verification(model.name,
+                                            _verify(model, converted, x, self.training))
             converted.kip_report = report
             keep_first_batch(converted, x)  # what apply_passes verifies on
-            # Last: a Ctrl-C anywhere before the result is handed back drops
-            # the converted model, so it must take its nodes off the user's
-            # layers too (undo_after), however late it comes.
-            state.restore_after_success()
-        except BaseException as error:
-            state.undo_after(error)
-            raise
-        return converted
+            return converted
+
+        # A Ctrl-C anywhere before the result is handed back drops the
+        # converted model, so it must take its nodes off the user's layers
+        # too (`guarded` undoes), however late it comes.
+        return guarded(model, convert)
 
     def trace(self, model, x, specs, state):
         """The graph IR of `model` and the conversion report."""

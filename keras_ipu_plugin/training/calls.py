@@ -33,7 +33,7 @@ import tensorflow as tf
 from keras_ipu_plugin.frontend import inputs as inputs_lib
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import Converter
-from keras_ipu_plugin.frontend.convert import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.convert import as_tensors
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.ir.graph import Graph
@@ -291,20 +291,16 @@ def _convert_bound_call_now(callee, call, converter, tensors, specs, reference):
     # As `Converter.convert`: nothing of the trace and the checks (nodes,
     # counters, seed draws) stays on the user's model; a failure leaves it
     # exactly as it was.
-    state = ModelState(callee)
-    try:
-        with state.recording():
-            converted, report = _traced_bound_call(callee, call, tensors, specs, reference,
-                                                   converter.tracer)
-            if converter.verify:
-                report.add_verification(
-                    callee.name, check_equivalent(reference, converted, tensors))
+    def convert(state):
+        converted, report = _traced_bound_call(callee, call, tensors, specs, reference,
+                                               converter.tracer)
+        if converter.verify:
+            report.add_verification(
+                callee.name, check_equivalent(reference, converted, tensors))
         converted.kip_report = report
-        state.restore_after_success()  # last: see Converter._convert
-    except BaseException as error:
-        state.undo_after(error)
-        raise
-    return converted
+        return converted
+
+    return guarded(callee, convert)
 
 
 def _traced_bound_call(callee, call, tensors, specs, reference, tracer):

@@ -58,7 +58,7 @@ from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.training.step_self import CalleeStandIn
 from keras_ipu_plugin.training.step_self import step_self
@@ -389,20 +389,15 @@ class Runtime:
         `call`'s Python: what it changes on the model (a counter assigned in
         `call`) does not stay behind."""
         with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
-            state = ModelState(self.subject)
+            def trace(state):
+                before = VariableValues(self.subject.non_trainable_variables)
+                graph = trace_model(callee, specs, tracer=self.tracer)
+                return graph, bool(assigned_outside(graph, before))
+
             try:
-                with state.recording():
-                    before = VariableValues(self.subject.non_trainable_variables)
-                    graph = trace_model(callee, specs, tracer=self.tracer)
-                    assigns = bool(assigned_outside(graph, before))
-                state.restore_after_success()
-            except TraceError as error:
-                state.undo_after(error)
-                return None
-            except BaseException as error:
-                state.undo_after(error)
-                raise
-        return graph, assigns
+                return guarded(self.subject, trace)
+            except TraceError:
+                return None  # the model put back by `guarded`
 
     def new_variables(self):
         """Model variables created since the last conversion. Walks the

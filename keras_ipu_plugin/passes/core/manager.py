@@ -25,7 +25,7 @@ from keras_ipu_plugin.passes.core.base import Pass
 from keras_ipu_plugin.passes.core.base import registered_passes
 from keras_ipu_plugin.planning.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
 from keras_ipu_plugin.frontend.trace.failures import failing_layer as _failing_layer
 from keras_ipu_plugin.frontend.trace.tracing import essential_message
@@ -92,16 +92,9 @@ def apply_passes(model, passes, *, verify=True, reuse_replacements=(), tracer=No
     with one_conversion_at_a_time(), tracer.tracing():
         # Passes trace the user's layers (running their Python) and record
         # nodes on them: a failure leaves nothing behind, a success only
-        # what building leaves (see state.ModelState).
-        state = ModelState(model)
-        try:
-            with state.recording():
-                result = _apply_passes(model, passes, verify, reuse_replacements)
-            state.restore_after_success()
-        except BaseException as error:
-            state.undo_after(error)
-            raise
-    return result
+        # what building leaves (see `state.guarded`).
+        return guarded(
+            model, lambda state: _apply_passes(model, passes, verify, reuse_replacements))
 
 
 def _apply_passes(model, passes, verify, reuse_replacements):
