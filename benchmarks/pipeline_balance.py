@@ -70,7 +70,7 @@ def child(model_name, num_stages, rounds):
     import keras_ipu_plugin as kip
     from keras_ipu_plugin.planning import graph_planning as planning
     from keras_ipu_plugin.planning import stage_balance
-    from keras_ipu_plugin.passes.core.manager import graph_of
+    from keras_ipu_plugin.passes.infra.manager import graph_of
 
     keras.utils.set_random_seed(0)
     model, x = _model_and_batch(model_name, keras, np)

@@ -19,11 +19,11 @@ from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.convert import Converter
 from keras_ipu_plugin.frontend.convert import convert_to_functional
-from keras_ipu_plugin.passes.core.config import passes_from_config
+from keras_ipu_plugin.passes.infra.config import passes_from_config
 from keras_ipu_plugin.passes.features import create_feature_extractor
 from keras_ipu_plugin.passes.plain_keras import to_keras
-from keras_ipu_plugin.passes.core.config import register_layer
-from keras_ipu_plugin.passes.core.manager import apply_passes
+from keras_ipu_plugin.passes.infra.config import register_layer
+from keras_ipu_plugin.passes.infra.manager import apply_passes
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.report import summary
 from keras_ipu_plugin.layers.alias import LayerAlias
@@ -33,7 +33,7 @@ from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.training.callback import PluginCallback
-from keras_ipu_plugin.training.dynamic import NewVariablesError
+from keras_ipu_plugin.training.session.new_variables import NewVariablesError
 from keras_ipu_plugin.training.model import PluginModel
 from keras_ipu_plugin.training.scope import scope
 from keras_ipu_plugin.training.scope import scope_report

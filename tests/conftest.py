@@ -10,7 +10,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # apply_passes checks every graph with Graph.lint() before and after each
-# pass (see passes/core/manager.py): a pass leaving a malformed graph fails there.
+# pass (see passes/infra/manager.py): a pass leaving a malformed graph fails there.
 os.environ.setdefault("KIP_LINT_GRAPHS", "1")
 
 # The report is rendered as wide as the terminal; tests read its text, so

@@ -17,7 +17,7 @@ import keras_ipu_plugin as kip
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
-from keras_ipu_plugin.passes.core.patterns import names_a_path
+from keras_ipu_plugin.passes.infra.patterns import names_a_path
 
 
 class Block(layers.Layer):

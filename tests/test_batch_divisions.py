@@ -22,7 +22,7 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.errors import LoadError
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 

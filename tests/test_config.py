@@ -22,18 +22,18 @@ import pytest
 import yaml
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.passes.core import config as config_module
+from keras_ipu_plugin.passes.infra import config as config_module
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Outline
 from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import Recompute
 from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
-from keras_ipu_plugin.passes.core import base
-from keras_ipu_plugin.passes.core.base import as_targets
-from keras_ipu_plugin.passes.core.base import matched_nodes
-from keras_ipu_plugin.passes.core.base import targets_config
-from keras_ipu_plugin.passes.core.base import targets_from_config
+from keras_ipu_plugin.passes.infra import base
+from keras_ipu_plugin.passes.infra.base import as_targets
+from keras_ipu_plugin.passes.infra.base import matched_nodes
+from keras_ipu_plugin.passes.infra.base import targets_config
+from keras_ipu_plugin.passes.infra.base import targets_from_config
 
 
 def error_of(config, **kwargs):
@@ -395,7 +395,7 @@ def test_a_layer_class_with_no_name_is_an_error_at_save_naming_it():
 
 
 def test_a_class_registered_with_kip_saves_by_its_registered_name(monkeypatch):
-    monkeypatch.setattr(kip.passes.core.layer_class_names, "_registry", {})
+    monkeypatch.setattr(kip.passes.infra.layer_class_names, "_registry", {})
 
     class Turbo(keras.layers.Dense):
         pass
@@ -453,7 +453,7 @@ def test_errors_in_list_configs_and_pass_checks_name_their_path(config, path):
 
 def test_one_class_replaced_twice_under_two_names_is_an_error(monkeypatch):
     # Was: the second replacement silently took the place of the first.
-    monkeypatch.setattr(kip.passes.core.layer_class_names, "_registry", {})
+    monkeypatch.setattr(kip.passes.infra.layer_class_names, "_registry", {})
     kip.register_layer(SavedDense, name="Fast")
     config = {"replace": {"kip_test_config>SavedDense": {"class": "Dense"}, "Fast": {"class": "Dense"}}}
     error = error_of(config)

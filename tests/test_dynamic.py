@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.training.dynamic import NewVariablesError
-from keras_ipu_plugin.training.dynamic import extend_optimizer
+from keras_ipu_plugin.training.session.new_variables import NewVariablesError
+from keras_ipu_plugin.training.session.new_variables import extend_optimizer
 
 import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
 

@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.training import step_functions
-from keras_ipu_plugin.training import steps as steps_module
+from keras_ipu_plugin.training.session import step_functions
+from keras_ipu_plugin.training.session import session as steps_module
 
 
 class Block(keras.layers.Layer):

@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.training.dynamic import NewVariablesError
-from keras_ipu_plugin.training.dynamic import VariableWatch
+from keras_ipu_plugin.training.session.new_variables import NewVariablesError
+from keras_ipu_plugin.training.session.new_variables import VariableWatch
 from keras_ipu_plugin.ir.specs import dtype_kind
 
 

@@ -312,18 +312,18 @@ def test_reading_a_seeded_shuffle_for_conversion_leaves_fit_its_order(reader):
 
 
 def test_a_seeded_shuffle_copy_gives_the_first_order_and_leaves_the_original():
-    from keras_ipu_plugin import _compat
+    from keras_ipu_plugin.frontend.inputs import dataset_with_own_seeds
 
     def orders(dataset):
         return [batch.numpy().tolist() for batch in dataset]
 
     expected = orders(tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4))
     dataset = tf.data.Dataset.range(12).shuffle(12, seed=1).batch(4)
-    copy = _compat.dataset_with_own_seeds(dataset)
+    copy = dataset_with_own_seeds(dataset)
     assert orders(copy) == expected
     assert orders(dataset) == expected
     # Nothing to copy where nothing draws seeds.
-    assert _compat.dataset_with_own_seeds(tf.data.Dataset.range(4).batch(2)) is None
+    assert dataset_with_own_seeds(tf.data.Dataset.range(4).batch(2)) is None
 
 
 # -- a later fit on sequences of another length ---------------------------------

@@ -24,8 +24,8 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.errors import LoadError
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.tensor_sized import TensorSizedOperation
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.tensor_sized import TensorSizedOperation
 from keras_ipu_plugin.passes import Expand
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path

@@ -9,14 +9,14 @@ The data flows one way (see docs/architecture.md):
     frontend/     model + first batch -> IR: trace/, idioms/, batch/, replay/,
                   verify/, and inputs, state, convert
     planning/     node costs, the recompute and stage planners, stage timing
-    passes/core/  pass infrastructure (Pass, registry, patterns, configs, manager)
+    passes/infra/  pass infrastructure (Pass, registry, patterns, configs, manager)
     passes/       IR -> IR (each pass, presets)
     training/   PluginModel, PluginCallback, kip.scope, dynamic variables
     cli, the package itself
 
 A module may import its own layer and the layers before it, never one after
-it; imports inside functions count (they hid a cycle once). And only
-`_compat.py` touches private Keras / TensorFlow APIs: `keras.src`,
+it; imports inside functions count (they hid a cycle once). And only the
+`_compat/` package touches private Keras / TensorFlow APIs: `keras.src`,
 `tensorflow.python`, or a private attribute of an object the plugin did not
 make.
 """
@@ -36,7 +36,7 @@ LAYERS = [
     {"runtime"},
     {"frontend"},
     {"planning"},
-    {"passes.core"},
+    {"passes.infra"},
     {"passes"},
     {"training"},
     {"cli", "__main__", ""},
@@ -127,7 +127,7 @@ def _imports(module):
 
 def _layer(module):
     """The index in LAYERS of the longest folder holding `module`
-    (`passes.core.base` is in `passes.core`, `passes.expand` in `passes`)."""
+    (`passes.infra.base` is in `passes.infra`, `passes.expand` in `passes`)."""
     parts = module[len(NAME) + 1:].split(".") if module != NAME else [""]
     for end in range(len(parts), 0, -1):
         folder = ".".join(parts[:end])
@@ -182,12 +182,17 @@ def test_imports_only_its_own_layer_and_those_before_it(module):
     assert not upward, f"{module} (layer {_layer(module)}) imports later layers: {upward}"
 
 
+def _in_compat(module):
+    """Whether `module` is the `_compat` package or one of its modules."""
+    return module == f"{NAME}._compat" or module.startswith(f"{NAME}._compat.")
+
+
 def _names_the_package_defines():
     """Underscore names our own code defines (functions, classes, attributes
     it assigns, arguments): reading those is not private access."""
     own = set()
     for module, tree in TREES.items():
-        if module == f"{NAME}._compat":
+        if _in_compat(module):
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -255,7 +260,7 @@ KERAS_PRIVATE = _keras_private_names()
 OWN_PRIVATE = _names_the_package_defines() - KERAS_PRIVATE
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != f"{NAME}._compat"))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not _in_compat(m)))
 def test_private_keras_and_tensorflow_access_only_in_compat(module):
     found = _private_accesses(module, OWN_PRIVATE, KERAS_PRIVATE)
     assert not found, f"{module} reaches into Keras / TensorFlow privately: {found}"
@@ -294,12 +299,12 @@ def test_the_checks_see_what_they_must_see():
 
 
 def test_a_subfolder_is_its_own_layer():
-    """`passes/core/` (the infrastructure) sits before `passes/` (the
+    """`passes/infra/` (the infrastructure) sits before `passes/` (the
     passes): the infrastructure importing a pass would be caught."""
-    assert _layer(f"{NAME}.passes.core.base") < _layer(f"{NAME}.passes.expand")
+    assert _layer(f"{NAME}.passes.infra.base") < _layer(f"{NAME}.passes.expand")
     assert _layer(f"{NAME}.passes") == _layer(f"{NAME}.passes.expand")
     assert _layer(f"{NAME}.layers.opaque") < _layer(f"{NAME}.runtime.executor")
-    assert _layer(f"{NAME}.planning.node_costs") < _layer(f"{NAME}.passes.core.manager")
+    assert _layer(f"{NAME}.planning.node_costs") < _layer(f"{NAME}.passes.infra.manager")
 
 
 def test_the_architecture_page_draws_the_layers_in_their_import_order():

@@ -188,7 +188,7 @@ def test_rebuild_after_new_variables_leaves_the_counter_at_the_steps_run():
 def test_call_that_assigns_a_variable_itself_keeps_the_write_as_a_node():
     """It once ran whole (opaque): the write is now a
     `VariableWrite` node of the graph (tests/test_variable_write_nodes.py)."""
-    from keras_ipu_plugin.layers.variable_write import VariableWrite
+    from keras_ipu_plugin.layers.state.variable_write import VariableWrite
 
     model, x = CountingModel(), _x()
     model(x)
@@ -797,7 +797,7 @@ def test_an_interrupted_or_failed_pass_in_fit_leaves_no_node_on_the_model(
         monkeypatch, entry, error):
     # Before: the conversion fit made before its passes kept one Keras node
     # per call on every layer of the model, each fit interrupted adding more.
-    from keras_ipu_plugin.training import steps
+    from keras_ipu_plugin.training.session import session as steps
 
     def failing(*args, **kwargs):
         raise error("injected") if error is not KeyboardInterrupt else error
@@ -1044,7 +1044,7 @@ def test_a_keyboard_interrupt_at_any_moment_of_a_conversion_in_fit_leaves_no_nod
     a `PluginCallback` (converting, applying the passes, keeping the result)
     leaves no Keras node on the user's layers: each fit tried again after
     one would add a node to every layer."""
-    from keras_ipu_plugin.training.steps import Runtime
+    from keras_ipu_plugin.training.session.session import Runtime
 
     x = _x(features=4)
     y = np.zeros((4, 4), "float32")

@@ -20,7 +20,7 @@ from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.planning import node_costs
 from keras_ipu_plugin.planning import stage_timing
-from keras_ipu_plugin.passes.core.manager import graph_of
+from keras_ipu_plugin.passes.infra.manager import graph_of
 
 def _rand(*shape, seed=0):
     return np.random.RandomState(seed).normal(size=shape).astype("float32")

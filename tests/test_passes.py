@@ -935,9 +935,9 @@ pipeline_stages: [[stem, block_1.add], [block_2.conv1], [fast]]
 @pytest.fixture
 def registry(monkeypatch):
     """A clean layer registry, with MyDense registered, for one test."""
-    monkeypatch.setattr(kip.passes.core.layer_class_names, "_registry", {})
+    monkeypatch.setattr(kip.passes.infra.layer_class_names, "_registry", {})
     kip.register_layer(MyDense)
-    return kip.passes.core.layer_class_names._registry
+    return kip.passes.infra.layer_class_names._registry
 
 
 def python_passes():
@@ -1085,7 +1085,7 @@ def test_yaml_python_tags_fail_safely(tmp_path):
 
 
 def test_register_layer_makes_a_class_nameable(monkeypatch):
-    monkeypatch.setattr(kip.passes.core.layer_class_names, "_registry", {})
+    monkeypatch.setattr(kip.passes.infra.layer_class_names, "_registry", {})
     config = {"replace": {"Dense": {"class": "MyDense", "params": {"units": 2}}}}
     with pytest.raises(kip.ConfigError) as caught:
         kip.passes_from_config(config)

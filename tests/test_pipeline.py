@@ -20,9 +20,9 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import Recompute
-from keras_ipu_plugin.training.pipelined_step import pipelined_train_step
-from keras_ipu_plugin.training.pipelined_step import schedule_order
-from keras_ipu_plugin.training.steps import NeedsConversion
+from keras_ipu_plugin.training.pipelined.step import pipelined_train_step
+from keras_ipu_plugin.training.pipelined.step import schedule_order
+from keras_ipu_plugin.training.session.session import NeedsConversion
 from tests.models import RegularizedTower
 
 DEVICES = ["/CPU:0", "/CPU:1"]

@@ -20,7 +20,7 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin import cli
-from keras_ipu_plugin.passes.core.manager import graph_of
+from keras_ipu_plugin.passes.infra.manager import graph_of
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.effects.recompute import make_plan
 from keras_ipu_plugin.layers.layer_kinds import seed_states

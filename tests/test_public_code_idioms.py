@@ -31,13 +31,14 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.tf_function import TFFunction
-from keras_ipu_plugin.layers.tf_random_draw import TFRandomDraw
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
+from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path
 from test_tracing_idioms import expands_exactly_at_any_batch_size
@@ -500,7 +501,7 @@ def test_verification_puts_back_tensorflows_global_random_state():
 
 
 def test_a_draw_tape_replays_in_order_and_draws_afresh_when_asked_for_another_draw():
-    with _compat.taped_stateful_draws() as tape:
+    with taped_stateful_draws() as tape:
         tape.record()
         a, b = tf.random.normal((2, 3)), tf.random.uniform((4,))
         tape.replay()

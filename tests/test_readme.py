@@ -167,7 +167,7 @@ def test_no_process_words_anywhere_in_the_repository():
 
 def test_architecture_writing_a_pass_example_runs_and_its_pass_reads_from_configs(monkeypatch):
     import keras_ipu_plugin as kip
-    from keras_ipu_plugin.passes.core import base
+    from keras_ipu_plugin.passes.infra import base
 
     monkeypatch.setattr(base, "_PASSES", dict(base._PASSES))  # the registry, restored after
     text = (README.parent / "docs" / "architecture.md").read_text()

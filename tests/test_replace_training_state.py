@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.training.dynamic import OptimizingFacade
-from keras_ipu_plugin.training.dynamic import extend_optimizer
-from keras_ipu_plugin.training.dynamic import hand_over_optimizer_state
+from keras_ipu_plugin.training.session.new_variables import OptimizingFacade
+from keras_ipu_plugin.training.session.new_variables import extend_optimizer
+from keras_ipu_plugin.training.session.new_variables import hand_over_optimizer_state
 
 from test_dynamic import GrowAt
 from test_dynamic import GrowingModel

@@ -178,12 +178,12 @@ from keras_ipu_plugin.ir.graph import Value  # noqa: E402
 from keras_ipu_plugin.ir.graph import map_leaves  # noqa: E402
 from keras_ipu_plugin.passes.expand import expand_graph  # noqa: E402
 from keras_ipu_plugin.report import Report  # noqa: E402
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation  # noqa: E402
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation  # noqa: E402
 from keras_ipu_plugin.layers.layer_kinds import is_expandable  # noqa: E402
-from keras_ipu_plugin.layers.random_draws import RandomDraw  # noqa: E402
-from keras_ipu_plugin.layers.reads import HeldConstant  # noqa: E402
-from keras_ipu_plugin.layers.reads import VariableRead  # noqa: E402
-from keras_ipu_plugin.layers.tf_function import TFFunction  # noqa: E402
+from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw  # noqa: E402
+from keras_ipu_plugin.layers.state.reads import HeldConstant  # noqa: E402
+from keras_ipu_plugin.layers.state.reads import VariableRead  # noqa: E402
+from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction  # noqa: E402
 
 ops = keras.ops
 

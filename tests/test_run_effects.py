@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.passes.core import base
+from keras_ipu_plugin.passes.infra import base
 from keras_ipu_plugin.runtime import interpreter as interpreter_lib
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.interpreter import Interpreter

@@ -56,7 +56,7 @@ def test_a_class_name_target_saves_as_the_class():
 
 
 def test_a_saved_layer_name_stays_a_name_even_when_it_spells_a_class():
-    from keras_ipu_plugin.passes.core.base import deserialize_pass
+    from keras_ipu_plugin.passes.infra.base import deserialize_pass
 
     loaded = deserialize_pass({"pass": "recompute", "config": {"targets": ["Dense"]}})
     assert loaded.targets == ("Dense",) and isinstance(loaded.targets[0], str)

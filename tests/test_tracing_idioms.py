@@ -24,7 +24,7 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
-from keras_ipu_plugin.layers.tf_function import TFFunction
+from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
 
 from test_conversion import assert_equivalent  # tests/ is on sys.path
 from test_tracing_coverage import custom_layers_left

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.training.step_functions import StepFunction
+from keras_ipu_plugin.training.session.step_functions import StepFunction
 
 layers = keras.layers
 

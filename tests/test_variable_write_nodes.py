@@ -18,8 +18,8 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
-from keras_ipu_plugin.layers.variable_write import AfterWrites
-from keras_ipu_plugin.layers.variable_write import VariableWrite
+from keras_ipu_plugin.layers.state.variable_write import AfterWrites
+from keras_ipu_plugin.layers.state.variable_write import VariableWrite
 from models import DecaysAfterUse
 from models import PixelCNN
 from models import PixelConvLayer

@@ -22,8 +22,8 @@ import models as zoo  # tests/models.py (tests/ is on sys.path under pytest)
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
-from keras_ipu_plugin.passes.core.base import Pass
-from keras_ipu_plugin.passes.core.base import matched_nodes
+from keras_ipu_plugin.passes.infra.base import Pass
+from keras_ipu_plugin.passes.infra.base import matched_nodes
 
 
 def _rand(*shape, seed=0):

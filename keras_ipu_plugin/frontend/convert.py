@@ -40,6 +40,7 @@ from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch
 from keras_ipu_plugin.frontend.verify.compare import is_float_array
 from keras_ipu_plugin.frontend.verify.compare import tolerance_for
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
@@ -232,7 +233,7 @@ def _nondeterministic_output(model, x):
     try:
         # TensorFlow's stateful draws are replayed as verification replays
         # them: what still differs, verification cannot make equal.
-        with replay_state(model) as replay, _compat.taped_stateful_draws() as draws:
+        with replay_state(model) as replay, taped_stateful_draws() as draws:
             draws.record()
             first = model(x, training=False)
             replay()

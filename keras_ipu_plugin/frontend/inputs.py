@@ -99,7 +99,7 @@ def _first_dataset_element(dataset):
     # A dataset drawing its order from seeds (a reshuffling shuffle) is
     # read through a copy with seeds of its own: read itself, its next
     # iteration (`fit`'s) would see another order.
-    source = _compat.dataset_with_own_seeds(dataset) or dataset
+    source = dataset_with_own_seeds(dataset) or dataset
     for element in without_autotuning(source.take(1)):
         if batched is None:
             _check_batch_rank(element)
@@ -254,3 +254,64 @@ def _keras_dtype(dtype):
     if name == "float64":
         return keras.config.floatx()
     return name
+
+
+# Dataset operations that draw their seeds from a seed generator resource
+# each time an iterator is made (a reshuffling `shuffle`, `Dataset.random`):
+# {op: (index of seed, of seed2, of the generator input; the attribute that
+# says whether each iteration draws anew)}.
+_SEEDED_DATASET_OPS = {
+    "ShuffleDatasetV3": (2, 3, 4, "reshuffle_each_iteration"),
+    "RandomDatasetV2": (0, 1, 2, "rerandomize_each_iteration"),
+}
+
+
+def dataset_with_own_seeds(dataset):
+    """A copy of `dataset` whose iteration leaves `dataset`'s seed
+    generators as they are, or None when `dataset` has none (or its
+    pipeline cannot be copied: it is then read itself).
+
+    A reshuffling `shuffle(seed=...)` draws the order of each iteration from
+    a generator that the dataset object holds: one element read from a
+    fresh iterator moves it on, so the next `fit` would see the order of
+    the second iteration, not the first. The copy is the same pipeline
+    (serialized and rebuilt) with a fresh generator of the same seeds: its
+    first iteration gives the first order, and the user's dataset still
+    gives it too.
+
+    Example:
+        >>> ds = tf.data.Dataset.range(8).shuffle(8, seed=1).batch(4)
+        >>> copy = dataset_with_own_seeds(ds)
+        >>> next(iter(copy)).numpy().tolist() == next(iter(ds)).numpy().tolist()
+        True
+    """
+    try:
+        serialized = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            external_state_policy=1,  # IGNORE: a generator's function is called anew
+            strip_device_assignment=True)
+        graph = tf.compat.v1.GraphDef.FromString(serialized.numpy())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return None
+    nodes = [node for node in graph.node if node.op in _SEEDED_DATASET_OPS]
+    for node in nodes:
+        seed, seed2, generator, attribute = _SEEDED_DATASET_OPS[node.op]
+        if len(node.input) <= generator:
+            return None
+        redraw = graph.node.add()
+        redraw.name = f"{node.name}/kip_redraw"
+        redraw.op = "Const"
+        redraw.attr["dtype"].type = tf.bool.as_datatype_enum
+        redraw.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(node.attr[attribute].b))
+        fresh = graph.node.add()
+        fresh.name = f"{node.name}/kip_seed_generator"
+        fresh.op = "AnonymousSeedGenerator"
+        fresh.input.extend([node.input[seed], node.input[seed2], redraw.name])
+        node.input[generator] = f"{fresh.name}:0"
+    if not nodes:
+        return None
+    try:
+        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
+        return tf.data.experimental.from_variant(variant, dataset.element_spec)
+    except (tf.errors.OpError, ValueError, TypeError):
+        return None

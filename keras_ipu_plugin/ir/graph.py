@@ -104,7 +104,7 @@ class InlinedBlock:
     """A layer that Expand inlined at one call site: its node `path` and the
     `layer`. Every node the expansion made lists it in `from_blocks`, so a
     target naming the block, or its class, still finds it (see
-    `passes.core.base.matched_blocks`). One object per call site: a layer
+    `passes.infra.base.matched_blocks`). One object per call site: a layer
     inlined at two sites gives two blocks with the same path."""
 
     __slots__ = ("path", "layer")
@@ -252,8 +252,8 @@ class Node:
 class Graph:
     """Inputs, nodes in topological order, outputs.
 
-    Tracing makes one (`frontend.trace.tracing.trace_model`), as does reading a
-    functional model (`passes.core.manager.graph_of`); `runtime.rebuild.rebuild`
+    Tracing makes one (`frontend.tracing.trace_model`), as does reading a
+    functional model (`passes.infra.manager.graph_of`); `runtime.rebuild.rebuild`
     turns it back into a model. Passes edit it with the primitives below
     (see the module docstring).
 

@@ -18,21 +18,21 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
-from keras_ipu_plugin.passes.core.branches import refuse_inside
-from keras_ipu_plugin.passes.core.branches import run_inside
-from keras_ipu_plugin.passes.core.branches import split_targets
-from keras_ipu_plugin.passes.core.base import Pass
-from keras_ipu_plugin.passes.core.base import as_targets
-from keras_ipu_plugin.passes.core.base import config_value
-from keras_ipu_plugin.passes.core.base import describe
-from keras_ipu_plugin.passes.core.base import block_label
-from keras_ipu_plugin.passes.core.base import matched_nodes_and_blocks
-from keras_ipu_plugin.passes.core.base import matches
-from keras_ipu_plugin.passes.core.base import register_pass
-from keras_ipu_plugin.passes.core.base import saved_config
-from keras_ipu_plugin.passes.core.base import targets_config
-from keras_ipu_plugin.passes.core.base import targets_from_config
+from keras_ipu_plugin.runtime.backends.ipu import check_outline_kwargs
+from keras_ipu_plugin.passes.infra.branches import refuse_inside
+from keras_ipu_plugin.passes.infra.branches import run_inside
+from keras_ipu_plugin.passes.infra.branches import split_targets
+from keras_ipu_plugin.passes.infra.base import Pass
+from keras_ipu_plugin.passes.infra.base import as_targets
+from keras_ipu_plugin.passes.infra.base import config_value
+from keras_ipu_plugin.passes.infra.base import describe
+from keras_ipu_plugin.passes.infra.base import block_label
+from keras_ipu_plugin.passes.infra.base import matched_nodes_and_blocks
+from keras_ipu_plugin.passes.infra.base import matches
+from keras_ipu_plugin.passes.infra.base import register_pass
+from keras_ipu_plugin.passes.infra.base import saved_config
+from keras_ipu_plugin.passes.infra.base import targets_config
+from keras_ipu_plugin.passes.infra.base import targets_from_config
 from keras_ipu_plugin.passes.expand import expand_to_reach
 from keras_ipu_plugin.planning.graph_planning import BALANCES
 from keras_ipu_plugin.planning.graph_planning import check_auto
@@ -219,8 +219,8 @@ class PipelineStages(Pass):
     the plan's table.
 
     Training through PluginModel, PluginCallback or kip.scope with
-    `microbatches=M > 1` (or `devices`) is pipelined (`training/
-    pipelined_step.py`): each batch is split into M microbatches, stage s
+    `microbatches=M > 1` (or `devices`) is pipelined (`training/pipelined/
+    step.py`): each batch is split into M microbatches, stage s
     runs its forward and backward passes on `devices[s % len(devices)]`
     (default: the visible GPUs when there are at least as many as stages,
     else the current device, which makes it gradient accumulation), in the
@@ -280,7 +280,7 @@ class PipelineStages(Pass):
     @property
     def pipeline_settings(self):
         """`(microbatches, devices or None, schedule)`: what the pipelined
-        training step runs (`training/pipelined_step.py`)."""
+        training step runs (`training/pipelined/step.py`)."""
         return self.microbatches, self.devices, self.schedule
 
     @classmethod

@@ -9,29 +9,29 @@ between call sites stay shared, because the same layer objects are called.
 
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.replay.templates import CallTemplates
-from keras_ipu_plugin.passes.core.base import ALL
-from keras_ipu_plugin.passes.core.base import contains
-from keras_ipu_plugin.passes.core.branches import in_branches
-from keras_ipu_plugin.passes.core.branches import run_inside
-from keras_ipu_plugin.passes.core.branches import split_targets
-from keras_ipu_plugin.passes.core.base import Pass
-from keras_ipu_plugin.passes.core.base import as_targets
-from keras_ipu_plugin.passes.core.base import describe
-from keras_ipu_plugin.passes.core.base import matched_blocks
-from keras_ipu_plugin.passes.core.base import matched_nodes_and_blocks
-from keras_ipu_plugin.passes.core.base import matches
-from keras_ipu_plugin.passes.core.base import register_pass
-from keras_ipu_plugin.passes.core.base import saved_config
-from keras_ipu_plugin.passes.core.base import targets_config
-from keras_ipu_plugin.passes.core.base import targets_from_config
+from keras_ipu_plugin.passes.infra.base import ALL
+from keras_ipu_plugin.passes.infra.base import contains
+from keras_ipu_plugin.passes.infra.branches import in_branches
+from keras_ipu_plugin.passes.infra.branches import run_inside
+from keras_ipu_plugin.passes.infra.branches import split_targets
+from keras_ipu_plugin.passes.infra.base import Pass
+from keras_ipu_plugin.passes.infra.base import as_targets
+from keras_ipu_plugin.passes.infra.base import describe
+from keras_ipu_plugin.passes.infra.base import matched_blocks
+from keras_ipu_plugin.passes.infra.base import matched_nodes_and_blocks
+from keras_ipu_plugin.passes.infra.base import matches
+from keras_ipu_plugin.passes.infra.base import register_pass
+from keras_ipu_plugin.passes.infra.base import saved_config
+from keras_ipu_plugin.passes.infra.base import targets_config
+from keras_ipu_plugin.passes.infra.base import targets_from_config
 from keras_ipu_plugin.passes.inline import inline_call
-from keras_ipu_plugin.passes.core.patterns import Chain
-from keras_ipu_plugin.passes.core.patterns import names_a_path
+from keras_ipu_plugin.passes.infra.patterns import Chain
+from keras_ipu_plugin.passes.infra.patterns import names_a_path
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
-from keras_ipu_plugin.layers.reads import ReadLayers
+from keras_ipu_plugin.layers.state.reads import ReadLayers
 
 
 @register_pass("expand", order=0)

@@ -30,8 +30,8 @@ import keras
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.graph import values_in
-from keras_ipu_plugin.passes.core.manager import apply_passes
-from keras_ipu_plugin.passes.core.manager import graph_of_model
+from keras_ipu_plugin.passes.infra.manager import apply_passes
+from keras_ipu_plugin.passes.infra.manager import graph_of_model
 from keras_ipu_plugin.passes.expand import Expand
 from keras_ipu_plugin.runtime.rebuild import rebuild
 

@@ -30,14 +30,14 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.ir.graph import values_in
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.layer_kinds import training_agnostic
-from keras_ipu_plugin.layers.masks import AttachMask
+from keras_ipu_plugin.layers.keras_ops.masks import AttachMask
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.layers.random_draws import RandomDraw
-from keras_ipu_plugin.layers.reads import is_read
-from keras_ipu_plugin.layers.variable_write import is_write_node
+from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
+from keras_ipu_plugin.layers.state.reads import is_read
+from keras_ipu_plugin.layers.state.variable_write import is_write_node
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")
 

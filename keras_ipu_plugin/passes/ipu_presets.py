@@ -40,7 +40,7 @@ from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.passes.replace import Replace
 from keras_ipu_plugin.passes.replace import Replacement
 from keras_ipu_plugin.passes.expand import expand_to_reach
-from keras_ipu_plugin.passes.core.base import nodes_matching
+from keras_ipu_plugin.passes.infra.base import nodes_matching
 from keras_ipu_plugin.runtime.backends import get_backend
 
 #: Keras layer class name -> `ipu_tensorflow_addons.keras.layers` class name.

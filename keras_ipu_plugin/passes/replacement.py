@@ -19,10 +19,10 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.passes.core.base import config_value
-from keras_ipu_plugin.passes.core.base import saved_config
-from keras_ipu_plugin.passes.core.layer_class_names import class_named
-from keras_ipu_plugin.passes.core.layer_class_names import name_of_class
+from keras_ipu_plugin.passes.infra.base import config_value
+from keras_ipu_plugin.passes.infra.base import saved_config
+from keras_ipu_plugin.passes.infra.layer_class_names import class_named
+from keras_ipu_plugin.passes.infra.layer_class_names import name_of_class
 from keras_ipu_plugin.runtime.distribution import strategy_owning
 
 _REPLACEMENT_KEYS = ("class", "params", "copy_weights")

@@ -35,16 +35,17 @@ from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
-from keras_ipu_plugin.layers.shared_variables import link_shared_variables
-from keras_ipu_plugin.layers.shared_variables import mark_shared_variables
+from keras_ipu_plugin.layers.state.shared_variables import link_shared_variables
+from keras_ipu_plugin.layers.state.shared_variables import mark_shared_variables
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-in run-time effects)
 # Every kip layer a saved graph may hold is registered with Keras wherever a
 # graph can be loaded, not only once the code that records it has run
 # (`TensorSizedOperation` was registered by tracing alone).
-from keras_ipu_plugin.layers import added_loss, alias, batch_sized, masks, opaque  # noqa: F401
-from keras_ipu_plugin.layers import random_draws, reads, tensor_sized  # noqa: F401
-from keras_ipu_plugin.layers import tf_function, tf_random_draw, variable_write  # noqa: F401
+from keras_ipu_plugin.layers import alias, opaque  # noqa: F401
+from keras_ipu_plugin.layers.keras_ops import batch_sized, masks, random_draws, tensor_sized  # noqa: F401
+from keras_ipu_plugin.layers.state import added_loss, reads, variable_write  # noqa: F401
+from keras_ipu_plugin.layers.tf_calls import tf_function, tf_random_draw  # noqa: F401
 from keras_ipu_plugin.runtime.interpreter import needs_interpreter
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
@@ -478,7 +479,7 @@ def _check_saved_kip_entries(config, entry):
             saved_values.refuse(entry, f"{where}.stage", "a non-negative int", notes["stage"])
         if "outline" in notes:
             from keras_ipu_plugin.errors import PassError
-            from keras_ipu_plugin.runtime.ipu_backend import check_outline_kwargs
+            from keras_ipu_plugin.runtime.backends.ipu import check_outline_kwargs
 
             options = notes["outline"]
             try:

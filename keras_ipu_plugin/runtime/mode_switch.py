@@ -21,7 +21,7 @@ it in; `none_means` names the mode that stands for it (`"default"` where
 the original computes a third thing with None).
 
 Passes see into the modes through `branch_graphs` (the IR of each mode,
-`passes/core/branches.py` runs a pass over them and makes a new switch with
+`passes/infra/branches.py` runs a pass over them and makes a new switch with
 `from_branch_graphs`).
 
 Example:
@@ -266,8 +266,8 @@ def union_graph(graphs, name):
 
 
 def _is_kip_operation(node):
-    from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-    from keras_ipu_plugin.layers.random_draws import RandomDraw
+    from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+    from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 
     return isinstance(node.operation, (BatchSizedOperation, RandomDraw))
 

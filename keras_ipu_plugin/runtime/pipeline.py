@@ -1,7 +1,7 @@
 """A staged `KipFunctional` run one pipeline stage at a time.
 
 `PipelineStages` records a stage on every node; the pipelined training step
-(`training/pipelined_step.py`) runs each stage of each microbatch on its own
+(`training/pipelined/step.py`) runs each stage of each microbatch on its own
 device, under its own gradient tape. This module cuts the interpreter's plan
 (`executor_for(model).steps`: nodes and recompute segments) where the stage
 changes and runs one stage's part on the values that cross into it:

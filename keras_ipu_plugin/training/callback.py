@@ -2,12 +2,12 @@
 
 import keras
 
-from keras_ipu_plugin.passes.core.manager import validate_passes
+from keras_ipu_plugin.passes.infra.manager import validate_passes
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.scope import plugged_in
-from keras_ipu_plugin.training.steps import Runtime
-from keras_ipu_plugin.training.step_functions import StepFunction
-from keras_ipu_plugin.training.step_functions import install
+from keras_ipu_plugin.training.session.session import Runtime
+from keras_ipu_plugin.training.session.step_functions import StepFunction
+from keras_ipu_plugin.training.session.step_functions import install
 
 
 class PluginCallback(keras.callbacks.Callback):

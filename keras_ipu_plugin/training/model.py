@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes.core.manager import validate_passes
+from keras_ipu_plugin.passes.infra.manager import validate_passes
 from keras_ipu_plugin.frontend.convert import as_tensors
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.runtime.backends import get_backend
@@ -24,12 +24,13 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
-from keras_ipu_plugin.passes.core.base import deserialize_pass
-from keras_ipu_plugin.passes.core.base import serialize_pass
-from keras_ipu_plugin.training.steps import Runtime
-from keras_ipu_plugin.training.step_functions import PredictFunction
-from keras_ipu_plugin.training.step_functions import StepFunction
+from keras_ipu_plugin.passes.infra.base import deserialize_pass
+from keras_ipu_plugin.passes.infra.base import serialize_pass
+from keras_ipu_plugin.training.session.session import Runtime
+from keras_ipu_plugin.training.session.step_functions import PredictFunction
+from keras_ipu_plugin.training.session.step_functions import StepFunction
 from keras_ipu_plugin.training.routes import training_route
+from keras_ipu_plugin.training.session.new_variables import optimizer_state_in_order
 from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
 from keras_ipu_plugin.runtime.functional import refuse_hdf5
 
@@ -156,7 +157,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return contextlib.nullcontext()
-        return _compat.optimizer_state_in_order(optimizer, self.trainable_variables)
+        return optimizer_state_in_order(optimizer, self.trainable_variables)
 
     def _copy_replacements_back(self):
         """Saved weights keep the wrapped model's layout, so that a fresh
@@ -538,7 +539,7 @@ def _saved_passes(passes, entry):
     """The passes of a saved PluginModel: the list `serialize_pass` wrote
     (older saves: a config mapping, which is data too), as pass objects;
     any error is a `kip.LoadError` naming the pass."""
-    from keras_ipu_plugin.passes.core.config import passes_from_config
+    from keras_ipu_plugin.passes.infra.config import passes_from_config
 
     if isinstance(passes, dict):
         try:

@@ -23,7 +23,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import IpuError
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.functional import KipFunctional
-from keras_ipu_plugin.runtime.ipu_backend import WHY_NO_KERAS_EXTENSIONS
+from keras_ipu_plugin.runtime.backends.ipu import WHY_NO_KERAS_EXTENSIONS
 
 
 class PortableRoute:

@@ -15,14 +15,14 @@ import weakref
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.passes.core.manager import validate_passes
+from keras_ipu_plugin.passes.infra.manager import validate_passes
 from keras_ipu_plugin.passes.annotate import Recompute
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.training.model import PluginModel
 from keras_ipu_plugin.training.routes import training_route
-from keras_ipu_plugin.training.steps import Runtime
-from keras_ipu_plugin.training.step_functions import install as install_functions
-from keras_ipu_plugin.training.step_functions import installed_runtime
+from keras_ipu_plugin.training.session.session import Runtime
+from keras_ipu_plugin.training.session.step_functions import install as install_functions
+from keras_ipu_plugin.training.session.step_functions import installed_runtime
 
 
 @contextlib.contextmanager

@@ -61,12 +61,12 @@ import traceback
 from dataclasses import dataclass
 
 import keras
-from keras_ipu_plugin import _compat
 import numpy as np
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.frontend.inputs import without_autotuning
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 
 SEED = 1234
 STEPS = 3
@@ -738,7 +738,7 @@ def compare_models(original, other, inputs, *, gradients):
     # TensorFlow's stateful draws (`tf.random.normal` with no seed
     # generator) are the original's in the other run too, as kip's own
     # verification replays them.
-    with _compat.taped_stateful_draws() as draws:
+    with taped_stateful_draws() as draws:
         draws.record()
         expected, expected_grads = _outputs_and_gradients(original, inputs, variables, state)
         draws.replay()

@@ -41,7 +41,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 
 # Past this, a divisor is not followed (the layer stays whole, saying so):
 # the trial traces are of batches this many times larger, and a constant

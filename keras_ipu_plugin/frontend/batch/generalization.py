@@ -37,8 +37,8 @@ from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.specs import InputSpec
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.reads import HeldConstant
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.state.reads import HeldConstant
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
 

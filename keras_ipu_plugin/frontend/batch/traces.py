@@ -42,8 +42,8 @@ from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.random_draws import RandomDraw
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 
 
 # The batch sizes a call is traced at when its symbolic trace fails on the

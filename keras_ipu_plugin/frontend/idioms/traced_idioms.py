@@ -200,7 +200,7 @@ def _tensor_sized_call(placeholders):
                      if isinstance(vars(self).get(name), KerasTensor)]
             if not given:
                 return original(self, *args, **kwargs)
-            from keras_ipu_plugin.layers.tensor_sized import TensorSizedOperation
+            from keras_ipu_plugin.layers.keras_ops.tensor_sized import TensorSizedOperation
 
             parameters = inspect.signature(type(self).__init__).parameters.values()
             config = {parameter.name: getattr(self, parameter.name) for parameter in parameters

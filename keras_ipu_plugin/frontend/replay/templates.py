@@ -50,11 +50,11 @@ from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.random_draws import RandomDraw
-from keras_ipu_plugin.layers.reads import HeldConstant
-from keras_ipu_plugin.layers.reads import VariableRead
-from keras_ipu_plugin.layers.tf_function import TFFunction
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
+from keras_ipu_plugin.layers.state.reads import HeldConstant
+from keras_ipu_plugin.layers.state.reads import VariableRead
+from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
 
 
 def output_specs_key(layer, args, kwargs, training):

@@ -42,7 +42,7 @@ from keras_ipu_plugin.frontend.trace.trace_views import inline_view_class
 from keras_ipu_plugin.frontend.trace.trace_views import is_concrete
 from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms
 from keras_ipu_plugin.ir.names import Namespace
-from keras_ipu_plugin.layers.reads import HeldConstant
+from keras_ipu_plugin.layers.state.reads import HeldConstant
 from keras_ipu_plugin.layers.views import layer_view
 from keras_ipu_plugin.layers.views import shallow_view
 from keras_ipu_plugin.layers.views import viewed_layer
@@ -229,7 +229,7 @@ class CallTrace:
         """The graph tensor of a `keras.random` draw `call` makes: the output
         of a `RandomDraw` node (`random_draws.py`) that makes it when the
         graph runs; None (Keras then runs it) where it is given tensors."""
-        from keras_ipu_plugin.layers.random_draws import RandomDraw
+        from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 
         arguments = dict(arguments)
         shape, seed = arguments.pop("shape"), arguments.pop("seed")

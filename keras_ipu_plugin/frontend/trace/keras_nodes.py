@@ -34,10 +34,10 @@ from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.names import Namespace
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.reads import is_read
-from keras_ipu_plugin.layers.tf_random_draw import TFRandomDraw
-from keras_ipu_plugin.layers.variable_write import is_write_node
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.state.reads import is_read
+from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
+from keras_ipu_plugin.layers.state.variable_write import is_write_node
 from keras_ipu_plugin.layers.views import viewed_layer
 
 
@@ -187,7 +187,7 @@ def collect_nodes(outputs, placeholders, prefix, pinned, opaque_layers=None, rea
 def _node_name(operation, paths):
     """What a node of `operation` is called in its trace (before numbering)."""
     from keras_ipu_plugin.layers.opaque import OpaqueLayer
-    from keras_ipu_plugin.layers.random_draws import RandomDraw
+    from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 
     if isinstance(operation, OpaqueLayer):
         return path_of(operation.layer, paths)

@@ -9,7 +9,7 @@ Traced, the loss is a symbolic tensor, which Keras's `add_loss` refuses
 ("can only be called ... on a tensor input"), and the layer stayed whole.
 The views tracing calls (`tracing._inline_view_class`) take `add_loss`
 here instead: the traced layer's own `add_loss` of a symbolic loss becomes
-an `AddedLoss` node on it (`layers/added_loss.py`), which adds the loss
+an `AddedLoss` node on it (`layers/state/added_loss.py`), which adds the loss
 each time the graph runs; the call's first output comes after it, as after
 a variable write (`write_nodes.WriteRecorder.finish`), so no loss is left
 out of the graph. A concrete loss (computed eagerly while traced, from no
@@ -30,7 +30,7 @@ Example:
 import keras
 
 from keras_ipu_plugin.frontend.trace import write_nodes
-from keras_ipu_plugin.layers.added_loss import AddedLoss
+from keras_ipu_plugin.layers.state.added_loss import AddedLoss
 from keras_ipu_plugin.layers.views import viewed_layer
 
 

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.layers.reads import is_read
+from keras_ipu_plugin.layers.state.reads import is_read
 
 
 def states_own_output_shape(cls):

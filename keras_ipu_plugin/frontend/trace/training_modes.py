@@ -24,9 +24,9 @@ from keras_ipu_plugin.frontend.trace import training_branches
 from keras_ipu_plugin.frontend.trace.call_trace import trace_once
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.ir.graph import FOLLOW
-from keras_ipu_plugin.layers.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.reads import HeldConstant
-from keras_ipu_plugin.layers.variable_write import is_write_node
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.state.reads import HeldConstant
+from keras_ipu_plugin.layers.state.variable_write import is_write_node
 
 
 def trace_modes(trace):

@@ -10,7 +10,7 @@ Traced, `self.conv.kernel` is a symbolic read of the kernel (a
 `VariableRead` node: the traced layer's own variables are, and so are the
 variables of its direct Keras sub-layers read from its own code, through
 `reading_members`), `* self.mask` a `keras.ops` node, and the `assign`
-a `VariableWrite` node (`layers/variable_write.py`). Its order in `call`
+a `VariableWrite` node (`layers/state/variable_write.py`). Its order in `call`
 becomes data dependencies, which Expand keeps and passes see:
 
 - a write comes after every read and sub-layer call that came before it in
@@ -46,10 +46,10 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.layers import reads as reads_lib
+from keras_ipu_plugin.layers.state import reads as reads_lib
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
-from keras_ipu_plugin.layers.variable_write import AfterWrites
-from keras_ipu_plugin.layers.variable_write import VariableWrite
+from keras_ipu_plugin.layers.state.variable_write import AfterWrites
+from keras_ipu_plugin.layers.state.variable_write import VariableWrite
 from keras_ipu_plugin.layers.views import viewed_layer
 
 _local = threading.local()  # .recorder: the WriteRecorder of the call being traced

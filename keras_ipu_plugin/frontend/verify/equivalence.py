@@ -95,6 +95,7 @@ from keras_ipu_plugin.frontend.verify.rows import row_count
 from keras_ipu_plugin.frontend.verify.runs import RunMode
 from keras_ipu_plugin.frontend.verify.runs import refuse_untracked_variables
 from keras_ipu_plugin.frontend.verify.runs import run_model
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 
 
 @dataclass
@@ -197,9 +198,9 @@ def check_equivalent(
     # generator) are recorded in each run of the original and handed out
     # again, in order, to the run of the converted model, which thus sees
     # the reference run's numbers; TensorFlow's global random state is put
-    # back afterwards (`_compat.taped_stateful_draws`).
+    # back afterwards (`verify_runs.taped_stateful_draws`).
     with replay_state(original, converted) as replay, _restoring(state), \
-            _compat.taped_stateful_draws() as draws:
+            taped_stateful_draws() as draws:
 
         def run(model, x, variables, role, tape=True, run_training=training):
             replay()

@@ -2,7 +2,9 @@
 random projection of them, as NumPy, eagerly or as `fit` runs the model
 (`RunMode`), in a replica context under a strategy (`run_model`); and the
 refusal of trainable variables the forward pass reads that Keras does not
-track (`refuse_untracked_variables`). See `verify.py`.
+track (`refuse_untracked_variables`); and the tape that hands both models
+the same stateful TensorFlow random draws (`taped_stateful_draws`). See
+`verify.py`.
 
 Example:
     >>> run = run_model(model, x, model.trainable_variables, role="original")
@@ -12,6 +14,7 @@ Example:
 import contextlib
 import contextvars
 import inspect
+import threading
 from dataclasses import dataclass
 
 import keras
@@ -279,3 +282,125 @@ def _children(obj, path):
         return []
     return [(value, f"{path}.{key}" if path else str(key)) for key, value in items
             if not (isinstance(key, str) and key.startswith("__"))]
+
+
+# -- stateful random draws replayed between two runs -------------------------
+# `tf.random.normal(shape)` with no seed generator (a VAE's sampling layer
+# written with TensorFlow) draws from a stateful kernel: two runs of the same
+# model see other numbers, and no public API replays them. The tape below is
+# put in place of TensorFlow's stateful draw ops (`_compat.random_state`
+# says which) while verification runs the original and the converted model.
+
+
+_draws_state = threading.local()
+_draws_lock = threading.Lock()
+_draws_users = [0]
+_draws_patches = []  # (module, name, original): `_compat.swap_stateful_draw_ops`
+
+
+class DrawTape:
+    """The stateful random draws of the run being recorded, handed out in
+    the same order to the run being replayed (`record()` / `replay()`
+    before each run). A replayed draw that is not the recorded one (another
+    op or shape) draws afresh and is counted in `mismatches`."""
+
+    def __init__(self):
+        self.mode = None
+        self.draws = []  # (op name, argument signature, value)
+        self.position = 0
+        self.mismatches = 0
+        self.drew = False  # whether a TensorFlow kernel drew while taped
+
+    def record(self):
+        self.mode, self.draws, self.mismatches = "record", [], 0
+
+    def replay(self):
+        self.mode, self.position = "replay", 0
+
+    def stop(self):
+        self.mode = None
+
+    @property
+    def recorded(self):
+        return len(self.draws)
+
+    def draw(self, name, original, args, kwargs):
+        signature = _draw_signature(args, kwargs)
+        if self.mode == "record":
+            self.drew = True
+            value = original(*args, **kwargs)
+            self.draws.append((name, signature, value))
+            return value
+        if self.mode == "replay" and self.position < len(self.draws):
+            recorded_name, recorded_signature, value = self.draws[self.position]
+            self.position += 1
+            if (recorded_name, recorded_signature) == (name, signature):
+                return value
+        if self.mode == "replay":
+            self.mismatches += 1
+        self.drew = True
+        return original(*args, **kwargs)
+
+
+def _draw_signature(args, kwargs):
+    """What tells one draw from another: the ops' arguments, tensors by
+    shape and dtype, small integer tensors (a shape) by value; seeds left
+    out (an unseeded draw gets a new op seed each time)."""
+    def part(value):
+        if tf.is_tensor(value) and not isinstance(value, tf.Variable):
+            if value.dtype.is_integer and value.shape.rank is not None and value.shape.rank <= 1:
+                try:
+                    return ("int", tuple(np.asarray(value).reshape(-1).tolist()))
+                except Exception:  # a symbolic tensor: graph mode, not taped
+                    return ("tensor", str(value.dtype))
+            return ("tensor", tuple(value.shape), str(value.dtype))
+        if isinstance(value, (list, tuple)):
+            return tuple(part(v) for v in value)
+        return repr(value) if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+
+    kept = {k: v for k, v in kwargs.items() if k not in ("seed", "seed2", "name")}
+    return tuple(part(a) for a in args), tuple(sorted((k, part(v)) for k, v in kept.items()))
+
+
+def _taped(name, original):
+    def draw(*args, **kwargs):
+        tape = getattr(_draws_state, "tape", None)
+        if tape is None or tape.mode is None or not tf.executing_eagerly():
+            return original(*args, **kwargs)
+        return tape.draw(name, original, args, kwargs)
+
+    draw.__name__ = name
+    return draw
+
+
+@contextlib.contextmanager
+def taped_stateful_draws():
+    """A `DrawTape` for TensorFlow's stateful random draws on this thread
+    while the context lasts; TensorFlow's global random state (the eager
+    op-seed sequence of `tf.random.set_seed`, the global `tf.random.Generator`
+    when one exists) is put back as it was when the context ends, so that
+    the runs made inside it leave the user's random numbers as they were.
+
+    Example:
+        >>> with taped_stateful_draws() as tape:
+        ...     tape.record(); a = tf.random.normal((2,))
+        ...     tape.replay(); b = tf.random.normal((2,))
+        >>> bool(tf.reduce_all(a == b))
+        True
+    """
+    saved = _compat.global_random_state()
+    with _draws_lock:
+        if _draws_users[0] == 0:
+            _draws_patches.extend(_compat.swap_stateful_draw_ops(_taped))
+        _draws_users[0] += 1
+    outer = getattr(_draws_state, "tape", None)
+    tape = _draws_state.tape = DrawTape()
+    try:
+        yield tape
+    finally:
+        _draws_state.tape = outer
+        with _draws_lock:
+            _draws_users[0] -= 1
+            if _draws_users[0] == 0:
+                _compat.restore_stateful_draw_ops(_draws_patches)
+        _compat.put_back_global_random_state(saved, tape.drew)

@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.layers.alias import LayerAlias
 from keras_ipu_plugin.layers.layer_kinds import training_agnostic
-from keras_ipu_plugin.layers.variable_write import is_write_node
+from keras_ipu_plugin.layers.state.variable_write import is_write_node
 from keras_ipu_plugin.runtime.interpreter import RunEffect
 from keras_ipu_plugin.runtime.interpreter import register_run_effect
 from keras_ipu_plugin.runtime.run_graph import inputs_of

@@ -46,7 +46,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.layers.layer_kinds import seed_states
 from keras_ipu_plugin.layers.layer_kinds import writes_variables
-from keras_ipu_plugin.layers.tf_random_draw import draws_statefully
+from keras_ipu_plugin.layers.tf_calls.tf_random_draw import draws_statefully
 from keras_ipu_plugin.runtime.interpreter import RunEffect
 from keras_ipu_plugin.runtime.interpreter import register_run_effect
 from keras_ipu_plugin.runtime.run_graph import graph_to_run

@@ -2,7 +2,7 @@
 layer is called in its stage's scope (`backend.stage_scope`): on the
 portable backend the device `kip_stage_devices[stage]` names (a model
 without devices runs as it is); the IPU backend places stages through
-Graphcore's pipeline API instead (`ipu_backend.assign_stages`), so its
+Graphcore's pipeline API instead (`backends.ipu.assign_stages`), so its
 scope is empty. A layer without a stage annotation is in stage 0.
 
 Example:

@@ -1,0 +1,204 @@
+"""The TensorFlow functions a graph may call: one explicit table.
+
+A `TFFunction` node calls a TensorFlow function named by its public path
+(`"math.square"`), and a saved model holds that path as text. Text read
+from a file must never become arbitrary code: `tf` reaches `os.system`,
+`eval`, `tf.load_library`, file writes and more by walking attributes.
+So a path is resolved only when it is an entry of this table, and the table
+is exactly what the tracer records (`frontend/idioms/tf_functions.py` registers
+these functions and no others): what one run recorded, another loads, and
+nothing else loads.
+
+Every entry is public and computes a tensor from tensors, with no effect
+outside that computation and no random state (a draw would not keep its
+seed). Namespaces with effects (file and process I/O, `raw_ops`, `compat`,
+printing, summaries, debugging, `py_function`, ...) are refused with the
+reason, before the table is consulted.
+
+Example:
+    >>> function_at("math.square", "dist.tf_square") is tf.math.square
+    True
+    >>> function_at("io.write_file", "evil")
+    Traceback (most recent call last):
+    keras_ipu_plugin.errors.LoadError: TFFunction `evil`: `tf.io.write_file` ...
+"""
+
+import tensorflow as tf
+
+from keras_ipu_plugin.errors import LoadError
+from keras_ipu_plugin.errors import short_repr
+
+# TensorFlow's elementwise functions (those it lists for its elementwise
+# dispatch), by the public path kip saves them under; random ones left out.
+ELEMENTWISE = frozenset({
+    # unary
+    "as_string", "bitwise.invert", "cast", "clip_by_value", "image.adjust_brightness",
+    "image.adjust_gamma", "image.convert_image_dtype", "math.abs", "math.acos", "math.acosh",
+    "math.angle", "math.asin", "math.asinh", "math.atan", "math.atanh", "math.bessel_i0",
+    "math.bessel_i0e", "math.bessel_i1", "math.bessel_i1e", "math.ceil", "math.conj",
+    "math.cos", "math.cosh", "math.digamma", "math.erf", "math.erfc", "math.erfcinv",
+    "math.erfinv", "math.exp", "math.expm1", "math.floor", "math.imag", "math.is_finite",
+    "math.is_inf", "math.is_nan", "math.lgamma", "math.log", "math.log1p", "math.log_sigmoid",
+    "math.logical_not", "math.ndtri", "math.negative", "math.nextafter", "math.real",
+    "math.reciprocal", "math.reciprocal_no_nan", "math.rint", "math.round", "math.rsqrt",
+    "math.sigmoid", "math.sign", "math.sin", "math.sinh", "math.softplus", "math.softsign",
+    "math.sqrt", "math.square", "math.tan", "math.tanh", "nn.elu", "nn.gelu",
+    "nn.leaky_relu", "nn.relu", "nn.relu6", "nn.selu", "nn.silu", "ones_like",
+    "saturate_cast", "zeros_like",
+    # binary
+    "bitwise.bitwise_and", "bitwise.bitwise_or", "bitwise.bitwise_xor", "bitwise.left_shift",
+    "bitwise.right_shift", "complex", "math.add", "math.atan2", "math.divide",
+    "math.divide_no_nan", "math.equal", "math.floordiv", "math.floormod", "math.greater",
+    "math.greater_equal", "math.less", "math.less_equal", "math.logical_and",
+    "math.logical_or", "math.logical_xor", "math.maximum", "math.minimum", "math.multiply",
+    "math.multiply_no_nan", "math.not_equal", "math.pow", "math.scalar_mul",
+    "math.squared_difference", "math.subtract", "math.truediv", "math.xdivy",
+    "math.xlog1py", "math.xlogy", "math.zeta", "nn.sigmoid_cross_entropy_with_logits",
+    "realdiv", "truncatediv", "truncatemod",
+})
+
+# The other functions recorded, with the parameters that make a call on a
+# symbolic tensor (one of them must be one; "*name": a list of them).
+TENSOR_PARAMETERS = {
+    # reductions and scans
+    "math.reduce_sum": ("input_tensor",), "math.reduce_mean": ("input_tensor",),
+    "math.reduce_max": ("input_tensor",), "math.reduce_min": ("input_tensor",),
+    "math.reduce_prod": ("input_tensor",), "math.reduce_logsumexp": ("input_tensor",),
+    "math.reduce_std": ("input_tensor",), "math.reduce_variance": ("input_tensor",),
+    "math.reduce_any": ("input_tensor",), "math.reduce_all": ("input_tensor",),
+    "math.reduce_euclidean_norm": ("input_tensor",), "norm": ("tensor",),
+    "math.argmax": ("input",), "math.argmin": ("input",), "math.top_k": ("input",),
+    "math.cumsum": ("x",), "math.cumprod": ("x",), "nn.moments": ("x",),
+    "math.l2_normalize": ("x",), "clip_by_norm": ("t",),
+    "math.unsorted_segment_sum": ("data", "segment_ids", "num_segments"),
+    "math.segment_sum": ("data", "segment_ids"), "math.segment_mean": ("data", "segment_ids"),
+    "math.segment_max": ("data", "segment_ids"),
+    # neural network functions
+    "nn.softmax": ("logits",), "nn.log_softmax": ("logits",),
+    "nn.bias_add": ("value", "bias"), "nn.conv1d": ("input", "filters"),
+    "nn.conv2d": ("input", "filters"), "nn.depth_to_space": ("input",),
+    "nn.space_to_depth": ("input",), "linalg.matmul": ("a", "b"),
+    # `tf.einsum(equation, *inputs)`: its inputs are a var-positional
+    # parameter, which TensorFlow's type-based dispatch does not take; it is
+    # recorded through its fallback dispatch (`frontend/idioms/tf_functions.py`)
+    "linalg.einsum": ("*inputs",),
+    "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
+    "image.resize": ("images",), "image.extract_patches": ("images",),
+    # shapes, indexing, joining
+    "reshape": ("tensor", "shape"), "transpose": ("a",), "expand_dims": ("input",),
+    "squeeze": ("input",), "tile": ("input", "multiples"), "broadcast_to": ("input", "shape"),
+    "pad": ("tensor",), "shape": ("input",), "size": ("input",), "slice": ("input_",),
+    "gather": ("params", "indices"), "gather_nd": ("params", "indices"),
+    "one_hot": ("indices",), "where": ("condition", "x", "y"),
+    # `tf.range(tf.shape(x)[-1])`: positions from a size computed in the graph
+    "range": ("start", "limit", "delta"),
+    # gradients: the straight-through estimator (VQ-VAE), targets held fixed
+    "stop_gradient": ("input",),
+    "split": ("value",), "unstack": ("value",),
+    "concat": ("*values",), "stack": ("*values",), "math.add_n": ("*inputs",),
+}
+
+RECORDED = ELEMENTWISE | frozenset(TENSOR_PARAMETERS)
+
+# TensorFlow's stateful random draws a graph may make (`TFRandomDraw`,
+# `layers/tf_calls/tf_random_draw.py`), with the parameters that make a call on a
+# symbolic tensor (`tf.random.normal(shape=(tf.shape(x)[0], dim))`). Kept
+# apart from `RECORDED`: a draw is not side-effect free (it advances its
+# kernel's state), so a `TFFunction` never calls one, and a graph node
+# drawing is never recomputed.
+RANDOM_DRAWS = {
+    "random.normal": ("shape", "mean", "stddev"),
+    "random.uniform": ("shape", "minval", "maxval"),
+    "random.truncated_normal": ("shape", "mean", "stddev"),
+    "random.categorical": ("logits", "num_samples"),
+    "random.gamma": ("shape", "alpha", "beta"),
+    "random.poisson": ("shape", "lam"),
+    "random.shuffle": ("value",),
+}
+
+# Path parts that are never a pure tensor computation: refused whatever the
+# table says, with the reason (a second line of defence, and a clearer error
+# than "not in the table" for what an attacker would try first).
+_REFUSED_PARTS = {
+    "io": "file I/O", "gfile": "file I/O", "saved_model": "file I/O",
+    "load_library": "loads native code", "load_op_library": "loads native code",
+    "raw_ops": "raw operations, file and process I/O among them",
+    "compat": "TensorFlow 1 APIs, file I/O among them",
+    "print": "writes to a stream or a file", "summary": "writes summaries",
+    "debugging": "debugging operations with effects", "py_function": "runs Python",
+    "numpy_function": "runs Python", "py_func": "runs Python", "random": "draws random numbers",
+    "experimental": "experimental APIs", "data": "input pipelines", "distribute": "runtime state",
+    "config": "runtime state", "train": "checkpoints and state", "autograph": "converts code",
+    "function": "compiles Python", "Variable": "creates state", "sysconfig": "runtime state",
+}
+
+
+def refused_reason(path):
+    """Why `path` can never be a recorded function, or None."""
+    if not isinstance(path, str):
+        return f"a function path is a string; got {short_repr(path)}"
+    parts = path.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return "not a dotted path of names"
+    for part in parts:
+        if part.startswith("_"):
+            return "it has a private part"
+        if part in _REFUSED_PARTS:
+            return f"`{part}`: {_REFUSED_PARTS[part]}"
+    return None
+
+
+def function_at(path, entry):
+    """The TensorFlow function at table entry `path`; `kip.LoadError` naming
+    `entry` (the node or layer holding the path) for anything else.
+
+    Example:
+        >>> function_at("nn.relu", "block.tf_relu") is tf.nn.relu
+        True
+    """
+    reason = refused_reason(path)
+    if reason is None and path not in RECORDED:
+        reason = "not one of the TensorFlow functions kip records"
+    function = None if reason else _resolve(path)
+    if function is None:
+        reason = reason or "this TensorFlow has no such function"
+        raise LoadError(
+            f"TFFunction `{entry}`: refusing `tf.{path}` as a graph function ({reason}). "
+            "kip calls only the public, side-effect free TensorFlow functions its tracer "
+            "records (keras_ipu_plugin.layers.tf_calls.tf_function_table.RECORDED)."
+            if isinstance(path, str) else
+            f"TFFunction `{entry}`: {reason}."
+        )
+    return function
+
+
+def draw_function_at(path, entry):
+    """The TensorFlow random function at `RANDOM_DRAWS` entry `path`;
+    `kip.LoadError` naming `entry` for anything else.
+
+    Example:
+        >>> draw_function_at("random.normal", "sampling.tf_normal") is tf.random.normal
+        True
+    """
+    function = _resolve(path) if isinstance(path, str) and path in RANDOM_DRAWS else None
+    if function is None:
+        raise LoadError(
+            f"TFRandomDraw `{entry}`: refusing {short_repr(path)} as a random draw: kip draws "
+            f"only with {', '.join('tf.' + name for name in sorted(RANDOM_DRAWS))} "
+            "(keras_ipu_plugin.layers.tf_calls.tf_function_table.RANDOM_DRAWS)."
+        )
+    return function
+
+
+def _resolve(path):
+    # Only ever reached with a path of the table above, never a file's text.
+    value = tf
+    for part in path.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if callable(value) else None
+
+
+__all__ = ["ELEMENTWISE", "RANDOM_DRAWS", "RECORDED", "TENSOR_PARAMETERS", "draw_function_at",
+           "function_at", "refused_reason"]

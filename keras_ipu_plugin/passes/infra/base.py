@@ -1,0 +1,451 @@
+"""What every pass shares: the `Pass` interface, target matching, and the
+registry that makes a pass known to configs and saving.
+
+A target is a layer name (the layer's own name, or its node path such as
+`"block_1.dense"`), a layer class (subclasses match too), a `Chain` of
+layers and `keras.ops` calls (`patterns.py`: each run it matches is one
+unit, as an expanded block is), or `"all"`.
+A name or class target also matches a block that Expand inlined (its path,
+its layer's name or its class): the block's nodes, which the annotation
+passes treat as one (a checkpoint after its last node, say).
+"""
+
+import difflib
+import inspect
+
+import keras
+
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.errors import ConfigError
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
+from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
+from keras_ipu_plugin.passes.infra.layer_class_names import class_named
+from keras_ipu_plugin.passes.infra.layer_class_names import name_of_class
+from keras_ipu_plugin.passes.infra.patterns import Chain
+from keras_ipu_plugin.passes.infra.patterns import Match
+from keras_ipu_plugin.passes.infra.patterns import names_a_path
+
+ALL = "all"
+
+# What a pass promises about the model it returns; `apply_passes` verifies it.
+EQUAL = "equal"  # the same outputs, and gradients for every variable it keeps
+RUNS = "runs"  # may change what the model computes; only that it runs is checked
+
+
+class Pass:
+    """A graph transformation: `run(graph, report) -> graph`.
+
+    Subclasses set `step` (the name the report uses) and implement `run`;
+    to be saved and named in configs they are registered (`register_pass`)
+    and define `get_config` / `from_config` (and `from_user_config` for a
+    friendlier config form than their `get_config`).
+    """
+
+    step = "pass"
+    config_key = None  # set by register_pass
+    config_order = None
+    # EQUAL unless the pass changes what the model computes on purpose (a
+    # subclass that does says RUNS, so apply_passes does not call it wrong).
+    claim = EQUAL
+
+    def run(self, graph, report):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    # -- configs and saving (see register_pass) ---------------------------------
+    def get_config(self):
+        """The pass as JSON-able data; `from_config` makes it again."""
+        raise PassError(
+            f"{type(self).__name__} cannot be saved: it defines no get_config()."
+        )
+
+    @classmethod
+    def from_config(cls, config):
+        """The pass `get_config` described (by default `cls(**config)`)."""
+        if not isinstance(config, dict):
+            raise PassError(
+                f"{cls.__name__}.from_config takes a mapping; got {short_repr(config)}."
+            )
+        try:
+            inspect.signature(cls).bind(**config)
+        except TypeError as error:
+            raise PassError(
+                f"{cls.__name__}.from_config({short_repr(config)}): {error}."
+            ) from error
+        return cls(**config)
+
+    @classmethod
+    def from_user_config(cls, value, path, reader):
+        """The pass a user's config gives under its key (`value`, at `path`).
+
+        `reader` reads targets and classes the way configs name them:
+        `reader.targets(value, path)` (one target or a list; a string naming
+        a class is that class), `reader.layer_class(name, path)`. Errors are
+        `kip.ConfigError(path, message)`. By default `value` is a mapping of
+        keyword arguments, given to `from_config`.
+        """
+        if not isinstance(value, dict):
+            raise ConfigError(
+                path, f"expected a mapping of {cls.__name__}'s arguments; got {short_repr(value)}"
+            )
+        return cls.from_config(value)
+
+
+class LayerName(str):
+    """A target string that is a layer name or path even when it spells a
+    layer class (what a saved pass holds: classes are saved as
+    `{"class": name}`).
+
+    Example:
+        >>> kip.passes.Recompute(kip.passes.LayerName("Dense"))  # the layer named "Dense"
+    """
+
+
+def as_targets(targets):
+    """A tuple of targets from one target or a list of them. A string that
+    names a layer class (`"LayerNormalization"`, `"keras_hub>LlamaLayerNorm"`)
+    is that class, as in configs.
+
+    Example:
+        >>> as_targets("LayerNormalization")
+        (<class 'keras.src.layers.normalization.layer_normalization.LayerNormalization'>,)
+    """
+    if isinstance(targets, (list, tuple, set, frozenset)):
+        targets = tuple(targets)
+    else:
+        targets = (targets,)
+    targets = tuple(_class_or_name(target) for target in targets)
+    for target in targets:
+        if not (isinstance(target, (str, Chain)) or _is_layer_class(target)):
+            raise PassError(
+                f"A target must be a layer name, a layer class, a kip.passes.Chain "
+                f"or 'all'; got {target!r}."
+            )
+    return targets
+
+
+def _class_or_name(target):
+    if type(target) is str and target != ALL:
+        cls = class_named(target)
+        if cls is not None:
+            return cls
+    return target
+
+
+def matches(node, target, aliases=True):
+    """Whether graph `node` is matched by one `target` (a chain matches runs
+    of nodes, not one: `matched_blocks`). A name matches the node's path,
+    and with `aliases` its layer's Keras name (False where the name is a
+    path of the graph: `names_a_path`)."""
+    if isinstance(target, Chain):
+        return False
+    if target == ALL:
+        return node.is_layer
+    if isinstance(target, str):
+        return target == node.name or (aliases and target in _names_of(node.operation))
+    return isinstance(node.operation, target)
+
+
+def contains(node, target, aliases=True):
+    """Whether `target` (a `parent.child` path, with `aliases` a Keras layer
+    name, or a class) is a sub-layer of the layer of `node`."""
+    if isinstance(target, str) and target.startswith(node.name + "."):
+        return True
+    for sub in _compat.sub_layers(node.operation):
+        if isinstance(target, str):
+            if aliases and target == sub.name:
+                return True
+        elif isinstance(sub, target):
+            return True
+    return False
+
+
+def _names_of(operation):
+    name = getattr(operation, "name", None)
+    return (name,) if name is not None else ()
+
+
+def nodes_matching(graph, target):
+    """The nodes `target` matches, in graph order. A name matches the node
+    of that path and every other call site of the same layer object: a
+    layer shared between call sites is one layer (node paths are unique, so
+    the second site of `shared.dense` is `shared_1.dense`), and a pass that
+    reached only one site would silently un-share it."""
+    aliases = not names_a_path(graph, target)
+    hits = [node for node in graph.nodes if matches(node, target, aliases)]
+    if not isinstance(target, str) or target == ALL:
+        return hits
+    layers = {id(node.operation) for node in hits if node.is_layer}
+    return [node for node in graph.nodes
+            if node in hits or (node.is_layer and id(node.operation) in layers)]
+
+
+def matched_nodes(graph, targets, step):
+    """Nodes matched by any of `targets`; a target matching none is an error."""
+    found = []
+    for target in targets:
+        hits = nodes_matching(graph, target)
+        if not hits:
+            raise unmatched_target(step, target, graph)
+        found.extend(node for node in hits if node not in found)
+    return [node for node in graph.nodes if node in found]
+
+
+def matches_block(block, target, aliases=True):
+    """Whether `target` names the inlined `block` (its path or, with
+    `aliases`, its layer's Keras name) or is its class; `"all"` matches
+    layers, not blocks."""
+    if target == ALL or isinstance(target, Chain):
+        return False
+    if isinstance(target, str):
+        return target == block.path or (aliases and target == block.layer.name)
+    return isinstance(block.layer, target)
+
+
+def matched_blocks(graph, target):
+    """`[(block, nodes)]`: each block Expand inlined that `target` matches,
+    with its nodes in graph order; blocks in the order they start. For a
+    `Chain`, each run of nodes it matches, as a `patterns.Match`."""
+    if isinstance(target, Chain):
+        return [(Match(run), run) for run in target.matches(graph)]
+    found, aliases = {}, not names_a_path(graph, target)
+    for node in graph.nodes:
+        for block in node.from_blocks:
+            if matches_block(block, target, aliases):
+                found.setdefault(id(block), (block, []))[1].append(node)
+    return list(found.values())
+
+
+def matched_nodes_and_blocks(graph, targets, step):
+    """`(nodes, blocks)`: the nodes `targets` match, in graph order, and the
+    inlined blocks they match (see `matched_blocks`). A target matching
+    neither is an error."""
+    nodes, blocks, seen = set(), [], set()
+    for target in targets:
+        hits = nodes_matching(graph, target)
+        inlined = matched_blocks(graph, target)
+        if not hits and not inlined:
+            raise unmatched_target(step, target, graph)
+        nodes.update(id(node) for node in hits)
+        for block, block_nodes in inlined:
+            if id(block) not in seen:
+                seen.add(id(block))
+                blocks.append((block, block_nodes))
+    return [node for node in graph.nodes if id(node) in nodes], blocks
+
+
+def block_label(block):
+    """How the report names a unit of nodes a target matched: an expanded
+    block or a chain's match."""
+    if isinstance(block, Match):
+        return f"chain match `{block.path}`"
+    return f"expanded `{block.path}`"
+
+
+def describe(target):
+    if isinstance(target, Chain):
+        return target.describe()
+    if isinstance(target, str):
+        return repr(target)
+    return f"class {target.__name__}"
+
+
+def unmatched_target(step, target, graph):
+    """The error for a target matching nothing: the layers' paths (nested
+    layers of blocks not expanded too) and classes nearest to it, or the
+    first of them."""
+    paths, classes = [], []
+    for node in graph.nodes:
+        if not node.is_layer:
+            continue
+        paths.append(node.name)
+        classes.append(type(node.operation).__name__)
+        inner = attribute_paths(node.operation)  # the paths a target may name
+        for layer in _compat.sub_layers(node.operation):
+            paths.append(f"{node.name}.{path_of(layer, inner)}")
+            classes.append(type(layer).__name__)
+    classes = list(dict.fromkeys(classes))
+    wanted = target if isinstance(target, str) else getattr(target, "__name__", "")
+    near_paths = difflib.get_close_matches(wanted, paths, n=5, cutoff=0.5)
+    near_classes = difflib.get_close_matches(wanted, classes, n=3, cutoff=0.5)
+    if near_paths or near_classes:
+        hint = "nearest: " + ", ".join([*near_paths, *(f"class {c}" for c in near_classes)])
+    else:
+        hint = "layers: " + ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
+        hint += "; classes: " + ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+    return PassError(
+        f"{step}: target {describe(target)} matches no layer of the model `{graph.name}` "
+        f"({hint}). A target is a layer's path or name, a layer class (or its name), "
+        "or a kip.passes.Chain."
+    )
+
+
+def _is_layer_class(target):
+    return isinstance(target, type) and issubclass(target, keras.layers.Layer)
+
+
+# -- the registry: passes known to configs and to saving ------------------------
+_PASSES = {}  # config key -> pass class
+
+
+def register_pass(key, *, order=None):
+    """Class decorator: make a pass known to configs under `key`, and savable.
+
+    In a config that is a mapping, passes run by `order` (lower first; the
+    built-in ones are 0-4, a pass without `order` runs after them, in the
+    order passes were registered); a config that is a list runs them in its
+    own order.
+
+    Example:
+        >>> @kip.passes.register_pass("tag")
+        ... class Tag(kip.passes.Pass):
+        ...     def __init__(self, targets): self.targets = as_targets(targets)
+        ...     def get_config(self): return {"targets": targets_config(self.targets, "Tag")}
+        ...     @classmethod
+        ...     def from_config(cls, config):
+        ...         return cls(targets_from_config(config["targets"], "Tag"))
+        ...     def run(self, graph, report): ...
+        >>> kip.passes_from_config([{"expand": "all"}, {"tag": {"targets": ["block_1"]}}])
+    """
+    if not (isinstance(key, str) and key.isidentifier()):
+        raise PassError(f"register_pass: a pass key is an identifier; got {key!r}.")
+
+    def register(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Pass)):
+            raise PassError(f"register_pass({key!r}) decorates a kip Pass class; got {cls!r}.")
+        taken = _PASSES.get(key)
+        # The same class defined again (a notebook cell run twice) replaces
+        # itself; another class would silently take over the key.
+        if taken is not None and _qualified(taken) != _qualified(cls):
+            raise PassError(
+                f"register_pass: the key {key!r} is taken by {_qualified(taken)}; "
+                f"choose another for {_qualified(cls)}."
+            )
+        cls.config_key = key
+        cls.config_order = order
+        _PASSES[key] = cls
+        return cls
+
+    return register
+
+
+def registered_passes():
+    """{config key: pass class}, in the order a mapping config runs them."""
+    keys = list(_PASSES)
+    return {
+        key: _PASSES[key]
+        for key in sorted(keys, key=lambda k: (_PASSES[k].config_order is None,
+                                              _PASSES[k].config_order or 0, keys.index(k)))
+    }
+
+
+def serialize_pass(one_pass):
+    """`{"pass": key, "config": one_pass.get_config()}`, what a saved model holds."""
+    cls = type(one_pass)
+    if _PASSES.get(cls.config_key) is not cls:
+        raise PassError(
+            f"{cls.__name__} cannot be saved: it is not registered; decorate it with "
+            "@kip.passes.register_pass('a_key')."
+        )
+    return {"pass": cls.config_key, "config": one_pass.get_config()}
+
+
+def deserialize_pass(saved):
+    """The pass `serialize_pass` described."""
+    if not (isinstance(saved, dict) and set(saved) == {"pass", "config"}):
+        raise PassError(
+            f"A saved pass is {{'pass': key, 'config': {{...}}}}; got {short_repr(saved)}."
+        )
+    cls = _PASSES.get(saved["pass"])
+    if cls is None:
+        raise PassError(
+            f"Unknown pass {short_repr(saved['pass'])} (known: {', '.join(_PASSES)}); "
+            "import the module that registers it before loading."
+        )
+    return cls.from_config(saved["config"])
+
+
+def saved_config(config, owner, required, optional=()):
+    """`config` (what `get_config` wrote), checked: a mapping with the
+    `required` keys and no others than those and `optional`."""
+    if not isinstance(config, dict):
+        raise PassError(f"{owner}.from_config takes a mapping; got {short_repr(config)}.")
+    missing = [key for key in required if key not in config]
+    unknown = [key for key in config if key not in required and key not in optional]
+    if missing or unknown:
+        raise PassError(
+            f"{owner}.from_config: " + (f"missing {missing[0]!r}" if missing
+                                        else f"unknown key {short_repr(unknown[0])}")
+            + f" (keys: {', '.join(list(required) + list(optional))})."
+        )
+    return config
+
+
+def targets_config(targets, owner):
+    """Targets as JSON-able data: a name stays a string, a class becomes
+    `{"class": name}` (an error names `owner` if the class has no name)."""
+    return [target if isinstance(target, str)
+            else target.get_config(owner) if isinstance(target, Chain)
+            else {"class": name_of_class(target, owner)}
+            for target in targets]
+
+
+def targets_from_config(value, owner):
+    """The targets `targets_config` wrote: a string is always a layer name
+    here (in a user's config a string that names a class is that class)."""
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise PassError(f"{owner}: saved targets are a list; got {short_repr(value)}.")
+    return tuple(_target_from_config(item, owner) for item in value)
+
+
+def _target_from_config(value, owner):
+    if isinstance(value, str):
+        return value if value == ALL else LayerName(value)
+    if isinstance(value, dict) and set(value) == {"chain"}:
+        return Chain.from_config(value, owner)
+    if isinstance(value, dict) and set(value) == {"class"} and isinstance(value["class"], str):
+        cls = class_named(value["class"])
+        if cls is None:
+            raise PassError(
+                f"{owner}: unknown layer class {short_repr(value['class'])}; register it with "
+                "kip.register_layer or @keras.saving.register_keras_serializable() before loading."
+            )
+        return cls
+    raise PassError(
+        f"{owner}: a saved target is a string or {{'class': name}}; got {short_repr(value)}."
+    )
+
+
+def config_value(value, where):
+    """`value` (a layer parameter, an outlining option) as JSON-able data.
+
+    Keras objects (an initializer, a regularizer) are saved the way Keras
+    saves them, as their config; layer configs take that form too. A
+    function or any other Python object cannot be saved: an error names it.
+    """
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [config_value(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return {key: config_value(item, f"{where}.{key}") for key, item in value.items()}
+    if hasattr(value, "get_config") and not isinstance(value, type):
+        return keras.saving.serialize_keras_object(value)
+    raise PassError(
+        f"{where} is {short_repr(value)} ({type(value).__name__}), which cannot be saved "
+        "(only data and Keras objects can); save the weights only (save_weights)."
+    )
+
+
+def _qualified(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"

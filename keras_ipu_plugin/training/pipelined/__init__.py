@@ -1,0 +1,2 @@
+"""The train step `PipelineStages(microbatches=M)` asks for (`step.py`) and
+the microbatches it runs (`microbatches.py`)."""
