@@ -27,9 +27,11 @@ Example:
     >>> class KeepAttention(Tracer):
     ...     def is_user_code(self, layer):
     ...         return not isinstance(layer, MyAttention) and super().is_user_code(layer)
-    >>> with KeepAttention().tracing():
-    ...     expanded = kip.apply_passes(model, [kip.passes.Expand("all")])
+    >>> expanded = kip.apply_passes(model, [kip.passes.Expand("all")],
+    ...                             tracer=KeepAttention())
     >>> # every MyAttention is one node of `expanded`, the rest is expanded
+    >>> plugin = kip.PluginModel(MyModel(), passes=[kip.passes.Expand("all")],
+    ...                          tracer=KeepAttention())   # and at every rebuild
 """
 
 import contextlib
