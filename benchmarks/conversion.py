@@ -224,7 +224,7 @@ def rebuild_ratio(n, repeats):
         convert_time, _ = timed(lambda: plugin.convert(x))
         model.grown = True
         model.extra(x)  # the new variables exist, as a step would make them
-        rebuild_time, _ = timed(lambda: plugin._kip_runtime.rebuild("benchmark"))
+        rebuild_time, _ = timed(lambda: plugin._kip_session.rebuild("benchmark"))
         ratios.append(rebuild_time / convert_time)
     return statistics.median(ratios)
 

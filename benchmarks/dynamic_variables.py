@@ -89,7 +89,7 @@ def rebuild_cost():
     convert_time = time.perf_counter() - start
     model.grow = True
     start = time.perf_counter()
-    plugin._kip_runtime.rebuild("benchmark")
+    plugin._kip_session.rebuild("benchmark")
     rebuild_time = time.perf_counter() - start
     ratio = rebuild_time / convert_time
     print(f"initial conversion: {convert_time * 1000:.0f} ms  rebuild: {rebuild_time * 1000:.0f} ms")

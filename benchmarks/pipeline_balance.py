@@ -154,14 +154,17 @@ def _forward_values(graph, x):
     from keras_ipu_plugin import _compat
     from keras_ipu_plugin.planning import node_costs
 
-    tensors = dict(zip((id(v) for v in keras.tree.flatten(graph.input_values)),
+    from keras_ipu_plugin.runtime.interpreter import call_arguments
+    from keras_ipu_plugin.runtime.interpreter import output_tensors
+
+    tensors = dict(zip(keras.tree.flatten(graph.input_values),
                        (keras.ops.convert_to_tensor(t) for t in keras.tree.flatten(x))))
     weights = _weights_of(graph.nodes)
     with _compat.stateless_scope([(v, v.value) for v in weights]):
         for node in graph.nodes:
-            args, kwargs = node_costs._call_arguments(node, tensors)
-            outputs = keras.tree.flatten(node.operation(*args, **kwargs))
-            tensors.update(zip((id(v) for v in node.outputs), outputs))
+            args, kwargs = call_arguments(node, tensors, node_costs.TRAINING)
+            outputs = output_tensors(node, node.operation(*args, **kwargs))
+            tensors.update(zip(node.outputs, outputs))
     return tensors
 
 
@@ -203,13 +206,13 @@ def _stage_function(graph, names, values):
     weights = _weights_of(nodes)
     trainable = {id(v) for node in nodes for v in getattr(node.operation, "trainable_weights", [])}
     rng = np.random.default_rng(0)
-    upstream = [tf.constant(rng.normal(size=values[id(v)].shape) * 0.1, values[id(v)].dtype)
+    upstream = [tf.constant(rng.normal(size=values[v].shape) * 0.1, values[v].dtype)
                 for v in outputs]
 
     # The same forward and backward pass the planner times its stages with.
     forward_and_backward = stage_forward_and_backward(nodes, inputs, weights, trainable, outputs)
 
-    arguments = ([values[id(v)] for v in inputs], [v.value for v in weights], upstream)
+    arguments = ([values[v] for v in inputs], [v.value for v in weights], upstream)
     return tf.function(forward_and_backward, autograph=False), arguments
 
 

@@ -11,7 +11,9 @@ process, because peak memory is per process (`ru_maxrss`; on a GPU,
 `tf.config.experimental.get_memory_info`'s peak):
 
 - `verify`: convert with `verify=False`, then time `check_equivalent` as
-  `convert_to_functional(verify=True)` runs it (a few rows of the batch);
+  `convert_to_functional(verify=True)` runs it (a few rows of the batch):
+  outputs, gradients, and one training-mode forward step compared over
+  every variable it writes;
 - `verify-whole`: the same on the whole batch (`rows=None`), roughly what
   verification cost before;
 - `train`: convert, compile with Adam, one traced step, then STEPS timed

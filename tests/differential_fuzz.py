@@ -6,7 +6,7 @@ point. The case trains the model twice from the same seed and the same
 initial weights, once with plain Keras and once through kip, and compares
 every variable afterwards (trainable, non-trainable, seed-generator states,
 variables `call` assigns, the optimizer's), and the `fit` history, to
-`ATOL` (the tolerance `tests/test_pass_training_equivalence.py` holds every
+`ATOL` (the tolerance `tests/passes/test_pass_training_equivalence.py` holds every
 pass to under every precision policy). A case ends as
 
 - ``pass``:    everything equal to `ATOL`;
@@ -17,7 +17,12 @@ pass to under every precision policy). A case ends as
                summary lists them: a refusal is not a wrong result, but it
                is something a user cannot do;
 - ``invalid``: plain Keras itself failed (the generator made a case Keras
-               does not train); counted, never compared.
+               does not train); counted, never compared;
+- ``documented``: a value differs through a difference kip documents
+               (`DOCUMENTED`: microbatches seen by random layers and by
+               layers writing variables in `call`, BatchNormalization
+               included, or rounded per microbatch under a mixed policy),
+               and the same case without it passes.
 
 A failing case is shrunk: grammar elements and settings are dropped or set
 back to their plain defaults one at a time while the case still fails, and
@@ -75,6 +80,7 @@ import copy
 import json
 import os
 import random
+import re
 import sys
 import time
 import traceback
@@ -99,7 +105,7 @@ layers = keras.layers
 ops = keras.ops
 
 # The weights of every pass are held to this against plain Keras under every
-# precision policy (tests/test_pass_training_equivalence.py); a wrong pass
+# precision policy (tests/passes/test_pass_training_equivalence.py); a wrong pass
 # is 1e-3 to 1e-2 away.
 ATOL = 1e-5
 # Losses and metrics in the history: the same, relative to their size.
@@ -563,8 +569,8 @@ def _converted(model, trainee, callbacks):
             return holder.converted
     from keras_ipu_plugin.training import scope as scope_module
 
-    runtime = scope_module._runtimes.get(model)
-    return None if runtime is None else runtime.converted
+    session = scope_module._sessions.get(model)
+    return None if session is None else session.converted
 
 
 def _variables(model, converted, optimizer, unowned_keys):
@@ -697,8 +703,16 @@ def _initial_weights(case):
     return _INITIAL[key]
 
 
+#: kip's documented refusals that reach the user as TensorFlow's or
+#: Python's own errors: a batch that microbatches cannot split evenly is
+#: checked inside the traced step (a graph-mode assertion) or as the step
+#: splits it (docs/reference.md, Pipelined training).
+DOCUMENTED_REFUSALS = ("equal microbatches; use a batch size that",)
+
+
 def _is_kip_error(error):
-    return type(error).__module__.startswith("keras_ipu_plugin")
+    return (type(error).__module__.startswith("keras_ipu_plugin")
+            or any(text in str(error) for text in DOCUMENTED_REFUSALS))
 
 
 def compare(expected, actual):
@@ -755,8 +769,54 @@ def run_case(case, train_fn=None):
             detail += "\n" + "".join(traceback.format_exception(error)[-6:])
         return {"status": status, "detail": detail, "seconds": time.monotonic() - started}
     problems = compare(plain, mine)
-    return {"status": "fail" if problems else "pass", "detail": "\n".join(problems[:12]),
-            "seconds": time.monotonic() - started}
+    status, detail = ("fail" if problems else "pass"), "\n".join(problems[:12])
+    cause = documented_cause(case, _max_difference(plain[0], mine[0]))
+    if problems and cause is not None:
+        # The difference kip documents, if the case without it is exact.
+        without = run_case(without_suspect(case, cause), train_fn)
+        if without["status"] == "pass":
+            status, detail = "documented", f"{DOCUMENTED[cause]}\n{detail}"
+    return {"status": status, "detail": detail, "seconds": time.monotonic() - started}
+
+
+#: Differences from plain Keras that kip documents (docs/reference.md,
+#: "Pipelined training"): a case that differs only through one of them ends
+#: as "documented", not "fail".
+DOCUMENTED = {
+    "microbatches": "documented: in a pipeline random layers draw, and BatchNormalization "
+                    "and other variables a `call` writes are updated, once per microbatch; "
+                    "under a mixed precision policy each microbatch's gradients are rounded "
+                    "before the sum (docs/reference.md, Pipelined training)",
+}
+
+
+#: Under a mixed precision policy each microbatch's gradients are rounded
+#: to float16 / bfloat16 before they are summed: differences of that size
+#: (over a few optimizer steps) are documented, larger ones are not.
+MIXED_MICROBATCH_ATOL = 1e-2
+
+
+def documented_cause(case, difference=0.0):
+    """The documented difference `case` holds (a key of `DOCUMENTED`), or
+    None: microbatches where a layer sees them (a random layer draws per
+    microbatch; BatchNormalization and a layer assigning a variable in
+    `call` update it per microbatch), or under a mixed precision policy
+    where the largest `difference` is of the size of its rounding."""
+    if "stages_microbatched" not in case["run"]["passes"]:
+        return None
+    if _has(case["model"]["body"], RANDOM_KINDS | {"batchnorm", "assign"}):
+        return "microbatches"
+    if case["fit"]["policy"] != "float32" and difference <= MIXED_MICROBATCH_ATOL:
+        return "microbatches"
+    return None
+
+
+def _max_difference(plain, mine):
+    """The largest absolute difference over the variables both runs hold."""
+    differences = [float(np.max(np.abs(plain[key] - mine[key])))
+                   for key in plain.keys() & mine.keys()
+                   if plain[key].shape == mine[key].shape and plain[key].size]
+    return max(differences, default=0.0)
 
 
 RANDOM_KINDS = {"dropout", "noise", "if_training", "unowned"}
@@ -970,7 +1030,7 @@ def summarize(path):
     out = [f"{len(records)} cases (seeds {min(records)}-{max(records)}), "
            f"{seconds / 60:.0f} min of case time: "
            + ", ".join(f"{counts[k]} {k}" for k in sorted(counts)), ""]
-    for status in ("fail", "refused", "invalid"):
+    for status in ("fail", "refused", "invalid", "documented"):
         chosen = [r for r in records.values() if r["status"] == status]
         if not chosen:
             continue
@@ -981,10 +1041,25 @@ def summarize(path):
             run = r["case"]["run"]
             first = (r["detail"].splitlines() or [""])[0].replace("|", "\\|")[:160]
             suspects = known_suspects({"seed": r["seed"], **r["case"]})
+            if status == "fail" and _documented_when_rerun(r):
+                # A run of code before the "documented" status: the case
+                # holds a documented cause, which a rerun of the seed checks.
+                suspects = [s + " (documented: rerun to confirm)" if s == "microbatches"
+                            else s for s in suspects]
+            if status == "fail" and any(text in r["detail"] for text in DOCUMENTED_REFUSALS):
+                first = "(a documented refusal, refused when rerun) " + first
             out.append(f"| {r['seed']} | {run['entry']}, {'+'.join(run['passes']) or '-'} | "
                        f"{', '.join(suspects) or '**none**'} | {first} |")
         out.append("")
     return "\n".join(out)
+
+
+def _documented_when_rerun(record):
+    """Whether a failing record of a run holds a documented cause (see
+    `documented_cause`; the largest difference is read from its detail)."""
+    sizes = [float(m) for m in re.findall(r"max abs difference ([0-9.e+-]+)", record["detail"])]
+    difference = max(sizes) if sizes else float("inf")
+    return documented_cause({"seed": record["seed"], **record["case"]}, difference) is not None
 
 
 def main(argv=None):

@@ -454,3 +454,31 @@ class DecaysAfterUse(keras.layers.Layer):
         y = self.dense(x)
         self.dense.kernel.assign(self.dense.kernel * 0.5)
         return y
+
+
+class GrowingModel(keras.Model):
+    """Grows a head when a callback flips `grow` between epochs."""
+
+    def __init__(self):
+        super().__init__()
+        self.grow = False
+        self.base = keras.layers.Dense(4, activation="tanh")
+        self.extra = keras.layers.Dense(
+            4, kernel_initializer=keras.initializers.GlorotUniform(seed=3), name="extra")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        x = self.base(x)
+        if self.grow:
+            x = x + self.extra(x)
+        return self.out(x)
+
+
+class GrowAt(keras.callbacks.Callback):
+    def __init__(self, model, epoch):
+        super().__init__()
+        self.target, self.epoch = model, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.target.grow = True

@@ -194,3 +194,66 @@ def test_a_case_plain_keras_trains_to_nan_is_invalid_not_compared():
         return {"model/dense/kernel": np.array([1.0 if use_kip else 0.0], "float32")}, {}
 
     assert fuzz.run_case(fuzz.generate_case(0), train_fn=different)["status"] == "fail"
+
+
+def test_a_difference_only_microbatches_make_is_documented_not_a_failure():
+    """Random layers, BatchNormalization and variables a `call` writes in a
+    microbatched pipeline see each microbatch (docs/reference.md, Pipelined
+    training): a case that
+    differs only through that ends as "documented"; one that still differs
+    with plain stages, or that has no such layer, is a failure."""
+    case = fuzz.generate_case(0)
+    case["fit"].update(steps_per_execution=1, policy="float32")
+    case["run"]["passes"] = ["stages_microbatched"]
+    case["model"]["body"] = [{"kind": "dropout", "rate": 0.1},
+                             {"kind": "dense", "activation": None}]
+    weights = {"model/dense/kernel": np.array([0.0], "float32")}
+
+    def microbatches_differ(candidate, use_kip):
+        differs = use_kip and "stages_microbatched" in candidate["run"]["passes"]
+        return {key: value + differs for key, value in weights.items()}, {}
+
+    def always_differs(candidate, use_kip):
+        return {key: value + use_kip for key, value in weights.items()}, {}
+
+    result = fuzz.run_case(case, train_fn=microbatches_differ)
+    assert result["status"] == "documented"
+    assert "once per microbatch" in result["detail"]
+    assert fuzz.run_case(case, train_fn=always_differs)["status"] == "fail"
+    plain = dict(case, model=dict(case["model"], body=[{"kind": "dense", "activation": None}]))
+    assert fuzz.documented_cause(plain) is None
+    assert fuzz.run_case(plain, train_fn=microbatches_differ)["status"] == "fail"
+    # Under a mixed policy, a difference of its rounding's size is documented;
+    # a larger one is a failure.
+    mixed = dict(plain, fit=dict(plain["fit"], policy="mixed_float16"))
+
+    def rounding(size):
+        def train(candidate, use_kip):
+            differs = use_kip and "stages_microbatched" in candidate["run"]["passes"]
+            return {key: value + size * differs for key, value in weights.items()}, {}
+        return train
+
+    assert fuzz.run_case(mixed, train_fn=rounding(1e-4))["status"] == "documented"
+    assert fuzz.run_case(mixed, train_fn=rounding(0.5))["status"] == "fail"
+    assert fuzz.run_case(plain, train_fn=rounding(1e-4))["status"] == "fail"
+
+
+def test_a_batch_microbatches_cannot_split_is_a_refusal_not_a_failure():
+    """kip refuses a partial last batch that its microbatches cannot split
+    with TensorFlow's assertion error (checked inside the traced step), as
+    documented: the fuzzer counts it as refused; any other error of
+    TensorFlow's is a failure."""
+    import tensorflow as tf
+
+    def refusing(message):
+        def train(candidate, use_kip):
+            if use_kip:
+                raise tf.errors.InvalidArgumentError(None, None, message)
+            return {"model/dense/kernel": np.array([0.0], "float32")}, {}
+        return train
+
+    split = ("PipelineStages(microbatches=2): a batch of 3 rows (`x`) cannot be split into 2 "
+             "equal microbatches; use a batch size that 2 divides")
+    case = fuzz.generate_case(0)
+    assert fuzz.run_case(case, train_fn=refusing(split))["status"] == "refused"
+    assert fuzz.run_case(case, train_fn=refusing("Incompatible shapes"))["status"] == "fail"

@@ -97,7 +97,7 @@ def test_the_planner_counts_a_float16_tensor_at_two_bytes_an_element():
 
 # -- balance="time" keeps the split that measured best ------------------------------
 class Uneven(keras.Model):
-    """Six small layers then a large head (as tests/test_planning_passes.py)."""
+    """Six small layers then a large head (as tests/planning/test_planning_passes.py)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

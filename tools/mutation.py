@@ -56,17 +56,17 @@ def M(name, file, snippet, replacement, description, *tests):
     return Mutation(name, file, snippet, replacement, description, tuple(tests))
 
 
-GUARDED = "tests/test_pass_guarded_behaviours.py"
-VERIFICATION = "tests/test_verification.py"
-CONVERSION = "tests/test_conversion.py"
-MODEL_STATE = "tests/test_model_state.py"
-PASSES = "tests/test_passes.py"
-EQUIVALENCE = "tests/test_pass_training_equivalence.py"
-BLOCKS = "tests/test_pass_targets_reach_blocks.py"
-DYNAMIC = "tests/test_dynamic.py"
-REPLACE_STATE = "tests/test_replace_training_state.py"
+GUARDED = "tests/passes/test_passes_keep_keras_semantics.py"
+VERIFICATION = "tests/frontend/verify/test_verification.py"
+CONVERSION = "tests/frontend/test_conversion.py"
+MODEL_STATE = "tests/frontend/test_model_state.py"
+PASSES = "tests/passes/test_passes.py"
+EQUIVALENCE = "tests/passes/test_pass_training_equivalence.py"
+BLOCKS = "tests/passes/infra/test_pass_targets_reach_blocks.py"
+DYNAMIC = "tests/training/session/test_new_variables.py"
+REPLACE_STATE = "tests/training/session/test_replace_training_state.py"
 GUARDS = "tests/test_mutation_guards.py"
-THREADS = "tests/test_thread_confinement.py"
+THREADS = "tests/frontend/trace/test_thread_confinement.py"
 
 MUTATIONS = [
     # -- verify.py: verification compares what it says it compares -----------
@@ -162,7 +162,7 @@ MUTATIONS = [
       "                or notes.get(\"remat\") == \"keep\"):",
       "        if (not backend.recomputes_segments\n"
       "                or notes.get(\"remat\") == \"keep\"):",
-      "BatchNormalization / Dropout run inside recompute segments", "tests/test_run_effects.py",
+      "BatchNormalization / Dropout run inside recompute segments", "tests/runtime/test_run_effects.py",
       GUARDED),
     M("executor-outline-ignores-config", "runtime/effects/outline.py",
       "    return (type(layer), config, signature, repr(sorted(kwargs.items())))",
@@ -196,7 +196,7 @@ MUTATIONS = [
     M("executor-ignores-stages", "runtime/effects/stages.py",
       '        stage = node.annotations.get("stage", 0)',
       '        stage = 0',
-      "every layer runs in pipeline stage 0", "tests/test_run_effects.py", PASSES),
+      "every layer runs in pipeline stage 0", "tests/runtime/test_run_effects.py", PASSES),
     # -- recompute.py ---------------------------------------------------------------
     M("recompute-keeps-activations", "runtime/recompute_grad.py",
       "        with _compat.stop_gradient_recording():\n            results = list(fn(*args))",

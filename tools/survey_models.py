@@ -4,8 +4,11 @@ expanded and compared at another batch size.
 For each model: build it from a tiny constructor config (no presets, no
 network), call it on a batch of 2, `kip.convert_to_functional` (verified),
 list the opaque nodes, `kip.apply_passes(converted, [Expand("all")])`
-(verified), list the custom layers left, and compare the passed model with
-the original on a batch of 3 (outputs and gradients).
+(verified), list the custom layers left, compare the passed model with
+the original on a batch of 3 (outputs and gradients), and `Replace` every
+layer of the LayerNormalization family (as tests/zoo's check does). The
+last lines count the models that expand to built-in layers only and those
+whose norm layers `Replace` reaches, every one.
 
 Each model runs in its own process under a timeout, so one hang or crash
 does not block the rest.
@@ -354,6 +357,12 @@ def survey_one(name):
         difference = harness.compare_models(model, passed, keras.tree.map_structure(
             __import__("tensorflow").convert_to_tensor, x3), gradients=True)
         result["difference"] = difference
+        result["stage"] = "replace"
+        reach = harness.replace_every_norm(model, converted)
+        if reach is not None:
+            norms, _, new_layers, still, _ = reach
+            result["norms"], result["replaced"] = len(norms), len(new_layers)
+            result["norms_left"] = still
         result["stage"] = "done"
         result["nodes"] = len(passed.kip_graph.nodes)
     except Exception as error:  # noqa: BLE001 - the survey goes on
@@ -374,7 +383,33 @@ def outcome(result):
     unexplained = [entry for entry in result.get("left", []) if entry.rstrip().endswith(":")]
     if result.get("left"):
         bits.append(f"{len(result['left'])} custom left ({len(unexplained)} without reason)")
+    if result.get("norms") and not replaced_every_norm(result):
+        bits.append(f"Replace reached {result['replaced']}/{result['norms']} norms")
     return "; ".join(bits) or f"ok ({result.get('nodes')} nodes)"
+
+
+def expanded_to_built_ins(result):
+    """Whether `Expand("all")` left no custom layer and no opaque node."""
+    return result.get("stage") == "done" and not result.get("left") and not result.get("opaque")
+
+
+def replaced_every_norm(result):
+    """Whether `Replace` reached every layer of the LayerNormalization
+    family (None for a model without one)."""
+    if not result.get("norms"):
+        return None
+    return result["replaced"] == result["norms"] and not result.get("norms_left")
+
+
+def scoreboard(results):
+    """The survey's last lines: how many models expand to built-in layers
+    only, and how many of those with norm layers Replace reaches fully."""
+    expanded = sum(bool(expanded_to_built_ins(r)) for r in results)
+    with_norms = [r for r in results if r.get("norms")]
+    replaced = sum(bool(replaced_every_norm(r)) for r in with_norms)
+    return (f"Expand('all') to built-in layers only: {expanded} of {len(results)}\n"
+            f"Replace reaches every norm layer: {replaced} of {len(with_norms)} "
+            "(the models holding one)")
 
 
 def main():
@@ -389,6 +424,7 @@ def main():
         return
     names = args.names or ALL
     out = open(args.json, "a") if args.json else None
+    results = []
     for name in names:
         try:
             run = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
@@ -399,9 +435,11 @@ def main():
         except subprocess.TimeoutExpired:
             result = {"model": name, "stage": "timeout", "error": f"over {args.timeout} s"}
         print(f"{name:22s} {outcome(result)}", flush=True)
+        results.append(result)
         if out:
             out.write(json.dumps(result) + "\n")
             out.flush()
+    print(scoreboard(results))
 
 
 if __name__ == "__main__":

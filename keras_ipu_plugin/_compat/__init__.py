@@ -62,6 +62,7 @@ from keras_ipu_plugin._compat.calls import (  # noqa: F401
 from keras_ipu_plugin._compat.functional import (  # noqa: F401
     Functional,
     functional_nodes,
+    inbound_nodes,
     graph_call_through,
     is_graph_model,
     output_structure,
@@ -145,6 +146,7 @@ from keras_ipu_plugin._compat.tf_ops import (  # noqa: F401
 from keras_ipu_plugin._compat.datasets import (  # noqa: F401
     dataset_is_batched,
     dataset_strategy,
+    stateful_op_names,
 )
 from keras_ipu_plugin._compat.random_state import (  # noqa: F401
     global_random_state,

@@ -43,3 +43,20 @@ def dataset_is_batched(dataset):
 def dataset_strategy(dataset):
     """The strategy a distributed dataset was made by, or None."""
     return getattr(dataset, "_strategy", None)
+
+
+def stateful_op_names(graph_def):
+    """The names of the stateful ops (by TensorFlow's op registry) among
+    the nodes of `graph_def` and of the functions of its library: a
+    serialized `tf.data` pipeline's, to see what reading it may change.
+
+    Example:
+        >>> stateful_op_names(graph_of(dataset.map(lambda x: x + gen.normal(()))))
+        {'RngReadAndSkip', 'AssignVariableOp', 'VarHandleOp', 'RangeDataset', ...}
+    """
+    from tensorflow.python.framework import op_def_registry
+
+    nodes = [*graph_def.node, *(node for function in graph_def.library.function
+                                for node in function.node_def)]
+    return {node.op for node in nodes
+            if getattr(op_def_registry.get(node.op), "is_stateful", False)}

@@ -71,6 +71,12 @@ def functional_nodes(model):
     return ordered
 
 
+def inbound_nodes(operation):
+    """The Keras nodes of `operation`'s calls, in the order they were made
+    (a saved functional model loads them back in this order)."""
+    return list(getattr(operation, "_inbound_nodes", ()))
+
+
 def standardize_inputs(model, inputs):
     return model._standardize_inputs(inputs)
 

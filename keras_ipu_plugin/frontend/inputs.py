@@ -6,6 +6,7 @@ here, with errors that say what is wrong.
 
 import collections.abc
 import inspect
+import re
 from dataclasses import dataclass
 
 import keras
@@ -99,7 +100,16 @@ def _first_dataset_element(dataset):
     # A dataset drawing its order from seeds (a reshuffling shuffle) is
     # read through a copy with seeds of its own: read itself, its next
     # iteration (`fit`'s) would see another order.
-    source = dataset_with_own_seeds(dataset) or dataset
+    try:
+        source = dataset_to_peek(dataset)
+    except DatasetStateError as error:
+        raise InputDataError(
+            f"Cannot read the dataset's first batch without changing what a later `fit` "
+            f"sees: {error}. Give the first batch itself (`convert_to_functional(model, "
+            "x_batch)`, or `plugin_model.convert(x_batch)` before `fit`), train with "
+            "`kip.PluginCallback` (it converts from the batch `fit` reads), or draw in the "
+            "pipeline from stateless sources (`tf.random.stateless_uniform`, a seeded "
+            "`shuffle`).") from None
     for element in without_autotuning(source.take(1)):
         if batched is None:
             _check_batch_rank(element)
@@ -262,14 +272,40 @@ def _keras_dtype(dtype):
 # says whether each iteration draws anew)}.
 _SEEDED_DATASET_OPS = {
     "ShuffleDatasetV3": (2, 3, 4, "reshuffle_each_iteration"),
+    "ShuffleAndRepeatDatasetV2": (2, 3, 5, "reshuffle_each_iteration"),
     "RandomDatasetV2": (0, 1, 2, "rerandomize_each_iteration"),
 }
 
+# Stateful ops a dataset's functions may run whose state does not outlive
+# an iteration, or that only read: each iterator instantiates the functions
+# anew (a seeded `tf.random.uniform` in `map` gives the same numbers every
+# epoch), a lookup table or variable read changes nothing, and a Python
+# function (`from_generator`, `py_function`) is called again from the start
+# (from_generator starts its generator anew for each iterator).
+_PER_ITERATION_STATEFUL_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2",
+    "ReadVariableOp", "VarHandleOp", "LookupTableFindV2", "LookupTableSizeV2",
+    "LookupTableExportV2", "HashTableV2", "LookupTableImportV2",
+    "InitializeTableV2", "InitializeTableFromTextFileV2",
+    "Assert", "Print", "PrintV2",
+    "PyFunc", "PyFuncStateless", "EagerPyFunc",
+    "_Arg", "_Retval",
+})
+_DATASET_OP = re.compile(r"(Dataset|DatasetV\d+)$")
 
-def dataset_with_own_seeds(dataset):
-    """A copy of `dataset` whose iteration leaves `dataset`'s seed
-    generators as they are, or None when `dataset` has none (or its
-    pipeline cannot be copied: it is then read itself).
+
+class DatasetStateError(ValueError):
+    """Reading a dataset's first element would change what its next
+    iteration gives, and no copy of it avoids that."""
+
+
+def dataset_to_peek(dataset):
+    """The dataset to read `dataset`'s first element from such that what a
+    later iteration of `dataset` gives is unchanged: `dataset` itself, or a
+    copy of its pipeline whose seed generators are its own. Raises
+    `DatasetStateError` naming the ops where neither is possible.
 
     A reshuffling `shuffle(seed=...)` draws the order of each iteration from
     a generator that the dataset object holds: one element read from a
@@ -277,11 +313,13 @@ def dataset_with_own_seeds(dataset):
     the second iteration, not the first. The copy is the same pipeline
     (serialized and rebuilt) with a fresh generator of the same seeds: its
     first iteration gives the first order, and the user's dataset still
-    gives it too.
+    gives it too. A function in the pipeline that writes state living
+    outside the iterator (a `tf.random.Generator`, a variable it assigns)
+    would move that state from the copy too: that is the error.
 
     Example:
         >>> ds = tf.data.Dataset.range(8).shuffle(8, seed=1).batch(4)
-        >>> copy = dataset_with_own_seeds(ds)
+        >>> copy = dataset_to_peek(ds)
         >>> next(iter(copy)).numpy().tolist() == next(iter(ds)).numpy().tolist()
         True
     """
@@ -291,13 +329,24 @@ def dataset_with_own_seeds(dataset):
             external_state_policy=1,  # IGNORE: a generator's function is called anew
             strip_device_assignment=True)
         graph = tf.compat.v1.GraphDef.FromString(serialized.numpy())
-    except (tf.errors.OpError, ValueError, TypeError):
-        return None
-    nodes = [node for node in graph.node if node.op in _SEEDED_DATASET_OPS]
-    for node in nodes:
+    except (tf.errors.OpError, ValueError, TypeError) as error:
+        raise DatasetStateError(
+            "its pipeline cannot be inspected for state that reading an element would "
+            f"move ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+    writes = sorted(op for op in _compat.stateful_op_names(graph)
+                    if op not in _PER_ITERATION_STATEFUL_OPS and not _DATASET_OP.search(op))
+    if writes:
+        raise DatasetStateError(
+            f"a function in its pipeline runs {', '.join(f'`{op}`' for op in writes)}, "
+            "which changes state outside the dataset (a `tf.random.Generator`, a variable "
+            "it assigns), so reading an element would change what the next iteration gives")
+    seeded = [node for node in graph.node if node.op in _SEEDED_DATASET_OPS]
+    if not seeded:
+        return dataset
+    for node in seeded:
         seed, seed2, generator, attribute = _SEEDED_DATASET_OPS[node.op]
         if len(node.input) <= generator:
-            return None
+            raise DatasetStateError(f"its `{node.op}` has no seed generator input to copy")
         redraw = graph.node.add()
         redraw.name = f"{node.name}/kip_redraw"
         redraw.op = "Const"
@@ -308,10 +357,11 @@ def dataset_with_own_seeds(dataset):
         fresh.op = "AnonymousSeedGenerator"
         fresh.input.extend([node.input[seed], node.input[seed2], redraw.name])
         node.input[generator] = f"{fresh.name}:0"
-    if not nodes:
-        return None
     try:
         variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
         return tf.data.experimental.from_variant(variant, dataset.element_spec)
-    except (tf.errors.OpError, ValueError, TypeError):
-        return None
+    except (tf.errors.OpError, ValueError, TypeError) as error:
+        raise DatasetStateError(
+            "its pipeline draws from seed generators and cannot be rebuilt with seed "
+            f"generators of its own ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200]})") from None

@@ -1,4 +1,6 @@
-"""The graph IR: a small, explicit graph that passes transform.
+"""The graph IR: a small, explicit graph that passes transform. One concept
+over ~600 lines: `Graph`, `Node`, `Value` and the primitives that keep them
+consistent.
 
 A `Graph` holds its inputs, its `nodes` in topological order and its
 outputs. Each `Node` is one call of one Keras operation (a layer, or a

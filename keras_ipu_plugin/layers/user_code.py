@@ -73,25 +73,68 @@ _KERAS_LAYER_CLASSES = frozenset(
 def is_user_layer(layer):
     """Whether `layer` is user code: its class is not one `keras.layers`
     exports (exactly: a subclass is user code) nor the plugin's own.
-    (`tests/test_expand_public_architectures.py` pins a user's subclass of
+    (`tests/passes/test_expand_public_architectures.py` pins a user's subclass of
     `Dense` and Keras's applications' `LayerScale` as user code.)"""
     cls = type(layer)
     return cls not in _KERAS_LAYER_CLASSES and not (cls.__module__ or "").startswith(
         "keras_ipu_plugin.")
 
 
-def user_call(layer, is_user=is_user_layer):
+def user_call(layer, is_user=is_user_layer, through_overrides=False):
     """The `call` tracing runs inline for `layer`: its class's, where the
     layer is user code (`is_user(layer)`) and the `call` is written in user
     code (`is_user_module`: a user's subclass of `Dense` keeping `Dense.call`
-    is called as Keras calls a `Dense`); None otherwise, and for a `call`
-    set on the instance by its owner (left as it is)."""
+    is called as Keras calls a `Dense`), or, with `through_overrides` (the
+    trace's question), where Keras's `call` reaches a method the user's class
+    overrides (`overridden_helpers`); None
+    otherwise, and for a `call` set on the instance by its owner (left as it
+    is)."""
     if "call" in vars(layer) or not is_user(layer):
         return None
     function = getattr(type(layer), "call", None)
-    if function is None or not is_user_module(getattr(function, "__module__", "")):
+    if function is None:
+        return None
+    if not is_user_module(getattr(function, "__module__", "")) and not (
+            through_overrides and overridden_helpers(type(layer))):
         return None
     return function
+
+
+# Methods a Keras layer calls around `call` (construction, building,
+# shapes, saving), not from it: a user's override of one leaves `call`
+# Keras's own.
+_NOT_CALLED_BY_CALL = frozenset({
+    "__init__", "build", "build_from_config", "get_config", "from_config", "get_build_config",
+    "compute_output_shape", "compute_output_spec", "compute_mask", "_build_attention",
+    "_build_from_signature", "add_weight", "save_own_variables", "load_own_variables",
+})
+
+
+def overridden_helpers(cls):
+    """The names of the methods of Keras's own base of `cls` that a user's
+    class between them overrides, which `call` may reach: a
+    `MultiHeadAttention` subclass overriding `_compute_attention` runs the
+    user's code (and its weights) from Keras's `call`, so tracing must run
+    that `call` inline too. Empty for a class that only adds `build` or
+    `get_config`.
+
+    Example:
+        >>> class Biased(keras.layers.MultiHeadAttention):
+        ...     def _compute_attention(self, *args, **kwargs): ...
+        >>> overridden_helpers(Biased)
+        ['_compute_attention']
+    """
+    user_classes = [base for base in cls.__mro__ if base is not object and is_user_class(base)]
+    library = [base for base in cls.__mro__ if base is not object and not is_user_class(base)]
+    found = []
+    for base in user_classes:
+        for name, value in vars(base).items():
+            if (name in _NOT_CALLED_BY_CALL or name == "call" or not callable(value)
+                    or (name.startswith("__") and name.endswith("__"))):
+                continue
+            if any(name in vars(keras_base) for keras_base in library) and name not in found:
+                found.append(name)
+    return found
 
 
 _LIBRARY_PATHS = re.compile(

@@ -91,6 +91,12 @@ def inline_call(graph, node, report, reads, templates):
         if new.opaque_reason:  # a dynamic sub-layer, kept whole
             report.add_opaque(new.name, new.opaque_reason)
     attach_nodes, outputs = _with_masks_of_call(node, outputs, block)
+    if "stage" in node.annotations:
+        # The block's pipeline stage runs all of its call: the layers it
+        # opens into stay in that stage (else they fall back to stage 0,
+        # ahead of the stages they read from).
+        for new in new_nodes + attach_nodes:
+            new.annotations.setdefault("stage", node.annotations["stage"])
     graph.insert_before(node, new_nodes + attach_nodes)
     for new in new_nodes + attach_nodes:
         if _is_ours(new.operation):

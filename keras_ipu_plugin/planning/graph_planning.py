@@ -89,9 +89,6 @@ def recompute_costs(graph, order, profiles, batch, split=True):
     position = {id(node): index for index, node in enumerate(order)}
     producer = {id(value): node for node in graph.nodes for value in node.outputs}
     last_reader = _last_readers(graph, order, position)
-    calls = {}
-    for node in graph.nodes:
-        calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
     costs, live = [], {}
     for index, node in enumerate(order):
         profile = by_node[id(node)]
@@ -118,7 +115,6 @@ def recompute_costs(graph, order, profiles, batch, split=True):
             output=profile.output_bytes + figures.backward_bytes,
             weights=profile.weight_bytes,
             elements=profile.output_elements, fixed=profile.fixed,
-            can_checkpoint=calls[id(node.operation)] == 1,
             recompute_flops=figures.recompute_flops,
         ))
     return costs
@@ -163,7 +159,7 @@ def plan_recompute(graph, memory_budget, report, step):
     recomputation). Adds the plan's table to `report`."""
     batch = planning_batch(graph, "Recompute(auto=True)")
     profiles = node_costs.profile_nodes(graph, batch)
-    order = node_costs.execution_order(graph)
+    order = graph.nodes  # the order the interpreter runs them in
     costs = recompute_costs(graph, order, profiles, batch)
     # Without recomputation of any kind: no activation split either.
     baseline = recompute_plan.estimate_peak(
@@ -291,12 +287,12 @@ def plan_stages(graph, num_stages, balance, report, step):
     if balance == "params":
         _count_params_once(profiles)
     costs, unit, notes = _stage_costs(graph, profiles, balance, batch)
-    allowed = _allowed_cuts(nodes)
+    allowed = None  # a stage may end after any node: each call site has its own stage
     try:
         stages = stage_balance.balanced_partition(costs, num_stages, allowed)
     except stage_balance.CannotPartition as error:
-        raise PassError(f"{step}: cannot cut `{graph.name}` into {num_stages} stages: {error} "
-                        "(a layer called at several nodes keeps them in one stage).") from None
+        raise PassError(f"{step}: cannot cut `{graph.name}` into {num_stages} stages: "
+                        f"{error}.") from None
     sums = stage_balance.stage_sums(costs, stages)
     if balance == "time" and num_stages > 1:
         stages, sums, note = _replan_on_stage_times(graph, batch, costs, stages, allowed)
@@ -396,19 +392,6 @@ def _stage_costs(graph, profiles, balance, batch):
         notes.append("not timed alone, costed by FLOPs: "
                      + _names([profiles[i].node.name for i in missing]))
     return [float(t) for t in times], "seconds", notes
-
-
-def _allowed_cuts(nodes):
-    """Indices after which a stage may end: no layer has calls on both
-    sides (a layer's stage is one annotation, shared by all its calls)."""
-    first, last = {}, {}
-    for index, node in enumerate(nodes):
-        first.setdefault(id(node.operation), index)
-        last[id(node.operation)] = index
-    blocked = set()
-    for key, start in first.items():
-        blocked.update(range(start, last[key]))
-    return {i for i in range(len(nodes) - 1) if i not in blocked}
 
 
 def _cost_text(cost, unit):

@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.interpreter import call_arguments
+from keras_ipu_plugin.runtime.interpreter import output_tensors
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
@@ -101,54 +103,6 @@ def first_batch_rows(model, input_specs):
     rows = int(leaves[0].shape[0])
     replicas = strategy_owning(model.variables).num_replicas_in_sync
     return max(1, -(-rows // replicas))
-
-
-def execution_order(graph):
-    """The graph's nodes in the order the rebuilt model runs them: Keras's
-    functional models run nodes by decreasing depth (`_nodes_by_depth`),
-    which is what the executor cuts into recompute segments. Follows
-    `keras.src.ops.function.map_graph`: a depth-first walk from the outputs,
-    then depths from the outputs back, a layer called at several nodes
-    taking the largest depth of its calls."""
-    producer = {id(value): node for node in graph.nodes for value in node.outputs}
-
-    def parents(node):
-        found = []
-        for value in node.input_values:
-            parent = producer.get(id(value))
-            if parent is not None and parent not in found:
-                found.append(parent)
-        return found
-
-    post, seen = [], set()
-    for value in keras.tree.flatten(graph.outputs):
-        root = producer.get(id(value))
-        if root is None or id(root) in seen:
-            continue
-        stack = [(root, iter(parents(root)))]
-        seen.add(id(root))
-        while stack:
-            node, pending = stack[-1]
-            nxt = next((p for p in pending if id(p) not in seen), None)
-            if nxt is None:
-                post.append(node)
-                stack.pop()
-            else:
-                seen.add(id(nxt))
-                stack.append((nxt, iter(parents(nxt))))
-    depths, by_operation = {}, {}
-    for node in reversed(post):
-        depth = depths.setdefault(id(node), 0)
-        depth = max(depth, by_operation.get(id(node.operation), 0))
-        by_operation[id(node.operation)] = depth
-        depths[id(node)] = depth
-        for parent in parents(node):
-            depths[id(parent)] = max(depth + 1, depths.get(id(parent), 0))
-    nodes = {id(node): node for node in graph.nodes}
-    levels = {}
-    for node_id, depth in depths.items():
-        levels.setdefault(depth, []).append(nodes[node_id])
-    return [node for depth in sorted(levels, reverse=True) for node in levels[depth]]
 
 
 # -- profiling ----------------------------------------------------------------------
@@ -278,18 +232,8 @@ def _trace_key(node, batch):
         return None
 
 
-def _call_arguments(node, tensors):
-    """`(args, kwargs)` of `node` on `tensors` (by Value id), with `training`
-    as the executor passes it in a training step."""
-    args = map_values(lambda value: tensors[id(value)], node.args)
-    kwargs = dict(map_values(lambda value: tensors[id(value)], node.kwargs))
-    kwargs.pop("training", None)
-    operation = node.operation
-    if node.training in (True, False):
-        kwargs["training"] = node.training
-    elif node.training == FOLLOW or "training" in _compat.call_context_args(operation):
-        kwargs["training"] = True
-    return args, kwargs
+#: The call context a node is measured in: a training step's.
+TRAINING = {"training": True}
 
 
 def _trace(node, batch, call=None):
@@ -309,15 +253,15 @@ def _trace(node, batch, call=None):
         operation, keras.layers.Layer) else set()
 
     def forward_and_backward(inputs, weight_values, upstream):
-        tensors = {id(value): tensor for value, tensor in zip(values, inputs)}
+        tensors = dict(zip(values, inputs))
         sources = [x for x in inputs if _floating(x.dtype)] + [
             w for v, w in zip(weights, weight_values) if id(v) in trainable]
         with tf.GradientTape() as tape:
             tape.watch(sources)
             with _compat.stateless_scope(list(zip(weights, weight_values)),
                                                   collect_losses=True) as scope:
-                args, kwargs = _call_arguments(node, tensors)
-                outputs = keras.tree.flatten(run(*args, **kwargs))
+                args, kwargs = call_arguments(node, tensors, TRAINING)
+                outputs = output_tensors(node, run(*args, **kwargs))
                 # A write the node's own run makes (a block whose sub-layer
                 # masks its kernel, which a conversion's trace kept as one
                 # node): a recomputation could not replay it.

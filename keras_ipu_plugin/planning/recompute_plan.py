@@ -256,7 +256,7 @@ def _nests(cost):
     """Whether a node of a nested segment runs under its own checkpoint:
     only one with internal tensors to drop (others would recompute for
     nothing)."""
-    return cost.kept > 0 and cost.can_checkpoint  # a note covers all of a layer's calls
+    return cost.kept > 0 and cost.can_checkpoint
 
 
 def _segment_flops(costs, first, last, nested):

@@ -27,6 +27,8 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.planning import node_costs
+from keras_ipu_plugin.runtime.interpreter import call_arguments
+from keras_ipu_plugin.runtime.interpreter import output_tensors
 
 
 def time_stages(graph, batch, partitions, repeats=5):
@@ -64,7 +66,7 @@ def stage_forward_and_backward(nodes, inputs, weights, trainable, outputs):
     Returns the gradients and the outputs, for a caller to wait on."""
 
     def forward_and_backward(input_tensors, weight_values, upstream):
-        tensors = {id(value): tensor for value, tensor in zip(inputs, input_tensors)}
+        tensors = dict(zip(inputs, input_tensors))
         sources = [t for t in input_tensors if node_costs._floating(t.dtype)] + [
             w for v, w in zip(weights, weight_values) if id(v) in trainable]
         with tf.GradientTape() as tape:
@@ -72,10 +74,10 @@ def stage_forward_and_backward(nodes, inputs, weights, trainable, outputs):
             with _compat.stateless_scope(list(zip(weights, weight_values)),
                                          collect_losses=True):
                 for node in nodes:
-                    args, kwargs = node_costs._call_arguments(node, tensors)
-                    results = keras.tree.flatten(node.operation(*args, **kwargs))
-                    tensors.update(zip((id(v) for v in node.outputs), results))
-        ends = [tensors[id(value)] for value in outputs]
+                    args, kwargs = call_arguments(node, tensors, node_costs.TRAINING)
+                    results = output_tensors(node, node.operation(*args, **kwargs))
+                    tensors.update(zip(node.outputs, results))
+        ends = [tensors[value] for value in outputs]
         if not sources or not ends:
             return ends or [tf.zeros(())]
         gradients = tape.gradient(ends, sources, output_gradients=list(upstream),

@@ -5,18 +5,24 @@ its config so they survive `save` / `load_model`:
 
 - `kip_pinned_training`: layers the original code called with a hard-coded
   `training=` value (a frozen BatchNormalization). Keras's own functional
-  model overwrites those with the outer `training`; this one keeps them.
-- `kip_annotations`: what the Outline / Recompute / PipelineStages passes
-  recorded per layer, for the backend to act on.
+  model overwrites those with the outer `training`; this one keeps them
+  (its nodes hold them per call site).
+- `kip_graph` (not saved): the IR graph the passes produced, which is what
+  runs (`runtime/graph_of.py`; the interpreter, `interpreter.py`, runs it
+  with the run-time effects of its nodes' annotations).
+- `kip_node_annotations`: what the Outline / Recompute / PipelineStages
+  passes (and any other) recorded, saved by node path, per call site: a
+  layer called at two sites may be checkpointed, or staged, at one only.
+  `kip_annotations` shows them by Keras layer name (what the backends see).
 - `kip_original_mask`: what an explicit `mask=` meant to the original model
   (see `mask_semantics`); a mask this graph cannot apply the way the
   original would is refused, never applied differently.
-- `kip_layer_paths`: `{node path: Keras layer name}` of every layer node
-  (an expanded layer keeps its own name, `dense`, at path `block_1.dense`),
-  so `kip_layer(path)` finds a layer by its path, loaded models too, and
-  a loaded model's graph gets its paths back. `kip_annotations` and
-  `kip_pinned_training` are keyed by Keras layer name (what the executor
-  and the backends see); the graph's nodes hold them by path.
+- `kip_layer_paths`: `{node path: Keras name}` of every node (an expanded
+  layer keeps its own name, `dense`, at path `block_1.dense`), in call
+  order, so `kip_layer(path)` finds a layer by its path, loaded models
+  too, and a loaded model's graph gets its paths back.
+  `kip_pinned_training` is keyed by Keras layer name; each node holds its
+  own `training`, saved by node path (`kip_node_training`).
 - `kip_report` (not saved): the report of the conversion and passes.
 
 Every call checks that each input has the dtype kind (int, float, bool,
@@ -46,7 +52,8 @@ from keras_ipu_plugin.layers import alias, opaque  # noqa: F401
 from keras_ipu_plugin.layers.keras_ops import batch_sized, masks, random_draws, tensor_sized  # noqa: F401
 from keras_ipu_plugin.layers.state import added_loss, reads, variable_write  # noqa: F401
 from keras_ipu_plugin.layers.tf_calls import tf_function, tf_random_draw  # noqa: F401
-from keras_ipu_plugin.runtime.interpreter import needs_interpreter
+from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.runtime.interpreter import interpreter_for
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
 MASK_ON_INPUTS = "inputs"
@@ -142,6 +149,8 @@ class KipFunctional(_compat.Functional):
         *args,
         kip_pinned_training=None,
         kip_annotations=None,
+        kip_node_annotations=None,
+        kip_node_training=None,
         kip_stage_devices=None,
         kip_original_mask=MASK_ON_INPUTS,
         kip_layer_paths=None,
@@ -154,9 +163,15 @@ class KipFunctional(_compat.Functional):
             raise ValueError(f"Unknown kip_original_mask {kip_original_mask!r}.")
         self.kip_original_mask = kip_original_mask
         self.kip_pinned_training = dict(kip_pinned_training or {})
-        self.kip_annotations = {
+        # By Keras layer name: a file saved before annotations were saved
+        # per call site, or a `ModeSwitch`'s mode (see `graph_of`).
+        self.kip_saved_layer_annotations = {
             name: dict(values) for name, values in (kip_annotations or {}).items()
         }
+        self.kip_node_annotations = None if kip_node_annotations is None else {
+            path: dict(values) for path, values in kip_node_annotations.items()
+        }
+        self.kip_node_training = None if kip_node_training is None else dict(kip_node_training)
         self.kip_stage_devices = list(kip_stage_devices or [])
         self.kip_layer_paths = dict(kip_layer_paths or {})
         self.kip_report = None
@@ -165,6 +180,26 @@ class KipFunctional(_compat.Functional):
         # replaced layers' variables are not this model's
         object.__setattr__(self, "kip_replaced", ())
         self._kip_executor = None
+        self._kip_read_graph = None
+
+    @property
+    def kip_annotations(self):
+        """`{Keras layer name: annotations}`: the nodes' annotations as the
+        backends see them, by the name the Keras model calls each layer
+        (the notes of a layer's call sites merged). Read-only: the nodes of
+        `kip_graph` hold them, per call site.
+
+        Example:
+            >>> kip.apply_passes(converted, [Recompute("head")]).kip_annotations
+            {'head': {'recompute': True}}
+        """
+        found = {}
+        for node in graph_of(self).nodes:
+            if node.annotations:
+                name = self.kip_layer_paths.get(node.name) or getattr(
+                    node.operation, "name", node.name)
+                found.setdefault(name, {}).update(node.annotations)
+        return found
 
     @property
     def kip_call_takes_training(self):
@@ -210,11 +245,8 @@ class KipFunctional(_compat.Functional):
             >>> staged.kip_stages
             {'stem': 0, 'blocks.0': 0, 'blocks.1': 1, 'head': 1}
         """
-        if self.kip_graph is not None:
-            return {node.name: node.annotations["stage"] for node in self.kip_graph.nodes
-                    if "stage" in node.annotations}
-        by_name = {name: path for path, name in self.kip_layer_paths.items()}
-        return {by_name.get(name, name): stage for name, stage in self.kip_layer_stages.items()}
+        return {node.name: node.annotations["stage"] for node in graph_of(self).nodes
+                if "stage" in node.annotations}
 
     @property
     def kip_layer_stages(self):
@@ -263,49 +295,38 @@ class KipFunctional(_compat.Functional):
             f"{', '.join(known[:8])}{', ...' if len(known) > 8 else ''})."
         )
 
-    def _uses_executor(self):
-        """Whether a registered run-time effect acts on this model
-        (`interpreter.needs_interpreter`)."""
-        return needs_interpreter(self)
+    def kip_interpreter(self):
+        """The `Interpreter` that runs this model's graph on the backend in
+        use: made on the first call, and again when `kip_stage_devices` or
+        the annotations of the graph's nodes have changed since.
+
+        Example:
+            >>> passed.kip_interpreter().steps[0].recompute
+            True
+        """
+        from keras_ipu_plugin.runtime.backends import get_backend
+
+        graph = graph_of(self)
+        key = (tuple(self.kip_stage_devices), repr([node.annotations for node in graph.nodes]))
+        if self._kip_executor is None or self._kip_executor[0] != key:
+            # Not tracked by Keras: the interpreter holds no state of its own.
+            object.__setattr__(self, "_kip_executor", (key, interpreter_for(self, get_backend())))
+        return self._kip_executor[1]
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         check_dtype_kinds(self.name, self.inputs, self._leaves_in_input_order(inputs))
         mask = self._mask_to_apply(inputs, mask)
         context = dict(kwargs, training=training)
-        if self._uses_executor():
-            if self._kip_executor is None:
-                from keras_ipu_plugin.runtime.backends import get_backend
-                from keras_ipu_plugin.runtime.executor import executor_for
-
-                self._kip_executor = executor_for(self, get_backend())
-            inputs = _compat.standardize_inputs(self, inputs)
-            if mask is not None:
-                for x, one_mask in zip(inputs, keras.tree.flatten(mask)):
-                    if one_mask is not None:
-                        _compat.set_keras_mask(x, one_mask)
-            outputs = self._kip_executor(inputs, training, context)
-            if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
-                return outputs[0]
-            return outputs
-        pinned = self.kip_pinned_training
-
-        def operation_fn(operation):
-            accepted = _compat.call_context_args(operation)
-
-            def call(*args, **op_kwargs):
-                for name, value in context.items():
-                    if value is None or name not in accepted:
-                        continue
-                    if name == "training" and operation.name in pinned:
-                        continue
-                    op_kwargs[name] = value
-                return operation(*args, **op_kwargs)
-
-            return call
-
-        return _compat.run_functional_graph(
-            self, inputs, mask, operation_fn
-        )
+        interpreter = self.kip_interpreter()
+        inputs = _compat.standardize_inputs(self, inputs)
+        if mask is not None:
+            for x, one_mask in zip(inputs, keras.tree.flatten(mask)):
+                if one_mask is not None:
+                    _compat.set_keras_mask(x, one_mask)
+        outputs = interpreter(inputs, training, context)
+        if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
+            return outputs[0]
+        return outputs
 
     def _leaves_in_input_order(self, inputs):
         """The leaves of `inputs` in the order of `self.inputs`, matched the
@@ -355,8 +376,12 @@ class KipFunctional(_compat.Functional):
         config = super().get_config()
         config["kip_original_mask"] = self.kip_original_mask
         config["kip_pinned_training"] = dict(self.kip_pinned_training)
-        config["kip_annotations"] = {
-            name: dict(values) for name, values in self.kip_annotations.items()
+        graph = graph_of(self)
+        config["kip_node_annotations"] = {
+            node.name: dict(node.annotations) for node in graph.nodes if node.annotations
+        }
+        config["kip_node_training"] = {
+            node.name: node.training for node in graph.nodes if node.training in (True, False)
         }
         config["kip_stage_devices"] = list(self.kip_stage_devices)
         config["kip_layer_paths"] = dict(self.kip_layer_paths)
@@ -372,6 +397,10 @@ class KipFunctional(_compat.Functional):
         _check_saved_kip_entries(config, entry)
         model = super().from_config(config, custom_objects=custom_objects)
         link_shared_variables(model, entry)
+        try:
+            graph_of(model)  # each saved annotation on its call site, or refused now
+        except ValueError as error:
+            raise LoadError(f"{entry}: {error}") from None
         return model
 
 
@@ -438,7 +467,7 @@ def _is_device_name(name):
 #: The keys a saved functional model's config has: Keras's and the kip ones.
 _SAVED_KEYS = ("name", "trainable", "layers", "input_layers", "output_layers",
                "kip_original_mask", "kip_pinned_training", "kip_annotations",
-               "kip_stage_devices", "kip_layer_paths", "kip_call_takes_training")
+               "kip_node_annotations", "kip_node_training", "kip_stage_devices", "kip_layer_paths", "kip_call_takes_training")
 
 
 def _check_saved_kip_entries(config, entry):
@@ -454,10 +483,10 @@ def _check_saved_kip_entries(config, entry):
                             f"one of {MASK_ON_INPUTS}, {MASK_ABSENT}, {MASK_ARGUMENT}", mask)
     saved_values.saved_bool(config.get("kip_call_takes_training", True), entry,
                             "kip_call_takes_training")
-    pinned = config.get("kip_pinned_training") or {}
-    if not (isinstance(pinned, dict) and all(isinstance(v, bool) for v in pinned.values())):
-        saved_values.refuse(entry, "kip_pinned_training", "a mapping of layer names to true / "
-                            "false", pinned)
+    for key, kind in (("kip_pinned_training", "layer names"), ("kip_node_training", "node paths")):
+        pinned = config.get(key) or {}
+        if not (isinstance(pinned, dict) and all(isinstance(v, bool) for v in pinned.values())):
+            saved_values.refuse(entry, key, f"a mapping of {kind} to true / false", pinned)
     devices = config.get("kip_stage_devices") or []
     if not (isinstance(devices, list) and all(_is_device_name(d) for d in devices)):
         saved_values.refuse(entry, "kip_stage_devices", "a list of TensorFlow device names "
@@ -466,13 +495,19 @@ def _check_saved_kip_entries(config, entry):
     paths = config.get("kip_layer_paths") or {}
     if not (isinstance(paths, dict) and all(isinstance(v, str) for v in paths.values())):
         saved_values.refuse(entry, "kip_layer_paths", "a mapping of paths to layer names", paths)
-    annotations = config.get("kip_annotations") or {}
+    for key, kind in (("kip_annotations", "layer names"), ("kip_node_annotations", "node paths")):
+        _check_saved_annotations(config.get(key) or {}, entry, key, kind)
+
+
+def _check_saved_annotations(annotations, entry, key, kind):
+    """A saved mapping of annotations (by Keras layer name, or by node
+    path) holds mappings, a stage a non-negative int, outline options the
+    arguments `ipu.outlined_function` takes."""
     if not (isinstance(annotations, dict)
             and all(isinstance(notes, dict) for notes in annotations.values())):
-        saved_values.refuse(entry, "kip_annotations", "a mapping of layer names to mappings",
-                            annotations)
+        saved_values.refuse(entry, key, f"a mapping of {kind} to mappings", annotations)
     for name, notes in annotations.items():
-        where = f"kip_annotations.{name}"
+        where = f"{key}.{name}"
         if "stage" in notes and not (isinstance(notes["stage"], int)
                                      and not isinstance(notes["stage"], bool)
                                      and notes["stage"] >= 0):

@@ -1,8 +1,9 @@
 """Run kip's `Graph`: one overridable step per node, and run-time effects.
 
-`Interpreter(graph, backend, owner)` runs a graph made by
-`run_graph.graph_to_run` (each node holds its operation, its arguments with
-`Value`s, its `training` and its annotations), as torch.fx's `Interpreter`
+`Interpreter(graph, backend, owner)` runs the IR graph a model holds
+(`graph_of.graph_of(model)`: the graph the passes produced, each node with
+its operation, its arguments with `Value`s, its `training` and its
+annotations), as torch.fx's `Interpreter`
 runs an fx graph: `run` walks the plan, `run_node` runs one node (its
 inputs read from the run's values, its outputs written back), and
 `call_operation` calls the node's operation; a subclass may override
@@ -43,6 +44,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.runtime.graph_of import graph_of
 
 _EFFECTS = {}  # name -> RunEffect subclass, in registration order
 
@@ -83,17 +85,6 @@ def registered_run_effects():
     return dict(_EFFECTS)
 
 
-def needs_interpreter(model):
-    """Whether some registered effect acts on `model` (a `KipFunctional`):
-    otherwise Keras's own functional call runs it.
-
-    Example:
-        >>> needs_interpreter(kip.apply_passes(converted, [kip.passes.Recompute("all")]))
-        True
-    """
-    return any(cls.needed(model) for cls in _EFFECTS.values())
-
-
 class RunEffect:
     """What an annotation does when the graph runs (see the module
     docstring). One instance per interpreter: it may keep what it made
@@ -105,12 +96,6 @@ class RunEffect:
     keys = ()
     #: among the effects on one node: lower wraps further outside
     order = 100
-
-    @classmethod
-    def needed(cls, model):
-        """Whether `model` must run through the interpreter for this effect
-        (by default: some layer of it carries one of `keys`)."""
-        return any(key in notes for notes in model.kip_annotations.values() for key in cls.keys)
 
     def __init__(self, interpreter):
         self.interpreter = interpreter
@@ -162,7 +147,7 @@ class Interpreter:
     see it as the caller), `stage_devices` its `kip_stage_devices`.
 
     Example:
-        >>> interpreter = Interpreter(graph_to_run(passed), get_backend(), passed)
+        >>> interpreter = Interpreter(passed.kip_graph, get_backend(), passed)
         >>> interpreter.run(inputs, training=False)
     """
 
@@ -186,7 +171,7 @@ class Interpreter:
 
     def run(self, inputs, training=None, context=None):
         """The graph's outputs on `inputs` (a nest in the graph's input order)."""
-        env = dict(zip(self.graph.input_values, keras.tree.flatten(inputs)))
+        env = dict(zip(keras.tree.flatten(self.graph.input_values), keras.tree.flatten(inputs)))
         run = Run(env, training, {"training": training} if context is None else context)
         for step in self.steps:
             if isinstance(step, Node):
@@ -212,10 +197,9 @@ class Interpreter:
     def call_node(self, node, run):
         """Fill in the node's arguments, call it through the effects' `call`,
         and keep its outputs."""
-        args, kwargs = self.arguments(node, run)
+        args, kwargs = call_arguments(node, run.env, run.context)
         outputs = self._call_through(self._wrappers.get(node, ()), 0, node, run, args, kwargs)
-        for value, tensor in zip(node.outputs, keras.tree.flatten(outputs)):
-            run.env[value] = tensor
+        run.env.update(zip(node.outputs, output_tensors(node, outputs)))
         return outputs
 
     def _call_through(self, wrappers, index, node, run, args, kwargs):
@@ -229,20 +213,54 @@ class Interpreter:
         """Call the node's operation (override to run operations otherwise)."""
         return node.operation(*args, **kwargs)
 
-    def arguments(self, node, run):
-        """`(args, kwargs)` of `node` on this run's values, with the call
-        context a layer takes (`training`, unless the code pinned it)."""
-        args, kwargs = _filled(node.args, node.kwargs, run.env)
-        operation = node.operation
-        if isinstance(operation, keras.layers.Layer):
-            accepted = _compat.call_context_args(operation)
-            for key, value in run.context.items():
-                if value is None or key not in accepted:
-                    continue
-                if key == "training" and node.training in (True, False):
-                    continue
+
+def interpreter_for(model, backend):
+    """The `Interpreter` running `model` (a `KipFunctional`) on `backend`:
+    its graph (`graph_of`), its stage devices and its output structure.
+
+    Example:
+        >>> interpreter_for(passed, get_backend()).steps[0].recompute
+        True
+    """
+    return Interpreter(graph_of(model), backend, owner=model,
+                       stage_devices=model.kip_stage_devices,
+                       output_structure=_compat.output_structure(model))
+
+
+def call_arguments(node, env, context):
+    """`(args, kwargs)` to call `node`'s operation with: its arguments with
+    each `Value` read from `env` (`{Value: tensor}`), and, for a layer, the
+    call context it takes (`context`: `training` and what else Keras hands
+    to layers taking it) unless the code pinned `training` at this call
+    site (`node.training` True / False, which it is then called with). The
+    one way a node is handed its arguments: the interpreter, and the
+    planner measuring a node alone, call it.
+
+    Example:
+        >>> call_arguments(node, {x_value: x}, {"training": True})
+        ((<tf.Tensor ...>,), {'training': True})
+    """
+    args, kwargs = _filled(node.args, node.kwargs, env)
+    operation = node.operation
+    if isinstance(operation, keras.layers.Layer):
+        accepted = _compat.call_context_args(operation)
+        for key, value in context.items():
+            if value is not None and key in accepted:
                 kwargs[key] = value
-        return args, kwargs
+        if node.training in (True, False):
+            kwargs["training"] = node.training
+    return args, kwargs
+
+
+def output_tensors(node, outputs):
+    """The tensors of `outputs` (what `node`'s call returned) in the order of
+    `node.outputs`: a call that returned None among them
+    (`node.output_structure` places its outputs) has no Value for a None."""
+    flat = keras.tree.flatten(outputs)
+    if node.output_structure is None:
+        return flat
+    places = keras.tree.flatten(node.output_structure)
+    return [tensor for place, tensor in zip(places, flat) if place is not None]
 
 
 def _filled(args, kwargs, env):

@@ -3,7 +3,7 @@
 `PipelineStages` records a stage on every node; the pipelined training step
 (`training/pipelined/step.py`) runs each stage of each microbatch on its own
 device, under its own gradient tape. This module cuts the interpreter's plan
-(`executor_for(model).steps`: nodes and recompute segments) where the stage
+(`model.kip_interpreter().steps`: nodes and recompute segments) where the stage
 changes and runs one stage's part on the values that cross into it:
 
     staged = StagedModel(converted, get_backend())
@@ -28,8 +28,8 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.effects.recompute import Segment
 from keras_ipu_plugin.runtime.effects.recompute import wire_segments
-from keras_ipu_plugin.runtime.executor import executor_for
 from keras_ipu_plugin.runtime.interpreter import Run
+from keras_ipu_plugin.runtime.interpreter import interpreter_for
 
 #: The schedules of the pipelined training step (`PipelineStages(schedule=)`).
 SCHEDULES = ("gpipe", "1f1b")
@@ -41,7 +41,7 @@ def stage_of(node):
     annotations.
 
     Example:
-        >>> [stage_of(node) for node in executor_for(staged, backend).graph.nodes]
+        >>> [stage_of(node) for node in interpreter_for(staged, backend).graph.nodes]
         [0, 0, 1, 1]
     """
     return node.annotations.get("stage", 0)
@@ -55,7 +55,7 @@ def split_steps(steps, outputs):
     segments. `outputs`: the Values the graph returns.
 
     Example:
-        >>> split_steps(executor_for(model, backend).steps, graph.outputs)
+        >>> split_steps(interpreter_for(model, backend).steps, graph.outputs)
         [(0, [Segment(...), ...]), (1, [...])]
     """
     pieces = []
@@ -102,7 +102,7 @@ class StagedModel:
 
     def __init__(self, model, backend):
         self.model = model
-        self.interpreter = executor_for(model, backend)
+        self.interpreter = interpreter_for(model, backend)
         self.graph = self.interpreter.graph
         parts = split_steps(self.interpreter.steps, self.graph.outputs)
         self.stages = [Stage(index, segments) for index, segments in parts]
@@ -144,7 +144,7 @@ class StagedModel:
         """`{Value: tensor}` for the model's inputs given `inputs` (the
         structure the model is called on)."""
         flat = _compat.standardize_inputs(self.model, inputs)
-        return dict(zip(self.graph.input_values, keras.tree.flatten(flat)))
+        return dict(zip(keras.tree.flatten(self.graph.input_values), keras.tree.flatten(flat)))
 
     def run_stage(self, stage, tensors, training):
         """Run `stage`'s part on `tensors` (`{Value: tensor}`, holding the
@@ -164,7 +164,8 @@ class StagedModel:
     def tensor_names(self):
         """`{Value: name of the layer producing it}` (for errors)."""
         names = {value: tensor.name
-                 for value, tensor in zip(self.graph.input_values, self.model.inputs)}
+                 for value, tensor in zip(keras.tree.flatten(self.graph.input_values),
+                                          self.model.inputs)}
         for stage in self.stages:
             for segment in stage.segments:
                 for node in segment.nodes:

@@ -4,7 +4,7 @@ The model calls the very same layer objects as the graph's nodes (so every
 variable a pass did not replace is shared), records each node without
 calling the layer where the IR already knows its output shapes, and keeps
 the graph, the pinned `training` values and the pass annotations on the
-model (`KipFunctional`). Nodes whose outputs nothing reads but that write
+model (`KipFunctional`), which runs that graph. Nodes whose outputs nothing reads but that write
 state when they run (BatchNormalization in training, random layers) still
 run, as in plain Keras (`_running_unread_state_writers`).
 """
@@ -47,13 +47,12 @@ def rebuild(graph, name=None):
             return tensors[id(leaf)]
         return leaf
 
-    pinned, annotations, paths = {}, {}, {}
+    pinned, paths = {}, {}
     named = _UniqueNames(graph.nodes, reserved=[
         spec.name for spec in keras.tree.flatten(graph.input_specs)])
     for node in graph.nodes:
         operation = named.operation_for(node)
-        if node.is_layer:
-            paths[node.name] = operation.name
+        paths[node.name] = operation.name
         args = map_leaves(resolve, node.args)
         kwargs = map_leaves(resolve, node.kwargs)
         kwargs.pop("training", None)
@@ -73,8 +72,6 @@ def rebuild(graph, name=None):
             )
         for value, tensor in zip(node.outputs, outputs):
             tensors[id(value)] = tensor
-        if node.annotations:
-            annotations.setdefault(operation.name, {}).update(node.annotations)
     outputs = map_leaves(resolve, graph.outputs)
     outputs = _running_unread_state_writers(graph, outputs, tensors, named)
     model = KipFunctional(
@@ -82,7 +79,6 @@ def rebuild(graph, name=None):
         outputs,
         name=name or graph.name,
         kip_pinned_training=pinned,
-        kip_annotations=annotations,
         kip_layer_paths=paths,
     )
     model.kip_graph = graph

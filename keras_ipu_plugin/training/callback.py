@@ -5,7 +5,7 @@ import keras
 from keras_ipu_plugin.passes.infra.manager import validate_passes
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.scope import plugged_in
-from keras_ipu_plugin.training.session.session import Runtime
+from keras_ipu_plugin.training.session.session import TrainingSession
 from keras_ipu_plugin.training.session.step_functions import StepFunction
 from keras_ipu_plugin.training.session.step_functions import install
 
@@ -43,15 +43,15 @@ class PluginCallback(keras.callbacks.Callback):
         self.rebuild_on_new_variables = rebuild_on_new_variables
         self.verify = verify
         self.static_batch = static_batch
-        self.runtime = None
+        self.session = None
 
     @property
     def converted(self):
-        return None if self.runtime is None else self.runtime.converted
+        return None if self.session is None else self.session.converted
 
     @property
     def kip_report(self):
-        return None if self.runtime is None else self.runtime.report
+        return None if self.session is None else self.session.report
 
     def on_train_begin(self, logs=None):
         if getattr(self.model, "optimizer", None) is None:
@@ -61,25 +61,25 @@ class PluginCallback(keras.callbacks.Callback):
             # A PluginModel, or a model compiled inside kip.scope, trains
             # through the plugin already: its conversion serves this fit
             # (a second one around it recursed, or converted twice).
-            runtime, serving = plugged
-            runtime.check_serves(
+            session, serving = plugged
+            session.check_serves(
                 "PluginCallback", serving, self.passes, verify=self.verify,
                 rebuild_on_new_variables=self.rebuild_on_new_variables,
                 static_batch=self.static_batch)
-            self.runtime = runtime
-            runtime.verbose = (self.params or {}).get("verbose", 0)
+            self.session = session
+            session.verbose = (self.params or {}).get("verbose", 0)
             return
-        if self.runtime is None or self.runtime.subject is not self.model:
-            self.runtime = self._installed_runtime() or Runtime(
+        if self.session is None or self.session.subject is not self.model:
+            self.session = self._installed_session() or TrainingSession(
                 self.model, self.model, self.passes, verify=self.verify,
                 rebuild_on_new_variables=self.rebuild_on_new_variables,
                 static_batch=self.static_batch,
             )
-        self.runtime.verbose = (self.params or {}).get("verbose", 0)
-        install(self.model, self.runtime)
+        self.session.verbose = (self.params or {}).get("verbose", 0)
+        install(self.model, self.session)
 
-    def _installed_runtime(self):
-        """The runtime of the train function an earlier callback (or
+    def _installed_session(self):
+        """The session of the train function an earlier callback (or
         `kip.scope`) gave the model, when it converts as this one would.
 
         Keras keeps a model's train function until `compile` (or
@@ -91,13 +91,13 @@ class PluginCallback(keras.callbacks.Callback):
         installed = getattr(self.model, "train_function", None)
         if not isinstance(installed, StepFunction):
             return None
-        runtime = installed.runtime
-        if (runtime.subject is not self.model or runtime.owner is not self.model
-                or runtime.verify != self.verify
-                or runtime.rebuild_on_new_variables != self.rebuild_on_new_variables
-                or not _same_passes(runtime.passes, self.passes)):
+        session = installed.session
+        if (session.subject is not self.model or session.owner is not self.model
+                or session.verify != self.verify
+                or session.rebuild_on_new_variables != self.rebuild_on_new_variables
+                or not _same_passes(session.passes, self.passes)):
             return None
-        return runtime
+        return session
 
 
 def _same_passes(ours, theirs):

@@ -1,5 +1,6 @@
 """`PluginModel`: a drop-in `keras.Model` that runs its wrapped model's
-converted graph.
+converted graph. One concept over ~600 lines: the wrapper class, with what
+Keras asks of a model (calls, saving, loading, summaries) on it.
 
 The wrapped model is tracked under a dunder attribute, which Keras's saving
 skips, and the wrapped model's own attributes are exposed as the wrapper's
@@ -26,7 +27,7 @@ from keras_ipu_plugin.frontend.inputs import first_batch
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.passes.infra.base import deserialize_pass
 from keras_ipu_plugin.passes.infra.base import serialize_pass
-from keras_ipu_plugin.training.session.session import Runtime
+from keras_ipu_plugin.training.session.session import TrainingSession
 from keras_ipu_plugin.training.session.step_functions import PredictFunction
 from keras_ipu_plugin.training.session.step_functions import StepFunction
 from keras_ipu_plugin.training.routes import training_route
@@ -73,7 +74,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         # `static_batch=True`: conversions fix the batch dimension, as
         # `convert_to_functional(..., static_batch=True)` does (a model
         # reshaping to a batch size written as a constant).
-        self._kip_runtime = Runtime(
+        self._kip_session = TrainingSession(
             model, self, validate_passes(passes), verify=verify,
             rebuild_on_new_variables=rebuild_on_new_variables,
             static_batch=bool(static_batch),
@@ -89,8 +90,8 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     @property
     def converted(self):
         """The functional model once the first batch has been seen, else None."""
-        runtime = self.__dict__.get("_kip_runtime")
-        return None if runtime is None else runtime.converted
+        session = self.__dict__.get("_kip_session")
+        return None if session is None else session.converted
 
     @property
     def built(self):
@@ -121,13 +122,13 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         models': the layers a Replace pass created live only there, and the
         layers they replaced are no longer used, so not trained. A
         replacement's variable stands where the one it replaces stood (see
-        `Runtime.in_use`): the optimizer, built over these, saves its state
+        `TrainingSession.in_use`): the optimizer, built over these, saves its state
         in the order that the wrapped model's variables have when the saved
         model is loaded again; appended last, a replaced layer in the middle
         had its saved moments loaded into its neighbour's."""
         mine = getattr(super(), name)
-        runtime = self.__dict__.get("_kip_runtime")
-        return list(mine) if runtime is None else runtime.in_use(mine, name)
+        session = self.__dict__.get("_kip_session")
+        return list(mine) if session is None else session.in_use(mine, name)
 
     # -- saving: the wrapped model's layout --------------------------------------
     def save_weights(self, filepath, *args, **kwargs):
@@ -172,16 +173,16 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
             _copy_by_name(old, new, "load")
 
     def _replaced_pairs(self):
-        runtime = self.__dict__.get("_kip_runtime")
-        return [] if runtime is None else runtime.replaced_layers()
+        session = self.__dict__.get("_kip_session")
+        return [] if session is None else session.replaced_layers()
 
     @property
     def kip_report(self):
-        runtime = self.__dict__.get("_kip_runtime")
-        return None if runtime is None else runtime.report
+        session = self.__dict__.get("_kip_session")
+        return None if session is None else session.report
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_tracker", "_kip_runtime"):
+        if name.startswith("__") or name in ("_tracker", "_kip_session"):
             raise AttributeError(name)
         wrapped = self.__dict__.get(_WRAPPED)
         if wrapped is None:
@@ -235,14 +236,14 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         return self.converted
 
     def _convert_x(self, x):
-        self._kip_runtime.convert(as_tensors(x))
+        self._kip_session.convert(as_tensors(x))
         self.built = True  # the wrapped model's variables exist now
 
     def call(self, inputs, training=None, **kwargs):
         # The wrapped model's call, with its own arguments (`mask=` too),
         # through the graph converted for calls like it (converted now when
         # it is the first such call, on concrete inputs).
-        return self._kip_runtime.call(self.wrapped, (inputs,), dict(kwargs, training=training))
+        return self._kip_session.call(self.wrapped, (inputs,), dict(kwargs, training=training))
 
     def compile(self, *args, **kwargs):
         """Compile as the wrapped model's class compiles.
@@ -262,7 +263,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         """
         wrapped = self.wrapped
         before = dict(vars(self))
-        self._kip_runtime.jit_compile_asked = _asked_jit_compile(wrapped, args, kwargs)
+        self._kip_session.jit_compile_asked = _asked_jit_compile(wrapped, args, kwargs)
         if type(wrapped).compile is keras.Model.compile:
             super().compile(*args, **kwargs)
         else:
@@ -276,7 +277,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         # `_jit_compile`): they stay the wrapper's, or the step would read
         # the wrapped model's own, never compiled, values (`fit` then failed
         # in TensorFlow's iterator code).
-        self._kip_runtime.owner_names = self._kip_runtime.owner_names | frozenset(
+        self._kip_session.owner_names = self._kip_session.owner_names | frozenset(
             name for name, value in vars(self).items()
             if name not in before or before[name] is not value
         ) | {"optimizer"}
@@ -314,12 +315,12 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is None or force:
             self.train_function = StepFunction(
-                self._kip_runtime, self._step_method("train_step"), trains=True)
+                self._kip_session, self._step_method("train_step"), trains=True)
         return self.train_function
 
     def make_test_function(self, force=False):
         if self.test_function is None or force:
-            self.test_function = StepFunction(self._kip_runtime, self._step_method("test_step"))
+            self.test_function = StepFunction(self._kip_session, self._step_method("test_step"))
         return self.test_function
 
     def make_predict_function(self, force=False):
@@ -327,7 +328,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
             super().make_predict_function(force=True)
             function = self.predict_function
             self.predict_function = PredictFunction(
-                self._kip_runtime, self._step_method("predict_step"), function)
+                self._kip_session, self._step_method("predict_step"), function)
         return self.predict_function
 
     def _step_method(self, name):
@@ -349,22 +350,22 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     # The wrapped model's methods (its overrides, else Keras's) with the
     # step's `self` (see `step_self`): `self(x)` in them runs the graph.
     def train_step(self, data):
-        return self._kip_runtime.step_self().train_step(data)
+        return self._kip_session.step_self().train_step(data)
 
     def test_step(self, data):
-        return self._kip_runtime.step_self().test_step(data)
+        return self._kip_session.step_self().test_step(data)
 
     def predict_step(self, data):
         # Traced inside Keras's predict function: a call with no conversion
         # stops the trace, for `PredictFunction` to convert it.
-        with self._kip_runtime.tracing_step():
-            return self._kip_runtime.step_self().predict_step(data)
+        with self._kip_session.tracing_step():
+            return self._kip_session.step_self().predict_step(data)
 
     def compute_loss(self, *args, **kwargs):
-        return self._kip_runtime.step_self().compute_loss(*args, **kwargs)
+        return self._kip_session.step_self().compute_loss(*args, **kwargs)
 
     def compute_metrics(self, *args, **kwargs):
-        return self._kip_runtime.step_self().compute_metrics(*args, **kwargs)
+        return self._kip_session.step_self().compute_metrics(*args, **kwargs)
 
     # On the IPU backend these hand the converted model to Graphcore's own
     # methods (`routes.IpuRoute.run_training`): Graphcore's fit refuses a model
@@ -372,7 +373,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         # fit(x, y, batch_size, epochs, verbose, ...): a conversion made for
         # this fit prints its progress when `verbose` is on, as Keras does.
-        self._kip_runtime.verbose = kwargs.get("verbose", args[1] if len(args) > 1 else "auto")
+        self._kip_session.verbose = kwargs.get("verbose", args[1] if len(args) > 1 else "auto")
         self._before_first_step(x, batch_size, "fit")
         return training_route().run_training(
             self, "fit", super().fit, x, batch_size, (x, y, batch_size, *args), kwargs)
@@ -437,7 +438,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         # Passes are saved as the pass objects they became (a config file's
         # path would not travel with the saved model).
         try:
-            passes = [serialize_pass(one_pass) for one_pass in self._kip_runtime.passes]
+            passes = [serialize_pass(one_pass) for one_pass in self._kip_session.passes]
         except PassError as error:
             raise PassError(
                 f"PluginModel `{self.name}` cannot be saved with its passes: {error} "
@@ -449,7 +450,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
             "passes": passes,
             "rebuild_on_new_variables": self.rebuild_on_new_variables,
             "verify": self.verify,
-            "static_batch": self._kip_runtime.static_batch,
+            "static_batch": self._kip_session.static_batch,
         }
 
     @classmethod

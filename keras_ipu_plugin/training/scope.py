@@ -20,9 +20,9 @@ from keras_ipu_plugin.passes.annotate import Recompute
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.training.model import PluginModel
 from keras_ipu_plugin.training.routes import training_route
-from keras_ipu_plugin.training.session.session import Runtime
+from keras_ipu_plugin.training.session.session import TrainingSession
 from keras_ipu_plugin.training.session.step_functions import install as install_functions
-from keras_ipu_plugin.training.session.step_functions import installed_runtime
+from keras_ipu_plugin.training.session.step_functions import installed_session
 
 
 @contextlib.contextmanager
@@ -105,40 +105,40 @@ def install(model, passes=(), verify=True, rebuild_on_new_variables=True):
     passes = validate_passes(passes)
     plugged = plugged_in(model)
     if plugged is not None:
-        runtime, serving = plugged
-        runtime.check_serves("kip.scope", serving, passes, verify=verify,
+        session, serving = plugged
+        session.check_serves("kip.scope", serving, passes, verify=verify,
                              rebuild_on_new_variables=rebuild_on_new_variables)
-        _runtimes[model] = runtime
+        _sessions[model] = session
         return
-    runtime = Runtime(model, model, passes, verify=verify,
+    session = TrainingSession(model, model, passes, verify=verify,
                       rebuild_on_new_variables=rebuild_on_new_variables)
-    install_functions(model, runtime)
-    _runtimes[model] = runtime
+    install_functions(model, session)
+    _sessions[model] = session
 
 
 def plugged_in(model):
-    """`(runtime, who)` of the plugin that already trains `model`: a
-    PluginModel's own runtime, or the one `kip.scope` gave it (while its
+    """`(session, who)` of the plugin that already trains `model`: a
+    PluginModel's own session, or the one `kip.scope` gave it (while its
     train / test functions are still the model's); else None.
 
     Example:
-        >>> runtime, who = plugged_in(plugin)   # who: "PluginModel `p`"
+        >>> session, who = plugged_in(plugin)   # who: "PluginModel `p`"
     """
     if isinstance(model, PluginModel):
-        return model._kip_runtime, f"PluginModel `{model.name}`"
-    runtime = _runtimes.get(model)
-    if runtime is not None and installed_runtime(model) is runtime:
-        return runtime, "kip.scope"
+        return model._kip_session, f"PluginModel `{model.name}`"
+    session = _sessions.get(model)
+    if session is not None and installed_session(model) is session:
+        return session, "kip.scope"
     return None
 
 
 def scope_report(model):
     """The report of a model plugged in by `kip.scope`, once it has trained."""
-    runtime = _runtimes.get(model)
-    return None if runtime is None else runtime.report
+    session = _sessions.get(model)
+    return None if session is None else session.report
 
 
-_runtimes = weakref.WeakKeyDictionary()
+_sessions = weakref.WeakKeyDictionary()
 
 
 def _compile_states():

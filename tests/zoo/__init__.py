@@ -47,6 +47,8 @@ MODELS = (
     "pointnet",
     "siamese",
     "distillation",
+    "vit_small_ds",
+    "shiftvit",
     # keras.io examples: text, audio, structured data, graphs
     "translation_transformer",
     "speech_transformer",
@@ -55,6 +57,9 @@ MODELS = (
     "ner_transformer",
     "switch_transformer",
     "grn_vsn",
+    # keras-rs examples: recommenders
+    "dcn",
+    "listwise_ranking",
     # keras_hub backbones (tiny configs from constructors, no presets)
     "bert",
     "gpt2",
@@ -62,6 +67,7 @@ MODELS = (
     "gemma",
     "t5",
     "bart",
+    "gpt_text_generation",
     # keras.applications (weights=None)
     "resnet50",
     "efficientnet_b0",

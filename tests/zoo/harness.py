@@ -667,22 +667,11 @@ def check_replace(name):
         parts = shared.parts
         notes, problems, total = [], [], 0
         for (label, part, inputs), converted in shared.for_passes():
-            norms = [layer for layer in sub_layers(part) if is_norm(layer)]
-            total += len(norms)
-            if not norms:
+            reach = replace_every_norm(part, converted)
+            if reach is None:
                 continue
-            classes = _most_derived_first({type(layer) for layer in norms})
-            passes = [
-                kip.passes.Replace({cls: kip.passes.Replacement(
-                    replacement_class(cls), copy_weights_fn=copy_by_position)})
-                for cls in classes
-            ]
-            passed = kip.apply_passes(converted, passes)
-            new_layers = {
-                id(node.operation) for node in graph_nodes(passed.kip_graph)
-                if type(node.operation) in _replacement_classes.values()
-            }
-            still = _still_in_graph(passed, norms)
+            norms, classes, new_layers, still, passed = reach
+            total += len(norms)
             reach = f"{len(new_layers)}/{len(norms)} reached ({', '.join(c.__name__ for c in classes)})"
             if still or len(new_layers) != len(norms):
                 problems.append(_labelled(label, reach + (
@@ -707,6 +696,29 @@ def check_replace(name):
         return PASS, "; ".join(notes) + ", outputs equal"
 
     return _run_check(name, "replace", run)
+
+
+def replace_every_norm(model, converted):
+    """`Replace` every class of the LayerNormalization family in `model` by
+    a subclass of itself (weights copied) in `converted`, its conversion:
+    `(norms, classes, ids of the replacing layers in the graph, names of
+    the norms still in it, the passed model)`, or None where `model` holds
+    no norm layer. `tools/survey_models.py` asks the same of its models."""
+    norms = [layer for layer in sub_layers(model) if is_norm(layer)]
+    if not norms:
+        return None
+    classes = _most_derived_first({type(layer) for layer in norms})
+    passes = [
+        kip.passes.Replace({cls: kip.passes.Replacement(
+            replacement_class(cls), copy_weights_fn=copy_by_position)})
+        for cls in classes
+    ]
+    passed = kip.apply_passes(converted, passes)
+    new_layers = {
+        id(node.operation) for node in graph_nodes(passed.kip_graph)
+        if type(node.operation) in _replacement_classes.values()
+    }
+    return norms, classes, new_layers, _still_in_graph(passed, norms), passed
 
 
 def _most_derived_first(classes):

@@ -11,7 +11,7 @@ The draw here carries an op-level seed (`seed=1337`), so that plain Keras
 and the plugin draw the same numbers in their training steps (both under
 the harness's global seed) and the training check compares them step for
 step; the same layer without the op seed is tested in
-tests/test_public_code_idioms.py, where statistics of the draws are
+tests/frontend/idioms/test_public_code_idioms.py, where statistics of the draws are
 compared. The `VAE` model's own `train_step` is the example's; its `call`
 (encode, sample, decode) is the one ports add. Tiny sizes: 8x8 images,
 latent 2.

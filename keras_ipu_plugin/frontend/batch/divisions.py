@@ -27,9 +27,9 @@ A division of those stays as before (`ops.shape(flat)[0] // t` of a
 
 Example:
     >>> divisors = []
-    >>> x = ProbeTensor((3, 16), "float32", divisors)   # traced: `ops.shape(x)[0] // 4`
-    >>> divisors
-    [4]
+    >>> size = ProbeTensor((3, 16), "float32", divisors).shape[0]   # as `call` reads it
+    >>> size // 4, divisors
+    (0, [4])
 """
 
 import math

@@ -189,10 +189,34 @@ def _target(path, signature, operation=TFFunction):
         made = operation(path, name=short if uid == 1 else f"{short}_{uid - 1}")
         if batch_of is not None:  # a draw whose shape holds the batch size as None
             return made(*bound.args, **bound.kwargs, batch_of=batch_of)
-        return made(*bound.args, **bound.kwargs)
+        result = made(*bound.args, **bound.kwargs)
+        return _sized_shape(result) if path == "shape" else result
 
     target.__signature__ = signature
     return target
+
+
+class _SymbolicShape(keras.KerasTensor):
+    """`tf.shape(x)` of a symbolic tensor, recorded while tracing: `len()`
+    of it is `x`'s rank, as TensorFlow gives it for an eager tensor:
+    `(tf.shape(x)[0],) + (1,) * (len(tf.shape(x)) - 1)`, a `StochasticDepth`
+    written for Keras 2 (keras.io's CCT once). (Inside a `tf.function`
+    TensorFlow refuses `len` of a graph tensor, so such a model runs
+    eagerly only in plain Keras 3; the graph follows the eager meaning.)
+    A KerasTensor has no `len()`; only the tensors this tracer makes for
+    `tf.shape` get one, so no other KerasTensor changes."""
+
+    def __len__(self):
+        return self.shape[0]
+
+
+def _sized_shape(result):
+    """`result` (a recorded `tf.shape`'s output) with `len()` where its
+    length, the rank of the tensor measured, is known."""
+    if type(result) is keras.KerasTensor and len(result.shape) == 1 and isinstance(
+            result.shape[0], int):
+        result.__class__ = _SymbolicShape
+    return result
 
 
 __all__ = ["recorded"]

@@ -36,6 +36,7 @@ from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.failures import describe_failure
 from keras_ipu_plugin.frontend.trace.failures import essential_message
+from keras_ipu_plugin.frontend.trace.failures import user_stack_line
 from keras_ipu_plugin.frontend.trace.keras_nodes import collect_nodes
 from keras_ipu_plugin.frontend.trace.trace_views import builtin_view_class
 from keras_ipu_plugin.frontend.trace.trace_views import inline_view_class
@@ -83,6 +84,8 @@ class CallTrace:
     none_leaves: dict = dataclasses.field(default_factory=dict, init=False)
     # id(HeldConstant) -> the eager tensor it holds
     lifted: dict = dataclasses.field(default_factory=dict, init=False)
+    # id(HeldConstant) -> the user's line that made its tensor
+    lift_sites: dict = dataclasses.field(default_factory=dict, init=False)
     # replay.output_specs_key -> output KerasTensors
     output_specs: dict = dataclasses.field(default_factory=dict, init=False)
     # the variable writes `call` makes, as nodes (`write_nodes.py`)
@@ -204,6 +207,7 @@ class CallTrace:
             held = HeldConstant(keras.ops.convert_to_numpy(leaf), name=name)
             self._new_reads.append(held)
             self.lifted[id(held)] = leaf
+            self.lift_sites[id(held)] = user_stack_line()
             return held(self.anchor)
 
         return keras.tree.map_structure(lift, (args, kwargs))

@@ -15,6 +15,7 @@ Example:
     '`call` adds a loss computed from its inputs (`self.add_loss(...)`) in `vq`: ...'
 """
 
+import inspect
 import linecache
 import re
 
@@ -182,6 +183,19 @@ _TENSOR_AS_BOOL = "A symbolic KerasTensor cannot be used as a boolean"
 
 
 _SYMBOLIC_SHAPE = re.compile(r"Cannot convert .*KerasTensor.* to a shape", re.DOTALL)
+
+
+def user_stack_line():
+    """`file:line: source` of the innermost frame of user code on the
+    current stack (the line of `call` running now), or None."""
+    frame = inspect.currentframe().f_back
+    while frame is not None:
+        code = frame.f_code
+        if is_user_source(code.co_filename):
+            source = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            return f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}: {source}"
+        frame = frame.f_back
+    return None
 
 
 def _user_source_line(error):

@@ -83,7 +83,7 @@ class Tracer:
         """The `call` tracing runs inline for `layer` (its class's, when
         written in user code: `user_code.user_call`), or None for a leaf;
         override `is_user_code`, not this."""
-        return user_code.user_call(layer, self.is_user_code)
+        return user_code.user_call(layer, self.is_user_code, through_overrides=True)
 
     def trace(self, layer, args, kwargs, placeholders, *, training, prefix, reads=None):
         """Trace `layer.call(*args, **kwargs)`; KerasTensors in `args` /
@@ -124,7 +124,7 @@ class Tracer:
                 traces = self.traces(call)
             for trace, (nodes, _) in traces.runs:
                 nodes = with_branch_nodes(nodes)
-                _reject_frozen_variables(nodes, trace.lifted, tape, variables)
+                _reject_frozen_variables(nodes, trace, tape, variables)
                 _reject_lost_writes(layer, nodes, log)
             if traces.trial is None:
                 return traces.runs[0][1]
@@ -162,24 +162,40 @@ class Tracer:
             stack.pop()
 
 
-def _reject_frozen_variables(nodes, lifted, tape, variables):
+def _reject_frozen_variables(nodes, trace, tape, variables):
     """Raise `TraceError` when a traced node holds a concrete tensor that was
-    computed from the traced layer's variables (it would never change)."""
+    computed from the traced layer's variables (it would never change),
+    naming the variables and, where the tensor was met as a sub-layer's or
+    operation's input, the line of the user's code that computed it."""
+    lifted = trace.lifted
     constants = [
-        leaf for node in nodes
+        (leaf, None) for node in nodes
         for leaf in _leaves((node.args, node.kwargs))
         if tf.is_tensor(leaf) and not isinstance(leaf, (keras.KerasTensor, Value))
     ]
-    constants += [lifted[id(node.operation)] for node in nodes if id(node.operation) in lifted]
-    constants = [c for c in constants if c.dtype.is_floating]
-    for constant in constants:
-        if any(g is not None for g in tape.gradient(constant, variables)):
+    constants += [(lifted[id(node.operation)], trace.lift_sites.get(id(node.operation)))
+                  for node in nodes if id(node.operation) in lifted]
+    for constant, site in constants:
+        if not constant.dtype.is_floating:
+            continue
+        gradients = tape.gradient(constant, variables)
+        used = [variable for variable, gradient in zip(variables, gradients)
+                if gradient is not None]
+        if used:
+            names = ", ".join(f"`{_variable_name(variable)}`" for variable in used[:4])
+            at = f" (`{site}`)" if site else ""
             raise TraceError(
-                "`call` computes a tensor from the layer's weights outside the "
-                "graph (a variable not held as an attribute of the layer, or "
-                "an operation on one before the graph starts); traced, it "
-                "would be frozen"
+                f"`call` computes a tensor from the weight {names} outside the graph{at}: "
+                "the weight is read eagerly (not through the layer's attribute while traced: "
+                "a variable the layer does not hold, one captured before `call`, or an "
+                "operation on it run eagerly), so the traced graph would hold its value "
+                "frozen; compute it with `keras.ops` from a weight the layer holds as an "
+                "attribute for the layer to expand"
             )
+
+
+def _variable_name(variable):
+    return getattr(variable, "path", None) or str(getattr(variable, "name", variable)).split(":")[0]
 
 
 def _reject_lost_writes(layer, nodes, log):

@@ -252,12 +252,12 @@ def _attribute_paths(root, variables, max_depth=6):
                     obj, keras.Variable) else None):
                 if handle is not None and id(handle) in wanted:
                     found.setdefault(id(handle), path)
-            following.extend(_children(obj, path))
+            following.extend(_children(obj, path, nested=obj is not root))
         frontier = following
     return found
 
 
-def _children(obj, path):
+def _children(obj, path, nested=True):
     if isinstance(obj, (str, bytes, int, float, bool, np.ndarray, tf.Tensor, type)) or (
             inspect.isroutine(obj) or inspect.ismodule(obj)):
         return []
@@ -266,9 +266,11 @@ def _children(obj, path):
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
     elif isinstance(obj, keras.Sequential) or _compat.is_graph_model(obj):
-        # A functional model's layers are named as in node paths (by name,
-        # or by position where Keras named them), not by its `_layers`.
-        items = direct_layers(obj)
+        # A functional model's layers are named as in node paths, not by its
+        # `_layers`: by name, or by position where Keras named them; those of
+        # the model converted itself (not `nested`) by name, or by class in
+        # graph order where Keras named them (`attribute_paths.py`).
+        items = direct_layers(obj, nested=nested)
     elif hasattr(obj, "__dict__"):
         # Public attributes first, and none of Keras's bookkeeping (`_layers`
         # holds every sub-layer too): a message names `cell.tau`, the

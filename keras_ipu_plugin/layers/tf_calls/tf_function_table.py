@@ -84,6 +84,24 @@ TENSOR_PARAMETERS = {
     "linalg.einsum": ("*inputs",),
     "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
     "image.resize": ("images",), "image.extract_patches": ("images",),
+    # image computations (keras.io's augmentation and preprocessing layers
+    # written with `tf.image`): each a deterministic function of its
+    # tensors. Left out: the `random_*` and `stateless_random_*` draws,
+    # `extract_glimpse` (draws its noise), the codecs and `draw_bounding_boxes`
+    # (not a model's computation), `non_max_suppression` (sizes from the data)
+    "image.crop_to_bounding_box": ("image",), "image.pad_to_bounding_box": ("image",),
+    "image.central_crop": ("image",), "image.resize_with_crop_or_pad": ("image",),
+    "image.resize_with_pad": ("image",), "image.crop_and_resize": ("image", "boxes", "box_indices"),
+    "image.flip_left_right": ("image",), "image.flip_up_down": ("image",),
+    "image.rot90": ("image",), "image.transpose": ("image",),
+    "image.adjust_contrast": ("images",), "image.adjust_saturation": ("image",),
+    "image.adjust_hue": ("image",), "image.per_image_standardization": ("image",),
+    "image.rgb_to_grayscale": ("images",), "image.grayscale_to_rgb": ("images",),
+    "image.rgb_to_hsv": ("images",), "image.hsv_to_rgb": ("images",),
+    "image.rgb_to_yuv": ("images",), "image.yuv_to_rgb": ("images",),
+    "image.rgb_to_yiq": ("images",), "image.yiq_to_rgb": ("images",),
+    "image.image_gradients": ("image",), "image.sobel_edges": ("image",),
+    "image.total_variation": ("images",),
     # shapes, indexing, joining
     "reshape": ("tensor", "shape"), "transpose": ("a",), "expand_dims": ("input",),
     "squeeze": ("input",), "tile": ("input", "multiples"), "broadcast_to": ("input", "shape"),

@@ -8,6 +8,7 @@ one, so a pass that leaves a malformed graph fails at that pass, naming it.
 import os
 
 import keras
+import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.backends import get_backend
@@ -15,9 +16,10 @@ from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.runtime.executor import train_graph_ops
+from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
+from keras_ipu_plugin.runtime.graph_of import graph_of as run_graph_of
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.infra.base import EQUAL
@@ -107,6 +109,7 @@ def _apply_passes(model, passes, verify, reuse_replacements):
         with report.timed(one_pass.step, model.name):
             graph = one_pass.run(graph, report)
         _lint(graph, f"after pass {type(one_pass).__name__}")
+        _check_stage_order(graph, f"after pass {type(one_pass).__name__}")
     result = _rebuilt(graph, model, passes)
     if isinstance(model, KipFunctional):
         adopt_call_semantics(result, model)
@@ -135,6 +138,29 @@ def _lint(graph, when):
         graph.lint()
     except ValueError as error:
         raise PassError(f"apply_passes: {when}: {error}") from error
+
+
+def _check_stage_order(graph, when):
+    """A `PassError` naming the first layer that sits in an earlier pipeline
+    stage than a layer it reads: a pass run after `PipelineStages` must keep
+    the stages following the data flow, else the pipelined step could not
+    run them in order (and would fail at the first batch, far from the
+    pass at fault). Graphs without stages pass unchecked."""
+    staged = {id(node): node.annotations["stage"] for node in graph.nodes
+              if "stage" in node.annotations}
+    if not staged:
+        return
+    for node in graph.nodes:
+        stage = staged.get(id(node), 0)
+        for value in node.input_values:
+            producer = value.producer
+            if producer is not None and staged.get(id(producer), 0) > stage:
+                raise PassError(
+                    f"apply_passes: {when}: layer `{node.name}` is in pipeline stage "
+                    f"{stage} but reads the output of `{producer.name}`, in stage "
+                    f"{staged.get(id(producer), 0)}: stages must follow the data flow "
+                    "(a pass after PipelineStages moved a layer out of its stage; run "
+                    "it before PipelineStages).")
 
 
 def _rebuilt(graph, model, passes):
@@ -247,6 +273,38 @@ def _report_outlined_graph_size(graph, outlined, report):
     report.metrics["train graph ops with outlining"] = train_graph_ops(outlined)
 
 
+def train_graph_ops(model):
+    """Number of ops in a traced training step of `model` (forward pass in
+    training mode and the gradients of its outputs): what outlining shrinks.
+
+    Example:
+        >>> train_graph_ops(passed)
+        144
+    """
+    specs = keras.tree.map_structure(
+        lambda tensor: tf.TensorSpec(tensor.shape, tensor.dtype), model.input
+    )
+
+    strategy = strategy_owning(model.trainable_variables)
+
+    def one_replica(inputs):
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=True)
+            loss = tf.add_n([
+                tf.reduce_sum(tf.cast(output, "float32"))
+                for output in keras.tree.flatten(outputs)
+                if output.dtype.is_floating
+            ])
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function(autograph=False)
+    def step(inputs):
+        # Mirrored variables can only be read inside a replica.
+        return strategy.run(one_replica, args=(inputs,))
+
+    return len(step.get_concrete_function(specs).graph.get_operations())
+
+
 def validate_passes(passes):
     """A list of Pass objects from passes or a config (dict, list of
     one-pass dicts, or path)."""
@@ -309,12 +367,19 @@ def graph_of_model(model, caller):
         graph = trace_model(_plain_view(model), specs)
     except TraceError as error:  # pragma: no cover - functional models trace
         raise PassError(f"Cannot read the graph of `{model.name}`: {error.reason}")
-    annotations = getattr(model, "kip_annotations", {})
     for node in graph.nodes:
-        node.annotations.update(annotations.get(getattr(node.operation, "name", None), {}))
         if isinstance(node.operation, OpaqueLayer):
             node.opaque_reason = node.operation.reason
-    _restore_paths(graph, getattr(model, "kip_layer_paths", {}))
+    if isinstance(model, KipFunctional):
+        _restore_paths(graph, model.kip_layer_paths)
+        # Each call site's annotations, by node path, as the model runs them
+        # (by Keras name where the trace named a node otherwise).
+        by_path = {node.name: node.annotations for node in run_graph_of(model).nodes}
+        by_name = model.kip_annotations
+        for node in graph.nodes:
+            notes = (by_path[node.name] if node.name in by_path
+                     else by_name.get(getattr(node.operation, "name", None), {}))
+            node.annotations.update(notes)
     return graph
 
 
@@ -340,16 +405,19 @@ def _restore_paths(graph, paths):
 def _plain_view(model):
     """A model over `model`'s graph that runs its layers one by one.
 
-    A `KipFunctional` with annotations runs through the backend executor
-    (outlined bodies, recompute segments), which is for real tensors; the
-    graph is read through a view without annotations that shares the same
-    layers and keeps the pinned `training` values.
+    A `KipFunctional` runs its graph through the interpreter with the
+    run-time effects of its annotations (outlined bodies, recompute
+    segments), which are for real tensors; the graph is read through a view
+    without annotations that shares the same layers and keeps the pinned
+    `training` values.
     """
     if not isinstance(model, KipFunctional):
         return model
     return KipFunctional(
         model.input, model.output, name=model.name,
         kip_pinned_training=model.kip_pinned_training,
+        kip_node_training=model.kip_node_training,
+        kip_layer_paths=model.kip_layer_paths,
     )
 
 

@@ -12,7 +12,7 @@ stateless scope that would keep the write.
 Example:
     >>> outlined = kip.apply_passes(converted, [kip.passes.Outline(Block)])
     >>> outlined(x)
-    >>> len(outlined._kip_executor.effects["outline"].bodies)   # one per group
+    >>> len(outlined.kip_interpreter().effects["outline"].bodies)   # one per group
     1
 """
 
@@ -27,7 +27,6 @@ from keras_ipu_plugin.layers.layer_kinds import training_agnostic
 from keras_ipu_plugin.layers.state.variable_write import is_write_node
 from keras_ipu_plugin.runtime.interpreter import RunEffect
 from keras_ipu_plugin.runtime.interpreter import register_run_effect
-from keras_ipu_plugin.runtime.run_graph import inputs_of
 
 
 @register_run_effect
@@ -135,7 +134,7 @@ def _outline_key(layer, node, kwargs):
     config, _ = outline_config(layer)
     config = ("alone", id(layer)) if config is None else repr(sorted(config.items()))
     signature = tuple(
-        (tuple(value.spec.shape), value.spec.dtype) for value in inputs_of(node)
+        (tuple(value.spec.shape), value.spec.dtype) for value in node.input_values
     )
     return (type(layer), config, signature, repr(sorted(kwargs.items())))
 

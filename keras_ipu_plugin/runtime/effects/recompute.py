@@ -49,8 +49,7 @@ from keras_ipu_plugin.layers.layer_kinds import writes_variables
 from keras_ipu_plugin.layers.tf_calls.tf_random_draw import draws_statefully
 from keras_ipu_plugin.runtime.interpreter import RunEffect
 from keras_ipu_plugin.runtime.interpreter import register_run_effect
-from keras_ipu_plugin.runtime.run_graph import graph_to_run
-from keras_ipu_plugin.runtime.run_graph import inputs_of
+from keras_ipu_plugin.runtime.graph_of import graph_of
 from keras_ipu_plugin.runtime.variables import union_of_variables
 
 #: `Run.state` entry: the node running under its own checkpoint.
@@ -83,7 +82,7 @@ def make_plan(model, backend):
         >>> [s.recompute for s in make_plan(passed, get_backend())]
         [True, False, False]
     """
-    graph = graph_to_run(model)
+    graph = graph_of(model)
     return segments_of(graph.nodes, graph.outputs, backend)
 
 
@@ -187,7 +186,7 @@ def wire_segments(segments, outputs):
         produced = {value for node in segment.nodes for value in node.outputs}
         needed = []
         for node in segment.nodes:
-            for value in inputs_of(node):
+            for value in node.input_values:
                 if value not in produced and value not in needed:
                     needed.append(value)
         segment.outputs = [value for node in segment.nodes
@@ -248,7 +247,7 @@ class Recompute(RunEffect):
         segment = self.inside.get(node)
         if segment is None:
             segment = Segment([node], recompute=True)
-            segment.inputs = list(dict.fromkeys(inputs_of(node)))
+            segment.inputs = list(dict.fromkeys(node.input_values))
             segment.outputs = list(node.outputs)
             segment.variables = _variables_of([node])
             self.inside[node] = segment

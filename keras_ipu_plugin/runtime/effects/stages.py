@@ -23,17 +23,12 @@ class Stages(RunEffect):
     keys = ("stage",)
     order = 10  # inside Recompute's output checkpoints, around an outlined body
 
-    @classmethod
-    def needed(cls, model):
-        # Stage annotations alone change nothing without devices to place
-        # them on: Keras's own call runs such a model.
-        return bool(model.kip_stage_devices)
-
     def active(self):
+        # Stages change nothing without devices to place them on.
         devices = self.interpreter.stage_devices
         if devices:
             self.backend.check_stage_devices(devices, f"The model's kip_stage_devices {devices!r}")
-        return bool(devices) or super().active()
+        return bool(devices)
 
     def applies(self, node):
         return True  # a layer without a stage is in stage 0

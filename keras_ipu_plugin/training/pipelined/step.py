@@ -1,7 +1,9 @@
 """The pipelined training step: microbatches through stages on devices.
+One concept over ~600 lines: one train step, its schedule and its gradient
+sums read best in one place (the microbatch split is `microbatches.py`).
 
 With `PipelineStages(microbatches=M, devices=..., schedule=...)` among a
-runtime's passes, the train function of PluginModel, PluginCallback and
+session's passes, the train function of PluginModel, PluginCallback and
 kip.scope runs this step instead of Keras's `train_step`:
 
 1. the batch (x, y, sample weights; class weights are sample weights by
@@ -87,27 +89,27 @@ def pipeline_settings(passes):
     return found[0].pipeline_settings if found else None
 
 
-def pipelined_train_step(runtime, step, needs_conversion):
+def pipelined_train_step(session, step, needs_conversion):
     """The step to run instead of `step` (a train function's `train_step`),
-    or None when the runtime's passes ask for no pipeline or `step` is not
+    or None when the session's passes ask for no pipeline or `step` is not
     a training step. `needs_conversion`: the exception that stops a trace
     meeting a call with no conversion (`steps.NeedsConversion`).
 
     Example:
-        >>> step = pipelined_train_step(runtime, keras.Model.train_step, NeedsConversion)
-        >>> logs = step(runtime.step_self(), (x, y))
+        >>> step = pipelined_train_step(session, keras.Model.train_step, NeedsConversion)
+        >>> logs = step(session.step_self(), (x, y))
     """
-    settings = pipeline_settings(runtime.passes)
+    settings = pipeline_settings(session.passes)
     if settings is None or getattr(step, "__name__", None) != "train_step":
         return None
-    _refuse_unsupported(runtime, step, settings[0])
-    return PipelinedStep(runtime, settings, needs_conversion)
+    _refuse_unsupported(session, step, settings[0])
+    return PipelinedStep(session, settings, needs_conversion)
 
 
-def _refuse_unsupported(runtime, step, microbatches):
-    name = runtime.subject.name
+def _refuse_unsupported(session, step, microbatches):
+    name = session.subject.name
     owner = f"PipelineStages(microbatches={microbatches})"
-    cls = type(runtime.subject)
+    cls = type(session.subject)
     if step is not keras.Model.train_step:
         overridden = "train_step"
     elif cls.compute_loss is not keras.Model.compute_loss:
@@ -122,11 +124,11 @@ def _refuse_unsupported(runtime, step, microbatches):
             "each stage's forward and backward passes itself, in place of Keras's own "
             "train_step, so a custom one is not supported yet. Leave microbatches and "
             "devices out of PipelineStages to train it with its own step.")
-    replicas = runtime.strategy.num_replicas_in_sync
+    replicas = session.strategy.num_replicas_in_sync
     if replicas > 1:
         raise ValueError(
             f"{owner}: model `{name}` trains under a strategy with {replicas} replicas "
-            f"({type(runtime.strategy).__name__}); pipelined training with several "
+            f"({type(session.strategy).__name__}); pipelined training with several "
             "replicas is not supported yet. Train it under one replica, or leave "
             "microbatches and devices out of PipelineStages.")
     if get_backend().name != "portable":
@@ -138,12 +140,12 @@ def _refuse_unsupported(runtime, step, microbatches):
 class PipelinedStep:
     """`step(proxy, data) -> logs`: the pipelined train step (module doc)."""
 
-    def __init__(self, runtime, settings, needs_conversion):
-        self.runtime = runtime
+    def __init__(self, session, settings, needs_conversion):
+        self.session = session
         self.microbatches, self.devices, self.schedule = settings
         self.needs_conversion = needs_conversion
         self._staged = {}  # id(converted model) -> (model, StagedModel)
-        self.training = True if takes_training(type(runtime.subject).call) else None
+        self.training = True if takes_training(type(session.subject).call) else None
 
     def jit_compile(self, compiled, asked):
         """Whether the step compiles with XLA: `compiled` is the model's
@@ -165,7 +167,7 @@ class PipelinedStep:
         """
         if not compiled:
             return False
-        model = self.runtime.converted
+        model = self.session.converted
         if model is None:
             # Nothing converted yet: the trace stops to convert (NeedsConversion)
             # and the function is made again, deciding then, before any step runs.
@@ -174,12 +176,12 @@ class PipelinedStep:
         if len({device for device in devices if device}) < 2:
             return True  # one device: XLA loses nothing
         explicit = asked is True or (
-            asked is None and not _compat.auto_jit_compile(self.runtime.owner))
+            asked is None and not _compat.auto_jit_compile(self.session.owner))
         where = ", ".join(dict.fromkeys(device for device in devices if device))
         if explicit:
             warnings.warn(
                 f"PipelineStages(microbatches={self.microbatches}): model "
-                f"`{self.runtime.subject.name}` is compiled with jit_compile=True. XLA "
+                f"`{self.session.subject.name}` is compiled with jit_compile=True. XLA "
                 "compiles the train step into one cluster on one device, so its stages "
                 f"will not run on {where} nor overlap (the results are the same). Compile "
                 "with jit_compile=False to pipeline them.", stacklevel=2)
@@ -207,15 +209,15 @@ class PipelinedStep:
         return kept[1]
 
     def __call__(self, proxy, data):
-        runtime = self.runtime
+        session = self.session
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         call = CallArguments(x, training=self.training)
-        conversion = runtime.find(runtime.subject, call)
+        conversion = session.find(session.subject, call)
         if conversion is None:
-            # As `Runtime.call` does: stop here, the step function converts.
-            raise self.needs_conversion([(runtime.subject, call.signature())])
+            # As `TrainingSession.call` does: stop here, the step function converts.
+            raise self.needs_conversion([(session.subject, call.signature())])
         if not conversion.simple:
-            raise ValueError(f"PipelineStages: model `{runtime.subject.name}` is called with "
+            raise ValueError(f"PipelineStages: model `{session.subject.name}` is called with "
                              "arguments other than its inputs; the pipelined step takes `x`.")
         _check_loss_reductions(proxy, self.microbatches)
         run = _Run(self, proxy, conversion.model, x, y, sample_weight)
@@ -237,7 +239,7 @@ class _Run:
         self.ws = microbatches.split(sample_weight, self.count, "sample_weight")
         self.trainable = list(proxy.trainable_weights)
         self.state = union_of_variables(
-            list(runtime_variables(owner.runtime)) + list(model.variables),
+            list(session_variables(owner.session)) + list(model.variables),
             _compat.global_seed_variables())
         self.values = [self.staged.input_tensors(xm) for xm in self.xs]
         self.forward = {}  # (stage position, m) -> (tape, watched ids, outputs, losses)
@@ -523,11 +525,11 @@ class _Run:
                     "cannot be weighed to equal the whole batch's. Not supported yet.")
 
 
-def runtime_variables(runtime):
+def session_variables(session):
     """Every variable a step may write: the model's, and the metrics' (the
     compiled loss's per-output trackers are written inside `compute_loss`)."""
-    found = list(runtime.subject.variables)
-    for model in (runtime.owner, runtime.subject):
+    found = list(session.subject.variables)
+    for model in (session.owner, session.subject):
         found += list(model.metrics_variables)
     return found
 

@@ -1,6 +1,9 @@
-"""Route a compiled model's `fit` / `evaluate` through converted graphs.
+"""`TrainingSession`: what a model's train / test / predict functions run on,
+routing a compiled model's `fit` / `evaluate` through converted graphs. One
+concept over ~600 lines: the session's state and its rebuilds belong
+together.
 
-One `Runtime` per model holds what every entry point shares: the
+One `TrainingSession` per model holds what every entry point shares: the
 conversions made so far (one per kind of call a step makes, see
 `calls.py`), the `VariableWatch`, the step's `self` (`step_self.py`).
 `StepFunction` (`step_functions.py`) is the `train_function` /
@@ -82,7 +85,7 @@ class NeedsConversion(Exception):
         super().__init__(", ".join(f"{callee.name}({sig.describe()})" for callee, sig in misses))
 
 
-class Runtime:
+class TrainingSession:
     """Conversion state shared by the train and test functions of a model.
 
     `subject` is the model converted (the user's model); `owner` is the
@@ -124,20 +127,20 @@ class Runtime:
         self._builds_after_the_dry_run = {}  # id(optimizer) -> (optimizer, variables)
 
     #: What an entry point asks for when it is given nothing: a second entry
-    #: point given these defers to the runtime that already trains the model.
+    #: point given these defers to the session that already trains the model.
     DEFAULTS = {"verify": True, "rebuild_on_new_variables": True, "static_batch": False}
 
     def check_serves(self, entry_point, serving, passes=(), **settings):
-        """Raise unless this runtime (`serving`: who made it, "PluginModel
+        """Raise unless this session (`serving`: who made it, "PluginModel
         `p`") already gives what `entry_point` asks for, so that the model
         converts once and trains as it does alone.
 
         An entry point given passes, or a setting other than its default,
-        that differ from this runtime's would be silently ignored: that is
+        that differ from this session's would be silently ignored: that is
         an error naming both, not a guess.
 
         Example:
-            >>> plugin._kip_runtime.check_serves("PluginCallback", "PluginModel `p`")
+            >>> plugin._kip_session.check_serves("PluginCallback", "PluginModel `p`")
         """
         asked = []
         if passes and not _same_passes(passes, self.passes):
@@ -611,12 +614,12 @@ def _attribute_fingerprint(model):
     return hash(tuple(parts))
 
 
-def describe_structure_change(runtime):
-    new = runtime.new_variables()
+def describe_structure_change(session):
+    new = session.new_variables()
     if new:
-        return describe_new_variables(new, runtime.subject)
+        return describe_new_variables(new, session.subject)
     return (
-        f"The layers that `call` of model `{runtime.subject.name}` reaches "
+        f"The layers that `call` of model `{session.subject.name}` reaches "
         "changed since it was converted (a Python attribute switched a "
         "branch). Pass rebuild_on_new_variables=True (the default) to "
         "kip.PluginModel / kip.PluginCallback to rebuild the graph."
@@ -639,6 +642,4 @@ def _is_opaque(converted):
     return graph is not None and any(isinstance(n.operation, OpaqueLayer) for n in graph.nodes)
 
 
-__all__ = [
-    "Runtime", "StepFunction", "PredictFunction", "NeedsConversion", "install", "installed_runtime",
-]
+__all__ = ["NeedsConversion", "TrainingSession", "describe_structure_change"]

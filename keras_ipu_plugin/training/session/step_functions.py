@@ -3,14 +3,14 @@
 `StepFunction` is the `train_function` / `test_function` that `fit` /
 `evaluate` call (Keras honours one set before the first step): it runs the
 step (the user's override, or Keras's own) on the converted graphs of a
-`Runtime` (`session.py`), converting what the step calls at its first
+`TrainingSession` (`session.py`), converting what the step calls at its first
 occurrence (a dry run where the step is the user's), and rebuilding when
 the step meets new variables. `PredictFunction` is `predict`'s.
-`install` / `installed_runtime` give a model these functions (the callback
-and `kip.scope`) and find the runtime they run on.
+`install` / `installed_session` give a model these functions (the callback
+and `kip.scope`) and find the session they run on.
 
 Example:
-    >>> install(model, Runtime(model, model, passes=[]))
+    >>> install(model, TrainingSession(model, model, passes=[]))
     >>> isinstance(model.train_function, StepFunction)
     True
 """
@@ -44,8 +44,8 @@ class StepFunction:
     Keras's own), e.g. `type(model).train_step`.
     """
 
-    def __init__(self, runtime, step, trains=False):
-        self.runtime = runtime
+    def __init__(self, session, step, trains=False):
+        self.session = session
         self.step = step
         self.trains = trains  # fit's train_function
         self.function = None
@@ -57,21 +57,21 @@ class StepFunction:
 
     @property
     def calls_self_on_x(self):
-        return calls_self_on_x(self.runtime, self.step)
+        return calls_self_on_x(self.session, self.step)
 
     def __call__(self, iterator):
-        runtime = self.runtime
+        session = self.session
         if self.function is None:
             if self.trains:
-                check_trains_under(runtime.subject, getattr(runtime.owner, "optimizer", None),
-                                   runtime.strategy)
+                check_trains_under(session.subject, getattr(session.owner, "optimizer", None),
+                                   session.strategy)
             data = _next(iterator)
             self._last_iterator = _weak(iterator)
             self._spec = _spec_key(iterator)
             if self.calls_self_on_x:
-                runtime.convert(_first_x(runtime.owner, data))
-            elif not runtime.owner.run_eagerly:
-                convert_calls(runtime, self.step, data)  # eager steps convert as they call
+                session.convert(_first_x(session.owner, data))
+            elif not session.owner.run_eagerly:
+                convert_calls(session, self.step, data)  # eager steps convert as they call
             self._build_optimizer_before_the_trace()
             self._make()
             # The first execution trains on as many batches as every other
@@ -80,15 +80,15 @@ class StepFunction:
             return self._run_batches(iterator, [data, *self._read(iterator, more=True)])
         if iterator is not self._last_iterator():  # a new epoch: a new iterator
             self._last_iterator = _weak(iterator)
-            if runtime.structure_changed():
-                if not runtime.rebuild_on_new_variables:
+            if session.structure_changed():
+                if not session.rebuild_on_new_variables:
                     # Training on would run the old graph: the switched
                     # branch would silently never run.
-                    raise NewVariablesError(describe_structure_change(runtime))
-                runtime.rebuild("a Python attribute switched a branch of `call`")
+                    raise NewVariablesError(describe_structure_change(session))
+                session.rebuild("a Python attribute switched a branch of `call`")
                 self._make()
             self._function_for(iterator)
-        if runtime.owner.run_eagerly:
+        if session.owner.run_eagerly:
             return self._run_each(self._read(iterator))
         return self._run(iterator)
 
@@ -97,7 +97,7 @@ class StepFunction:
         `steps_per_execution` of them, fewer where the data ends (`more`:
         the rest of an execution whose first batch was read already).
         Raises StopIteration where there is none."""
-        count = max(int(self.runtime.owner.steps_per_execution or 1), 1) - int(more)
+        count = max(int(self.session.owner.steps_per_execution or 1), 1) - int(more)
         batches = []
         for _ in range(count):
             try:
@@ -112,7 +112,7 @@ class StepFunction:
         """One execution on `batches` (read from `iterator` already), as
         Keras's compiled loop runs it: the step traced with the shapes
         `iterator` gives, every batch trained on once, in order."""
-        if self.runtime.owner.run_eagerly:
+        if self.session.owner.run_eagerly:
             return self._run_each(batches)
         source = _batches_as_iterated(iterator, batches)
         return self._run_each(batches) if source is None else self._run(source)
@@ -137,16 +137,16 @@ class StepFunction:
         step is traced once. A custom step may train another list: it is left
         to build its optimizer as it does alone.
         """
-        runtime = self.runtime
+        session = self.session
         if self.step is not keras.Model.train_step or not self.calls_self_on_x or (
-                runtime.owner.run_eagerly):
+                session.owner.run_eagerly):
             return
-        proxy = runtime.step_self()
+        proxy = session.step_self()
         optimizer = getattr(proxy, "optimizer", None)
         variables = list(proxy.trainable_weights)
         if optimizer is None or optimizer.built or not variables:
             return
-        with runtime.strategy.scope():
+        with session.strategy.scope():
             optimizer.build(variables)
 
     def _function_for(self, iterator):
@@ -181,20 +181,20 @@ class StepFunction:
         self._functions[self._spec] = self.function
 
     def _new_function(self):
-        runtime, step = self.runtime, self.step
-        proxy = runtime.step_self()
+        session, step = self.session, self.step
+        proxy = session.step_self()
 
-        across_workers = _compat.reduces_across_workers(runtime.strategy)
+        across_workers = _compat.reduces_across_workers(session.strategy)
         # PipelineStages(microbatches=M): the pipelined step replaces Keras's
         # train_step (training/pipelined/step.py); None otherwise.
-        pipelined = pipelined_train_step(runtime, step, NeedsConversion)
+        pipelined = pipelined_train_step(session, step, NeedsConversion)
 
         def run_step(batch):
-            runtime.traces += 1
+            session.traces += 1
             # Runs in Python only while the step is traced (or eagerly): the
             # watch sees every variable the step tries to create, at no cost
             # to compiled steps.
-            with runtime.watch.watching(), runtime.tracing_step():
+            with session.watch.watching(), session.tracing_step():
                 logs = step(proxy, batch) if pipelined is None else pipelined(proxy, batch)
             if across_workers:
                 # Keras (to at least 3.15) reduces step outputs across workers
@@ -205,26 +205,26 @@ class StepFunction:
             return logs
 
         jit_compile = None if pipelined is None else pipelined.jit_compile(
-            runtime.owner.jit_compile, runtime.jit_compile_asked)
-        return _compat.make_step_function(runtime.owner, run_step, jit_compile)
+            session.owner.jit_compile, session.jit_compile_asked)
+        return _compat.make_step_function(session.owner, run_step, jit_compile)
 
     def _run(self, source):
-        runtime = self.runtime
-        eager = runtime.owner.run_eagerly
+        session = self.session
+        eager = session.owner.run_eagerly
         for _ in range(_MAX_REBUILDS_PER_STEP):
-            traces = runtime.traces
-            runtime.watch.take()
+            traces = session.traces
+            session.watch.take()
             try:
                 # In graph mode variables can only appear while the step is
-                # traced, which `runtime.traces` counts: the compiled steps
+                # traced, which `session.traces` counts: the compiled steps
                 # pay nothing. Eager steps run under the watch's creator scope.
-                with runtime.watch.watching() if eager else contextlib.nullcontext():
+                with session.watch.watching() if eager else contextlib.nullcontext():
                     outputs = self.function(source)
             except NeedsExtension as need:
                 # Met while tracing (or in a replica): nothing ran; extend the
                 # optimizer outside, under its strategy, and trace anew.
                 added = extend_optimizer(need.optimizer, need.variables)
-                for conversion in runtime.conversions:
+                for conversion in session.conversions:
                     conversion.model.kip_report.add(
                         "rebuild", need.optimizer.name, "optimizer extended",
                         ", ".join(v.path for v in added))
@@ -237,7 +237,7 @@ class StepFunction:
                 # holds one batch: see `_run_each`).
                 batches = source if isinstance(source, list) else self._read(source)
                 for callee, signature in need.misses:
-                    convert_calls(runtime, self.step, batches[0], callee, signature)
+                    convert_calls(session, self.step, batches[0], callee, signature)
                 self._make()
                 if isinstance(source, list):
                     source = batches
@@ -247,26 +247,26 @@ class StepFunction:
                     return self._run_each(batches)
                 continue
             except Exception as error:
-                if not runtime.watch.refused:
+                if not session.watch.refused:
                     raise  # the user's own error, as it was raised
                 # A variable creation failed: variables created on a later
                 # trace of the tf.function than its first.
-                if not runtime.rebuild_on_new_variables:
+                if not session.rebuild_on_new_variables:
                     raise NewVariablesError(describe_new_variables(
-                        runtime.new_variables(), runtime.subject)) from error
-                runtime.rebuild("variables created while tracing")
+                        session.new_variables(), session.subject)) from error
+                session.rebuild("variables created while tracing")
                 self._make()
                 continue
-            created = runtime.watch.changed if eager else runtime.traces != traces
-            new = runtime.new_variables() if created else []
+            created = session.watch.changed if eager else session.traces != traces
+            new = session.new_variables() if created else []
             if new:
-                if not runtime.rebuild_on_new_variables:
-                    raise NewVariablesError(describe_new_variables(new, runtime.subject))
-                runtime.rebuild("variables created in a step")
+                if not session.rebuild_on_new_variables:
+                    raise NewVariablesError(describe_new_variables(new, session.subject))
+                session.rebuild("variables created in a step")
                 self._make()
             return outputs
         raise RuntimeError(
-            f"keras_ipu_plugin: model `{runtime.subject.name}` kept creating "
+            f"keras_ipu_plugin: model `{session.subject.name}` kept creating "
             "variables or calls to convert; gave up after repeated rebuilds in one step."
         )
 
@@ -276,8 +276,8 @@ class PredictFunction:
     without a conversion (predicting at a new image size: Keras traces the
     function again with the size left open)."""
 
-    def __init__(self, runtime, step, function):
-        self.runtime = runtime
+    def __init__(self, session, step, function):
+        self.session = session
         self.step = step
         self.function = function
 
@@ -288,17 +288,17 @@ class PredictFunction:
             except NeedsConversion as need:
                 # Keras hands over the batches of one execution, concrete.
                 for callee, signature in need.misses:
-                    convert_calls(self.runtime, self.step, data[0], callee, signature)
+                    convert_calls(self.session, self.step, data[0], callee, signature)
         raise RuntimeError(
-            f"keras_ipu_plugin: predicting with `{self.runtime.subject.name}` kept "
+            f"keras_ipu_plugin: predicting with `{self.session.subject.name}` kept "
             "meeting calls to convert; gave up."
         )
 
 
-def calls_self_on_x(runtime, step):
+def calls_self_on_x(session, step):
     """Keras's own steps call `self(x)` with the batch's `x`, and nothing
     else unless the model's own `compute_loss` / `compute_metrics` do."""
-    cls = type(runtime.subject)
+    cls = type(session.subject)
     own = (keras.Model.train_step, keras.Model.test_step, keras.Model.predict_step)
     return step in own and (
         cls.compute_loss is keras.Model.compute_loss
@@ -306,18 +306,18 @@ def calls_self_on_x(runtime, step):
     )
 
 
-def convert_calls(runtime, step, data, callee=None, signature=None):
+def convert_calls(session, step, data, callee=None, signature=None):
     """Convert the calls `step` makes on `data`: all of them, or the one to
     `callee` that `signature` (from a trace) describes."""
-    if callee is runtime.subject and calls_self_on_x(runtime, step):
-        x = _first_x(runtime.owner, data)
-        runtime.add_conversion(callee, CallArguments(x), signature)
+    if callee is session.subject and calls_self_on_x(session, step):
+        x = _first_x(session.owner, data)
+        session.add_conversion(callee, CallArguments(x), signature)
         return
-    examples = runtime.record_calls(step, data)
+    examples = session.record_calls(step, data)
     if callee is None:
         for made_by, call in examples:
-            if runtime.find(made_by, call) is None:
-                runtime.add_conversion(made_by, call)
+            if session.find(made_by, call) is None:
+                session.add_conversion(made_by, call)
         return
     example = next((call for made_by, call in examples
                     if made_by is callee and signature.accepts(call.signature())), None)
@@ -328,7 +328,7 @@ def convert_calls(runtime, step, data, callee=None, signature=None):
             "nothing to convert it from. Does the step branch on something "
             "that differs between tracing and running?"
         )
-    runtime.add_conversion(callee, example, signature)
+    session.add_conversion(callee, example, signature)
 
 
 def _with_leading_axis(value):
@@ -432,22 +432,22 @@ def _first_x(model, data):
     return keras.utils.unpack_x_y_sample_weight(local)[0]
 
 
-def installed_runtime(model):
-    """The runtime whose train / test functions `model` holds now (given by
+def installed_session(model):
+    """The session whose train / test functions `model` holds now (given by
     `kip.scope` or a callback; a later `compile` resets them), or None."""
     for attribute in ("train_function", "test_function"):
         function = vars(model).get(attribute)
-        if isinstance(function, StepFunction) and function.runtime.owner is model:
-            return function.runtime
+        if isinstance(function, StepFunction) and function.session.owner is model:
+            return function.session
     return None
 
 
-def install(model, runtime):
+def install(model, session):
     """Give `model` plugin train / test functions (what the callback and
-    `kip.scope` do), keeping ones already given for the same runtime so a
+    `kip.scope` do), keeping ones already given for the same session so a
     second `fit` does not trace the step again."""
     for attribute, step in (("train_function", "train_step"), ("test_function", "test_step")):
         current = getattr(model, attribute, None)
-        if not (isinstance(current, StepFunction) and current.runtime is runtime):
+        if not (isinstance(current, StepFunction) and current.session is session):
             setattr(model, attribute, StepFunction(
-                runtime, getattr(type(model), step), trains=step == "train_step"))
+                session, getattr(type(model), step), trains=step == "train_step"))

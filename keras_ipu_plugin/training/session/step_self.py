@@ -8,7 +8,7 @@ argument `super()` calls, `isinstance` checks and the class's own methods
 It holds no state of its own:
 
 - calling it (`self(x)`) runs the converted graph for that call
-  (`Runtime.call`), and so does calling a sub-model it holds
+  (`TrainingSession.call`), and so does calling a sub-model it holds
   (`self.generator(z)`);
 - optimizers come wrapped (`OptimizingFacade`), so that new variables are
   learnt;
@@ -20,7 +20,7 @@ It holds no state of its own:
   wrapped model's.
 
 Example:
-    >>> self_ = step_self(runtime)
+    >>> self_ = step_self(session)
     >>> type(model).train_step(self_, data)   # forward through the graph
 """
 
@@ -32,20 +32,20 @@ import keras
 from keras_ipu_plugin.training.session.new_variables import OptimizingFacade
 from keras_ipu_plugin.runtime.variables import union_of_variables
 
-_RUNTIME = "_kip_runtime"
+_RUNTIME = "_kip_session"
 _SHADOWED = "_kip_shadowed"
 
 
-def step_self(runtime):
-    """A stand-in for `runtime.subject` as `self` of its steps."""
-    cls = _step_self_class(type(runtime.subject))
+def step_self(session):
+    """A stand-in for `session.subject` as `self` of its steps."""
+    cls = _step_self_class(type(session.subject))
     proxy = object.__new__(cls)
-    object.__setattr__(proxy, _RUNTIME, runtime)
+    object.__setattr__(proxy, _RUNTIME, session)
     # On the model, an instance attribute hides a method of its class of the
     # same name (`self.compute_loss = fn` in `__init__`); the stand-in has no
     # instance attributes of its own, so it looks those names up first.
     object.__setattr__(proxy, _SHADOWED, frozenset(
-        name for name in vars(runtime.subject) if _hides_a_class_attribute(cls, name)))
+        name for name in vars(session.subject) if _hides_a_class_attribute(cls, name)))
     return proxy
 
 
@@ -70,8 +70,8 @@ def _variables_view(name):
         # Layers a Replace pass created live only in the converted models,
         # and the layers they replaced no longer run (with a callback, the
         # owner is the user's model, which still holds them).
-        runtime = vars(self)[_RUNTIME]
-        return runtime.in_use(getattr(runtime.owner, name), name)
+        session = vars(self)[_RUNTIME]
+        return session.in_use(getattr(session.owner, name), name)
 
     return property(get)
 
@@ -90,12 +90,12 @@ class StepSelf:
     def losses(self):
         # The model's, as Keras reads them, and those the converted graphs'
         # `add_loss` nodes added in this step (`step_losses.py`).
-        runtime = vars(self)[_RUNTIME]
-        return runtime.step_losses.losses(runtime.subject, super().losses)
+        session = vars(self)[_RUNTIME]
+        return session.step_losses.losses(session.subject, super().losses)
 
     def __call__(self, *args, **kwargs):
-        runtime = vars(self)[_RUNTIME]
-        return runtime.call(runtime.subject, args, kwargs)
+        session = vars(self)[_RUNTIME]
+        return session.call(session.subject, args, kwargs)
 
     def __getattribute__(self, name):
         if name in object.__getattribute__(self, "__dict__")[_SHADOWED]:
@@ -105,14 +105,14 @@ class StepSelf:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        runtime = vars(self)[_RUNTIME]
-        value = runtime.model_attribute(name)
+        session = vars(self)[_RUNTIME]
+        value = session.model_attribute(name)
         if isinstance(value, keras.optimizers.Optimizer):
             return OptimizingFacade(
-                value, runtime.rebuild_on_new_variables, runtime.subject,
-                skip=runtime.dry_running, defer_build=runtime.build_after_the_dry_run)
-        if isinstance(value, keras.Model) and value is not runtime.subject:
-            return runtime.callee_stand_in(value)
+                value, session.rebuild_on_new_variables, session.subject,
+                skip=session.dry_running, defer_build=session.build_after_the_dry_run)
+        if isinstance(value, keras.Model) and value is not session.subject:
+            return session.callee_stand_in(value)
         return value
 
     def __setattr__(self, name, value):
@@ -130,23 +130,23 @@ class CalleeStandIn:
     for that call; everything else is the sub-model itself.
 
     Example:
-        >>> generator = runtime.callee_stand_in(model.generator)
+        >>> generator = session.callee_stand_in(model.generator)
         >>> images = generator(noise)            # the converted generator
         >>> generator.trainable_weights          # the generator's own
     """
 
-    def __init__(self, runtime, callee):
-        object.__setattr__(self, "_kip_runtime", runtime)
+    def __init__(self, session, callee):
+        object.__setattr__(self, "_kip_session", session)
         object.__setattr__(self, "_kip_callee", callee)
 
     def __call__(self, *args, **kwargs):
-        return self._kip_runtime.call(self._kip_callee, args, kwargs)
+        return self._kip_session.call(self._kip_callee, args, kwargs)
 
     @property
     def losses(self):
         """The sub-model's losses, and those its converted graph's `add_loss`
         nodes added in this step (`step_losses.py`)."""
-        return self._kip_runtime.step_losses.losses(self._kip_callee, self._kip_callee.losses)
+        return self._kip_session.step_losses.losses(self._kip_callee, self._kip_callee.losses)
 
     def __getattr__(self, name):
         return getattr(self._kip_callee, name)

@@ -1,0 +1,33 @@
+"""The `>>>` examples in the docstrings of the modules listed here run as
+written, with the module's own names in scope (doctest), and print what the
+docstring says. A module joins the list once its examples are complete
+(every name they use defined in the example or the module); the examples of
+other modules are illustrations, not run."""
+
+import doctest
+import importlib
+
+import pytest
+
+RUNNABLE = [
+    "keras_ipu_plugin.frontend.idioms.tf_functions",
+    "keras_ipu_plugin.frontend.trace.attribute_paths",
+    "keras_ipu_plugin.frontend.trace.failures",
+    "keras_ipu_plugin.ir.names",
+    "keras_ipu_plugin.layers.tf_calls.tf_function",
+    "keras_ipu_plugin.passes.microbatching",
+    "keras_ipu_plugin.planning.stage_balance",
+]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_the_docstring_examples_run_as_written(name):
+    module = importlib.import_module(name)
+    tests = [test for test in doctest.DocTestFinder().find(module) if test.examples]
+    assert tests, f"{name} has no `>>>` example left: take it off the list"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    failures = []
+    for test in tests:
+        result = runner.run(test, out=failures.append)
+        assert result.attempted
+    assert not failures, "".join(failures)
