@@ -31,6 +31,8 @@ from keras_ipu_plugin.runtime.backends import backend
 from keras_ipu_plugin.passes.ipu_presets import ipu_replacements
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
+from keras_ipu_plugin.runtime.model_plot import model_to_dot
+from keras_ipu_plugin.runtime.model_plot import plot_model
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.training.callback import PluginCallback
 from keras_ipu_plugin.training.session.new_variables import NewVariablesError
@@ -42,6 +44,6 @@ __all__ = [
     "ConfigError", "ConversionError", "Converter", "InputDataError", "InputTypeError",
     "IpuError", "KipFunctional", "LayerAlias", "LoadError", "ModeSwitch", "NewVariablesError", "OpaqueLayer", "PassError",
     "PluginCallback", "PluginModel", "Report", "apply_passes", "backend", "create_feature_extractor",
-    "convert_to_functional", "ipu_replacements", "passes", "passes_from_config",
+    "convert_to_functional", "ipu_replacements", "model_to_dot", "passes", "passes_from_config", "plot_model",
     "register_layer", "scope", "scope_report", "summary", "to_keras",
 ]

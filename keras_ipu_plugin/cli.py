@@ -17,8 +17,10 @@ model is converted (and checked equal) on it, the passes of `--passes` (a
 JSON or YAML config, see `kip.passes_from_config`) are applied, and the
 report, the converted model's summary and its graph's nodes (named by
 their paths, `block_1.dense`) are printed. `--plot OUT.png`
-draws the converted graph with `keras.utils.plot_model`, which needs pydot
-and graphviz: without them the command says so and exits with code 2.
+draws the converted graph with `kip.plot_model` (its nodes by path; the
+format is the extension's: `.svg`, `.pdf`, ...; `.dot` writes the dot
+source), which needs pydot and, for an image, graphviz: without them the
+command says so and exits with code 2.
 
 Exit codes: 0 done; 1 the model could not be loaded, converted or passed;
 2 a usage error, or `--plot` without pydot / graphviz.
@@ -125,7 +127,7 @@ def main(argv=None):
 def inspect(args):
     # Fail on what can be checked cheaply before importing and converting.
     if args.plot:
-        check_plot_dependencies()
+        check_plot_dependencies(args.plot)
     shapes = [parse_shape(text) for text in args.data_shape]
     dtypes = parse_dtypes(args.dtype, len(shapes))
     int_range = parse_int_range(args.int_range)
@@ -184,31 +186,30 @@ def _print_line(line, line_break=True):
     print(line, end="\n" if line_break else "")
 
 
-def check_plot_dependencies():
-    """Raise `CliError` (exit code 2) unless pydot imports and `dot` runs."""
+def check_plot_dependencies(path):
+    """Raise `CliError` (exit code 2) unless pydot imports and, for an image
+    (not a `.dot` source file), graphviz's `dot` is on PATH."""
     try:
         importlib.import_module("pydot")
     except ImportError:
         raise CliError("pydot is not installed. " + PLOT_HELP, EXIT_USAGE) from None
-    if shutil.which("dot") is None:
+    source = Path(path).suffix.lower() in (".dot", ".gv")
+    if not source and shutil.which("dot") is None:
         raise CliError(
             "graphviz is not installed (no `dot` on PATH). " + PLOT_HELP, EXIT_USAGE
         )
 
 
 def plot(model, path):
-    import keras
+    import keras_ipu_plugin as kip
 
     path = Path(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        keras.utils.plot_model(
-            model, to_file=str(path), show_shapes=True, show_dtype=True,
-            show_layer_names=True, expand_nested=False,
-        )
-    except ImportError as error:  # Keras's own check of pydot / graphviz
-        raise CliError(f"{error} " + PLOT_HELP, EXIT_USAGE) from None
+        kip.plot_model(model, to_file=str(path), show_shapes=True, show_dtype=True)
+    except ImportError as error:  # kip's own check of pydot / graphviz
+        raise CliError(str(error), EXIT_USAGE) from None
     if not path.exists():
         raise CliError(f"plot_model wrote no file at {path}.")
     print(f"plot: {path}")

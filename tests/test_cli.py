@@ -58,6 +58,19 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert out_file.is_file() and out_file.stat().st_size > 1000
     assert out_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {out_file}" in capsys.readouterr().out
+    svg_file = tmp_path / "resnet.svg"  # the boxes are named by path, as the summary's rows
+    assert cli.main(["inspect", RESNET, "--data-shape", "16,16,3", "--plot", str(svg_file)]) == 0
+    svg = svg_file.read_text()
+    assert "blocks.1" in svg and "residual_block" not in svg
+
+
+def test_plot_to_a_dot_file_needs_no_graphviz_and_names_the_nodes_by_path(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no graphviz
+    out_file = tmp_path / "resnet.dot"
+    assert cli.main(["inspect", RESNET, "--data-shape", "16,16,3", "--plot", str(out_file)]) == 0
+    source = out_file.read_text()
+    assert "<b>blocks.1</b> (ResidualBlock)" in source and "residual_block" not in source
 
 
 def test_plot_without_pydot_says_so_and_exits_2(tmp_path, monkeypatch, capsys):

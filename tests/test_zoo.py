@@ -260,3 +260,15 @@ def test_harness_shared_conversion_gives_each_check_the_converted_state():
     assert again is shared, "the next check of the model converts it again"
     np.testing.assert_array_equal(variable.numpy(), as_converted)
     assert shared.check_unchanged("nothing") is None
+
+
+def test_the_zoo_report_counts_the_models_to_keras_serves():
+    """The scoreboard's totals say how many models `kip.to_keras` turns into
+    a file plain Keras loads (a model that needs kip is n/a: not counted)."""
+    from benchmark_modules import load_benchmark
+
+    board = load_benchmark("zoo")
+    rows = [(name, [harness.CheckResult(name, "to_keras", status)])
+            for name, status in (("a", harness.PASS), ("b", harness.NA), ("c", harness.PASS))]
+    assert "served by to_keras (a file plain Keras loads): 2/3 models" in board.totals(rows)
+    assert "to_keras" in [title for _, title in board.COLUMNS]

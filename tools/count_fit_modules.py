@@ -14,6 +14,8 @@ prints
 
 - the modules entered (each `keras_ipu_plugin/...py` file with at least one
   function called), and
+- how many of those are `_compat/` modules (named accesses to private
+  Keras / TensorFlow APIs, which a reader follows by name, not by file), and
 - the switches: how often, in the order functions were entered, the entered
   function's module differs from the one entered just before it.
 
@@ -120,6 +122,8 @@ def main(argv=None):
     options = parser.parse_args(argv)
     entered, switches = count_first_fit()
     print(f"modules entered: {len(entered)}")
+    compat = sum(1 for module in entered if module.startswith("_compat/"))
+    print(f"  of which _compat/ (private-API access, one module per topic): {compat}")
     print(f"switches between modules: {switches}")
     if options.list:
         for module, count in entered.most_common():

@@ -25,6 +25,7 @@ from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
+from keras_ipu_plugin.layers.opaque import autograph_call
 from keras_ipu_plugin.layers.opaque import output_specs_of
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.report import Report
@@ -33,6 +34,8 @@ from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
+from keras_ipu_plugin.frontend.trace.training_branches import default_training
 from keras_ipu_plugin.frontend.trace.tracing import essential_message
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
@@ -154,6 +157,7 @@ class Converter:
             graph = opaque_graph(
                 model, specs, outputs, error.reason,
                 batch_size=inputs_lib.batch_size_of(x), static_batch=self.static_batch,
+                modes_differ=isinstance(error, ModeStructureError),
             )
             report.add_opaque(model.name, error.reason)
         for node in graph.nodes:
@@ -255,16 +259,28 @@ def _nondeterministic_output(model, x):
     return None
 
 
-def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
-    """A graph of one `OpaqueLayer` node that runs `model`'s own code."""
+def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch,
+                 modes_differ=False):
+    """A graph of one `OpaqueLayer` node that runs `model`'s own code.
+
+    A `call` returning another structure in training than in inference
+    (only inference adds top-k `"predictions"`) is held with the specs of
+    each mode: the node outputs the leaves of every mode and the graph's
+    `output_modes` says which make each mode's structure, so the converted
+    model returns what the original returns in each mode. `modes_differ`:
+    tracing found so; where the modes' structures cannot then be learnt,
+    conversion refuses (`ConversionError`): the model could not train."""
     # Named by the model's class, not its Keras name (`sas_rec_1` the second
     # time the class is built): a path from one run's report names the node
     # in the next.
-    layer = OpaqueLayer(
-        model, output_specs_of(outputs, batch_size, static_batch), reason=reason,
-        name=f"{_compat.auto_layer_name_base(model)}_opaque",
-    )
+    output_specs = output_specs_of(outputs, batch_size, static_batch)
+    layer = OpaqueLayer(model, output_specs, reason=reason,
+                        name=f"{_compat.auto_layer_name_base(model)}_opaque")
     _build_all_branches(layer, specs)
+    modes = _mode_output_specs(model, specs, output_specs, reason if modes_differ else None)
+    if modes is not None:
+        layer = OpaqueLayer(model, output_specs, reason=reason, mode_output_specs=modes[0],
+                            none_means=modes[1], name=layer.name)
     input_values = keras.tree.map_structure(
         lambda spec: Value(None, 0, keras.KerasTensor(
             (spec.batch_size,) + spec.shape, dtype=spec.dtype, name=spec.name)),
@@ -277,7 +293,73 @@ def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch):
         Value(node, i, t) for i, t in enumerate(keras.tree.flatten(output_tensors))
     ]
     outputs_nest = keras.tree.pack_sequence_as(output_tensors, node.outputs)
-    return Graph(specs, input_values, [node], outputs_nest, name=model.name)
+    graph = Graph(specs, input_values, [node], outputs_nest, name=model.name)
+    if modes is not None:
+        graph.output_modes = {"outputs": layer.mode_outputs(), "none_means": layer.none_means}
+    return graph
+
+
+def _mode_output_specs(model, specs, inference_specs, differ_reason=None):
+    """`({mode: output specs}, none_means)` where `model`'s `call` returns
+    another structure under `training=True` (or None) than in inference
+    (`inference_specs`, from the eager call); None where it returns one
+    structure in every mode (or takes no `training`). Each mode is traced
+    as the opaque node runs it in a function, symbolically: nothing runs.
+    A mode that cannot be traced so leaves the one structure, unless
+    tracing said they differ (`differ_reason`): then `ConversionError`."""
+    if not takes_training(model):
+        return None
+    signature = keras.tree.map_structure(
+        lambda spec: tf.TensorSpec((spec.batch_size,) + spec.shape, spec.dtype), specs)
+
+    def specs_in(training):
+        probe = tf.function(
+            lambda inputs: autograph_call(model, (inputs,), {"training": training}))
+        try:
+            traced = probe.get_concrete_function(signature).structured_outputs
+        except Exception as error:  # noqa: BLE001 - said below, or the one structure kept
+            if differ_reason is None:
+                raise _NoModeSpecs() from error
+            raise ConversionError(
+                f"Cannot convert `{model.name}`: {differ_reason}; but its `call` under "
+                f"training={training} fails when traced in a function "
+                f"({type(error).__name__}: {essential_message(error)}), so the structure it "
+                "returns in that mode is unknown and the converted model could not train. "
+                "Return the same structure in every mode (the loss reading the keys it "
+                "needs), or train the model with plain Keras.") from error
+        return output_specs_of(traced, None, True)
+
+    def structure(nest):
+        return keras.tree.map_structure(lambda leaf: "tensor", nest)
+
+    held = structure(keras.tree.map_structure(lambda t: 0, inference_specs))
+    try:
+        in_training = specs_in(True)
+    except _NoModeSpecs:
+        return None
+    if structure(in_training) == held:
+        return None
+    modes = {"training": in_training, "inference": inference_specs}
+    default = default_training(model)
+    if default is not None:
+        return modes, "training" if default else "inference"
+    try:
+        in_none = specs_in(None)
+    except _NoModeSpecs as error:
+        raise ConversionError(
+            f"Cannot convert `{model.name}`: its `call` returns another structure in "
+            "training than in inference, and fails when traced in a function with "
+            f"training=None ({essential_message(error.__cause__)}), so the structure it "
+            "returns when called without a mode is unknown.") from error
+    for mode in ("inference", "training"):
+        if structure(in_none) == structure(modes[mode]):
+            return modes, mode
+    modes["default"] = in_none
+    return modes, "default"
+
+
+class _NoModeSpecs(Exception):
+    """A mode of an opaque model cannot be traced in a function."""
 
 
 def _build_all_branches(layer, specs):

@@ -282,6 +282,10 @@ class Graph:
         self.reusable = {}
         # the per-replica rows of the first batch, for planning passes (None: unknown)
         self.batch_rows = None
+        # None, or where the model returns another structure in each
+        # `training` mode: `{"outputs": {mode: nest of indices into the flat
+        # outputs}, "none_means": mode}` (`layers/opaque.py`)
+        self.output_modes = None
 
     # -- the node list -----------------------------------------------------
     @property
@@ -556,6 +560,7 @@ class Graph:
         graph.replaced = list(self.replaced)
         graph.reusable = dict(self.reusable)
         graph.batch_rows = self.batch_rows
+        graph.output_modes = self.output_modes
         return graph
 
     def summary_rows(self):

@@ -14,11 +14,20 @@ mode the wrapper therefore calls a *view* of the layer (`_autograph_view`):
 an object of a subclass whose `call` is AutoGraph-converted, sharing the
 layer's variables and state, with user-written sub-layers viewed the same
 way. The user's layers are never modified.
+
+A layer (the whole model, most often) whose `call` returns another output
+structure in training than in inference (a recommender adding top-k
+`"predictions"` in inference only) is held with the specs of each mode
+(`mode_output_specs`): the node's outputs are the leaves of every mode, one
+mode after the other, and a call fills those of the mode it runs (the
+others are scalar zeros no one reads); `mode_outputs()` says which outputs
+are each mode's, for the model around it to return that mode's structure.
 """
 
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin.layers import saved_values
@@ -34,7 +43,8 @@ class OpaqueLayer(keras.layers.Layer):
         >>> node = OpaqueLayer(model, output_specs=..., reason="Python `if` on a tensor")
     """
 
-    def __init__(self, layer, output_specs, reason="", **kwargs):
+    def __init__(self, layer, output_specs, reason="", mode_output_specs=None,
+                 none_means="inference", **kwargs):
         kwargs.setdefault("name", f"{layer.name}_opaque")
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(**kwargs)
@@ -42,6 +52,13 @@ class OpaqueLayer(keras.layers.Layer):
         self.reason = reason
         # nest of (shape, dtype) with the batch dimension None where it varies
         self.output_specs = output_specs
+        # {mode: specs} where the output structure depends on `training`
+        # (modes as `MODE_TRAINING`: training, inference, default), else None
+        self.mode_output_specs = None if mode_output_specs is None else dict(mode_output_specs)
+        if self.mode_output_specs is not None and none_means not in self.mode_output_specs:
+            raise ValueError(f"`none_means` {none_means!r} is none of the modes held "
+                             f"({', '.join(self.mode_output_specs)}).")
+        self.none_means = none_means
         self._takes_training = takes_training(layer)
         self.built = True
 
@@ -49,11 +66,62 @@ class OpaqueLayer(keras.layers.Layer):
         if self._takes_training:
             kwargs["training"] = training
         if tf.executing_eagerly():
-            return self.layer(*args, **kwargs)
-        return autograph_call(self.layer, args, kwargs)
+            outputs = self.layer(*args, **kwargs)
+        else:
+            outputs = autograph_call(self.layer, args, kwargs)
+        if self.mode_output_specs is None:
+            return outputs
+        return self._every_mode(outputs, self.mode_for(training))
+
+    def mode_for(self, training):
+        """The mode (a key of `mode_output_specs`) a call with this
+        `training` value runs."""
+        if training is None:
+            return self.none_means
+        if isinstance(training, (bool, np.bool_)):
+            return "training" if training else "inference"
+        raise TypeError(
+            f"`{self.name}` returns another structure in training than in inference: "
+            f"it needs a Python True / False / None as `training`, not "
+            f"{type(training).__name__} {training!r}.")
+
+    def mode_outputs(self):
+        """`{mode: nest of output indices}`: which of the node's outputs make
+        each mode's structure (None where one structure serves every mode)."""
+        if self.mode_output_specs is None:
+            return None
+        found, start = {}, 0
+        for mode, specs in self.mode_output_specs.items():
+            count = len(_flat_specs(specs))
+            indices = iter(range(start, start + count))
+            found[mode] = _map_specs(lambda spec: next(indices), specs)
+            start += count
+        return found
+
+    def _every_mode(self, outputs, mode):
+        """The leaves of every mode, this mode's from `outputs`, the others
+        scalar zeros (never returned: `mode_outputs` picks this mode's)."""
+        expected = self.mode_output_specs[mode]
+        leaves = keras.tree.flatten(outputs)
+        held = _map_specs(lambda spec: "tensor", expected)
+        given = keras.tree.map_structure(lambda leaf: "tensor", outputs)
+        if held != given:
+            raise ValueError(
+                f"`{self.layer.name}` returned another structure in {mode} than when it "
+                f"was converted: {given!r}, not {held!r}.")
+        found = []
+        for each, specs in self.mode_output_specs.items():
+            if each == mode:
+                found.extend(leaves)
+            else:
+                found.extend(keras.ops.zeros((), dtype=spec[1]) for spec in _flat_specs(specs))
+        return found
 
     def compute_output_spec(self, *args, **kwargs):
-        return _specs_to_tensors(self.output_specs)
+        if self.mode_output_specs is None:
+            return _specs_to_tensors(self.output_specs)
+        return [_specs_to_tensors(spec) for specs in self.mode_output_specs.values()
+                for spec in _flat_specs(specs)]
 
     def get_config(self):
         config = super().get_config()
@@ -62,17 +130,42 @@ class OpaqueLayer(keras.layers.Layer):
             output_specs=_specs_to_config(self.output_specs),
             reason=self.reason,
         )
+        if self.mode_output_specs is not None:
+            config.update(
+                mode_output_specs={mode: _specs_to_config(specs)
+                                   for mode, specs in self.mode_output_specs.items()},
+                none_means=self.none_means)
         return config
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
         entry = f"OpaqueLayer `{config.get('name')}`"
-        saved_values.saved_layer_config(config, entry, ("layer", "reason", "output_specs"))
+        saved_values.saved_layer_config(
+            config, entry, ("layer", "reason", "output_specs", "mode_output_specs",
+                            "none_means"))
         saved_values.saved_str(config.get("reason", ""), entry, "reason")
         config["output_specs"] = _specs_from_config(config.get("output_specs"), entry)
+        modes = config.get("mode_output_specs")
+        if modes is not None:
+            if not (isinstance(modes, dict) and {"training", "inference"} <= set(modes)
+                    and set(modes) <= set(MODES)):
+                saved_values.refuse(entry, "mode_output_specs",
+                                    "a mapping of training / inference (/ default) to specs",
+                                    modes)
+            config["mode_output_specs"] = {
+                mode: _specs_from_config(specs, entry) for mode, specs in modes.items()}
+            none_means = config.get("none_means", "inference")
+            if not (isinstance(none_means, str) and none_means in modes):
+                saved_values.refuse(entry, "none_means", f"one of {', '.join(modes)}",
+                                    none_means)
         config["layer"] = saved_values.saved_user_layer(config.get("layer"), entry)
         return cls(**config)
+
+
+#: The modes an `OpaqueLayer` may hold output specs for, in the order its
+#: outputs hold them (`runtime.mode_switch.MODES` names the same ones).
+MODES = ("training", "inference", "default")
 
 
 def autograph_call(layer, args, kwargs):
@@ -104,6 +197,22 @@ class _Spec(tuple):
 
 def _is_spec(x):
     return isinstance(x, _Spec)
+
+
+def _map_specs(fn, specs):
+    """`fn` applied to each (shape, dtype) spec of a nest, the nest kept,
+    in the order `keras.tree.flatten` gives the leaves (a dict's by key)."""
+    if _is_spec(specs):
+        return fn(specs)
+    if isinstance(specs, dict):
+        return {k: _map_specs(fn, specs[k]) for k in sorted(specs)}
+    return type(specs)(_map_specs(fn, v) for v in specs)
+
+
+def _flat_specs(specs):
+    found = []
+    _map_specs(found.append, specs)
+    return found
 
 
 def _specs_to_tensors(specs):

@@ -117,14 +117,18 @@ def expand_graph(graph, should_expand, report, step, recursive, templates=None):
     return opaque
 
 
-def expand_to_reach(graph, target, report, step):
+def expand_to_reach(graph, target, report, step, reach_inside=None):
     """Expand the custom layers that hold `target` (a name, a `parent.child`
     path or a class) among their sub-layers, recursively, until the layers
     it matches are nodes of the graph; a class target then matches a block
     wherever it sits. Returns `[(node path, reason)]` for the layers holding
     it that stay out of reach (each also in the report, "not reached");
     raises `PassError` naming the layer when the target is found nowhere
-    else. `"all"` needs nothing."""
+    else. `"all"` needs nothing.
+
+    `reach_inside(node)`: the caller's own way into one of Keras's layers
+    holding layers (Replace rebuilds an RNN around a new cell): None once
+    it reached the target there, else the reason it could not."""
     if target == ALL:
         return []
     if isinstance(target, Chain):
@@ -159,9 +163,23 @@ def expand_to_reach(graph, target, report, step):
         and (node.opaque_reason or id(node) in reasons or _keras_layer_holding_layers(node))
         and contains(node, target, aliases)
     ]
+    reached_inside = False
+    if reach_inside is not None:
+        kept = []
+        for node in unreached:
+            if node.opaque_reason or id(node) in reasons or node.made_by_pass:
+                kept.append(node)
+                continue
+            why = reach_inside(node)
+            if why is None:
+                reached_inside = True
+                continue
+            reasons[id(node)] = why
+            kept.append(node)
+        unreached = [node for node in kept if not node.made_by_pass]
     if not unreached:
         return []
-    found = (any(matches(node, target, aliases) for node in graph.nodes)
+    found = (reached_inside or any(matches(node, target, aliases) for node in graph.nodes)
              or matched_blocks(graph, target))
     if not found:
         node = unreached[0]

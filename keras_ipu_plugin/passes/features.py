@@ -33,6 +33,7 @@ from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.passes.infra.manager import apply_passes
 from keras_ipu_plugin.passes.infra.manager import graph_of_model
 from keras_ipu_plugin.passes.expand import Expand
+from keras_ipu_plugin.runtime.functional import graph_model
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
@@ -61,20 +62,6 @@ def create_feature_extractor(model, return_nodes):
     graph.outputs = outputs
     graph.lint()
     return rebuild(graph, name=f"{model.name}_features")
-
-
-def graph_model(model, caller):
-    """`model`, or the converted graph of a `PluginModel` (a model whose
-    class has a `converted` property), which must have seen a batch
-    (`caller` names the function in errors)."""
-    if isinstance(getattr(type(model), "converted", None), property):
-        if model.converted is None:
-            raise PassError(
-                f"{caller}: the PluginModel `{model.name}` has not seen a "
-                "batch yet, so it has no converted graph: call it once (`plugin(x)`, "
-                "`plugin.predict(x)` or `plugin.fit(...)`) first.")
-        return model.converted
-    return model
 
 
 _MAX_LEVELS = 32  # blocks nested in blocks expanded on the way to a path

@@ -28,7 +28,7 @@ from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.passes.infra.manager import graph_of_model
-from keras_ipu_plugin.passes.features import graph_model
+from keras_ipu_plugin.runtime.functional import graph_model
 
 
 def to_keras(model):

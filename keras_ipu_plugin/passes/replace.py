@@ -5,10 +5,13 @@ Each target's nodes call a new layer made by its `Replacement` (see
 call sites stay shared, or the layer an earlier conversion of the same
 model made (trained since). Targets inside custom layers that are not
 expanded are reached by expanding the layers that contain them, which the
-report says. A matching layer out of reach (inside a layer that cannot be
-expanded, or inside Keras's own layers holding layers: an RNN's cell, a
-wrapper) is named in the report as "not reached", with why;
-`strict=True` makes any such layer an error instead.
+report says. Inside Keras's own layers holding layers (an RNN's cell or a
+layer the cell holds, Bidirectional, TimeDistributed) the node calls a new
+holder built from the holder's config around the new layers
+(`replacement.holder_with_replaced`). A matching layer out of reach (inside
+a layer that cannot be expanded, a holder that cannot be rebuilt) is named
+in the report as "not reached", with why; `strict=True` makes any such
+layer an error instead.
 """
 
 import keras
@@ -36,7 +39,10 @@ from keras_ipu_plugin.passes.infra.patterns import Chain
 from keras_ipu_plugin.passes.replacement import Replacement
 from keras_ipu_plugin.passes.replacement import config_equivalent
 from keras_ipu_plugin.passes.replacement import copy_weights_by_name  # noqa: F401 (re-exported)
+from keras_ipu_plugin.passes.replacement import NotRebuilt
+from keras_ipu_plugin.passes.replacement import holder_with_replaced
 from keras_ipu_plugin.passes.replacement import new_layer_for
+from keras_ipu_plugin.passes.infra.patterns import names_a_path
 
 
 @register_pass("replace", order=1)
@@ -125,7 +131,11 @@ class Replace(Pass):
         made = {} if made is None else made
         inside = {}
         for target, replacement in self.mapping.items():
-            unreached = expand_to_reach(graph, target, report, self.step)
+            rebuilt = []
+            unreached = expand_to_reach(
+                graph, target, report, self.step,
+                reach_inside=lambda node, target=target, replacement=replacement, rebuilt=rebuilt:
+                self._rebuild_holder(graph, node, target, replacement, report, made, rebuilt))
             if unreached and self.strict:
                 raise PassError(
                     f"replace (strict): {describe(target)} is not reached inside "
@@ -139,6 +149,8 @@ class Replace(Pass):
             if not here:
                 continue
             nodes = nodes_matching(graph, target)
+            if not nodes and rebuilt:
+                continue  # reached inside Keras's layers holding layers only
             if not nodes:
                 raise unmatched_target("replace", target, graph)
             # The new layers are ours to name: after their node's path
@@ -160,6 +172,41 @@ class Replace(Pass):
         run_inside(graph, list(inside), lambda targets: lambda branch: Replace(
             {t: inside[t] for t in targets}, strict=self.strict).run(branch, report, made=made))
         return graph
+
+    def _rebuild_holder(self, graph, node, target, replacement, report, made, rebuilt):
+        """Reach `target` inside one of Keras's layers holding layers (an
+        RNN's cell, Bidirectional, TimeDistributed): the node calls a new
+        holder built from its config around the new layers
+        (`replacement.holder_with_replaced`), one per old holder; None when
+        done, else the reason it cannot be."""
+        old = node.operation
+        key = (id(old), id(replacement))
+        if key not in made:
+            aliases = not names_a_path(graph, target)
+
+            def is_target(layer, path):
+                if isinstance(target, str):
+                    return path == target or (aliases and layer.name == target)
+                return isinstance(target, type) and isinstance(layer, target)
+
+            names = _names_taken(graph, lambda other: other.operation is not old)
+            try:
+                new, paths, detail = holder_with_replaced(
+                    node, is_target, replacement, names.create(node.name))
+            except NotRebuilt as error:
+                return error.reason
+            made[key] = new
+            graph.replaced.append((old, new))
+            report.add(self.step, node.name, "replaced", detail)
+        else:
+            report.add(self.step, node.name, "replaced",
+                       f"sharing the layer `{made[key].name}` made for `{old.name}`")
+        for other in graph.nodes:  # every call site of the holder
+            if other.operation is old:
+                other.operation = made[key]
+                other.made_by_pass = True
+        rebuilt.append(node.name)
+        return None
 
     def _replace_runs(self, graph, chain, replacement, report):
         """Each run of nodes `chain` matches becomes one node calling a new

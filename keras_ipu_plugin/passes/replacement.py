@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
@@ -322,3 +323,143 @@ def accepted_config_keys(layer_class):
     keys.discard("self")
     keys.update({"name", "dtype", "trainable", "autocast"})
     return keys
+
+
+#: Keras's layers holding layers that Replace rebuilds around a replaced
+#: layer: `{class: {attribute holding a layer: its key in the class's config}}`
+#: (the class exactly: an LSTM is an RNN subclass whose cell is its own).
+HOLDERS = {
+    keras.layers.RNN: {"cell": "cell"},
+    keras.layers.TimeDistributed: {"layer": "layer"},
+    keras.layers.Bidirectional: {"forward_layer": "layer", "backward_layer": "backward_layer"},
+}
+
+
+class NotRebuilt(Exception):
+    """A holder cannot be rebuilt around its replaced layers; `reason` says why."""
+
+    def __init__(self, reason):
+        self.reason = reason
+        super().__init__(reason)
+
+
+def holder_with_replaced(node, is_target, replacement, name):
+    """A new layer of the class of `node`'s holder (`HOLDERS`: an RNN, a
+    TimeDistributed, a Bidirectional) built from its config, each layer it
+    holds that `is_target(layer, path)` says is a target (or each such
+    direct attribute of one: a custom cell's LayerNormalization) made by
+    `replacement`; its weights copied from the holder's (the replaced ones
+    by the replacement's copier, or left fresh as the replacement says)
+    and, with the config kept, its outputs compared. The user's holder is
+    not changed. Returns `(layer, [paths replaced], what the report says)`;
+    raises `NotRebuilt` where it cannot be (a class Keras cannot rebuild
+    from its config, a target deeper than one attribute down)."""
+    old = node.operation
+    roles = HOLDERS.get(type(old))
+    if roles is None:
+        raise NotRebuilt(f"`{node.name}` is a {type(old).__name__}, which Replace does not "
+                         "rebuild around a replaced layer")
+    config = keras.saving.serialize_keras_object(old)
+    inner_config = config["config"]
+    inner_config["name"] = name  # the model's names are distinct
+    swaps, pairs, paths = [], [], []
+    for role, key in roles.items():
+        inner = getattr(old, role)
+        path = f"{node.name}.{role}"
+        if is_target(inner, path):
+            new_inner = replacement.make_layer(inner)
+            inner_config[key] = keras.saving.serialize_keras_object(new_inner)
+            pairs.append((role, None, inner))
+            paths.append(path)
+            continue
+        for attribute, value in vars(inner).items():
+            if isinstance(value, keras.layers.Layer) and is_target(
+                    value, f"{path}.{attribute}"):
+                swaps.append((role, attribute, value))
+                paths.append(f"{path}.{attribute}")
+    reached = {id(inner) for role in roles for inner in [getattr(old, role)]
+               if f"{node.name}.{role}" in paths}
+    reached |= {id(sub) for _, _, sub in swaps}
+    deeper = [sub for sub in _compat.sub_layers(old)
+              if id(sub) not in reached and is_target(sub, None)
+              and not any(id(outer) in reached and sub in _compat.sub_layers(outer)
+                          for outer in _compat.sub_layers(old))]
+    if not paths or deeper:
+        shown = f" (`{deeper[0].name}`)" if deeper else ""
+        raise NotRebuilt(f"a matching layer{shown} is deeper inside `{node.name}` than a "
+                         "layer it holds or an attribute of one")
+    # Unbuilt, so that a layer swapped in below is built in its place.
+    config = _without_build_configs(config)
+    try:
+        new = keras.saving.deserialize_keras_object(config)
+    except Exception as error:  # noqa: BLE001 - the reason is reported
+        raise NotRebuilt(
+            f"a new {type(old).__name__} cannot be built from the config of `{node.name}` "
+            f"({type(error).__name__}: {str(error)[:200]}); register the classes it holds "
+            "with `keras.saving.register_keras_serializable` and give them `get_config`")
+    for role, attribute, old_sub in swaps:
+        holder = getattr(new, role)
+        made = replacement.make_layer(old_sub)
+        # On the new holder only (ours): its own fresh layer there is never
+        # built, so it holds no weight.
+        setattr(holder, attribute, made)
+        # Its config does not record the swap: a saved model would load the
+        # old class there. Refused when saving, never loaded otherwise.
+        object.__setattr__(holder, "get_config", functools.partial(
+            _unsaved_swap, f"{node.name}.{role}", attribute, type(made).__name__))
+        pairs.append((role, attribute, old_sub))
+    strategy = strategy_owning(old.weights)
+    with strategy.scope():
+        args = map_values(lambda v: _random_like(v.spec), node.args)
+        kwargs = map_values(lambda v: _random_like(v.spec), node.kwargs)
+        kwargs.pop("training", None)
+        new(*args, **kwargs)
+    replaced_new = []
+    for role, attribute, old_sub in pairs:
+        new_sub = getattr(getattr(new, role), attribute) if attribute else getattr(new, role)
+        replaced_new.append(new_sub)
+        if replacement.copy_weights:
+            (replacement.copy_weights_fn or _default_copier(old_sub, new_sub))(old_sub, new_sub)
+    old_replaced = {id(v) for _, _, sub in pairs for v in sub.weights}
+    new_replaced = {id(v) for sub in replaced_new for v in sub.weights}
+    kept_old = [v for v in old.weights if id(v) not in old_replaced]
+    kept_new = [v for v in new.weights if id(v) not in new_replaced]
+    if len(kept_old) != len(kept_new) or any(
+            tuple(a.shape) != tuple(b.shape) for a, b in zip(kept_old, kept_new)):
+        raise NotRebuilt(f"the new {type(old).__name__} built from the config of "
+                         f"`{node.name}` holds other weights than it")
+    for source, variable in zip(kept_old, kept_new):
+        variable.assign(source)
+    detail = (f"{type(old).__name__} rebuilt from its config around "
+              + ", ".join(f"`{p}`" for p in paths)
+              + f" ({', '.join(type(sub).__name__ for _, _, sub in pairs)} -> "
+              + f"{replacement.new_class.__name__}")
+    detail += ", weights copied" if replacement.copy_weights else ", new weights"
+    if replacement.copy_weights:
+        difference, scale = _max_difference(old, new, args, kwargs)
+        detail += f", max output difference {difference:.2e}"
+        if config_equivalent(replacement) and difference > 1e-5 * max(scale, 1.0):
+            raise PassError(
+                f"replace: `{node.name}` rebuilt around {type(new).__name__} with copied "
+                f"weights differs from the original by {difference:.3g}; the replacement "
+                "is not equivalent.")
+    return new, paths, detail + ")"
+
+
+def _without_build_configs(config):
+    """A serialized layer's config without the `build_config` entries (of
+    it and of the layers it holds), so that Keras makes it unbuilt."""
+    if isinstance(config, dict):
+        return {key: _without_build_configs(value) for key, value in config.items()
+                if key != "build_config"}
+    if isinstance(config, list):
+        return [_without_build_configs(value) for value in config]
+    return config
+
+
+def _unsaved_swap(path, attribute, new_class):
+    raise ValueError(
+        f"`{path}` holds `{attribute}` replaced by {new_class}, which the config of "
+        f"`{path}` does not record (its class builds its own `{attribute}`): a saved model "
+        "would load the original layer there. Save the weights (`save_weights`), or "
+        "save the model before Replace.")

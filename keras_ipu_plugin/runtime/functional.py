@@ -23,6 +23,9 @@ its config so they survive `save` / `load_model`:
   too, and a loaded model's graph gets its paths back.
   `kip_pinned_training` is keyed by Keras layer name; each node holds its
   own `training`, saved by node path (`kip_node_training`).
+- `kip_output_modes`: where the original returns another output structure
+  in training than in inference (`layers/opaque.py`), which of the flat
+  outputs make each mode's structure; a call returns its mode's.
 - `kip_report` (not saved): the report of the conversion and passes.
 
 Every call checks that each input has the dtype kind (int, float, bool,
@@ -38,6 +41,7 @@ import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import LoadError
+from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
@@ -100,6 +104,25 @@ def adopt_call_semantics(converted, source):
         converted.kip_call_takes_training = takes_training(source)
 
 
+def graph_model(model, caller):
+    """`model`, or the converted graph of a `PluginModel` (a model whose
+    class has a `converted` property), which must have seen a batch
+    (`caller` names the function in errors).
+
+    Example:
+        >>> graph_model(plugin, "kip.plot_model") is plugin.converted
+        True
+    """
+    if isinstance(getattr(type(model), "converted", None), property):
+        if model.converted is None:
+            raise PassError(
+                f"{caller}: the PluginModel `{model.name}` has not seen a "
+                "batch yet, so it has no converted graph: call it once (`plugin(x)`, "
+                "`plugin.predict(x)` or `plugin.fit(...)`) first.")
+        return model.converted
+    return model
+
+
 def refuse_hdf5(model, filepath=None, zipped=None):
     """Raise a clear error where `model` would be saved as HDF5 (`m.h5`,
     `m.hdf5`): Keras's legacy format keeps neither the plugin's registered
@@ -155,9 +178,18 @@ class KipFunctional(_compat.Functional):
         kip_original_mask=MASK_ON_INPUTS,
         kip_layer_paths=None,
         kip_call_takes_training=True,
+        kip_output_modes=None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if kip_output_modes is not None:
+            _check_output_modes(kip_output_modes, len(self.outputs), f"`{self.name}`",
+                                ValueError)
+            kip_output_modes = {"outputs": dict(kip_output_modes["outputs"]),
+                                "none_means": kip_output_modes["none_means"]}
+        # Not tracked: Keras would make its dicts `TrackedDict`s, and the
+        # structure a call returns must be the original's own dicts.
+        object.__setattr__(self, "kip_output_modes", kip_output_modes)
         self.kip_call_takes_training = kip_call_takes_training
         if kip_original_mask not in (MASK_ON_INPUTS, MASK_ABSENT, MASK_ARGUMENT):
             raise ValueError(f"Unknown kip_original_mask {kip_original_mask!r}.")
@@ -314,6 +346,32 @@ class KipFunctional(_compat.Functional):
         return self._kip_executor[1]
 
     def call(self, inputs, training=None, mask=None, **kwargs):
+        return self._in_mode_structure(self._call(inputs, training, mask, **kwargs), training)
+
+    def compute_output_spec(self, inputs, training=None, mask=None):
+        return self._in_mode_structure(
+            super().compute_output_spec(inputs, training=training, mask=mask), training)
+
+    def _in_mode_structure(self, outputs, training):
+        """`outputs` (the flat outputs of every mode, where the original
+        returns another structure in each `training` mode) as the structure
+        of the mode `training` runs; as they are otherwise."""
+        modes = self.kip_output_modes
+        if modes is None:
+            return outputs
+        if training is None:
+            mode = modes["none_means"]
+        elif isinstance(training, bool):
+            mode = "training" if training else "inference"
+        else:
+            raise TypeError(
+                f"`{self.name}` returns another structure in training than in inference, "
+                "as the model it was converted from does: it needs a Python True / False / "
+                f"None as `training`, not {type(training).__name__} {training!r}.")
+        flat = keras.tree.flatten(outputs)
+        return keras.tree.map_structure(lambda index: flat[index], modes["outputs"][mode])
+
+    def _call(self, inputs, training=None, mask=None, **kwargs):
         check_dtype_kinds(self.name, self.inputs, self._leaves_in_input_order(inputs))
         mask = self._mask_to_apply(inputs, mask)
         context = dict(kwargs, training=training)
@@ -386,6 +444,8 @@ class KipFunctional(_compat.Functional):
         config["kip_stage_devices"] = list(self.kip_stage_devices)
         config["kip_layer_paths"] = dict(self.kip_layer_paths)
         config["kip_call_takes_training"] = self.kip_call_takes_training
+        if self.kip_output_modes is not None:
+            config["kip_output_modes"] = self.kip_output_modes
         # A variable two layers hold (a conv's kernel and its write node) is
         # loaded as one (`shared_variables.py`).
         mark_shared_variables(self, config)
@@ -467,7 +527,8 @@ def _is_device_name(name):
 #: The keys a saved functional model's config has: Keras's and the kip ones.
 _SAVED_KEYS = ("name", "trainable", "layers", "input_layers", "output_layers",
                "kip_original_mask", "kip_pinned_training", "kip_annotations",
-               "kip_node_annotations", "kip_node_training", "kip_stage_devices", "kip_layer_paths", "kip_call_takes_training")
+               "kip_node_annotations", "kip_node_training", "kip_stage_devices", "kip_layer_paths", "kip_call_takes_training",
+               "kip_output_modes")
 
 
 def _check_saved_kip_entries(config, entry):
@@ -483,6 +544,11 @@ def _check_saved_kip_entries(config, entry):
                             f"one of {MASK_ON_INPUTS}, {MASK_ABSENT}, {MASK_ARGUMENT}", mask)
     saved_values.saved_bool(config.get("kip_call_takes_training", True), entry,
                             "kip_call_takes_training")
+    if config.get("kip_output_modes") is not None:
+        outputs = config.get("output_layers")
+        count = len(outputs) if isinstance(outputs, list) and outputs and not isinstance(
+            outputs[0], str) else 1
+        _check_output_modes(config["kip_output_modes"], count, entry, None)
     for key, kind in (("kip_pinned_training", "layer names"), ("kip_node_training", "node paths")):
         pinned = config.get(key) or {}
         if not (isinstance(pinned, dict) and all(isinstance(v, bool) for v in pinned.values())):
@@ -523,6 +589,44 @@ def _check_saved_annotations(annotations, entry, key, kind):
                 check_outline_kwargs(options)
             except PassError as error:
                 saved_values.refuse(entry, f"{where}.outline", str(error), options)
+
+
+#: The modes whose output structure `kip_output_modes` may give.
+_OUTPUT_MODES = ("training", "inference", "default")
+
+
+def _check_output_modes(modes, count, entry, error):
+    """`modes` is `{"outputs": {mode: nest of output indices below `count`},
+    "none_means": one of those modes}`, with a training and an inference
+    mode, each output read by one mode. `error`: the class raised (None: a
+    file's value, `kip.LoadError` naming the key)."""
+    def refuse(expected):
+        if error is None:
+            saved_values.refuse(entry, "kip_output_modes", expected, modes)
+        raise error(f"{entry}: kip_output_modes must be {expected}; got {modes!r}.")
+
+    if not (isinstance(modes, dict) and set(modes) == {"outputs", "none_means"}
+            and isinstance(modes["outputs"], dict)
+            and {"training", "inference"} <= set(modes["outputs"])
+            and set(modes["outputs"]) <= set(_OUTPUT_MODES)
+            and modes["none_means"] in modes["outputs"]):
+        refuse("{'outputs': {training / inference (/ default): output indices}, "
+               "'none_means': one of those modes}")
+    seen = []
+    for nest in modes["outputs"].values():
+        stack = [nest]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict) and all(isinstance(k, str) for k in item):
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, int) and not isinstance(item, bool) and 0 <= item < count:
+                seen.append(item)
+            else:
+                refuse(f"nests of output indices below {count}")
+    if sorted(seen) != list(range(count)):
+        refuse(f"each of the {count} outputs read by one mode")
 
 
 #: How Keras writes a symbolic tensor among a node's saved arguments.

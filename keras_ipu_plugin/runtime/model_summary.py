@@ -42,7 +42,7 @@ def summary_text(model, graph, show_trainable=False):
         table.add_row(*(row + (["-"] if show_trainable else [])))
     counted = set()
     for node in graph.nodes:
-        layer = _called_layer(node.operation)
+        layer = called_layer(node.operation)
         params = "0"
         if isinstance(layer, keras.layers.Layer):
             if id(layer) in counted:
@@ -50,7 +50,7 @@ def summary_text(model, graph, show_trainable=False):
             else:
                 counted.add(id(layer))
                 params = f"{_count(layer.weights):,}"
-        row = [f"{node.name} ({_class_name(node.operation, layer)})",
+        row = [f"{node.name} ({node_class_name(node.operation, layer)})",
                ", ".join(str(tuple(value.spec.shape)) for value in node.outputs), params]
         if show_trainable:
             row.append("Y" if getattr(layer, "trainable", False) else "-")
@@ -64,7 +64,7 @@ def summary_text(model, graph, show_trainable=False):
     return render(table) + "\n".join(lines) + "\n"
 
 
-def _called_layer(operation):
+def called_layer(operation):
     """The layer a node really calls: an alias's or an opaque node's own."""
     for attribute in ("aliased_layer", "layer"):
         inner = getattr(operation, attribute, None)
@@ -74,7 +74,9 @@ def _called_layer(operation):
     return operation
 
 
-def _class_name(operation, layer):
+def node_class_name(operation, layer):
+    """The class a node shows: that of `layer`, the one it really calls
+    (`called_layer`), marked "kept whole" for an opaque node."""
     name = type(layer).__name__
     if type(operation).__name__ == "OpaqueLayer":
         return f"{name}, kept whole"
@@ -104,4 +106,4 @@ def _size(weights):
     return f"{size:.2f} GB"
 
 
-__all__ = ["summary_text"]
+__all__ = ["called_layer", "node_class_name", "summary_text"]

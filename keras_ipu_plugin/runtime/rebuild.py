@@ -80,6 +80,7 @@ def rebuild(graph, name=None):
         name=name or graph.name,
         kip_pinned_training=pinned,
         kip_layer_paths=paths,
+        kip_output_modes=graph.output_modes,
     )
     model.kip_graph = graph
     object.__setattr__(model, "kip_replaced", tuple(graph.replaced))

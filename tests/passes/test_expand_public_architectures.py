@@ -4,6 +4,7 @@ a corpus model showed failing.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
@@ -509,3 +510,81 @@ def test_a_layer_called_on_a_tuple_mixing_a_tensor_and_arrays_expands():
     names = [node.name for node in passed.kip_graph.nodes]
     assert "conv1.dense" in names and "conv1" not in names
     np.testing.assert_allclose(passed(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+class _FastDense(layers.Dense):
+    """A stand-in for an accelerator's Dense, for Replace."""
+
+
+class GraphConvLayer(_GraphConv):
+    """`_GraphConv` under a class name Keras's `fit` takes: a layer named
+    `_graph_conv` is a root scope name TensorFlow refuses in a function."""
+
+
+class GNNNodeClassifier(_GraphNet):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.conv1 = GraphConvLayer(name="graph_conv")
+
+
+_MIXED_CALL_PASSES = {
+    "replace_inside": lambda: [kip.passes.Replace(
+        {"conv1.dense": kip.passes.Replacement(_FastDense, copy_weights=True)}, strict=True)],
+    "replace_class": lambda: [kip.passes.Replace(
+        {layers.Dense: kip.passes.Replacement(_FastDense, copy_weights=True)}, strict=True)],
+    "outline": lambda: [kip.passes.Outline(["conv1"])],
+    "expand_outline": lambda: [Expand("all"), kip.passes.Outline(["conv1.dense", "head"])],
+    "recompute": lambda: [kip.passes.Recompute(["conv1"])],
+    "recompute_inside": lambda: [kip.passes.Recompute(["conv1.dense"])],
+    "recompute_auto": lambda: [kip.passes.Recompute(auto=True)],
+    "stages": lambda: [kip.passes.PipelineStages(["head"])],
+    "stages_counted": lambda: [Expand("all"), kip.passes.PipelineStages(num_stages=2)],
+}
+
+
+@pytest.mark.parametrize("passes", sorted(_MIXED_CALL_PASSES))
+def test_every_pass_runs_on_a_layer_called_on_a_tuple_mixing_a_tensor_and_arrays(passes):
+    """Replace, Outline, Recompute and PipelineStages on the graph network
+    (a layer of a class named `_GraphConv`, called on node features with the
+    model's NumPy edges): the passed model computes the original's outputs
+    and gradients, and `fit` trains it to plain Keras's weights."""
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(6, 2)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = _GraphNet()
+    passed = kip.apply_passes(kip.convert_to_functional(model, x), _MIXED_CALL_PASSES[passes]())
+    if passes.startswith("replace"):
+        assert any(isinstance(node.operation, _FastDense) for node in passed.kip_graph.nodes)
+        assert "not reached" not in str(passed.kip_report)
+    np.testing.assert_allclose(passed(x), model(x), rtol=1e-6, atol=1e-6)
+    for got, want in zip(_gradients(passed, x, passed.trainable_variables),
+                         _gradients(model, x, model.trainable_variables)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    weights = {}
+    for how in ("plain", "plugin"):
+        keras.utils.set_random_seed(0)
+        fresh = GNNNodeClassifier()
+        fresh(x)
+        trainee = fresh if how == "plain" else kip.PluginModel(
+            fresh, passes=_MIXED_CALL_PASSES[passes]())
+        trainee.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        trainee.fit(x, y, batch_size=6, epochs=3, shuffle=False, verbose=0)
+        weights[how] = [v.numpy() for v in fresh.trainable_variables]
+    if not passes.startswith("replace"):  # Replace trains the new layers' copies
+        for got, want in zip(weights["plugin"], weights["plain"]):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("passes", [["conv1"], ["conv1.dense", "head"]])
+def test_outline_runs_layers_whose_names_start_with_an_underscore(passes):
+    """An outlined body is traced in a function of its own, where a layer's
+    name scope would be a root scope: a layer of a class `_GraphConv`
+    (`__graph_conv`) runs outlined, and the report's op count is made."""
+    keras.utils.set_random_seed(0)
+    model = _GraphNet()
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
+    before = [Expand("all")] if "." in passes[0] else []
+    passed = kip.apply_passes(kip.convert_to_functional(model, x),
+                              before + [kip.passes.Outline(passes)])
+    np.testing.assert_allclose(passed(x), model(x), rtol=1e-6, atol=1e-6)
+    assert "train graph ops with outlining" in passed.kip_report.metrics

@@ -383,3 +383,73 @@ def test_keras_attributes_of_the_wrapper_stay_the_wrappers():
     assert isinstance(plugin.optimizer, keras.optimizers.Adam)
     plugin.width_note = "mine"  # a name the wrapped model does not have
     assert vars(plugin)["width_note"] == "mine" and not hasattr(model, "width_note")
+
+
+# -- one pass object where a list of passes goes ---------------------------------
+
+
+class WithBlock(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.block = keras.Sequential([keras.layers.Dense(8, activation="relu")])
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.block(x))
+
+
+def _trained_with(entry, passes):
+    """(the passes' report rows, the trained weights) of one epoch through
+    `entry` given `passes`."""
+    _, floats, y = _int_and_float_batches(16)
+    keras.utils.set_random_seed(0)
+    model = WithBlock()
+    if entry == "apply_passes":
+        passed = kip.apply_passes(kip.convert_to_functional(model, floats), passes)
+        trained, report = passed, lambda: passed.kip_report
+    elif entry == "PluginModel":
+        trained = kip.PluginModel(model, passes=passes)
+        report = lambda: trained.kip_report  # noqa: E731
+    elif entry == "PluginCallback":
+        callback = kip.PluginCallback(passes=passes)
+        trained, report = model, lambda: callback.kip_report
+    else:
+        with kip.scope(passes=passes):
+            model.compile(optimizer="sgd", loss="mse")
+        trained, report = model, lambda: kip.scope_report(model)
+    if entry != "scope":
+        trained.compile(optimizer="sgd", loss="mse")
+    callbacks = [callback] if entry == "PluginCallback" else []
+    trained.fit(floats, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    rows = [(e.step, e.layer, e.action) for e in report().entries if e.step == "expand"]
+    return rows, [w.numpy() for w in model.weights]
+
+
+@pytest.mark.parametrize("entry", ["apply_passes", "PluginModel", "PluginCallback", "scope"])
+def test_one_pass_object_is_the_list_of_it_in_every_entry_point(entry):
+    """`passes=Expand("all")` does exactly what `passes=[Expand("all")]`
+    does, as Keras's `fit` takes one callback for the list of it."""
+    single_rows, single_weights = _trained_with(entry, kip.passes.Expand("all"))
+    listed_rows, listed_weights = _trained_with(entry, [kip.passes.Expand("all")])
+    assert single_rows and single_rows == listed_rows  # Expand ran, the same way
+    for single, listed in zip(single_weights, listed_weights, strict=True):
+        np.testing.assert_array_equal(single, listed)
+
+
+@pytest.mark.parametrize("passes, message", [
+    (kip.passes.Expand, r"`passes` must be a kip pass.*the class Expand itself: make the pass, "
+                        r"Expand\(\.\.\.\)"),
+    ([kip.passes.Recompute], r"passes\[0\] is the class Recompute itself: make the pass"),
+    (None, r"`passes` must be a kip pass, a list of them.*got a NoneType"),
+])
+def test_a_pass_class_or_other_object_for_passes_is_a_clear_error(passes, message):
+    model = WithBlock()
+    for make in (lambda: kip.PluginModel(model, passes=passes),
+                 lambda: kip.PluginCallback(passes=passes),
+                 lambda: kip.apply_passes(kip.convert_to_functional(model, np.ones((2, 3))),
+                                          passes)):
+        with pytest.raises(kip.PassError, match=message):
+            make()
+    with pytest.raises(kip.PassError, match=message):
+        with kip.scope(passes=passes):
+            pass

@@ -64,6 +64,13 @@ class TraceError(Exception):
         super().__init__(reason)
 
 
+class ModeStructureError(TraceError):
+    """A `call` returns another output structure in training than in
+    inference. No node inside a traced call can hold that (the call's
+    code reads one structure), so it goes up to the model, which then runs
+    whole and returns each mode's structure (`convert.opaque_graph`)."""
+
+
 STATIC_BATCH_HINT = (
     "`ops.shape(x)[0]` is None while tracing, the batch size being unknown; "
     "pass static_batch=True to trace with the per-replica batch"
@@ -270,5 +277,5 @@ def writes_reason(layer, lost):
     )
 
 
-__all__ = ["TraceError", "STATIC_BATCH_HINT", "NUMPY_OPERAND_HINT", "describe_failure",
+__all__ = ["TraceError", "ModeStructureError", "STATIC_BATCH_HINT", "NUMPY_OPERAND_HINT", "describe_failure",
            "essential_message", "failing_layer", "known_failure", "writes_reason"]

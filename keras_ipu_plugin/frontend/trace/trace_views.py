@@ -36,6 +36,7 @@ from keras_ipu_plugin.frontend.trace import writes as writes_lib
 from keras_ipu_plugin.frontend.trace.failures import describe_failure
 from keras_ipu_plugin.frontend.trace.losses import traced_add_loss
 from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
 from keras_ipu_plugin.frontend.trace.output_specs import states_own_output_shape
 from keras_ipu_plugin.frontend.replay.templates import output_specs_key
@@ -134,6 +135,8 @@ def _inline_output_spec(self, *args, **kwargs):
         with _compat.node_lists_snapshot(layers, always=True), \
                 writes_lib.deferred(viewed_layer(self)):
             outputs = keras.tree.map_structure(fresh_keras_tensor, self.call(*args, **kwargs))
+    except ModeStructureError:
+        raise  # no node can hold it: up to the model (`ModeStructureError`)
     except Exception:
         pass
     else:

@@ -48,6 +48,7 @@ from keras_ipu_plugin.frontend.batch.traces import trace_at_two_batch_sizes
 from keras_ipu_plugin.frontend.trace import writes as writes_lib
 from keras_ipu_plugin.frontend.trace.call_trace import CallTrace
 from keras_ipu_plugin.frontend.trace.call_trace import Traces
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.failures import writes_reason
 from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
@@ -147,6 +148,8 @@ class Tracer:
         try:
             traced = trace_modes(call)  # the main trace: symbolic, in both modes
             return per_input_traces(Traces(((call, traced),)))
+        except ModeStructureError:
+            raise  # the same at any batch size
         except TraceError as error:
             sizes = divided_trial_sizes(call, error) or TRIAL_BATCH_SIZES
             return trace_at_two_batch_sizes(call, error, sizes)

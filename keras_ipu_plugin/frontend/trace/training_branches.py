@@ -21,7 +21,7 @@ them, or a Keras mask on the call's inputs or outputs (the modes' graphs
 start from inputs of their own, which would not carry it).
 
 Example:
-    >>> nodes, outputs = switch_node(trace, layer, run_true, run_false, trace_none)
+    >>> nodes, outputs = switch_node(layer, "block", runs, "inference")
     >>> type(nodes[0].operation).__name__
     'ModeSwitch'
 """
@@ -43,8 +43,9 @@ from keras_ipu_plugin.runtime.mode_switch import branch_input_graph
 class BranchError(Exception):
     """The two modes cannot be held in one switch; `reason` says why."""
 
-    def __init__(self, reason):
+    def __init__(self, reason, structure=False):
         self.reason = reason
+        self.structure = structure  # the modes return other output structures
         super().__init__(reason)
 
 
@@ -73,7 +74,7 @@ def switch_node(layer, name, runs, none_means):
         if structure != first:
             raise BranchError(
                 f"`call` branches on `training` in Python and returns another structure "
-                f"in {mode} ({structure}) than in inference ({first})")
+                f"in {mode} ({structure}) than in inference ({first})", structure=True)
     flat = {mode: values_in(outputs) for mode, (_, outputs) in runs.items()}
     for index, value in enumerate(flat["inference"]):
         for mode, values in flat.items():

@@ -22,8 +22,10 @@ import tokenize
 
 from keras_ipu_plugin.frontend.trace import training_branches
 from keras_ipu_plugin.frontend.trace.call_trace import trace_once
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.ir.graph import FOLLOW
+from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.state.reads import HeldConstant
 from keras_ipu_plugin.layers.state.variable_write import is_write_node
@@ -70,9 +72,22 @@ def trace_modes(trace):
         except training_branches.BranchError as error:
             lines = _training_branch_lines(type(layer).call)
             at = f" (at `{'`, `'.join(lines)}`)" if lines else ""
+            if error.structure:
+                raise ModeStructureError(
+                    f"{error.reason}{at}: no node of a graph can return two structures, "
+                    "so the model runs whole, returning each mode's structure as the "
+                    "original does (it trains)") from None
             raise TraceError(
                 f"{error.reason}{at}: the two modes cannot be held as one node, so "
                 "the layer runs whole (it still trains)") from None
+    if _leaf_structure(outputs_t) != _leaf_structure(outputs_f):
+        # The same calls, another structure (a sub-layer's dict with a key
+        # more in inference, passed on): one graph cannot return both.
+        raise ModeStructureError(
+            f"`call` returns another structure in training ({_leaf_structure(outputs_t)}) "
+            f"than in inference ({_leaf_structure(outputs_f)}): no node of a graph can "
+            "return two structures, so the model runs whole, returning each mode's "
+            "structure as the original does (it trains)")
     for node_t, node_f in zip(nodes_t, nodes_f):
         node_t.training = _training_mode(node_t, node_f)
     return nodes_t, outputs_t
@@ -83,6 +98,11 @@ def _modes_given(tracer, nodes):
     takes one as `tracer` says (Keras records a value for other layers too)."""
     return [node.training if node.is_layer and tracer.takes_training(node.operation) else None
             for node in nodes]
+
+
+def _leaf_structure(outputs):
+    """`outputs` with each leaf "tensor" (None kept), to compare structures."""
+    return map_leaves(lambda leaf: None if leaf is None else "tensor", outputs)
 
 
 def _same_calls(nodes_a, nodes_b):

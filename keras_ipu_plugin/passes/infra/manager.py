@@ -288,7 +288,9 @@ def train_graph_ops(model):
     strategy = strategy_owning(model.trainable_variables)
 
     def one_replica(inputs):
-        with tf.GradientTape() as tape:
+        # Under a scope of its own, as Keras's `fit` calls the model: a
+        # model's root scope may not start with `_` (a class `_Net`).
+        with tf.GradientTape() as tape, tf.name_scope("train_step"):
             outputs = model(inputs, training=True)
             loss = tf.add_n([
                 tf.reduce_sum(tf.cast(output, "float32"))
@@ -307,7 +309,14 @@ def train_graph_ops(model):
 
 def validate_passes(passes):
     """A list of Pass objects from passes or a config (dict, list of
-    one-pass dicts, or path)."""
+    one-pass dicts, or path). One pass object is the list of it, as Keras's
+    `fit` takes one callback for the list of it: every entry point
+    (`apply_passes`, `PluginModel`, `PluginCallback`, `kip.scope`) reads
+    its `passes` here.
+
+    Example:
+        >>> validate_passes(kip.passes.Expand("all"))   # [Expand("all")]
+    """
     from keras_ipu_plugin.passes.infra.config import passes_from_config
 
     if isinstance(passes, (dict, str)) or hasattr(passes, "__fspath__"):
@@ -318,17 +327,26 @@ def validate_passes(passes):
         return [passes]
     if not isinstance(passes, (list, tuple)):
         raise PassError(
-            "`passes` must be a list of kip.passes objects, a config dict or a "
-            f"config file path; got {type(passes).__name__}."
+            "`passes` must be a kip pass, a list of them, a config dict or a "
+            f"config file path; got {_not_a_pass(passes)}."
         )
     for index, item in enumerate(passes):
         if not isinstance(item, Pass):
             known = ", ".join(cls.__name__ for cls in registered_passes().values())
             raise PassError(
-                f"passes[{index}] is a {type(item).__name__}, not a kip pass "
+                f"passes[{index}] is {_not_a_pass(item)}, not a kip pass "
                 f"(kip.passes: {known}; or a config of them)."
             )
     return list(passes)
+
+
+def _not_a_pass(value):
+    """What `value` is, in an error about `passes`: a pass class is told to
+    be made (`Expand` given for `Expand()`)."""
+    if isinstance(value, type) and issubclass(value, Pass):
+        return (f"the class {value.__name__} itself: make the pass, "
+                f"{value.__name__}(...)")
+    return f"a {type(value).__name__}"
 
 
 def graph_of(model):
@@ -380,6 +398,8 @@ def graph_of_model(model, caller):
             notes = (by_path[node.name] if node.name in by_path
                      else by_name.get(getattr(node.operation, "name", None), {}))
             node.annotations.update(notes)
+    # Read as a plain functional model: the outputs of every mode, flat.
+    graph.output_modes = getattr(model, "kip_output_modes", None)
     return graph
 
 

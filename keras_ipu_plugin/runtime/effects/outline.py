@@ -110,7 +110,11 @@ def _shared_body(representative, kwargs, model, training):
         mapping = list(zip(representative.trainable_variables, trainable)) + list(
             zip(representative.non_trainable_variables, non_trainable)
         )
-        with _compat.stateless_scope(mapping, collect_losses=True) as scope:
+        # Under a scope of its own: the body may be traced in a graph of its
+        # own, where the layer's would be a root scope, which TensorFlow
+        # refuses for a name starting with `_` (a layer of a class `_Conv`).
+        with _compat.stateless_scope(mapping, collect_losses=True) as scope, \
+                tf.name_scope("outlined"):
             with _compat.call_context(model, training):
                 outputs = representative(*args, **kwargs, **tensor_kwargs)
         new_state = [

@@ -486,3 +486,138 @@ def test_public_drop_path_layers_expand_and_train_as_plain_keras(which):
         weights[how] = [v.numpy() for v in model.trainable_weights]
     for expected, actual in zip(weights["plain"], weights["plugin"]):
         np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
+
+
+# -- a `call` returning another output structure in each mode ---------------------
+
+
+@keras.saving.register_keras_serializable(package="kip_tests")
+class TopKRetrieval(keras.Model):
+    """A recommender in the way of keras-rs's sequential retrieval models:
+    in training it returns the sequence embedding the loss reads; in
+    inference it adds top-k `"predictions"` over the item embeddings."""
+
+    ITEMS, K = 20, 3
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.item_embedding = layers.Embedding(self.ITEMS, WIDTH, name="item_embedding")
+        self.encoder = keras.Sequential(
+            [layers.Dense(WIDTH, activation="relu"), layers.Dense(WIDTH)], name="encoder")
+
+    def call(self, inputs, training=False):
+        embedding = self.encoder(ops.mean(self.item_embedding(inputs["item_ids"]), axis=1))
+        outputs = {"item_sequence_embedding": embedding}
+        if not training:
+            scores = ops.matmul(embedding, ops.transpose(self.item_embedding.embeddings))
+            outputs["predictions"] = ops.top_k(scores, self.K)[1]
+        return outputs
+
+
+class HoldsRetrieval(keras.Model):
+    """The retrieval model as a sub-layer, its outputs passed on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.retrieval = TopKRetrieval(name="retrieval")
+        self.project = layers.Dense(WIDTH, name="project")
+
+    def call(self, inputs, training=None):
+        outputs = self.retrieval(inputs, training=training)
+        return dict(outputs, item_sequence_embedding=self.project(
+            outputs["item_sequence_embedding"]))
+
+
+RETRIEVAL_MODELS = {"top_level": TopKRetrieval, "sub_layer": HoldsRetrieval}
+TRAINING_KEYS = ["item_sequence_embedding"]
+INFERENCE_KEYS = ["item_sequence_embedding", "predictions"]
+
+
+def _retrieval_data(rows=24):
+    rng = np.random.default_rng(4)
+    x = {"item_ids": rng.integers(0, TopKRetrieval.ITEMS, size=(rows, 5)).astype("int32")}
+    y = {"item_sequence_embedding": rng.normal(size=(rows, WIDTH)).astype("float32")}
+    return x, y
+
+
+def _retrieval(name, seed=5):
+    keras.utils.set_random_seed(seed)
+    model = RETRIEVAL_MODELS[name]()
+    model(_retrieval_data()[0])
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(RETRIEVAL_MODELS))
+def test_a_model_returning_another_structure_in_training_returns_each_modes(name):
+    """The converted model returns what the original returns in each mode
+    (training: the embedding alone; inference and `training=None`: the
+    top-k predictions too), and the report's reason says so."""
+    model = _retrieval(name)
+    x, _ = _retrieval_data()
+    converted = kip.convert_to_functional(model, x)
+    (node,) = converted.kip_graph.nodes
+    assert node.opaque_reason and "returns another structure in training" in node.opaque_reason
+    assert "each mode's structure" in node.opaque_reason
+    for training, keys in ((True, TRAINING_KEYS), (False, INFERENCE_KEYS),
+                           (None, INFERENCE_KEYS)):
+        mine, theirs = converted(x, training=training), model(x, training=training)
+        assert sorted(mine) == sorted(theirs) == keys, training
+        for key in keys:
+            np.testing.assert_allclose(mine[key], theirs[key], atol=1e-6)
+
+
+def _trained_retrieval(name, how):
+    """Weights after 3 steps of `fit` one way, and the predictions after."""
+    x, y = _retrieval_data()
+    model = _retrieval(name, seed=9)
+    callbacks, trainee = [], model
+    if how == "plugin_model":
+        trainee = kip.PluginModel(model)
+    elif how == "callback":
+        callbacks = [kip.PluginCallback()]
+    if how == "scope":
+        with kip.scope():
+            model.compile(optimizer=keras.optimizers.Adam(0.01),
+                          loss={"item_sequence_embedding": "mse"})
+    else:
+        trainee.compile(optimizer=keras.optimizers.Adam(0.01),
+                        loss={"item_sequence_embedding": "mse"})
+    keras.utils.set_random_seed(2)
+    history = trainee.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                          callbacks=callbacks)
+    predicted = trainee.predict(x, batch_size=8, verbose=0)
+    return [v.numpy() for v in model.weights], history.history["loss"], predicted
+
+
+@pytest.mark.parametrize("name", sorted(RETRIEVAL_MODELS))
+@pytest.mark.parametrize("how", ["plugin_model", "callback", "scope"])
+def test_a_model_returning_another_structure_in_training_trains_as_plain_keras(name, how):
+    """Every entry point trains it (the loss on the training structure) to
+    the weights plain Keras reaches, and predicts the inference structure."""
+    expected, expected_loss, expected_predicted = _trained_retrieval(name, "plain")
+    weights, loss, predicted = _trained_retrieval(name, how)
+    first = [v.numpy() for v in _retrieval(name, seed=9).weights]
+    assert any(not np.allclose(a, b) for a, b in zip(first, expected)), "nothing trained"
+    for actual, value in zip(weights, expected):
+        np.testing.assert_allclose(actual, value, atol=1e-5)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    assert sorted(predicted) == sorted(expected_predicted) == INFERENCE_KEYS
+    np.testing.assert_array_equal(predicted["predictions"], expected_predicted["predictions"])
+
+
+def test_a_model_returning_another_structure_in_training_saves_and_loads(tmp_path):
+    """The converted model's modes survive `save` / `load_model`."""
+    model = _retrieval("top_level")
+    x, _ = _retrieval_data()
+    converted = kip.convert_to_functional(model, x)
+    path = str(tmp_path / "retrieval.keras")
+    converted.save(path)
+    loaded = keras.models.load_model(path)
+    assert sorted(loaded(x, training=True)) == TRAINING_KEYS
+    assert sorted(loaded(x)) == INFERENCE_KEYS
+    np.testing.assert_array_equal(loaded(x)["predictions"], model(x)["predictions"])
+    # Passes on the loaded model keep each mode's structure.
+    (node,) = converted.kip_graph.nodes
+    passed = kip.apply_passes(loaded, [Recompute([node.name])])
+    assert sorted(passed(x, training=True)) == TRAINING_KEYS
+    assert sorted(passed(x)) == INFERENCE_KEYS
