@@ -223,7 +223,7 @@ def test_a_plugin_model_made_in_a_tracer_block_keeps_that_tracer_for_every_conve
         model.first.inner]
     model.grow = True
     plugin.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert plugin._kip_runtime.rebuilds == 1
+    assert plugin._kip_session.rebuilds == 1
     assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
         model.first.inner, model.second.inner]
 
