@@ -2,6 +2,10 @@
 
 Models (subclassed Keras models, as a user writes them):
 - `mlp`: 8 residual blocks of 6 Dense(768, gelu), batch 512;
+- `mlp-stem`: the same blocks behind a Dense(768) stem from 64 features,
+  under a 10-class softmax head (sparse cross-entropy), batch 512: what
+  surrounds the blocks changes the plan;
+- `mlp-b256`: `mlp` at batch 256;
 - `transformer`: 4 blocks of MultiHeadAttention + FFN (width 256, 4 heads,
   FFN 1024 gelu, no dropout), 128 tokens, batch 32;
 - `gallery`: the gallery's text transformer (`examples/text_transformer.py`:
@@ -19,7 +23,13 @@ Variants, each in its own process (peak memory is per process):
 - `hand-written`: each block's call wrapped in `tf.recompute_grad` by hand;
 - `kip-hand`: `Recompute(<block class>)` (a checkpoint after each block);
 - `kip-auto`: `Expand()` then `Recompute(auto=True)`;
-- `kip-budget`: `Expand()` then `Recompute(auto=True, memory_budget=0.5)` (`--budget`).
+- `kip-budget`: `Expand()` then `Recompute(auto=True, memory_budget=0.5)` (`--budget`);
+- `kip@B`: `Recompute(auto=True, memory_budget=B)` on the model as converted
+  (no `Expand()`: the planner expands the blocks itself when that meets the
+  budget, or meets it with less recomputation), one per `--frontier` budget.
+  With them the report prints kip's frontier (step peak and time per budget)
+  and, for each peer, the kip point holding at most its step peak at no more
+  than its step time, if any.
 
 A variant that fails (Keras's modes refuse MultiHeadAttention under
 `tf.recompute_grad` in a traced step) is printed as failing, with its error.
@@ -73,7 +83,10 @@ CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
 PEERS = ("keras-full", "keras-activations", "keras-larger_than", "keras-list_of_layers",
          "hand-written", "kip-hand")
 VARIANTS = ("none",) + PEERS + ("kip-auto", "kip-budget")
-MODELS = ("mlp", "transformer", "gallery", "hub")
+MODELS = ("mlp", "mlp-stem", "mlp-b256", "transformer", "gallery", "hub")
+#: `--frontier`'s default budgets (fractions of the estimated peak without
+#: recomputation).
+FRONTIER = (0.12, 0.2, 0.3, 0.5)
 CLOCKS = {"step_s": "wall-clock step time", "step_cpu_s": "step CPU time"}
 MLP = dict(blocks=8, depth=6, width=768, batch=512)
 TEXT = dict(vocab=1000, length=128, dim=256, heads=4, blocks=4, batch=32)
@@ -83,7 +96,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 # -- the models ----------------------------------------------------------------------
-def _mlp(keras, tf, hand_written):
+def _mlp(keras, tf, hand_written, stem=False, batch=None):
+    batch = batch or MLP["batch"]
     class ResidualBlock(keras.layers.Layer):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -99,19 +113,29 @@ def _mlp(keras, tf, hand_written):
     class ResidualMLP(keras.Model):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
+            self.stem = keras.layers.Dense(MLP["width"], name="stem") if stem else None
             self.blocks = [ResidualBlock(name=f"block_{i}") for i in range(MLP["blocks"])]
-            self.head = keras.layers.Dense(1, name="head")
+            self.head = (keras.layers.Dense(10, activation="softmax", name="head") if stem
+                         else keras.layers.Dense(1, name="head"))
 
         def call(self, x):
+            if self.stem is not None:
+                x = self.stem(x)
             for block in self.blocks:
                 x = tf.recompute_grad(block)(x) if hand_written else block(x)
             return self.head(x)
 
     rng = __import__("numpy").random.default_rng(0)
-    rows = MLP["batch"] * STEPS
-    x = rng.random((rows, MLP["width"]), dtype="float32")
-    y = rng.random((rows, 1), dtype="float32")
-    return ResidualMLP, ResidualBlock, x, y, "mse", MLP["batch"], MLP["width"]
+    rows = batch * STEPS
+    if stem:
+        x = rng.random((rows, 64), dtype="float32")
+        y = rng.integers(0, 10, (rows,)).astype("int32")
+        loss = "sparse_categorical_crossentropy"
+    else:
+        x = rng.random((rows, MLP["width"]), dtype="float32")
+        y = rng.random((rows, 1), dtype="float32")
+        loss = "mse"
+    return ResidualMLP, ResidualBlock, x, y, loss, batch, MLP["width"]
 
 
 def _transformer(keras, tf, hand_written):
@@ -218,7 +242,12 @@ def _tokens():
     return x, y
 
 
-BUILDERS = {"mlp": _mlp, "transformer": _transformer, "gallery": _gallery, "hub": _hub}
+BUILDERS = {
+    "mlp": _mlp,
+    "mlp-stem": lambda keras, tf, hand_written: _mlp(keras, tf, hand_written, stem=True),
+    "mlp-b256": lambda keras, tf, hand_written: _mlp(keras, tf, hand_written, batch=256),
+    "transformer": _transformer, "gallery": _gallery, "hub": _hub,
+}
 
 
 # -- the child: one model, one variant ---------------------------------------------------
@@ -246,14 +275,16 @@ def child(model_name, variant):
         first = _rows(x, batch)
         model(first)  # build inside the scope, as RematScope asks
     plan = None
-    if variant.startswith("kip-"):
+    if variant.startswith("kip"):
         model = kip.convert_to_functional(model, first, verify=False)
-        passes = {
+        passes = None if variant.startswith("kip@") else {
             "kip-hand": [kip.passes.Recompute(block_class)],
             "kip-auto": [kip.passes.Expand(), kip.passes.Recompute(auto=True)],
             "kip-budget": [kip.passes.Expand(), kip.passes.Recompute(
                 auto=True, memory_budget=float(os.environ.get("REMAT_PEERS_BUDGET", BUDGET)))],
         }[variant]
+        if variant.startswith("kip@"):
+            passes = [kip.passes.Recompute(auto=True, memory_budget=float(variant[4:]))]
         model = kip.apply_passes(model, passes, verify=False)
         plan = _plan_figures(model)
     model.compile(optimizer="adam", loss=loss)
@@ -274,7 +305,7 @@ def child(model_name, variant):
 def _block_names(model_name):
     if model_name == "hub":
         return [f"transformer_layer_{i}" for i in range(HUB["num_layers"])]
-    count = MLP["blocks"] if model_name == "mlp" else TEXT["blocks"]
+    count = MLP["blocks"] if model_name.startswith("mlp") else TEXT["blocks"]
     return [f"block_{i}" for i in range(count)]
 
 
@@ -290,7 +321,7 @@ def _plan_figures(model):
             figures = plan.figures
             return {key: figures.get(key) for key in
                     ("peak", "baseline_peak", "budget", "extra_fraction", "checkpoints",
-                     "inside", "kept")}
+                     "inside", "kept", "planned_on")}
     return None
 
 
@@ -365,6 +396,7 @@ def report(model_name, results, clock="step_s"):
               f"{r['step_s']:>9.3f}{r['step_s'] / base['step_s']:>8.2f}"
               f"{r['step_cpu_s']:>8.3f}{r['step_cpu_s'] / base['step_cpu_s']:>8.2f}"
               + (f"{estimate / mib:>10.1f}{estimate / r['step_peak']:>11.2f}" if estimate else ""))
+    frontier_report(results, clock)
     auto = results.get("kip-auto")
     if not auto or "error" in auto or "error" in base:
         return
@@ -407,6 +439,34 @@ def report(model_name, results, clock="step_s"):
               f"takes {r[clock] / base[clock]:.2f}x none's time")
 
 
+def frontier_report(results, clock="step_s"):
+    """kip's frontier (the `kip@B` points: step peak and time per budget)
+    and, for every peer that runs, the kip point holding at most its step
+    peak at no more than its step time, or that none does."""
+    mib = 2 ** 20
+    points = {name: r for name, r in results.items()
+              if name.startswith("kip@") and "error" not in r}
+    if not points:
+        return
+    print("kip frontier (memory_budget: step peak MiB, " + CLOCKS[clock] + "): " + "; ".join(
+        f"{name[4:]}: {r['step_peak'] / mib:.1f} MiB, {r[clock]:.3f} s"
+        for name, r in sorted(points.items(), key=lambda item: item[1]["step_peak"])))
+    for name, r in results.items():
+        if name not in PEERS or "error" in r:
+            continue
+        found = [point for point, p in points.items()
+                 if p["step_peak"] <= r["step_peak"] and p[clock] <= r[clock]]
+        if found:
+            best = min(found, key=lambda point: points[point][clock])
+            p = points[best]
+            print(f"  {name} ({r['step_peak'] / mib:.1f} MiB, {r[clock]:.3f} s): dominated by "
+                  f"{best} ({p['step_peak'] / r['step_peak']:.2f}x its peak, "
+                  f"{p[clock] / r[clock]:.2f}x its time)")
+        else:
+            print(f"  {name} ({r['step_peak'] / mib:.1f} MiB, {r[clock]:.3f} s): NOT dominated "
+                  "by any kip budget")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("models", nargs="*", choices=[*MODELS, []])
@@ -422,15 +482,23 @@ def main(argv=None):
                              "RematScope('larger_than') does")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
                         help="only these variants (none always)")
+    parser.add_argument("--frontier", nargs="*", type=float, default=list(FRONTIER),
+                        help="the memory budgets of kip's frontier (kip@B variants), each a "
+                             "fraction of the estimated peak without recomputation; none: no "
+                             "frontier")
     args = parser.parse_args(argv)
     os.environ["REMAT_PEERS_BUDGET"] = str(args.budget)  # read by the children
     for model_name in args.models or MODELS:
         variants = [v for v in VARIANTS
                     if not args.variants or v == "none" or v in args.variants]
+        variants += [f"kip@{budget:g}" for budget in args.frontier]
         runs = {variant: [] for variant in variants}
         for _ in range(args.rounds):  # alternate: each round runs every variant once
             for variant in variants:
                 runs[variant].append(run(model_name, variant))
+                # Each run as it ends: a long run cut short keeps what it measured.
+                print(f"# {model_name} {variant}: {json.dumps(runs[variant][-1])}",
+                      file=sys.stderr, flush=True)
         report(model_name, {variant: summarise(rs) for variant, rs in runs.items()},
                {"wall": "step_s", "cpu": "step_cpu_s"}[args.clock])
         sys.stdout.flush()

@@ -18,6 +18,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_error
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.runtime.backends.ipu import check_outline_kwargs
 from keras_ipu_plugin.passes.infra.branches import refuse_inside
 from keras_ipu_plugin.passes.infra.branches import run_inside
@@ -33,11 +34,16 @@ from keras_ipu_plugin.passes.infra.base import register_pass
 from keras_ipu_plugin.passes.infra.base import saved_config
 from keras_ipu_plugin.passes.infra.base import targets_config
 from keras_ipu_plugin.passes.infra.base import targets_from_config
+from keras_ipu_plugin.passes.expand import expand_blocks
 from keras_ipu_plugin.passes.expand import expand_to_reach
+from keras_ipu_plugin.passes.expand import expandable_blocks
 from keras_ipu_plugin.planning.graph_planning import BALANCES
 from keras_ipu_plugin.planning.graph_planning import check_auto
 from keras_ipu_plugin.planning.graph_planning import check_memory_budget
+from keras_ipu_plugin.planning.graph_planning import apply_recompute
+from keras_ipu_plugin.planning.graph_planning import choose_recompute
 from keras_ipu_plugin.planning.graph_planning import plan_recompute
+from keras_ipu_plugin.planning.graph_planning import recompute_budget
 from keras_ipu_plugin.planning.graph_planning import plan_stages
 from keras_ipu_plugin.passes.microbatching import check_pipeline_settings
 from keras_ipu_plugin.passes.microbatching import report_pipeline
@@ -133,8 +139,14 @@ class Recompute(Pass):
     `memory_budget`, the smallest estimated peak memory among the plans
     that recompute at most one forward pass, with `memory_budget` (bytes as
     an int, or a float in (0, 1]: a fraction of the estimated peak without
-    recomputation) the least recomputation that meets it. The report holds
-    the plan's table (each node's kind included).
+    recomputation) the least recomputation that meets it. With a budget, custom
+    layers still whole (no `Expand()` before) are expanded when the plan
+    over their sub-layers meets the budget where the whole layers cannot, or
+    with less recomputation (then each sub-layer may be recomputed inside its
+    block's recomputation, as `keras.RematScope("larger_than")` does). The
+    estimate counts an optimizer update's temporaries and the prefetched
+    input batches too. The report holds the plan's table (each node's kind
+    included).
 
     Example:
         >>> kip.passes.Recompute(["block_1", "block_2"])
@@ -184,7 +196,7 @@ class Recompute(Pass):
 
     def run(self, graph, report):
         if self.auto:
-            plan_recompute(graph, self.memory_budget, report, self.step)
+            _plan_auto(graph, self.memory_budget, report, self.step)
             return graph
         for target in self.targets:
             expand_to_reach(graph, target, report, self.step)
@@ -202,6 +214,46 @@ class Recompute(Pass):
             report.add(self.step, last.name, "checkpoint after",
                        f"end of {block_label(block)}")
         return graph
+
+
+def _plan_auto(graph, memory_budget, report, step):
+    """`Recompute(auto=True)`'s plan. With a budget and custom layers still
+    whole (no `Expand()` before), the plan is also made with those layers
+    expanded into their sub-layers, where it may recompute each sub-layer
+    inside its block's recomputation (what `keras.RematScope("larger_than")`
+    does to a block and its layers) or only some of them; the layers are
+    expanded, as `Expand()` does, when that plan meets a budget the whole
+    layers cannot, or meets it with less recomputation."""
+    blocks = expandable_blocks(graph)
+    if memory_budget is None or not blocks:
+        plan_recompute(graph, memory_budget, report, step)
+        return
+    refusal = None
+    try:
+        whole = choose_recompute(graph, memory_budget, step)
+        budget = whole.budget
+    except PassError as error:
+        whole, refusal = None, error
+        budget = recompute_budget(graph, memory_budget)
+    trial = graph.copy()
+    expand_blocks(trial, Report(), step)
+    try:
+        inside = choose_recompute(trial, memory_budget, step, budget=budget)
+    except PassError as error:
+        if whole is None:
+            raise error from None  # the smallest peak of the two
+        inside = None
+    if inside is None or (whole is not None and whole.extra_flops <= inside.extra_flops):
+        apply_recompute(whole, report, step)
+        return
+    names = expand_blocks(graph, report, step)
+    why = ("no plan of the whole layers meets the budget" if whole is None else
+           f"the budget is met with {inside.plan.extra_fraction:.2f} of a forward pass "
+           f"recomputed, against {whole.plan.extra_fraction:.2f} with the whole layers")
+    apply_recompute(choose_recompute(graph, memory_budget, step, budget=budget), report, step,
+                    note=f"the sub-layers of {', '.join(names[:6])}"
+                         + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+                         + f", expanded as Expand() does: {why}")
 
 
 @register_pass("pipeline_stages", order=4)

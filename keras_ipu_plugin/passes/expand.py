@@ -117,6 +117,27 @@ def expand_graph(graph, should_expand, report, step, recursive, templates=None):
     return opaque
 
 
+def expandable_blocks(graph):
+    """The nodes `Expand()` would inline (custom layers and nested models
+    that can be traced), leaving out those another pass annotated already
+    (an annotation is the block's, and would be lost with it)."""
+    return [node for node in graph.nodes
+            if _expandable(node) and not node.opaque_reason and not node.annotations]
+
+
+def expand_blocks(graph, report, step):
+    """Inline every node of `expandable_blocks(graph)`, recursively, as
+    `Expand()` does; returns the names of those expanded."""
+    chosen = {id(node) for node in expandable_blocks(graph)}
+    before = {id(node) for node in graph.nodes}
+    names = [node.name for node in graph.nodes if id(node) in chosen]
+    # The nodes an expansion makes are new: expanded too when expandable.
+    expand_graph(graph, lambda node: id(node) in chosen or (
+        id(node) not in before and _expandable(node) and not node.opaque_reason),
+        report, step, recursive=True)
+    return names
+
+
 def expand_to_reach(graph, target, report, step, reach_inside=None):
     """Expand the custom layers that hold `target` (a name, a `parent.child`
     path or a class) among their sub-layers, recursively, until the layers

@@ -27,8 +27,19 @@ BALANCES = ("params", "activations", "time")
 STAGE_TIMING_ROUNDS = 3
 
 ESTIMATE_COVERS = ("activations the backward pass reads, the copies a recomputation runs "
-                   "on and the weight gradients, at the first batch; weights and optimizer "
+                   "on, the weight gradients, an optimizer update's temporaries and the "
+                   "prefetched input batches, at the first batch; weights and optimizer "
                    "state are not included")
+
+#: An optimizer's update of one variable holds this many temporaries of the
+#: variable's size at once (Adam's `m`, `v` and step expressions, evaluated
+#: elementwise): counted once, for the largest trainable variable, on top of
+#: every plan's peak.
+UPDATE_TEMPORARIES = 2
+
+#: Input batches alive beside the step's own: the one the step reads and the
+#: one `fit`'s dataset prefetches.
+PREFETCHED_BATCHES = 2
 
 
 def planning_batch(graph, owner):
@@ -152,35 +163,93 @@ def _last_readers(graph, order, position):
     return last
 
 
-def plan_recompute(graph, memory_budget, report, step):
-    """Choose checkpoints for `graph` (annotating their nodes), for the
-    smallest peak (`memory_budget=None`) or the least recomputation under
-    `memory_budget` (bytes, or a fraction of the estimated peak without
-    recomputation). Adds the plan's table to `report`."""
+@dataclasses.dataclass
+class RecomputeChoice:
+    """A plan chosen for a graph, not yet written onto it: what
+    `choose_recompute` gives and `apply_recompute` writes."""
+
+    graph: object
+    order: list
+    profiles: list
+    costs: list
+    plan: object  # recompute_plan.RecomputePlan
+    batch: int
+    memory_budget: object
+    budget: object  # bytes, or None
+
+    @property
+    def extra_flops(self):
+        return self.plan.extra_flops
+
+
+def step_overhead(graph, batch):
+    """Bytes a training step holds beside the activations and gradients the
+    plan chooses between, alike for every plan: an optimizer update's
+    temporaries (`UPDATE_TEMPORARIES` of the largest trainable variable)
+    and the prefetched input batches (`PREFETCHED_BATCHES`). Left out, the
+    estimate was 7-31 % under the measured step peak of the MLP and
+    transformer models of `benchmarks/remat_peers.py`."""
+    largest = max((node_costs.variable_bytes(v) for layer in graph.layers()
+                   for v in getattr(layer, "trainable_weights", [])), default=0)
+    inputs = sum(node_costs.value_bytes(value, batch)
+                 for value in keras.tree.flatten(graph.input_values))
+    return UPDATE_TEMPORARIES * largest + PREFETCHED_BATCHES * inputs
+
+
+def recompute_budget(graph, memory_budget):
+    """The budget in bytes of `memory_budget` for `graph` (a fraction is of
+    its estimated peak without recomputation), or None."""
+    if memory_budget is None:
+        return None
+    if not isinstance(memory_budget, float):
+        return memory_budget
+    batch = planning_batch(graph, "Recompute(auto=True)")
+    profiles = node_costs.profile_nodes(graph, batch)
+    order = graph.nodes  # the order the interpreter runs them in
+    return memory_budget * (step_overhead(graph, batch) + recompute_plan.estimate_peak(
+        recompute_costs(graph, order, profiles, batch, split=False)))
+
+
+def choose_recompute(graph, memory_budget, step, budget=None):
+    """The plan for `graph` (a `RecomputeChoice`; nothing is annotated):
+    the smallest peak (`memory_budget=None`) or the least recomputation
+    under `memory_budget` (bytes, or a fraction of the estimated peak
+    without recomputation; `budget`: the bytes it stands for, when worked
+    out on another graph already). A `PassError` saying what the smallest
+    reachable peak is when no plan meets the budget."""
     batch = planning_batch(graph, "Recompute(auto=True)")
     profiles = node_costs.profile_nodes(graph, batch)
     order = graph.nodes  # the order the interpreter runs them in
     costs = recompute_costs(graph, order, profiles, batch)
+    # What every plan holds alike (the plans differ in activations only).
+    fixed_bytes = step_overhead(graph, batch)
     # Without recomputation of any kind: no activation split either.
-    baseline = recompute_plan.estimate_peak(
+    baseline = fixed_bytes + recompute_plan.estimate_peak(
         recompute_costs(graph, order, profiles, batch, split=False))
-    budget = None
-    if memory_budget is not None:
+    if budget is None and memory_budget is not None:
         budget = memory_budget * baseline if isinstance(memory_budget, float) else memory_budget
     try:
         plan = (recompute_plan.plan_smallest_peak(costs) if budget is None
-                else recompute_plan.plan_for_budget(costs, budget))
-        plan = dataclasses.replace(plan, baseline_peak=baseline)
+                else recompute_plan.plan_for_budget(costs, budget - fixed_bytes))
+        plan = dataclasses.replace(plan, baseline_peak=baseline, peak=plan.peak + fixed_bytes)
     except recompute_plan.UnmeetableBudget as error:
         fixed = [cost.name for cost in costs if cost.fixed]
         raise PassError(
             f"{step}: the memory budget {_budget_text(memory_budget, budget)} cannot be met "
             f"for `{graph.name}` at a batch of {batch}: the smallest estimated peak any "
-            f"checkpoint plan reaches is {_mib(error.smallest)} (without recomputation "
+            f"checkpoint plan reaches is {_mib(error.smallest + fixed_bytes)} (without "
+            f"recomputation "
             f"{_mib(baseline)}). The estimate covers {ESTIMATE_COVERS}."
             + (f" Layers with forward state are never recomputed: "
                f"{_names(fixed)}." if fixed else "")
             + " Raise the budget, or lower the batch.") from None
+    return RecomputeChoice(graph, order, profiles, costs, plan, batch, memory_budget, budget)
+
+
+def apply_recompute(choice, report, step, note=None):
+    """Write `choice`'s plan onto its graph's nodes and its table into
+    `report` (`note`: one more row, why the plan was made where it was)."""
+    order, plan, profiles = choice.order, choice.plan, choice.profiles
     for index in plan.checkpoints:
         node = order[index]
         node.annotations["recompute"] = True
@@ -199,13 +268,31 @@ def plan_recompute(graph, memory_budget, report, step):
         node.annotations[activation_remat.KEY] = True
         report.add(step, node.name, "activation recomputed from its kept pre-activation",
                    "planned (Recompute(auto=True)): keeps less at a few percent of its cost")
-    report.add_plan(_recompute_table(graph, costs, order, plan, batch, memory_budget, budget,
-                                     profiles, split))
+    table = _recompute_table(choice.graph, choice.costs, order, plan, choice.batch,
+                             choice.memory_budget, choice.budget, profiles, split)
+    if note:
+        table = dataclasses.replace(table, rows=table.rows + (("planned on", note),),
+                                    figures={**table.figures, "planned_on": note})
+    report.add_plan(table)
     return plan
+
+
+def plan_recompute(graph, memory_budget, report, step):
+    """Choose checkpoints for `graph` (annotating their nodes), for the
+    smallest peak (`memory_budget=None`) or the least recomputation under
+    `memory_budget` (bytes, or a fraction of the estimated peak without
+    recomputation). Adds the plan's table to `report`."""
+    return apply_recompute(choose_recompute(graph, memory_budget, step), report, step)
 
 
 def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, profiles,
                      split=()):
+    # The plan's peak holds the step's overhead (`step_overhead`) beside its
+    # activations: the same with the gradients held.
+    overhead = plan.peak - recompute_plan.estimate_peak(
+        costs, plan.checkpoints, False, plan.keeps, plan.nested)
+    held = overhead + recompute_plan.estimate_peak(
+        costs, plan.checkpoints, True, plan.keeps, plan.nested)
     rows = [
         ("batch (per replica)", str(batch)),
         ("checkpoints", _names([order[i].name for i in plan.checkpoints]) or "none"),
@@ -232,7 +319,7 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         # an optimizer that needs them all at once holds them: say what
         # that would cost, rather than hide it.
         ("if all weight gradients are held",
-         f"{_mib(recompute_plan.estimate_peak(costs, plan.checkpoints, True, plan.keeps, plan.nested))}"
+         f"{_mib(held)}"
          " with the plan (clipping by global norm, gradient accumulation and loss scaling "
          "hold them until the last; the plan assumes each is freed once applied)"),
         ("estimated extra compute",
@@ -247,8 +334,7 @@ def _recompute_table(graph, costs, order, plan, batch, memory_budget, budget, pr
         "batch": batch, "checkpoints": [order[i].name for i in plan.checkpoints],
         "segments": [(order[first].name, order[last].name) for first, last in plan.segments],
         "peak": plan.peak, "baseline_peak": plan.baseline_peak, "budget": budget,
-        "peak_if_gradients_held": recompute_plan.estimate_peak(
-            costs, plan.checkpoints, True, plan.keeps, plan.nested),
+        "peak_if_gradients_held": held,
         "keeps": [order[i].name for i in plan.keeps],
         "inside_notes": [order[i].name for i in plan.inside],  # nested in segments
         "inside": [order[i].name for i in range(len(order)) if plan.kind(i) == "inside"],

@@ -496,6 +496,11 @@ def value_bytes(value, batch):
     return _bytes(*_shape_and_dtype(value.spec, batch))
 
 
+def variable_bytes(variable):
+    """Bytes of a Keras variable's value."""
+    return int(np.prod(variable.shape)) * _itemsize(variable.dtype)
+
+
 def _elements_per_example(spec):
     """As `executor._activation_size` counts them (unknown dims as 1)."""
     size = 1

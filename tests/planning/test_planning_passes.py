@@ -178,6 +178,43 @@ def test_a_memory_budget_in_bytes_is_met_by_the_estimate():
     assert "of the estimated peak)" not in str(passed.kip_report)  # bytes, not a fraction
 
 
+class WideKernel(keras.Model):
+    """One large kernel on few rows: the optimizer's update of it holds
+    more than the step's activations."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.wide = layers.Dense(1024, activation="gelu", name="wide")
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        return self.head(self.wide(x))
+
+
+def test_the_estimate_counts_the_optimizer_update_and_prefetched_batches():
+    """The plan's estimated peak (and so what a byte budget buys) includes
+    what every training step holds beside its activations: an optimizer
+    update's temporaries of the largest variable and the prefetched input
+    batches; a budget below them cannot be met."""
+    from keras_ipu_plugin.planning import graph_planning
+
+    rows, features = 4, 512
+    x = np.random.default_rng(0).normal(size=(rows, features)).astype("float32")
+    model = WideKernel(name="wide_kernel")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    passed = kip.apply_passes(converted, [Recompute(auto=True)])
+    figures = _plan(passed, "Recompute plan").figures
+    kernel = features * 1024 * 4
+    overhead = (graph_planning.UPDATE_TEMPORARIES * kernel
+                + graph_planning.PREFETCHED_BATCHES * rows * features * 4)
+    assert figures["peak"] >= overhead and figures["baseline_peak"] >= overhead
+    covers = dict(_plan(passed, "Recompute plan").rows)["the estimate covers"]
+    assert "optimizer update's temporaries" in covers and "prefetched input batches" in covers
+    with pytest.raises(kip.PassError, match="cannot be met"):
+        kip.apply_passes(converted, [Recompute(auto=True, memory_budget=int(0.9 * overhead))])
+
+
 def test_an_unmeetable_budget_is_a_pass_error_with_the_smallest_estimate():
     converted = _converted()
     before = [v.numpy() for v in converted.weights]
