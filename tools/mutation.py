@@ -112,18 +112,18 @@ MUTATIONS = [
       "variables Keras cannot see pass verification", VERIFICATION, CONVERSION),
     # -- convert.py ---------------------------------------------------------------
     M("convert-skips-verification", "frontend/convert.py",
-      "                if self.verify:\n",
-      "                if False:\n",
+      "            if self.verify:\n",
+      "            if False:\n",
       "convert_to_functional never verifies", VERIFICATION, CONVERSION),
     M("convert-keeps-lost-updates", "frontend/convert.py",
       "            _refuse_lost_updates(graph, before)",
       "            pass",
       "a variable `call` assigns itself is frozen in the graph", CONVERSION),
-    M("convert-no-undo-on-failure", "frontend/convert.py",
-      "        except BaseException as error:\n            state.undo_after(error)\n            raise\n"
-      "        return converted\n",
-      "        except BaseException as error:\n            raise\n"
-      "        return converted\n",
+    M("convert-no-undo-on-failure", "frontend/state.py",
+      "    except BaseException as error:\n        state.undo_after(error)\n        raise\n"
+      "    return result\n",
+      "    except BaseException as error:\n        raise\n"
+      "    return result\n",
       "a failed conversion leaves the model changed", MODEL_STATE),
     M("convert-opaque-branches-unbuilt", "frontend/convert.py",
       "    _build_all_branches(layer, specs)\n",

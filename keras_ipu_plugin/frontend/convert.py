@@ -29,7 +29,7 @@ from keras_ipu_plugin.layers.opaque import autograph_call
 from keras_ipu_plugin.layers.opaque import output_specs_of
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
@@ -37,6 +37,7 @@ from keras_ipu_plugin.frontend.trace.tracing import TraceError
 from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.training_branches import default_training
 from keras_ipu_plugin.frontend.trace.tracing import essential_message
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch
@@ -46,7 +47,8 @@ from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
-def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False):
+def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False,
+                          tracer=None):
     """Convert `model` to a functional model sharing its variables.
 
     Args:
@@ -61,6 +63,8 @@ def convert_to_functional(model, data, *, training=None, verify=True, static_bat
             model that cannot show one. The report says what was compared.
         static_batch: fix the batch dimension to the per-replica batch of
             the active `tf.distribute` strategy.
+        tracer: the `Tracer` saying where tracing stops; by default the one
+            in use (`with tracer.tracing():`), else `DEFAULT_TRACER`.
 
     Example:
         >>> model = MyModel()
@@ -69,18 +73,19 @@ def convert_to_functional(model, data, *, training=None, verify=True, static_bat
         True
         >>> print(converted.kip_report)
     """
-    return Converter(training=training, verify=verify, static_batch=static_batch).convert(
-        model, data
-    )
+    return Converter(training=training, verify=verify, static_batch=static_batch,
+                     tracer=tracer).convert(model, data)
 
 
 class Converter:
     """The one conversion routine every entry point shares."""
 
-    def __init__(self, *, training=None, verify=True, static_batch=False):
+    def __init__(self, *, training=None, verify=True, static_batch=False, tracer=None):
         if training not in (None, True, False):
             raise ValueError(f"`training` must be None, True or False; got {training!r}.")
         self.training = training
+        # Taken now: the conversion traces with it whatever is in use later.
+        self.tracer = current_tracer() if tracer is None else tracer
         self.verify = verify
         self.static_batch = static_batch
 
@@ -110,30 +115,26 @@ class Converter:
         # Calling, tracing and verifying build layers, record nodes on the
         # user's objects and run the model's own code (counters, seed
         # generators): a failure must leave none of it behind, a success
-        # only the building (see ModelState).
-        state = ModelState(model)
-        try:
-            with state.recording():
-                start = time.perf_counter()
-                graph, report = self.trace(model, x, specs, state)
-                state.settle()
-                converted = rebuild(graph, name=f"{model.name}_functional")
-                adopt_call_semantics(converted, model)
-                report.timings.append(("convert", model.name, time.perf_counter() - start))
-                if self.verify:
-                    with report.timed("verify", model.name):
-                        report.add_verification(model.name,
-                                                _verify(model, converted, x, self.training))
+        # only the building (see `state.guarded`).
+        def convert(state):
+            start = time.perf_counter()
+            graph, report = self.trace(model, x, specs, state)
+            state.settle()
+            converted = rebuild(graph, name=f"{model.name}_functional")
+            adopt_call_semantics(converted, model)
+            report.timings.append(("convert", model.name, time.perf_counter() - start))
+            if self.verify:
+                with report.timed("verify", model.name):
+                    report.add_verification(model.name,
+                                            _verify(model, converted, x, self.training))
             converted.kip_report = report
             keep_first_batch(converted, x)  # what apply_passes verifies on
-            # Last: a Ctrl-C anywhere before the result is handed back drops
-            # the converted model, so it must take its nodes off the user's
-            # layers too (undo_after), however late it comes.
-            state.restore_after_success()
-        except BaseException as error:
-            state.undo_after(error)
-            raise
-        return converted
+            return converted
+
+        # A Ctrl-C anywhere before the result is handed back drops the
+        # converted model, so it must take its nodes off the user's layers
+        # too (`guarded` undoes), however late it comes.
+        return guarded(model, convert)
 
     def trace(self, model, x, specs, state):
         """The graph IR of `model` and the conversion report."""
@@ -148,7 +149,7 @@ class Converter:
         report = Report()
         try:
             before = VariableValues(model.non_trainable_variables)
-            graph = trace_model(model, specs, training=self.training)
+            graph = trace_model(model, specs, training=self.training, tracer=self.tracer)
             _refuse_lost_updates(graph, before)
         except TraceError as error:
             if outputs is None:

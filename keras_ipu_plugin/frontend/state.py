@@ -6,8 +6,9 @@ original and the converted model). That code may count its calls in a
 variable, advance a seed generator, move BatchNormalization statistics or
 set Python attributes. None of it may stay behind:
 
-- `ModelState` remembers a model before a conversion and puts it back:
-  everything on failure, everything but the building on success.
+- `guarded(model, work)` is the one way to run a conversion over a model:
+  `ModelState` remembers the model before it and puts it back, everything
+  on failure, everything but the building on success.
 - `VariableValues` remembers the values of some variables.
 - `replay_state` lets two runs start from the same variable values (so a
   model drawing random numbers at inference sees the same draws twice).
@@ -211,15 +212,7 @@ class ModelState:
     contents of containers (Keras's node lists legitimately gain the
     converted model's nodes; a list `call` appends to keeps the entries).
 
-    Example:
-        >>> state = ModelState(model)
-        >>> try:
-        ...     with state.recording():
-        ...         risky(model)
-        ...     state.restore_after_success()
-        ... except BaseException as error:
-        ...     state.undo_after(error)
-        ...     raise
+    Used through `guarded(model, work)`.
     """
 
     def __init__(self, model):
@@ -287,6 +280,35 @@ class ModelState:
                 break
         if interrupt is not None:
             raise interrupt
+
+
+def guarded(model, work):
+    """`work(state)`, run over `model`, and the model put back: on success,
+    all but the building (`ModelState.restore_after_success`); on any error
+    or interrupt, everything (`ModelState.undo_after`), then re-raised.
+    `state` is the `ModelState` (for `mark_built` and `settle`); the
+    variables `work` creates are recorded (`ModelState.recording`). Returns
+    what `work` returns.
+
+    A function, not a `with` block: a Ctrl-C can come as a context
+    manager's `__exit__` is entered, after the block's last line and
+    before anything could undo it, and the result the block made (whose
+    Keras nodes are on the user's layers) would be dropped with the model
+    left changed. Here, from `work`'s first line to the result handed
+    back, every moment is inside this `try`.
+
+    Example:
+        >>> graph = guarded(model, lambda state: trace_model(model, specs))
+    """
+    state = ModelState(model)
+    try:
+        with state.recording():
+            result = work(state)
+        state.restore_after_success()
+    except BaseException as error:
+        state.undo_after(error)
+        raise
+    return result
 
 
 def _state_variables(model):

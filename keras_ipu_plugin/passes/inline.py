@@ -20,6 +20,7 @@ import keras
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.trace import tracing
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
 from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
@@ -66,7 +67,7 @@ def inline_call(graph, node, report, reads, templates):
             "handed it as Keras hands it to the layer"
         ), report)
     # A block whose call pinned `training` is traced under that value only:
-    # every sub-layer then records a concrete mode (`trace_call` pins them),
+    # every sub-layer then records a concrete mode (`Tracer.trace` pins them),
     # so one following the block's `training` gets the block's pinned value.
     training = node.training if node.training in (True, False) else None
     agnostic = training is None and training_agnostic(layer)
@@ -174,7 +175,8 @@ def _trace(graph, node, report, reads, templates, agnostic):
     kwargs.update(_compat.masks_keras_would_pass(layer, args, kwargs))
     training = node.training if node.training in (True, False) else None
     try:
-        new_nodes, outputs = tracing.trace_call(
+        # the tracer `apply_passes` was given (it is in use while they run)
+        new_nodes, outputs = current_tracer().trace(
             layer, args, kwargs, placeholders,
             # one trace is enough where no sub-layer reads `training`
             training=False if agnostic else training, prefix=node.name + ".", reads=reads,

@@ -24,6 +24,7 @@ from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.frontend.inputs import first_batch
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.passes.infra.base import deserialize_pass
 from keras_ipu_plugin.passes.infra.base import serialize_pass
 from keras_ipu_plugin.training.session.session import TrainingSession
@@ -49,6 +50,8 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     that reshapes to a batch size written as a constant). Compiled inside
     `kip.scope()` or fitted with a `PluginCallback`, it trains as it does
     alone: it is the plugin already, and keeps its one conversion.
+    `tracer` (a `Tracer`; the one in use where the model is made by default)
+    says where tracing stops at the first conversion and at every rebuild.
 
     Example:
         >>> model = kip.PluginModel(MyModel(), passes=[kip.passes.Expand()])
@@ -58,7 +61,7 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     """
 
     def __init__(self, model, passes=(), rebuild_on_new_variables=True, verify=True, *,
-                 static_batch=False, **kwargs):
+                 static_batch=False, tracer=None, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"PluginModel wraps a keras.Model; got {type(model).__name__}."
@@ -75,6 +78,8 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
             model, self, validate_passes(passes), verify=verify,
             rebuild_on_new_variables=rebuild_on_new_variables,
             static_batch=bool(static_batch),
+            # kept for every conversion: the first `fit` and each rebuild
+            tracer=current_tracer() if tracer is None else tracer,
         )
 
     # -- the wrapped model's attributes are the wrapper's ---------------------

@@ -3,12 +3,12 @@ multiples of what it divides by.
 
 keras_hub's Swin `WindowAttention` gets rows of `batch * windows` and
 reshapes them to `(B_ // num_win, num_win, ...)`. Traced at the trial batch
-sizes (`batch_traces.TRIAL_BATCH_SIZES`, 1 and 3), `B_ // num_win` is 0,
+sizes (`traces.TRIAL_BATCH_SIZES`, 1 and 3), `B_ // num_win` is 0,
 and the layer stayed whole. Here the call is first traced once with its
 inputs' leading size a `_TracedSize`, an int that notes what it is divided
 by (`//`, `%`, `/`, `divmod`; sums and products of it note theirs too);
 the two trial traces are then made at that many times the trial sizes
-(`divided_trial_sizes`), where the divisions are exact. At the trial
+(`traces.divided_trial_sizes`), where the divisions are exact. At the trial
 sizes themselves `b // 4` is 0 in both traces, which would pass for a
 fixed size.
 
@@ -17,8 +17,8 @@ is the batch size there, and not at 5), so the graph made of them refuses
 any other batch size when it runs: every dimension that divides the batch
 is a `BatchSizedOperation` with a divisor, which raises on a batch size
 that is no multiple of it, and each batch-led output passes a check of the
-same (`batch_guards.divisibility_guards`). A third trace, at other multiples, confirms
-the graph (`batch_traces.one_graph_for_any_batch`).
+same (`divisibility_guards`). A third trace, at other multiples, confirms
+the graph (`traces.one_graph_for_any_batch`).
 
 Only a size read from an input itself (`ops.shape(x)[0]`) notes its
 divisions: Keras computes the shapes of what the call makes as plain ints.
@@ -26,22 +26,22 @@ A division of those stays as before (`ops.shape(flat)[0] // t` of a
 `(b * t, d)` tensor is the batch size at every trial size).
 
 Example:
-    >>> divided_trial_sizes(layer, (x,), {}, placeholders, "", reads, None, tracer, error)
-    (4, 12)
+    >>> divisors = []
+    >>> size = ProbeTensor((3, 16), "float32", divisors).shape[0]   # as `call` reads it
+    >>> size // 4, divisors
+    (0, [4])
 """
 
 import math
+from fractions import Fraction
 
 import keras
 
-from keras_ipu_plugin.frontend.batch.traces import TRIAL_BATCH_SIZES
-from keras_ipu_plugin.frontend.batch.traces import trace_at_two_batch_sizes
-from keras_ipu_plugin.frontend.trace.failures import TraceError
-
-# The size the probe trace gives its inputs' leading dimension: that of the
-# second trial trace, so that code branching on a batch of one does not
-# hide the division.
-PROBE_SIZE = TRIAL_BATCH_SIZES[1]
+from keras_ipu_plugin import _compat
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 
 # Past this, a divisor is not followed (the layer stays whole, saying so):
 # the trial traces are of batches this many times larger, and a constant
@@ -115,7 +115,7 @@ class _TracedSize(int):
     __rmul__ = __mul__
 
 
-class _ProbeTensor(keras.KerasTensor):
+class ProbeTensor(keras.KerasTensor):
     """A KerasTensor whose leading size, as `call` reads it, is a
     `_TracedSize` (Keras keeps plain ints in the shapes it computes)."""
 
@@ -129,39 +129,45 @@ class _ProbeTensor(keras.KerasTensor):
         return (self.probe_size,) + shape[1:]
 
 
-def batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tracer):
-    """The least common multiple of what `call` divides its inputs' leading
-    size by (1 where nothing), seen in one trace at `PROBE_SIZE`."""
-    divisors = []
+def divisibility_guards(outputs, anchor, scale, sizes, leading, prefix):
+    """`(nodes, outputs)`: where the graph was traced at multiples of `scale`
+    (> 1), each output whose leading size follows the batch passes a
+    `BatchSizedOperation` that refuses a batch size of `anchor` that is no
+    multiple of `scale` (an identity `broadcast_to` of it), so the graph
+    never runs where the traces do not tell what it computes (`b // 4 * 4`
+    is the batch size at multiples of 4 only). `leading`: each flat
+    output's leading size in the two traces, `(a, b)` at the batch sizes
+    `sizes` (multiples of `scale`).
+    Raises `ValueError` where no output follows the batch.
+    """
+    nodes, guarded = [], {}
+    small, large = sizes
+    flat = []
+    map_values(flat.append, outputs)
+    for index, value in enumerate(flat):
+        shape = tuple(value.spec.shape)
+        sizes = leading[index] if index < len(leading) else None
+        if (id(value) in guarded or value.mask is not None or not shape or shape[0] is not None or None in shape[1:]
+                or sizes is None or not sizes[0] or sizes[0] * large != sizes[1] * small):
+            continue
+        ratio = Fraction(sizes[0], small) * scale  # rows per `scale` rows of the anchor
+        if ratio.denominator != 1:
+            continue
+        name = f"{prefix}batch_multiple_of_{scale}_{len(nodes)}"
+        check = BatchSizedOperation(
+            _compat.broadcast_to_operation(shape), ["shape"],
+            multiples={"shape": [int(ratio)] + [1] * (len(shape) - 1)},
+            divisors={"shape": [scale] + [1] * (len(shape) - 1)},
+            name=name.replace(".", "_"))
+        node = Node(name, check, (anchor, value), {}, output_structure=None)
+        node.outputs = [Value(node, 0, keras.KerasTensor(shape, dtype=value.spec.dtype))]
+        nodes.append(node)
+        guarded[id(value)] = node.outputs[0]
+    if not nodes:
+        raise ValueError(
+            f"traced at multiples of {scale} (the call divides the batch size by it), "
+            "and no output's leading size follows the batch size, to refuse others")
+    return nodes, map_values(lambda v: guarded.get(id(v), v), outputs)
 
-    def probe(shape, dtype):
-        return _ProbeTensor(shape, dtype, divisors)
 
-    try:
-        trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads, training,
-                                 None, tracer, batch_sizes=(PROBE_SIZE,), make_input=probe)
-    except Exception:  # noqa: BLE001 - a probe: the trial traces say why a call fails
-        pass
-    return math.lcm(1, *divisors)
-
-
-def divided_trial_sizes(layer, args, kwargs, placeholders, prefix, reads, training, tracer,
-                        error):
-    """The batch sizes to trace `call` at where it divides its inputs'
-    leading size: `TRIAL_BATCH_SIZES` times what it divides by
-    (`batch_divisor`); None where it divides by nothing. Past
-    `LARGEST_DIVISOR`, raises `TraceError` (`error`: why the symbolic
-    trace failed) saying so: at the trial sizes the division would be 0."""
-    divisor = batch_divisor(layer, args, kwargs, placeholders, prefix, reads, training, tracer)
-    if divisor == 1:
-        return None
-    if divisor > LARGEST_DIVISOR:
-        raise TraceError(
-            f"{error.reason}; `call` divides the batch size by {divisor}, and is traced at "
-            f"multiples of a divisor up to {LARGEST_DIVISOR} only (at other sizes the "
-            "division is not exact); write the reshape's batch dimension as -1, or convert "
-            "with static_batch=True")
-    return tuple(divisor * size for size in TRIAL_BATCH_SIZES)
-
-
-__all__ = ["batch_divisor", "divided_trial_sizes"]
+__all__ = ["LARGEST_DIVISOR", "ProbeTensor", "divisibility_guards"]

@@ -1,6 +1,8 @@
 """Batch generalisation: one graph for any batch size from two traces of a
 call made at two batch sizes (what the tracer does where a call computes
-with the batch size, `ops.shape(x)[0]`).
+with the batch size, `ops.shape(x)[0]`). One concept, in one module: the
+two traces made one graph, node for node, and the `ModeSwitch`es among
+them (a call branching on `training` in Python) made one, mode for mode.
 
 A dimension that is the one batch size in one trace and the other in the
 other becomes unknown, in output shapes and in operations' shape attributes
@@ -8,9 +10,16 @@ other becomes unknown, in output shapes and in operations' shape attributes
 reads the batch size from a graph tensor when the graph runs); anything else
 that differs raises `NotBatchGeneral`, with the reason.
 
+keras_hub's Mixtral MoE block adds its load-balancing loss in training
+only (`if training:`, a `ModeSwitch` holding a graph per mode,
+`training_branches.py`), and recovers the batch size there as
+`ops.shape(router_logits)[0] // seq_len`: each of its two traces holds a
+switch of its own, and the two are one where each mode's two graphs are
+one graph for any batch size (`general_switch`).
+
 Example:
     >>> nodes, outputs = generalize_batch((nodes_2, outputs_2), (nodes_3, outputs_3),
-    ...                                   (2, 3), anchor, same_operation)
+    ...                                   (2, 3), anchor)
 """
 
 
@@ -20,27 +29,36 @@ import keras
 import numpy as np
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.batch.errors import MixedLeadingSizes
-from keras_ipu_plugin.frontend.batch.errors import NotBatchGeneral
-from keras_ipu_plugin.frontend.batch.switches import are_switches
-from keras_ipu_plugin.frontend.batch.switches import general_switch
+from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.training_modes import node_identity
+from keras_ipu_plugin.ir.graph import Graph
+from keras_ipu_plugin.ir.graph import Node
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.state.reads import HeldConstant
+from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
 
-def unknown_dimension_attributes(operation):
-    """Names of `operation`'s shape attributes (lists / tuples of
-    dimensions) that hold None."""
-    return [
-        name for name, value in vars(operation).items()
-        if not name.startswith("_") and isinstance(value, (list, tuple))
-        and any(item is None for item in value)
-        and all(item is None or isinstance(item, int) for item in value)
-    ]
+class NotBatchGeneral(Exception):
+    """Two traces at different batch sizes differ other than by it."""
 
 
+class MixedLeadingSizes(NotBatchGeneral):
+    """An operation holds the leading sizes of two inputs whose leading
+    dimensions are independent of each other: no one graph tensor gives
+    both when the graph runs."""
 
 
-def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="",
+def same_operation(node_a, node_b):
+    """Whether two traces called the same thing at these nodes (opaque ones
+    are kept out: their recorded output shapes hold a trial batch size)."""
+    return node_a.opaque_reason is None and node_identity(node_a) == node_identity(node_b)
+
+
+def generalize_batch(small, large, batch_sizes, anchor, prefix="",
                      groups=None, known=None):
     """One graph for any batch size from two traces of the same call, made
     with its inputs' batch size set to `batch_sizes = (s, l)`.
@@ -67,17 +85,13 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
 
     A `ModeSwitch` in both (a call branching on `training` in Python) is
     made one of its modes' graphs, each generalized so
-    (`batch_switches.py`). `known`: {id(Value of the large trace): Value of
+    (`general_switch`). `known`: {id(Value of the large trace): Value of
     the small one} for the inputs the two traces read apart (a switch's
     graphs').
 
     Returns `(nodes, outputs)` of `small`, generalized (its Nodes are
     reused; new ones are named `prefix + ...`).
     """
-    from keras_ipu_plugin.ir.graph import Node
-    from keras_ipu_plugin.ir.graph import Value
-    from keras_ipu_plugin.layers.state.reads import HeldConstant
-
     (nodes_s, outputs_s), (nodes_l, outputs_l) = small, large
     if groups is None:
         groups = [(anchor, tuple(batch_sizes))]
@@ -152,8 +166,7 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
             inputs = [leaf for leaf in keras.tree.flatten(args) if isinstance(leaf, Value)]
             operation = general_switch(node_s, node_l, inputs,
                                        batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes,
-                                       anchors[0], same_operation, prefix,
-                                       generalize_batch, _general_spec)
+                                       anchors[0], prefix)
         elif isinstance(operation, HeldConstant):
             constant = _general_constant(operation.value, node_l.operation.value,
                                          batch_sizes, node_s.name)
@@ -195,45 +208,13 @@ def generalize_batch(small, large, batch_sizes, anchor, same_operation, prefix="
     return result, outputs
 
 
-def fixed_batch_reason(operation, arguments, outputs, name):
-    """Why the call of `operation` (a reshape or broadcast) at node `name`
-    runs at one batch size only, or None: it takes a tensor whose batch
-    size is unknown (None) to a shape that is all constants, so the batch
-    size is one of them (keras.io's Switch Transformer reshapes to
-    `[num_tokens_per_batch, embed_dim]`, a Python int from the data's
-    batch size). `arguments`: the call's arguments, flattened."""
-    kind = type(operation).__name__
-    function = getattr(operation, "function", None)
-    if kind == "TFFunction" and function in ("reshape", "broadcast_to"):
-        kind = "Reshape" if function == "reshape" else "BroadcastTo"
-    if kind not in ("Reshape", "BroadcastTo"):
-        return None
-    given = next((t for t in arguments if isinstance(t, keras.KerasTensor)), None)
-    if given is None or not given.shape or given.shape[0] is not None or None in given.shape[1:]:
-        return None
-    if len(outputs) != 1 or not outputs[0].shape or None in tuple(outputs[0].shape):
-        return None
-    shape, fixed = tuple(given.shape), tuple(outputs[0].shape)
-    rows = int(np.prod(fixed)) / max(int(np.prod(shape[1:])), 1)
-    batch = f"the batch size {int(rows)}" if rows == int(rows) else "a batch size"
-    verb = "reshapes" if kind == "Reshape" else "broadcasts"
-    return (
-        f"`{name}` {verb} a tensor whose batch size is unknown, of shape {shape}, to the "
-        f"fixed shape {fixed}: the code holds {batch} as a constant, so it runs at that "
-        "batch size only; write that dimension as -1 (`ops.reshape(x, (-1, "
-        f"{', '.join(map(str, fixed[1:]))}))`) or from `ops.shape(x)[0]` (times what it "
-        "multiplies) for the layer to expand and run at any batch size, or convert with "
-        "static_batch=True"
-    )
-
-
 def has_offsets(nodes):
     """Whether a `BatchSizedOperation` among `nodes` (or the graphs of a
     `ModeSwitch` among them) adds a constant to a multiple of the batch
     size, or divides it."""
     return any(isinstance(node.operation, BatchSizedOperation)
                and (node.operation.offsets or node.operation.divisors)
-               for node in _with_branches(nodes))
+               for node in with_branch_nodes(nodes))
 
 
 def batch_signature(nodes):
@@ -245,14 +226,8 @@ def batch_signature(nodes):
         (type(node.operation.operation).__name__,
          {name: getattr(node.operation.operation, name) for name in node.operation.attributes},
          node.operation.multiples, node.operation.offsets, node.operation.divisors)
-        for node in _with_branches(nodes) if isinstance(node.operation, BatchSizedOperation)
+        for node in with_branch_nodes(nodes) if isinstance(node.operation, BatchSizedOperation)
     ]
-
-
-def _with_branches(nodes):
-    from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
-
-    return with_branch_nodes(nodes)
 
 
 class _BatchConstant:
@@ -331,7 +306,7 @@ def _batch_dimension(a, b, batch_sizes, name, multiples=False, used=None):
     small, large = pairs[0]
     if multiples and _is_int(a) and _is_int(b) and a > 0 and a * large == b * small:
         # `batch // windows`, traced at multiples of the windows
-        # (`batch_divisions.divided_trial_sizes`): a fraction of the batch size,
+        # (`traces.divided_trial_sizes`): a fraction of the batch size,
         # confirmed by a third trace (`has_offsets`).
         found = _fraction_of(Fraction(int(a), int(small)), small)
         if found is not None:
@@ -520,5 +495,59 @@ def _general_spec(a, b, batch_sizes, name):
     return keras.KerasTensor(shape, dtype=a.dtype, sparse=a.sparse)
 
 
-__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "batch_signature", "fixed_batch_reason",
-           "generalize_batch", "has_offsets", "unknown_dimension_attributes"]
+def are_switches(node_a, node_b):
+    """Whether two traces' nodes are `ModeSwitch`es standing for one
+    layer's call, with the same modes."""
+    a, b = node_a.operation, node_b.operation
+    return (isinstance(a, ModeSwitch) and isinstance(b, ModeSwitch)
+            and a.of_layer == b.of_layer and a.none_means == b.none_means
+            and set(a.mode_outputs) == set(b.mode_outputs)
+            and a.branch_graphs is not None and b.branch_graphs is not None)
+
+
+def general_switch(node_s, node_l, inputs, batch_sizes, anchor, prefix):
+    """A `ModeSwitch` for any batch size, made of the switches of two traces
+    at `batch_sizes` (`node_s`, `node_l`). `inputs`: the switch's inputs
+    (Values of the small trace's graph); `anchor`: the Value whose leading
+    size is the batch size there. Raises `NotBatchGeneral`."""
+    switch_s, switch_l = node_s.operation, node_l.operation
+    if not isinstance(batch_sizes[0], int):
+        raise NotBatchGeneral(
+            f"`{node_s.name}` branches on `training` in Python, and its inputs' leading "
+            "sizes are independent of each other, which its graphs cannot follow")
+    place = next((i for i, value in enumerate(inputs) if value is anchor), None)
+    graphs = {}
+    for mode, graph_s in switch_s.branch_graphs.items():
+        graph_l = switch_l.branch_graphs[mode]
+        if len(graph_s.input_values) != len(graph_l.input_values):
+            raise NotBatchGeneral(f"`{node_s.name}` reads other inputs in {mode}")
+        known = dict(zip(map(id, graph_l.input_values), graph_s.input_values))
+        specs = []
+        for spec, value_s, value_l in zip(graph_s.input_specs, graph_s.input_values,
+                                          graph_l.input_values):
+            value_s.spec = _general_spec(value_s.spec, value_l.spec, batch_sizes, node_s.name)
+            shape = tuple(value_s.spec.shape)
+            specs.append(InputSpec(name=spec.name, shape=shape[1:], dtype=spec.dtype,
+                                   batch_size=shape[0]))
+        inner = graph_s.input_values[place] if place is not None else next(
+            (value for value in graph_s.input_values
+             if value.spec.shape and value.spec.shape[0] is None), None)
+        if inner is None:
+            raise NotBatchGeneral(
+                f"`{node_s.name}` branches on `training` in Python, and reads no input "
+                "whose leading size is the batch size")
+        nodes, outputs = generalize_batch(
+            (graph_s.nodes, graph_s.outputs), (graph_l.nodes, graph_l.outputs), batch_sizes,
+            inner, prefix, known=known)
+        try:
+            check_batch_dimensions(nodes, prefix, multiples=True, scale=batch_sizes[0])
+        except TraceError as error:
+            raise NotBatchGeneral(f"in {mode}, {error.reason}") from None
+        graph_s.nodes = []  # detached: the small trace's switch is done with
+        graphs[mode] = Graph(specs, list(graph_s.input_values), nodes, list(outputs),
+                             name=graph_s.name)
+    return switch_s.with_branch_graphs(graphs)
+
+
+__all__ = ["MixedLeadingSizes", "NotBatchGeneral", "are_switches", "batch_signature",
+           "general_switch", "generalize_batch", "has_offsets", "same_operation"]

@@ -2,7 +2,7 @@
 
 A graph traced with the batch size unknown (None) holds operations that
 read it when the graph runs (`BatchSizedOperation`); one traced at two batch
-sizes holds each multiple of it (`batch_generalization.generalize_batch`). Either is
+sizes holds each multiple of it (`generalization.generalize_batch`). Either is
 checked here by replaying the shapes with the inputs' batch size set to 3
 and then 7 (`check_batch_dimensions`): a dimension that merely stood where
 the batch size did would take a wrong value, and fails the trace.
@@ -15,6 +15,7 @@ import functools
 from fractions import Fraction
 
 import keras
+import numpy as np
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.trace.failures import STATIC_BATCH_HINT
@@ -44,20 +45,20 @@ def check_batch_dimensions(nodes, prefix, multiples=False, groups=None, scale=1)
     the sequence, after a reshape) would take a wrong value, and fails here.
     With `multiples` (a graph made from traces at two batch sizes, whose
     operations hold each multiple of the batch size they compute with,
-    `batch_generalization.BatchMultiple`), a dimension may be a fixed multiple of
+    `generalization.BatchMultiple`), a dimension may be a fixed multiple of
     the batch size too (3k and 7k: Swin's `batch * windows` rows).
     The outputs' shapes are then set to what the replay showed.
 
     `groups` ({id(input Value): index}): inputs whose leading sizes are
     independent of each other (a graph's node features and its edge list,
-    traced at sizes of their own: `batch_generalization.generalize_batch`)
+    traced at sizes of their own: `generalization.generalize_batch`)
     are replayed each at sizes of its own (`REPLAY_SIZES`), and each
     dimension must follow one of them: an operation reading the wrong
     input's size fails here, which one shared batch size would hide. An
     input not in `groups` has the first group's sizes.
 
     `scale`: the batch sizes the graph was traced at are multiples of it
-    (the call divides the batch by it, `batch_divisions.py`); it is
+    (the call divides the batch by it, `batch/divisions.py`); it is
     replayed at multiples of it too, and a dimension may be a fraction of
     the batch size (3k / w and 7k / w: Swin's `batch_windows // windows`).
     """
@@ -159,4 +160,47 @@ def _unknown_dimension_reason(where, value):
         f"{STATIC_BATCH_HINT} (the graph computes with the batch size, but "
         f"`{where or 'the input'}` has a tensor of shape {tuple(value.spec.shape)} "
         "whose unknown dimension is not the batch size alone)"
+    )
+
+
+def unknown_dimension_attributes(operation):
+    """Names of `operation`'s shape attributes (lists / tuples of
+    dimensions) that hold None."""
+    return [
+        name for name, value in vars(operation).items()
+        if not name.startswith("_") and isinstance(value, (list, tuple))
+        and any(item is None for item in value)
+        and all(item is None or isinstance(item, int) for item in value)
+    ]
+
+
+def fixed_batch_reason(operation, arguments, outputs, name):
+    """Why the call of `operation` (a reshape or broadcast) at node `name`
+    runs at one batch size only, or None: it takes a tensor whose batch
+    size is unknown (None) to a shape that is all constants, so the batch
+    size is one of them (keras.io's Switch Transformer reshapes to
+    `[num_tokens_per_batch, embed_dim]`, a Python int from the data's
+    batch size). `arguments`: the call's arguments, flattened."""
+    kind = type(operation).__name__
+    function = getattr(operation, "function", None)
+    if kind == "TFFunction" and function in ("reshape", "broadcast_to"):
+        kind = "Reshape" if function == "reshape" else "BroadcastTo"
+    if kind not in ("Reshape", "BroadcastTo"):
+        return None
+    given = next((t for t in arguments if isinstance(t, keras.KerasTensor)), None)
+    if given is None or not given.shape or given.shape[0] is not None or None in given.shape[1:]:
+        return None
+    if len(outputs) != 1 or not outputs[0].shape or None in tuple(outputs[0].shape):
+        return None
+    shape, fixed = tuple(given.shape), tuple(outputs[0].shape)
+    rows = int(np.prod(fixed)) / max(int(np.prod(shape[1:])), 1)
+    batch = f"the batch size {int(rows)}" if rows == int(rows) else "a batch size"
+    verb = "reshapes" if kind == "Reshape" else "broadcasts"
+    return (
+        f"`{name}` {verb} a tensor whose batch size is unknown, of shape {shape}, to the "
+        f"fixed shape {fixed}: the code holds {batch} as a constant, so it runs at that "
+        "batch size only; write that dimension as -1 (`ops.reshape(x, (-1, "
+        f"{', '.join(map(str, fixed[1:]))}))`) or from `ops.shape(x)[0]` (times what it "
+        "multiplies) for the layer to expand and run at any batch size, or convert with "
+        "static_batch=True"
     )

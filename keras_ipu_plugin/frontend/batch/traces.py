@@ -6,32 +6,44 @@ shape (`ops.broadcast_to(cls, (ops.shape(x)[0], 1, d))`) becomes a
 `BatchSizedOperation` that reads it when the graph runs (`keras_nodes.py`);
 a `call` that needs it as a number (`ops.broadcast_to` on a concrete mask,
 as keras_hub's decoders build their causal masks) is traced here at two
-batch sizes and the two graphs are made one (`batch_generalization.generalize_batch`).
+batch sizes and the two graphs are made one (`generalization.generalize_batch`).
 Both are checked by replaying the shapes at two other batch sizes
-(`batch_shapes.py`); what fails stays whole, with a reason saying to pass
-`static_batch=True`.
+(`shapes.py`); what fails stays whole, with a reason saying to pass
+`static_batch=True`. A call that divides the batch size is traced at
+multiples of what it divides by (`divided_trial_sizes`, `divisions.py`).
+
+When a call is traced so is the `Tracer`'s to say (`Tracer.traces`); each
+function here takes the symbolic trace of the call (a `CallTrace`) and
+gives `Traces`, whose `trial` (a `BatchTrial`) says how they were made.
 
 Example:
-    >>> runs = trace_at_two_batch_sizes(layer, (x,), {}, placeholders, "", reads,
-    ...                                 None, error, tracer)
-    >>> nodes, outputs = one_graph_for_any_batch(runs, retrace, "")
+    >>> traces = trace_at_two_batch_sizes(call, error)
+    >>> nodes, outputs = one_graph_for_any_batch(traces)
 """
+
+import dataclasses
+import math
 
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.batch.guards import divisibility_guards
-from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
-from keras_ipu_plugin.frontend.trace.call_trace import CallTrace
-from keras_ipu_plugin.frontend.trace.call_trace import anchor_of
-from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.training_modes import node_identity
-from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
+from keras_ipu_plugin.frontend.batch.divisions import LARGEST_DIVISOR
+from keras_ipu_plugin.frontend.batch.divisions import ProbeTensor
+from keras_ipu_plugin.frontend.batch.divisions import divisibility_guards
 from keras_ipu_plugin.frontend.batch.generalization import MixedLeadingSizes
 from keras_ipu_plugin.frontend.batch.generalization import NotBatchGeneral
 from keras_ipu_plugin.frontend.batch.generalization import batch_signature
 from keras_ipu_plugin.frontend.batch.generalization import generalize_batch
 from keras_ipu_plugin.frontend.batch.generalization import has_offsets
+from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.trace.call_trace import Traces
+from keras_ipu_plugin.frontend.trace.call_trace import anchor_of
+from keras_ipu_plugin.frontend.trace.failures import TraceError
+from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
+from keras_ipu_plugin.ir.graph import map_values
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 
 
 # The batch sizes a call is traced at when its symbolic trace fails on the
@@ -51,29 +63,51 @@ CONFIRMING_BATCH_SIZES = (1, 2)
 PER_INPUT_SIZES = ((1, 3), (2, 5), (4, 11), (6, 17), (8, 23), (10, 29))
 
 
-def generalized(runs, batch_sizes, prefix):
-    """`generalize_batch` of the two traces `runs` made at `batch_sizes`
-    (or, traced `per_input`, at each input's sizes)."""
-    (first, small), (_, large) = runs
-    return generalize_batch(small, large, batch_sizes, first.placeholders[id(first.anchor)],
-                            same_operation, prefix, groups=first.batch_groups)
+# The size the probe trace gives its inputs' leading dimension: that of the
+# second trial trace, so that code branching on a batch of one does not
+# hide the division.
+PROBE_SIZE = TRIAL_BATCH_SIZES[1]
 
 
-def input_groups(runs):
-    """{id(input Value): index} of the inputs traced at sizes of their own
-    (`per_input`), for `check_batch_dimensions`; {} otherwise."""
-    return getattr(runs[0][0], "group_of", None) or {}
+@dataclasses.dataclass(frozen=True)
+class BatchTrial:
+    """How traces of a call at trial batch sizes were made (`Traces.trial`).
+
+    `call`: the symbolic trace of the call they stand in for; `sizes`: the
+    batch sizes traced at; `failure`: why the symbolic trace failed (None
+    for traces that confirm a graph); `groups`: for inputs traced at sizes
+    of their own, `[(input Value, its two sizes)]`, one per group of
+    inputs, else None; `group_of`: {id(input Value): its group};
+    `generalized`: the `(nodes, outputs)` already made one graph of them
+    (traced per input, they are made one to tell the grouping).
+    """
+
+    call: object
+    sizes: tuple
+    failure: object
+    groups: object = None
+    group_of: dict = dataclasses.field(default_factory=dict)
+    generalized: object = None
 
 
-def _sizes_followed(runs):
-    """Whether every output of the two per-input traces `runs` has, at each
+def generalized(traces):
+    """`generalize_batch` of the two `traces` made at trial batch sizes
+    (or, traced per input, at each input's sizes)."""
+    (first, small), (_, large) = traces.runs
+    return generalize_batch(small, large, traces.trial.sizes,
+                            first.placeholders[id(first.anchor)], traces.trial.call.prefix,
+                            groups=traces.trial.groups)
+
+
+def _sizes_followed(traces):
+    """Whether every output of the two per-input `traces` has, at each
     dimension, one size in both, or one input's two sizes (or a multiple of
     them): a call that cannot run with its inputs' sizes different may
     still trace, Keras's shape inference not checking every operation (an
     attention between two inputs gives a size in one trace and None in the
     other), and its inputs are then one batch."""
-    (first, (nodes_a, _)), (_, (nodes_b, _)) = runs
-    pairs = [sizes for _, sizes in first.batch_groups]
+    (_, (nodes_a, _)), (_, (nodes_b, _)) = traces.runs
+    pairs = [sizes for _, sizes in traces.trial.groups]
     if len(nodes_a) != len(nodes_b):
         return False
     for node_a, node_b in zip(nodes_a, nodes_b):
@@ -138,16 +172,15 @@ def independent_inputs(args, kwargs):
     return batched
 
 
-def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                             training, error, tracer, batch_sizes=TRIAL_BATCH_SIZES,
-                             per_input=False, blocks=None, make_input=None):
-    """Trace `call` with its inputs' unknown batch size set to each of
-    `TRIAL_BATCH_SIZES`, for `call`s that need a concrete batch size
-    (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))` on a concrete mask,
-    as keras_hub's decoders build their causal masks). `generalize_batch`
-    then makes one graph of the two that works for any batch size, or says
-    why it cannot. Re-raises `error` when the inputs' batch size is known.
-    `tracer`: the `Tracer` of the trace that failed.
+def trace_at_two_batch_sizes(call, error, batch_sizes=TRIAL_BATCH_SIZES, per_input=False,
+                             blocks=None, make_input=None):
+    """`Traces` of `call` (the symbolic `CallTrace` of a call) with its
+    inputs' unknown batch size set to each of `batch_sizes`, for `call`s that need a
+    concrete batch size (`ops.broadcast_to(mask, (ops.shape(x)[0], n, n))`
+    on a concrete mask, as keras_hub's decoders build their causal masks).
+    `generalize_batch` then makes one graph of the two that works for any
+    batch size, or says why it cannot. Re-raises `error` (why the symbolic
+    trace failed) when the inputs' batch size is known.
 
     With `per_input`, each input whose leading size is unknown is traced
     at sizes of its own (`PER_INPUT_SIZES`; `independent_inputs`), so that
@@ -157,10 +190,9 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
     at sizes of its own; the error is raised where no grouping of two or
     more groups traces. `blocks`: one grouping to trace (lists of inputs).
     `make_input(shape, dtype)`: the symbolic input at each trial size (a
-    KerasTensor by default; `batch_divisions`' probe notes divisions).
-
-    Returns `[(trace, (nodes, outputs))]` for each batch size.
+    KerasTensor by default; `batch_divisor`'s probe notes divisions).
     """
+    args, kwargs, placeholders = call.args, call.kwargs, call.placeholders
     symbols = [leaf for leaf in keras.tree.flatten((args, kwargs))
                if isinstance(leaf, keras.KerasTensor)]
     anchor = anchor_of((args, kwargs))
@@ -173,31 +205,31 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
         mixed = None
         for grouping in _groupings(independent_inputs(args, kwargs)):
             try:
-                runs = trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix,
-                                                reads, training, error, tracer, blocks=grouping)
+                traces = trace_at_two_batch_sizes(call, error, blocks=grouping)
             except TraceError:
                 continue
-            if not _sizes_followed(runs):
+            if not _sizes_followed(traces):
                 continue
             # Made one graph and replayed here: a grouping whose graph does
             # not follow its inputs' sizes (an einsum of two inputs that
             # TensorFlow's shape inference refuses at two sizes) is no
             # grouping of this call's inputs.
             try:
-                nodes, outputs = generalized(runs, None, prefix)
-                check_batch_dimensions(nodes, prefix, multiples=True, groups=input_groups(runs))
+                nodes, outputs = generalized(traces)
+                check_batch_dimensions(nodes, call.prefix, multiples=True,
+                                       groups=traces.trial.group_of)
             except MixedLeadingSizes as failure:
                 mixed = mixed or failure
                 continue
             except (NotBatchGeneral, TraceError):
                 continue
-            runs[0][0].generalized = (nodes, outputs)
-            return runs
+            return dataclasses.replace(traces, trial=dataclasses.replace(
+                traces.trial, generalized=(nodes, outputs)))
         if mixed is not None:
-            failure = TraceError(
-                f"{error.reason}; traced with each input at sizes of its own instead, {mixed}")
-            failure.mixed = True  # the inputs' sizes are apart, and one graph cannot hold it
-            raise failure
+            # the inputs' sizes are apart, and one graph cannot hold it
+            raise TraceError(
+                f"{error.reason}; traced with each input at sizes of its own instead, {mixed}",
+                mixed=True)
         raise error
     if error is not None and not per_input and blocks is None \
             and independent_inputs(args, kwargs):
@@ -206,16 +238,21 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
         # the input it is of; at one shared size only where the call
         # cannot run with them different (it adds them row by row).
         try:
-            return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                                            training, error, tracer, per_input=True)
+            return trace_at_two_batch_sizes(call, error, per_input=True)
         except TraceError as failure:
-            if getattr(failure, "mixed", False):
+            if failure.mixed:
                 raise  # one shared size would read one input's size for another's
     runs = []
     groups = list(blocks or [])
     if groups and not 2 <= len(groups) <= len(PER_INPUT_SIZES):
         raise error
     group_of = {id(t): index for index, block in enumerate(groups) for t in block}
+    trial = BatchTrial(
+        call, tuple(batch_sizes), error.reason if error is not None else None,
+        groups=[(placeholders[id(block[0])], PER_INPUT_SIZES[index])
+                for index, block in enumerate(groups)] or None,
+        group_of={id(placeholders[id(t)]): index
+                  for index, block in enumerate(groups) for t in block})
     make_input = make_input or (lambda shape, dtype: keras.KerasTensor(shape, dtype=dtype))
     for run, batch_size in enumerate(batch_sizes):
         concrete = {
@@ -229,19 +266,11 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             mask = _compat.keras_mask(tensor)
             if isinstance(mask, keras.KerasTensor):
                 _compat.set_keras_mask(concrete[id(tensor)], swap(mask))
-        trace = CallTrace(
-            layer, keras.tree.map_structure(swap, args), keras.tree.map_structure(swap, kwargs),
-            {id(swap(t)): placeholders[id(t)] for t in symbols},
-            prefix, reads, anchor=concrete[id(anchor)], tracer=tracer,
-        )
-        trace.failure = error.reason if error is not None else None
-        trace.trial_sizes = tuple(batch_sizes)
-        trace.batch_groups = [(placeholders[id(block[0])], PER_INPUT_SIZES[index])
-                              for index, block in enumerate(groups)] or None
-        trace.group_of = {id(placeholders[id(t)]): index
-                          for index, block in enumerate(groups) for t in block}
+        trace = call.at(
+            keras.tree.map_structure(swap, args), keras.tree.map_structure(swap, kwargs),
+            {id(swap(t)): placeholders[id(t)] for t in symbols}, anchor=concrete[id(anchor)])
         try:
-            runs.append((trace, trace_modes(trace, training)))
+            result = trace_modes(trace)
         except TraceError as failure:
             if error is None:  # confirming a generalization: that failure says why not
                 raise NotBatchGeneral(f"and at batch size {batch_size} {failure.reason}") from None
@@ -251,46 +280,42 @@ def trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
             # (Mixtral's MoE block: `add_loss` in training, after `B*T // T`).
             raise TraceError(f"{error.reason}; traced at batch size {batch_size} instead, "
                              f"{failure.reason}") from None
-    return runs
+        runs.append((trace, result))
+    return Traces(tuple(runs), trial)
 
 
-def per_input_runs(runs, layer, args, kwargs, placeholders, prefix, reads, training, tracer):
-    """`runs` (one symbolic trace), or, where that trace reads an input's
-    unknown leading size (a `BatchSizedOperation`, a draw of the batch
-    size) while two or more inputs have one (`independent_inputs`), the
-    call traced at sizes of each input's own: one symbolic trace takes
-    every None for the anchor's batch size, and GAT's
-    `ops.reshape(x, (ops.shape(edges)[0], -1))` would read the node count.
+def per_input_traces(symbolic):
+    """`symbolic` (the `Traces` of one symbolic trace), or, where that trace
+    reads an input's unknown leading size (a `BatchSizedOperation`, a draw
+    of the batch size) while two or more inputs have one
+    (`independent_inputs`), the call traced at sizes of each input's own:
+    one symbolic trace takes every None for the anchor's batch size, and
+    GAT's `ops.reshape(x, (ops.shape(edges)[0], -1))` would read the node
+    count.
 
     Where the call cannot run with its inputs' leading sizes different (it
     adds them row by row), they are one batch, and the symbolic trace
     stands. Where it can, the per-input traces decide, and where they are
     not one graph the layer stays whole, with the reason."""
-    from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
-
-    inputs = independent_inputs(args, kwargs)
-    readers = [node.name for _, (nodes, _) in runs for node in with_branch_nodes(nodes)
-               if _reads_leading_size(node)]
+    ((call, (nodes, _)),) = symbolic.runs
+    inputs = independent_inputs(call.args, call.kwargs)
+    readers = [node.name for node in with_branch_nodes(nodes) if _reads_leading_size(node)]
     if not inputs or not readers:
-        return runs
+        return symbolic
     reason = (
         f"`{readers[0]}` reads the unknown leading size of an input (`ops.shape(x)[0]`), "
         f"and {len(inputs)} inputs of the call have one, which may differ")
     try:
-        return trace_at_two_batch_sizes(layer, args, kwargs, placeholders, prefix, reads,
-                                        training, TraceError(reason), tracer, per_input=True)
+        return trace_at_two_batch_sizes(call, TraceError(reason), per_input=True)
     except TraceError as failure:
-        if getattr(failure, "mixed", False):
+        if failure.mixed:
             raise  # the symbolic trace would read one input's size for another's
-        return runs  # fails at independent sizes: the inputs are one batch
+        return symbolic  # fails at independent sizes: the inputs are one batch
 
 
 def _reads_leading_size(node):
     """Whether `node` fills an unknown dimension from its anchor's leading
     size when the graph runs."""
-    from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-    from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
-
     operation = node.operation
     if isinstance(operation, BatchSizedOperation):
         return True
@@ -300,67 +325,93 @@ def _reads_leading_size(node):
 
 
 def _flat_values(structure):
-    from keras_ipu_plugin.ir.graph import map_values
-
     found = []
     map_values(found.append, structure)
     return found
 
 
-def same_operation(node_a, node_b):
-    """Whether two traces called the same thing at these nodes (opaque ones
-    are kept out: their recorded output shapes hold a trial batch size)."""
-    return node_a.opaque_reason is None and node_identity(node_a) == node_identity(node_b)
+def batch_divisor(call):
+    """The least common multiple of what the traced `call` (a `CallTrace`)
+    divides its inputs' leading size by (1 where nothing), seen in one
+    trace at `PROBE_SIZE` (`divisions.ProbeTensor`)."""
+    divisors = []
+
+    def probe(shape, dtype):
+        return ProbeTensor(shape, dtype, divisors)
+
+    try:
+        trace_at_two_batch_sizes(call, None, batch_sizes=(PROBE_SIZE,), make_input=probe)
+    except Exception:  # noqa: BLE001 - a probe: the trial traces say why a call fails
+        pass
+    return math.lcm(1, *divisors)
 
 
-def one_graph_for_any_batch(runs, retrace, prefix):
+def divided_trial_sizes(call, error):
+    """The batch sizes to trace `call` at where it divides its inputs'
+    leading size: `TRIAL_BATCH_SIZES` times what it divides by
+    (`batch_divisor`); None where it divides by nothing. Past
+    `LARGEST_DIVISOR`, raises `TraceError` (`error`: why the symbolic
+    trace failed) saying so: at the trial sizes the division would be 0."""
+    divisor = batch_divisor(call)
+    if divisor == 1:
+        return None
+    if divisor > LARGEST_DIVISOR:
+        raise TraceError(
+            f"{error.reason}; `call` divides the batch size by {divisor}, and is traced at "
+            f"multiples of a divisor up to {LARGEST_DIVISOR} only (at other sizes the "
+            "division is not exact); write the reshape's batch dimension as -1, or convert "
+            "with static_batch=True")
+    return tuple(divisor * size for size in TRIAL_BATCH_SIZES)
+
+
+def one_graph_for_any_batch(traces):
     """`(nodes, outputs)` of one graph for any batch size, made of the two
-    traces `runs` (`trace_at_two_batch_sizes`), checked to follow the batch
-    size; `retrace(batch_sizes)` traces again at other batch sizes (a size
-    that is the batch's plus a constant is confirmed by a third trace).
-    Raises `TraceError` saying why the traces are not one graph."""
-    done = getattr(runs[0][0], "generalized", None)
-    if done is not None:  # traced per input, and made one graph then
-        return done
-    sizes = getattr(runs[0][0], "trial_sizes", TRIAL_BATCH_SIZES)
+    `traces` at trial batch sizes (`trace_at_two_batch_sizes`), checked to
+    follow the batch size (a size that is the batch's plus a constant is
+    confirmed by a third trace). Raises `TraceError` saying why the traces
+    are not one graph."""
+    trial = traces.trial
+    if trial.generalized is not None:  # traced per input, and made one graph then
+        return trial.generalized
+    sizes, prefix = trial.sizes, trial.call.prefix
     # Traced at multiples of what the call divides the batch by
-    # (`batch_divisions.divided_trial_sizes`): the graph holds there only.
+    # (`divided_trial_sizes`): the graph holds there only.
     scale = sizes[0] // TRIAL_BATCH_SIZES[0] if sizes != TRIAL_BATCH_SIZES else 1
     leading = [tuple(value.spec.shape[0] if value.spec.shape else None
                      for value in pair)
-               for pair in zip(*(_flat_values(outputs) for _, (_, outputs) in runs))]
+               for pair in zip(*(_flat_values(outputs) for _, (_, outputs) in traces.runs))]
     try:
-        nodes, outputs = generalized(runs, sizes, prefix)
+        nodes, outputs = generalized(traces)
         if has_offsets(nodes) or scale > 1:
             # `batch + 1`: two traces fit any line through their sizes (the
             # batch squared too); a third, at another batch size, confirms it.
             confirming = tuple(scale * size for size in CONFIRMING_BATCH_SIZES)
-            again = retrace(confirming)
-            if batch_signature(generalized(again, confirming, prefix)[0]) != \
-                    batch_signature(nodes):
+            again = trace_at_two_batch_sizes(trial.call, None, confirming)
+            if batch_signature(generalized(again)[0]) != batch_signature(nodes):
                 raise NotBatchGeneral(
                     f"and a trace at batch size {confirming[1]} shows a size that is no "
                     "multiple (or fraction) of the batch size plus a constant")
         if scale > 1:
-            anchor = runs[0][0].placeholders[id(runs[0][0].anchor)]
+            first = traces.runs[0][0]
+            anchor = first.placeholders[id(first.anchor)]
             try:
                 guards, outputs = divisibility_guards(outputs, anchor, scale, sizes, leading,
                                                       prefix)
             except ValueError as error:
                 raise NotBatchGeneral(str(error)) from None
             nodes = nodes + guards
-        check_batch_dimensions(nodes, prefix, multiples=True, groups=input_groups(runs),
+        check_batch_dimensions(nodes, prefix, multiples=True, groups=trial.group_of,
                                scale=scale)
     except NotBatchGeneral as mismatch:
         at = "" if scale == 1 else (
             f" ({', '.join(map(str, sizes))}: multiples of {scale}, which `call` divides "
             "the batch size by)")
         raise TraceError(
-            f"{runs[0][0].failure}; traced at two batch sizes{at} instead, {mismatch}"
+            f"{trial.failure}; traced at two batch sizes{at} instead, {mismatch}"
         ) from None
     return nodes, outputs
 
 
-__all__ = ["TRIAL_BATCH_SIZES", "CONFIRMING_BATCH_SIZES", "PER_INPUT_SIZES",
-           "independent_inputs", "trace_at_two_batch_sizes", "one_graph_for_any_batch",
-           "same_operation"]
+__all__ = ["BatchTrial", "CONFIRMING_BATCH_SIZES", "PER_INPUT_SIZES", "PROBE_SIZE",
+           "TRIAL_BATCH_SIZES", "batch_divisor", "divided_trial_sizes", "independent_inputs",
+           "one_graph_for_any_batch", "per_input_traces", "trace_at_two_batch_sizes"]

@@ -13,14 +13,16 @@ them, a `keras.random` draw is a `RandomDraw` node, and a write is a
 
 Where tracing stops (which sub-layers are traced through, and whether a
 layer's `call` is handed `training`) is the `Tracer`'s to say
-(`tracer.py`); the trace carries the one in use.
+(`tracer.py`); the trace carries the tracer that makes it.
 
 Example:
-    >>> trace = CallTrace(layer, (x,), {}, placeholders, "", ReadLayers(), tracer=Tracer())
+    >>> trace = CallTrace(layer, (x,), {}, placeholders, "", ReadLayers(), training=None,
+    ...                   tracer=Tracer())
     >>> nodes, outputs = trace_once(trace, True, False, {})
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import keras
@@ -40,7 +42,6 @@ from keras_ipu_plugin.frontend.trace.trace_views import builtin_view_class
 from keras_ipu_plugin.frontend.trace.trace_views import inline_view_class
 from keras_ipu_plugin.frontend.trace.trace_views import is_concrete
 from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms
-from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.state.reads import HeldConstant
 from keras_ipu_plugin.layers.views import layer_view
@@ -48,9 +49,12 @@ from keras_ipu_plugin.layers.views import shallow_view
 from keras_ipu_plugin.layers.views import viewed_layer
 
 
+@dataclasses.dataclass(eq=False)
 class CallTrace:
-    """The trace of one `call` in progress: the graph values that `call`
-    holds rather than receives (see `reads.py`).
+    """The trace of one `call` in progress: the call traced (its layer,
+    symbolic arguments, the `training` it is traced for, the `Tracer`
+    making it) and the graph values that `call` holds rather than receives
+    (see `reads.py`).
 
     `hold_attributes(view)` puts the symbolic read of each variable the
     traced layer keeps as an attribute (alone, or in a list or dict) in the
@@ -58,38 +62,51 @@ class CallTrace:
     direct sub-layers (made views, Keras's own layers too) to be called on
     `HeldConstant` nodes when `call` hands them only concrete tensors. The
     reads take a graph tensor of the call (`anchor`), which they ignore.
+    `at(...)`: the same call traced on other inputs (a trial batch size).
     """
 
-    def __init__(self, layer, args, kwargs, placeholders, prefix, reads, anchor=None,
-                 tracer=None):
-        self.layer = layer
-        # where tracing stops, and which `call`s take `training` (`tracer.py`)
-        self.tracer = current_tracer() if tracer is None else tracer
-        self.args, self.kwargs = args, kwargs
-        self.placeholders = placeholders
-        self.prefix = prefix
-        self.reads = reads
-        self.anchor = anchor_of((args, kwargs)) if anchor is None else anchor
-        self.failure = None  # why the symbolic trace failed, for a retry
-        # [(input Value, its two trial sizes)] of a call traced per input
-        # (`batch_traces.trace_at_two_batch_sizes`), else None
-        self.batch_groups = None
-        self.group_of = None  # {id(input Value): its group in batch_groups}
-        self.generalized = None  # (nodes, outputs) made one graph per input
-        self.lift_for = set()  # ids of the views whose concrete calls are lifted
-        self.read_names = {}  # id(Keras node of a read) -> its node name
-        # id(Keras node) -> (the node, its output structure, None leaves and
-        # all) for a call that returned None among its outputs (`_tensors_only`)
-        self.none_leaves = {}
-        self.lifted = {}  # id(HeldConstant) -> the eager tensor it holds
-        self.lift_sites = {}  # id(HeldConstant) -> the user's line that made its tensor
-        self.output_specs = {}  # replay.output_specs_key -> output KerasTensors
-        self._names = Namespace()  # the node names this trace gave
-        self._new_reads = []
-        self._draws = []  # the RandomDraw layers, the same in every mode traced
-        self._draws_made, self._drawn_from = 0, set()
-        # the variable writes `call` makes, as nodes (`write_nodes.py`)
+    layer: object
+    args: tuple
+    kwargs: dict
+    placeholders: dict  # id(KerasTensor of the call) -> its graph Value
+    prefix: str  # of the names of the nodes the trace makes
+    reads: object  # the `ReadLayers` of the graph being made
+    training: object = dataclasses.field(kw_only=True)  # None, True or False
+    # where tracing stops, and which `call`s take `training` (`tracer.py`)
+    tracer: object = dataclasses.field(kw_only=True)
+    # the graph tensor reads hang from (`anchor_of` the inputs by default)
+    anchor: object = dataclasses.field(default=None, kw_only=True)
+    lift_for: set = dataclasses.field(default_factory=set, init=False)  # ids of lifted views
+    # id(Keras node of a read) -> its node name
+    read_names: dict = dataclasses.field(default_factory=dict, init=False)
+    # id(Keras node) -> (the node, its output structure, None leaves and
+    # all) for a call that returned None among its outputs (`_tensors_only`)
+    none_leaves: dict = dataclasses.field(default_factory=dict, init=False)
+    # id(HeldConstant) -> the eager tensor it holds
+    lifted: dict = dataclasses.field(default_factory=dict, init=False)
+    # id(HeldConstant) -> the user's line that made its tensor
+    lift_sites: dict = dataclasses.field(default_factory=dict, init=False)
+    # replay.output_specs_key -> output KerasTensors
+    output_specs: dict = dataclasses.field(default_factory=dict, init=False)
+    # the variable writes `call` makes, as nodes (`write_nodes.py`)
+    writes: object = dataclasses.field(init=False)
+    _names: Namespace = dataclasses.field(default_factory=Namespace, init=False)
+    _new_reads: list = dataclasses.field(default_factory=list, init=False)
+    # the RandomDraw layers, the same in every mode traced
+    _draws: list = dataclasses.field(default_factory=list, init=False)
+    _draws_made: int = dataclasses.field(default=0, init=False)
+    _drawn_from: set = dataclasses.field(default_factory=set, init=False)
+
+    def __post_init__(self):
+        if self.anchor is None:
+            self.anchor = anchor_of((self.args, self.kwargs))
         self.writes = write_nodes.WriteRecorder(self)
+
+    def at(self, args, kwargs, placeholders, anchor):
+        """A new trace of the same call on other inputs (`args`, `kwargs`
+        with `placeholders` for them), its reads hung from `anchor`."""
+        return dataclasses.replace(self, args=args, kwargs=kwargs, placeholders=placeholders,
+                                   anchor=anchor)
 
     @contextlib.contextmanager
     def active(self):
@@ -253,6 +270,17 @@ class CallTrace:
         self._draws_made += 1
         self._new_reads.append(draw)
         return draw(self.anchor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traces:
+    """The traces of one call its graph is made of: one symbolic trace, or
+    traces at trial batch sizes, one per size, and how they were made
+    (`trial`: a `batch.traces.BatchTrial`; None for the symbolic trace).
+    `runs`: `((CallTrace, (nodes, outputs)), ...)`."""
+
+    runs: tuple
+    trial: object = None
 
 
 # What every Keras layer / model holds (its variable lists among them): not

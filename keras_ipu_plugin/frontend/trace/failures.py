@@ -53,10 +53,14 @@ def known_failure(message, at):
 
 
 class TraceError(Exception):
-    """`call` cannot be captured as a graph of Keras layers; `reason` says why."""
+    """`call` cannot be captured as a graph of Keras layers; `reason` says why.
+    `mixed`: traced with its inputs at leading sizes of their own, the
+    graph would read one input's size for another's (no retry at one
+    shared batch size may hide it)."""
 
-    def __init__(self, reason):
+    def __init__(self, reason, *, mixed=False):
         self.reason = reason
+        self.mixed = mixed
         super().__init__(reason)
 
 

@@ -22,6 +22,8 @@ from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
 from keras_ipu_plugin.frontend.trace.attribute_paths import stable_name
 from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend.batch.shapes import fixed_batch_reason
+from keras_ipu_plugin.frontend.batch.shapes import unknown_dimension_attributes
 from keras_ipu_plugin.frontend.idioms.traced_idioms import unknown_sizes
 from keras_ipu_plugin.frontend.trace.failures import STATIC_BATCH_HINT
 from keras_ipu_plugin.frontend.trace.failures import TraceError
@@ -33,8 +35,6 @@ from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.frontend.batch.generalization import fixed_batch_reason
-from keras_ipu_plugin.frontend.batch.generalization import unknown_dimension_attributes
 from keras_ipu_plugin.layers.state.reads import is_read
 from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
 from keras_ipu_plugin.layers.state.variable_write import is_write_node
@@ -203,7 +203,7 @@ _AUTO_SUFFIX = re.compile(r"_\d+$")
 
 
 def _opaque_layer(layer, reason, outputs, made):
-    """The `OpaqueLayer` standing for `layer`, made once per `trace_call`
+    """The `OpaqueLayer` standing for `layer`, made once per `Tracer.trace`
     (`made`: id(layer) -> it), as its traces under `training=True` and
     `False` must agree on the node's operation."""
     from keras_ipu_plugin.layers.opaque import OpaqueLayer

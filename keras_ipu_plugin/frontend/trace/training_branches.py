@@ -21,7 +21,7 @@ them, or a Keras mask on the call's inputs or outputs (the modes' graphs
 start from inputs of their own, which would not carry it).
 
 Example:
-    >>> nodes, outputs = switch_node(trace, layer, run_true, run_false, trace_none)
+    >>> nodes, outputs = switch_node(layer, "block", runs, "inference")
     >>> type(nodes[0].operation).__name__
     'ModeSwitch'
 """
@@ -30,7 +30,6 @@ import inspect
 
 import keras
 
-from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
@@ -62,29 +61,13 @@ def default_training(layer):
     return parameter.default if isinstance(parameter.default, bool) else None
 
 
-def switch_node(layer, name, runs, trace_none, same_call):
+def switch_node(layer, name, runs, none_means):
     """`(nodes, outputs)`: one `ModeSwitch` node standing for the call
-    traced as `runs = {"training": (nodes, outputs), "inference": (...)}`.
-
-    `trace_none()` traces the call with `training=None` (asked only where
-    the signature's default is None); `same_call(nodes_a, nodes_b)` tells
-    whether two traces call the same things. Raises `BranchError`.
+    traced as `runs = {"training": (nodes, outputs), "inference": (...)}`
+    (and `"default"`, the call traced with `training=None` where that is a
+    mode of its own). `none_means`: the mode `training=None` runs
+    ("training", "inference" or "default"). Raises `BranchError`.
     """
-    default = default_training(layer)
-    runs = dict(runs)
-    if default is None:
-        nodes_n, outputs_n = trace_none()
-        none_means = None
-        for mode in ("inference", "training"):
-            nodes, _ = runs[mode]
-            if same_call(nodes, nodes_n) and _modes_given(nodes) == _modes_given(nodes_n):
-                none_means = mode
-                break
-        if none_means is None:
-            none_means = "default"
-            runs["default"] = (nodes_n, outputs_n)
-    else:
-        none_means = "training" if default else "inference"
     structures = {mode: _structure(outputs, mode, name) for mode, (_, outputs) in runs.items()}
     first = structures["inference"]
     for mode, structure in structures.items():
@@ -144,14 +127,6 @@ def switch_modes(model):
     if not switches:
         return []
     return [True] + ([None] if any("default" in s.mode_outputs for s in switches) else [])
-
-
-def _modes_given(nodes):
-    """The `training` each node's layer was called with, where its `call`
-    takes one (Keras records a value for other layers too)."""
-    takes_training = current_tracer().takes_training
-    return [node.training if node.is_layer and takes_training(node.operation) else None
-            for node in nodes]
 
 
 def _pin(node, mode):

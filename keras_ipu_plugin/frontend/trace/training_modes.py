@@ -10,7 +10,7 @@ node holds both traces (`training_branches.py`), or the layer stays whole
 with the lines that branch in its reason.
 
 Example:
-    >>> nodes, outputs = trace_modes(trace, None)   # each node's `training` set
+    >>> nodes, outputs = trace_modes(trace)   # each node's `training` set
 """
 
 import functools
@@ -31,10 +31,11 @@ from keras_ipu_plugin.layers.state.reads import HeldConstant
 from keras_ipu_plugin.layers.state.variable_write import is_write_node
 
 
-def trace_modes(trace, training):
+def trace_modes(trace):
     """Trace under the `training` modes needed to tell which nodes follow
-    the model's `training` (see the module docstring)."""
-    layer = trace.layer
+    the model's `training` (see the module docstring); a trace for one
+    mode (`trace.training` True or False) is traced in that mode only."""
+    layer, training = trace.layer, trace.training
     made = {}  # id(user layer) -> the OpaqueLayer standing for it
     if training is not None:
         return trace_once(trace, training, True, made)
@@ -52,11 +53,22 @@ def trace_modes(trace, training):
     if not _same_calls(nodes_t, nodes_f):
         # `call` branches on `training` in Python: one node holds the graph
         # of each mode and runs the one it is called in (`training_branches`).
+        runs = {"training": (nodes_t, outputs_t), "inference": (nodes_f, outputs_f)}
+        default = training_branches.default_training(layer)
+        if default is not None:
+            none_means = "training" if default else "inference"
+        else:  # what `training=None` runs: one of the two, or a mode of its own
+            nodes_n, outputs_n = trace_once(trace, None, False, made)
+            none_means = next(
+                (mode for mode in ("inference", "training")
+                 if _same_calls(runs[mode][0], nodes_n) and _modes_given(
+                     trace.tracer, runs[mode][0]) == _modes_given(trace.tracer, nodes_n)),
+                "default")
+            if none_means == "default":
+                runs["default"] = (nodes_n, outputs_n)
         try:
             return training_branches.switch_node(
-                layer, trace.prefix[:-1] if trace.prefix else layer.name,
-                {"training": (nodes_t, outputs_t), "inference": (nodes_f, outputs_f)},
-                lambda: trace_once(trace, None, False, made), _same_calls)
+                layer, trace.prefix[:-1] if trace.prefix else layer.name, runs, none_means)
         except training_branches.BranchError as error:
             lines = _training_branch_lines(type(layer).call)
             at = f" (at `{'`, `'.join(lines)}`)" if lines else ""
@@ -79,6 +91,13 @@ def trace_modes(trace, training):
     for node_t, node_f in zip(nodes_t, nodes_f):
         node_t.training = _training_mode(node_t, node_f)
     return nodes_t, outputs_t
+
+
+def _modes_given(tracer, nodes):
+    """The `training` each node's layer was called with, where its `call`
+    takes one as `tracer` says (Keras records a value for other layers too)."""
+    return [node.training if node.is_layer and tracer.takes_training(node.operation) else None
+            for node in nodes]
 
 
 def _leaf_structure(outputs):

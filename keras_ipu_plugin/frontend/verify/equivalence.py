@@ -58,8 +58,8 @@ an original that fails on fewer rows (a batch size written in its code), is
 verified on the whole batch.
 
 The parts are modules of their own: which rows are verified
-(`verify_rows.py`), running a model for its outputs and gradients
-(`verify_runs.py`), and comparing two runs' values (`verify_compare.py`).
+(`rows.py`), running a model for its outputs and gradients
+(`runs.py`), and comparing two runs' values (`compare.py`).
 
 Example:
     >>> verification = check_equivalent(model, converted, x)
@@ -144,7 +144,7 @@ def check_equivalent(
     when `x` cannot show a difference (see the module docstring).
 
     Args:
-        tolerance: a `verify_compare.Tolerance`; default the one for the
+        tolerance: a `compare.Tolerance`; default the one for the
             least precise dtype a layer of either model computes in
             (`tolerance_for`: float32's, or float16's under
             `mixed_float16`, ...), named in the refusal.

@@ -58,7 +58,7 @@ class BatchSizedOperation(keras.layers.Layer):
         # `batch // divisor * multiple + offset`, and a batch size that is
         # no multiple of the divisor raises: keras_hub's Swin divides its
         # `batch * windows` rows by the windows (`B_ // num_win`), traced
-        # at multiples of it (`batch_divisions.py`).
+        # at multiples of it (`batch/divisions.py`).
         self.divisors = dict(divisors or {})
         self.built = True
 

@@ -27,10 +27,11 @@ from keras_ipu_plugin.passes.infra.base import Pass
 from keras_ipu_plugin.passes.infra.base import registered_passes
 from keras_ipu_plugin.planning.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
 from keras_ipu_plugin.frontend.trace.failures import failing_layer as _failing_layer
 from keras_ipu_plugin.frontend.trace.tracing import essential_message
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.frontend.verify.equivalence import check_runs
@@ -39,7 +40,7 @@ from keras_ipu_plugin.frontend.verify.equivalence import synthetic_batch
 from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
-def apply_passes(model, passes, *, verify=True, reuse_replacements=()):
+def apply_passes(model, passes, *, verify=True, reuse_replacements=(), tracer=None):
     """Return a new functional model: `model`'s graph after `passes`.
 
     Layers that no pass replaces are the same objects as in `model` (their
@@ -78,25 +79,24 @@ def apply_passes(model, passes, *, verify=True, reuse_replacements=()):
     replacement layers). Verification compares them with the old layers
     as they are: the caller copies trained weights back first.
 
+    `tracer`: the `Tracer` saying where tracing stops (Expand's reach, the
+    traces the passes make); by default the one in use
+    (`with tracer.tracing():`), else `DEFAULT_TRACER`.
+
     Example:
         >>> converted = kip.convert_to_functional(MyModel(), x)
         >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
         >>> print(passed.kip_report)   # ends with a "verify" row
     """
     passes = validate_passes(passes)
-    with one_conversion_at_a_time():
+    tracer = current_tracer() if tracer is None else tracer
+    # The passes ask the tracer in use (Expand's reach, their traces): this one.
+    with one_conversion_at_a_time(), tracer.tracing():
         # Passes trace the user's layers (running their Python) and record
         # nodes on them: a failure leaves nothing behind, a success only
-        # what building leaves (see state.ModelState).
-        state = ModelState(model)
-        try:
-            with state.recording():
-                result = _apply_passes(model, passes, verify, reuse_replacements)
-            state.restore_after_success()
-        except BaseException as error:
-            state.undo_after(error)
-            raise
-    return result
+        # what building leaves (see `state.guarded`).
+        return guarded(
+            model, lambda state: _apply_passes(model, passes, verify, reuse_replacements))
 
 
 def _apply_passes(model, passes, verify, reuse_replacements):

@@ -33,14 +33,13 @@ import tensorflow as tf
 from keras_ipu_plugin.frontend import inputs as inputs_lib
 from keras_ipu_plugin.concurrency import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import Converter
-from keras_ipu_plugin.frontend.convert import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.convert import as_tensors
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
-from keras_ipu_plugin.frontend.trace.tracing import trace_call
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.runtime.rebuild import rebuild
@@ -256,14 +255,16 @@ class CallConversion:
         return self.model(call.tensors(), training=call.training)
 
 
-def convert_call(callee, call, *, verify=True, signature=None, static_batch=False):
-    """Convert `callee` for calls like `call` (concrete arguments).
+def convert_call(callee, call, *, verify=True, signature=None, static_batch=False,
+                 tracer=None):
+    """Convert `callee` for calls like `call` (concrete arguments), tracing
+    with `tracer` (a `Tracer`; the one in use by default).
 
     `signature` (default: the call's own) gives the shapes the graph takes:
     a signature from a traced step keeps unknown dimensions unknown.
     """
     signature = signature or call.signature()
-    converter = Converter(verify=verify, static_batch=static_batch)
+    converter = Converter(verify=verify, static_batch=static_batch, tracer=tracer)
     if call.simple:
         x = as_tensors(call.inputs)
         specs = signature.specs(call)
@@ -290,22 +291,19 @@ def _convert_bound_call_now(callee, call, converter, tensors, specs, reference):
     # As `Converter.convert`: nothing of the trace and the checks (nodes,
     # counters, seed draws) stays on the user's model; a failure leaves it
     # exactly as it was.
-    state = ModelState(callee)
-    try:
-        with state.recording():
-            converted, report = _traced_bound_call(callee, call, tensors, specs, reference)
-            if converter.verify:
-                report.add_verification(
-                    callee.name, check_equivalent(reference, converted, tensors))
+    def convert(state):
+        converted, report = _traced_bound_call(callee, call, tensors, specs, reference,
+                                               converter.tracer)
+        if converter.verify:
+            report.add_verification(
+                callee.name, check_equivalent(reference, converted, tensors))
         converted.kip_report = report
-        state.restore_after_success()  # last: see Converter._convert
-    except BaseException as error:
-        state.undo_after(error)
-        raise
-    return converted
+        return converted
+
+    return guarded(callee, convert)
 
 
-def _traced_bound_call(callee, call, tensors, specs, reference):
+def _traced_bound_call(callee, call, tensors, specs, reference, tracer):
     """`(graph model, report)` of `callee.call`'s body traced with every
     tensor of `call` as a named input."""
     inputs = {name: spec.keras_input() for name, spec in specs.items()}
@@ -315,7 +313,7 @@ def _traced_bound_call(callee, call, tensors, specs, reference):
     kwargs.pop("training", None)
     report = Report()
     try:
-        nodes, outputs = trace_call(
+        nodes, outputs = tracer.trace(
             callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="")
         graph = Graph(specs, values, nodes, outputs, name=callee.name)
         converted = rebuild(graph, name=f"{callee.name}_functional")
@@ -325,7 +323,8 @@ def _traced_bound_call(callee, call, tensors, specs, reference):
     except TraceError as error:
         # The body cannot be traced with these arguments: the callee is
         # one node of the graph, called with them as the step calls it.
-        converted = Converter(verify=False).convert(reference, (tensors,), specs=specs)
+        converted = Converter(verify=False, tracer=tracer).convert(
+            reference, (tensors,), specs=specs)
         report = converted.kip_report
         report.add_opaque(callee.name, error.reason)
     return converted, report

@@ -61,12 +61,13 @@ from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.frontend.state import ModelState
+from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.training.session.step_self import CalleeStandIn
 from keras_ipu_plugin.training.session.step_self import step_self
 from keras_ipu_plugin.training.session.step_losses import StepLosses
 from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
 from keras_ipu_plugin.frontend.verify.runs import verifying_on
 from keras_ipu_plugin.training.session.new_variables import hand_over_optimizer_state
@@ -94,8 +95,12 @@ class TrainingSession:
     """
 
     def __init__(self, subject, owner, passes, verify=True, rebuild_on_new_variables=True,
-                 static_batch=False):
+                 static_batch=False, tracer=None):
         self.subject = subject
+        # Every conversion and rebuild of the subject traces with this
+        # `Tracer`, the one in use where the runtime is made by default:
+        # never the one in use where a later `fit` happens to run.
+        self.tracer = current_tracer() if tracer is None else tracer
         self.owner = owner
         self.passes = passes
         self.verify = verify
@@ -236,11 +241,12 @@ class TrainingSession:
                     # The IPU backend needs static shapes (static_batch=True there).
                     graph_model = convert_call(
                         callee, call, verify=self.verify, signature=signature,
-                        static_batch=self.static_batch or get_backend().static_batch)
+                        static_batch=self.static_batch or get_backend().static_batch,
+                        tracer=self.tracer)
                     if self.passes:
                         with _replaced_layers_in_sync(reuse):
                             model = apply_passes(graph_model, self.passes, verify=self.verify,
-                                                 reuse_replacements=reuse)
+                                                 reuse_replacements=reuse, tracer=self.tracer)
                     else:
                         model = graph_model
                 self.watch.take()
@@ -386,20 +392,15 @@ class TrainingSession:
         `call`'s Python: what it changes on the model (a counter assigned in
         `call`) does not stay behind."""
         with one_conversion_at_a_time(), self.strategy.scope(), self.watch.watching():
-            state = ModelState(self.subject)
+            def trace(state):
+                before = VariableValues(self.subject.non_trainable_variables)
+                graph = trace_model(callee, specs, tracer=self.tracer)
+                return graph, bool(assigned_outside(graph, before))
+
             try:
-                with state.recording():
-                    before = VariableValues(self.subject.non_trainable_variables)
-                    graph = trace_model(callee, specs)
-                    assigns = bool(assigned_outside(graph, before))
-                state.restore_after_success()
-            except TraceError as error:
-                state.undo_after(error)
-                return None
-            except BaseException as error:
-                state.undo_after(error)
-                raise
-        return graph, assigns
+                return guarded(self.subject, trace)
+            except TraceError:
+                return None  # the model put back by `guarded`
 
     def new_variables(self):
         """Model variables created since the last conversion. Walks the

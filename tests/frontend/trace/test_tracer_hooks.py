@@ -7,12 +7,15 @@ from pathlib import Path
 import keras
 import numpy as np
 from keras import layers
+from keras import ops
 
 import keras_ipu_plugin as kip
+from keras_ipu_plugin.frontend.trace.call_trace import Traces
 from keras_ipu_plugin.frontend.trace.tracer import DEFAULT_TRACER
 from keras_ipu_plugin.frontend.trace.tracer import Tracer
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
 from keras_ipu_plugin.frontend.inputs import input_specs
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.layers import user_code
@@ -182,3 +185,120 @@ def test_no_module_probes_a_signature_for_training_but_the_one_probe():
     # The check sees the probe it is there to catch.
     planted = 'self.training = "training" in inspect.signature(call).parameters'
     assert _signature_training_probes(planted) == [1]
+
+
+class GrowingNet(keras.Model):
+    """Calls a second block once `grow` is set: its variables, made then,
+    make the plugin convert the model again."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.grow = False
+        self.first = Outer(name="first")
+        self.second = Outer(name="second")
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        x = self.first(x)
+        if self.grow:
+            x = self.second(x)
+        return self.head(x)
+
+
+def test_a_plugin_model_made_in_a_tracer_block_keeps_that_tracer_for_every_conversion():
+    """A PluginModel made inside `with tracer.tracing():` converts with that
+    tracer at its first fit and at every rebuild for new variables, even
+    when fit runs outside the block (the block only picks the default of
+    `PluginModel(..., tracer=)`)."""
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    model = GrowingNet(name="growing")
+    model(x[:2])
+    with KeepInner().tracing():
+        plugin = kip.PluginModel(model, passes=[Expand("all")])
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
+        model.first.inner]
+    model.grow = True
+    plugin.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert plugin._kip_session.rebuilds == 1
+    assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
+        model.first.inner, model.second.inner]
+
+
+def test_a_tracer_given_by_keyword_decides_conversion_passes_and_plugin_model():
+    """`tracer=` of `convert_to_functional`, `apply_passes` and `PluginModel`
+    says where tracing stops, with no block around the call."""
+    model, x = _model()
+    converted = kip.convert_to_functional(model, x, tracer=KeepInner())
+    expanded = kip.apply_passes(converted, [Expand("all")], tracer=KeepInner())
+    assert [op for op in _operations(expanded) if isinstance(op, Inner)] == [
+        block.inner for block in model.blocks]
+    # The default tracer goes through every Inner.
+    plain = kip.apply_passes(converted, [Expand("all")])
+    assert not any(isinstance(op, Inner) for op in _operations(plain))
+    plugin = kip.PluginModel(model, passes=[Expand("all")], tracer=KeepInner())
+    plugin.compile(optimizer="sgd", loss="mse")
+    plugin.fit(x, np.zeros((3, 4), "float32"), batch_size=3, epochs=1, verbose=0)
+    assert [op for op in _operations(plugin.converted) if isinstance(op, Inner)] == [
+        block.inner for block in model.blocks]
+
+
+class PositionsOfHeads(layers.Layer):
+    """keras_hub's T5 attention: a position table as long as heads reshaped
+    to `(batch_size, -1, ...)`, which the unknown batch size leaves unknown:
+    the call is traced again, at two batch sizes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = layers.Dense(8, name="proj")
+
+    def call(self, x):
+        heads = ops.reshape(self.proj(x), (ops.shape(x)[0], -1, 2, 4))
+        positions = ops.cast(ops.arange(ops.shape(heads)[1]), heads.dtype)
+        return ops.reshape(heads + positions[None, :, None, None], (ops.shape(x)[0], -1, 8))
+
+
+class HoldsBlock(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = PositionsOfHeads(name="block")
+
+    def call(self, x):
+        return self.block(x)
+
+
+class SymbolicOnly(Tracer):
+    """Traces each call once, symbolically, in both modes: never again at
+    trial batch sizes."""
+
+    def traces(self, call):
+        return Traces(((call, trace_modes(call)),))
+
+
+def test_the_retry_policy_is_one_method_a_tracer_subclass_overrides():
+    """`Tracer.traces` decides how a call is traced again when its symbolic
+    trace fails: the default traces a call needing its batch size at two
+    batch sizes (the block expands), a subclass that never retries leaves
+    that block whole, with the reason."""
+    x = np.random.RandomState(0).normal(size=(4, 5, 3)).astype("float32")
+    model = HoldsBlock(name="holds")
+    model(x)
+    converted = kip.convert_to_functional(model, x)
+    retried = []
+
+    class Recording(Tracer):
+        def traces(self, call):
+            traces = super().traces(call)
+            retried.append((call.layer, traces.trial is not None))
+            return traces
+
+    expanded = kip.apply_passes(converted, [Expand("all")], tracer=Recording())
+    assert "block" not in expanded.kip_report.opaque
+    assert (model.block, True) in retried  # traced again, at trial batch sizes
+    kept = kip.apply_passes(converted, [Expand("all")], tracer=SymbolicOnly())
+    assert "block" in kept.kip_report.opaque
+    for passed in (expanded, kept):
+        np.testing.assert_allclose(passed(x), model(x), atol=1e-5)
