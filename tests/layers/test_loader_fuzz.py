@@ -375,7 +375,8 @@ def run(cases, seed, folder, timeout):
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     report = folder / "report.json"
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(TESTS)!r}]\n"
+    here = pathlib.Path(__file__).resolve().parent  # this module, imported by the runner
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(TESTS)!r}, {str(here)!r}]\n"
             "import test_loader_fuzz as fuzz\n"
             f"fuzz._runner({cases}, {seed}, {str(folder)!r}, {str(report)!r})\n")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=f"{ROOT}:{TESTS}")

@@ -267,7 +267,7 @@ def test_errors_before_any_training_step():
     x, y = _data()
     with pytest.raises(kip.PassError, match="not a kip pass"):
         kip.PluginModel(Net(), passes=["expand"])
-    with pytest.raises(kip.PassError, match="list of kip.passes"):
+    with pytest.raises(kip.PassError, match="must be a kip pass, a list of them"):
         kip.PluginCallback(passes=42)
     never_compiled = kip.PluginModel(Net())
     with pytest.raises(ValueError, match="compile"):
