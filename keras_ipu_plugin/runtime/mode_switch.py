@@ -118,9 +118,35 @@ class ModeSwitch(keras.layers.Layer):
         return KipFunctional(
             body.inputs, outputs, name=f"{self.name}.{mode}",
             kip_pinned_training=body.kip_pinned_training,
+            kip_node_training=self._pinned_training_of(mode),
             kip_annotations=body.kip_annotations,
             kip_layer_paths=dict(self.paths.get(mode, {})),
         )
+
+    def _pinned_training_of(self, mode):
+        """`{branch node path: True / False}`: the `training` the code pinned
+        at each call site of `mode`, read per call site from the body. By
+        Keras layer name it would be one value for a layer both modes call
+        (a Dropout called with `training=training`: True in one mode, False
+        in the other). The body's nodes are the modes' nodes, mode after mode
+        (`from_branch_graphs`), so a layer's k-th call in the body is its k-th
+        call counted across the modes in that order."""
+        from keras_ipu_plugin.runtime.graph_of import graph_of
+
+        pinned = {node.name: node.training for node in graph_of(self.body).nodes
+                  if node.training in (True, False)}
+        body_paths = {}
+        for path, name in self.body.kip_layer_paths.items():
+            body_paths.setdefault(name, []).append(path)
+        calls, found = {}, {}
+        for each_mode, branch in self.paths.items():
+            for branch_path, name in branch.items():
+                index = calls.get(name, 0)
+                calls[name] = index + 1
+                paths = body_paths.get(name, [])
+                if each_mode == mode and index < len(paths) and paths[index] in pinned:
+                    found[branch_path] = pinned[paths[index]]
+        return found
 
     def mode_model(self, mode):
         """The functional model that computes `mode`'s outputs."""
