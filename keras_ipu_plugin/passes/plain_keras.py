@@ -28,6 +28,10 @@ from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.passes.infra.manager import graph_of_model
+from keras_ipu_plugin.passes.plain_keras_nodes import Masks
+from keras_ipu_plugin.passes.plain_keras_nodes import checked_outputs
+from keras_ipu_plugin.passes.plain_keras_nodes import keras_form
+from keras_ipu_plugin.passes.plain_keras_nodes import weight_holders
 from keras_ipu_plugin.runtime.functional import graph_model
 
 
@@ -47,8 +51,16 @@ def to_keras(model):
     """
     source = graph_model(model, "to_keras")
     graph = graph_of_model(source, "to_keras")
-    foreign = [(node.name, what) for node in graph.nodes
-               for what in _classes_not_keras(node.operation)[:1]]
+    holders = weight_holders(graph)
+    forms, foreign = {}, []
+    for node in graph.nodes:
+        form = keras_form(node, holders)
+        if callable(form):
+            forms[node.name] = form
+        elif form is not None:
+            foreign.append((node.name, f"{type(node.operation).__name__}: {form}"))
+        else:
+            foreign += [(node.name, what) for what in _classes_not_keras(node.operation)[:1]]
     if foreign:
         listing = ", ".join(f"`{name}` ({what})" for name, what in foreign[:8])
         more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
@@ -61,6 +73,7 @@ def to_keras(model):
     tensors = {id(value): tensor for value, tensor in zip(
         keras.tree.flatten(graph.input_values), keras.tree.flatten(inputs))}
     names = Namespace(spec.name for spec in keras.tree.flatten(graph.input_specs))
+    masks = Masks(lambda path: names.create(_layer_name(path)))
     copies = {}
 
     def resolve(leaf):
@@ -68,14 +81,17 @@ def to_keras(model):
 
     for node in graph.nodes:
         operation = node.operation
-        if id(operation) not in copies:
-            copies[id(operation)] = _copy(operation, names.create(_layer_name(node.name)))
         args = map_leaves(resolve, node.args)
         kwargs = map_leaves(resolve, node.kwargs)
-        kwargs.pop("training", None)
-        if node.training in (True, False):
-            kwargs["training"] = node.training
-        outputs = keras.tree.flatten(copies[id(operation)](*args, **kwargs))
+        if node.name in forms:
+            outputs = checked_outputs(node, forms[node.name](args, kwargs, masks))
+        else:
+            if id(operation) not in copies:
+                copies[id(operation)] = _copy(operation, names.create(_layer_name(node.name)))
+            kwargs.pop("training", None)
+            if node.training in (True, False):
+                kwargs["training"] = node.training
+            outputs = keras.tree.flatten(copies[id(operation)](*args, **kwargs))
         for value, tensor in zip(node.outputs, outputs):
             tensors[id(value)] = tensor
     outputs = map_leaves(resolve, graph.outputs)

@@ -1,0 +1,415 @@
+"""kip's own node kinds written with Keras's classes only, for `to_keras`.
+
+A traced graph holds a few node kinds of kip's own: a layer reading its own
+weight (`VariableRead`), a fixed tensor (`HeldConstant`), a `keras.ops` call
+sized by the batch (`BatchSizedOperation`), a TensorFlow function
+(`TFFunction`). Where Keras's own classes compute exactly the same values,
+`to_keras` writes the node with them, so the file loads without kip:
+
+- a weight read: a Keras `Embedding` holding the weight's values (reshaped
+  to `(rows, columns)`: the first dimension, then the others), called on
+  the indices `0 .. rows - 1` and reshaped back. A lookup copies values
+  exactly; its dtype policy gives the read's dtype, and it trains the
+  weight as the read did. A weight another node also holds (a tied
+  embedding) is refused: the file would hold two copies that train apart.
+- a fixed tensor: `ops.where(True, value, value)`, the value kept in the
+  file's config.
+- a batch-sized `reshape`: the batch dimension written as -1, where the
+  element counts make that exact for every batch size; a batch-sized
+  `broadcast_to` / `tile` of a tensor whose batch dimension is 1: the
+  tensor selected by `ops.where` under a mask of the batch's size.
+- a TensorFlow function: the `keras.ops` function of `TF_AS_KERAS_OPS`
+  whose TensorFlow implementation is that very function (an explicit
+  table, with the argument mapping of each entry).
+
+Indices and masks come from a graph tensor (`ops.ones_like`, `ops.all`): a
+functional model needs every node reachable from its inputs, and their
+values never depend on the tensor's values. Every written node's dtype is
+checked against the graph's; anything else is named in `to_keras`'s error.
+
+Example:
+    >>> form = keras_form(node, holders)   # a writer, or why not
+    >>> outputs = form(args, kwargs, masks) if callable(form) else None
+"""
+
+import inspect
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_ipu_plugin.errors import PassError
+from keras_ipu_plugin.ir.graph import Value
+from keras_ipu_plugin.ir.graph import map_leaves
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.state.reads import HeldConstant
+from keras_ipu_plugin.layers.state.reads import VariableRead
+from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
+from keras_ipu_plugin.layers.tf_calls.tf_function_table import function_at
+from keras_ipu_plugin.layers.user_code import is_keras_module
+
+
+class Masks:
+    """What the written nodes of one plain model share: tensors computed
+    from a graph tensor's shape only, made once per tensor (`true(x)`: a
+    scalar True; `batch(x, rank)`: True of shape `(batch, 1, ..., 1)`;
+    `indices(x, n)`: the int32 indices `0 .. n - 1`), one layer per kip
+    layer (`layer(operation, make)`: a read called at several nodes is one
+    Embedding called at each), and `name(path)`, the model's unique layer
+    name for a node path."""
+
+    def __init__(self, name):
+        self._made = {}
+        self.name = name
+
+    def layer(self, operation, make):
+        return self._once(("layer", id(operation)), make)
+
+    def _once(self, key, make):
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def _ones(self, x):
+        return self._once(("ones", id(x)), lambda: ops.ones_like(x, dtype="bool"))
+
+    def true(self, x):
+        return self._once(("true", id(x)), lambda: ops.all(self._ones(x)))
+
+    def batch(self, x, rank):
+        def make():
+            mask = self._ones(x)
+            if len(x.shape) > 1:
+                mask = ops.all(mask, axis=tuple(range(1, len(x.shape))))
+            return ops.reshape(mask, (-1,) + (1,) * (rank - 1))
+        return self._once(("batch", id(x), rank), make)
+
+    def indices(self, x, count):
+        def make():
+            zero = ops.zeros_like(self.true(x), dtype="int32")
+            return ops.add(zero, np.arange(count, dtype="int32"))
+        return self._once(("indices", id(x), count), make)
+
+
+def weight_holders(graph):
+    """`{id(variable): {id(layer): node name}}`: the layers of `graph`
+    holding each variable, each with the first node calling it."""
+    holders = {}
+    for node in graph.nodes:
+        operation = node.operation
+        if isinstance(operation, keras.layers.Layer):
+            for variable in operation.weights:
+                holders.setdefault(id(variable), {}).setdefault(id(operation), node.name)
+    return holders
+
+
+def keras_form(node, holders):
+    """A function `write(args, kwargs, masks)` computing `node`'s outputs
+    with Keras's own classes (args and kwargs: the node's, graph tensors
+    given as Keras tensors), or a string saying why there is none (None
+    where the node is not one of kip's kinds written here)."""
+    operation = node.operation
+    if isinstance(operation, VariableRead):
+        return _read_form(node, holders)
+    if isinstance(operation, HeldConstant):
+        return _constant_form(node)
+    if isinstance(operation, BatchSizedOperation):
+        return _batch_sized_form(node)
+    if isinstance(operation, TFFunction):
+        return _tf_function_form(node)
+    return None
+
+
+def checked_outputs(node, outputs):
+    """`outputs` (the written node's Keras tensors), once their dtypes are
+    the graph's and their known sizes agree; a `kip.PassError` naming the
+    node otherwise."""
+    outputs = keras.tree.flatten(outputs)
+    expected = [value.spec for value in node.outputs]
+    problem = None
+    if len(outputs) != len(expected):
+        problem = f"{len(outputs)} outputs where the graph has {len(expected)}"
+    for got, spec in zip(outputs, expected):
+        if problem:
+            break
+        if keras.backend.standardize_dtype(got.dtype) != keras.backend.standardize_dtype(
+                spec.dtype):
+            problem = f"dtype {got.dtype} where the graph has {spec.dtype}"
+        elif len(got.shape) != len(spec.shape) or any(
+                a is not None and b is not None and a != b
+                for a, b in zip(got.shape, spec.shape)):
+            problem = f"shape {got.shape} where the graph has {spec.shape}"
+    if problem:
+        raise PassError(
+            f"to_keras: `{node.name}` ({type(node.operation).__name__}) written with Keras's "
+            f"classes gives {problem}; it cannot be written exactly without kip.")
+    return outputs
+
+
+# -- a weight read ------------------------------------------------------------------
+def _read_form(node, holders):
+    read = node.operation
+    variable = read.variable
+    others = [name for layer, name in holders.get(id(variable), {}).items()
+              if layer != id(read)]
+    if others:
+        return (f"reads the weight `{variable.path}` that `{others[0]}` also holds: a file of "
+                "Keras's classes would hold two copies, which train apart")
+    stored = keras.backend.standardize_dtype(variable.dtype)
+    given = keras.backend.standardize_dtype(node.outputs[0].spec.dtype)
+    if given == stored:
+        policy = stored
+    elif stored == "float32" and given in ("float16", "bfloat16"):
+        policy = f"mixed_{given}"
+    else:
+        return f"reads a {stored} weight as {given}, which no Keras dtype policy does"
+    if "float" not in stored:
+        return f"reads a {stored} weight (a Keras Embedding holds floating-point weights)"
+    shape = tuple(variable.shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    columns = math.prod(shape) // rows if rows else 0
+    if not rows or not columns:
+        return f"reads the empty weight `{variable.path}`"
+
+    def make(name):
+        layer = keras.layers.Embedding(
+            rows, columns, dtype=policy, embeddings_initializer="zeros",
+            trainable=bool(read.trainable and variable.trainable), name=name)
+        layer.build((rows,))
+        layer.set_weights([np.asarray(variable.numpy()).reshape(rows, columns)])
+        return layer
+
+    def write(args, kwargs, masks):
+        del kwargs
+        layer = masks.layer(read, lambda: make(masks.name(node.name)))
+        return ops.reshape(layer(masks.indices(args[0], rows)), shape)
+
+    return write
+
+
+# -- a fixed tensor -----------------------------------------------------------------
+def _constant_form(node):
+    value = np.asarray(node.operation.value)
+    if value.dtype.kind not in "biuf":
+        return f"holds a constant of dtype {value.dtype} (Keras configs hold numbers)"
+
+    def write(args, kwargs, masks):
+        del kwargs
+        return ops.where(masks.true(args[0]), value, value)
+
+    return write
+
+
+# -- a keras.ops call sized by the batch -------------------------------------------
+def _batch_sized_form(node):
+    sized = node.operation
+    operation = sized.operation
+    name = type(operation).__name__
+    if not is_keras_module(type(operation).__module__):
+        return f"sizes a {name} by the batch"
+    steps = {attribute: (sized.multiples.get(attribute), sized.offsets.get(attribute),
+                         sized.divisors.get(attribute)) for attribute in sized.attributes}
+    if name == "Reshape" and list(sized.attributes) == ["newshape"]:
+        return _batch_reshape_form(node, operation, *steps["newshape"])
+    if name in ("BroadcastTo", "Tile") and len(sized.attributes) == 1:
+        attribute = sized.attributes[0]
+        return _batch_broadcast_form(node, operation, attribute, *steps[attribute])
+    return f"sizes `{name}`'s {', '.join(sized.attributes)} by the batch"
+
+
+def _only_first(values, default):
+    """Whether a per-dimension list of multiples/offsets/divisors (or None)
+    is `default` everywhere but perhaps at the first dimension."""
+    return values is None or all(v == default for v in list(values)[1:])
+
+
+def _batch_reshape_form(node, operation, multiples, offsets, divisors):
+    newshape = list(operation.newshape)
+    source = node.args[1].spec if len(node.args) > 1 else None
+    unknown = [i for i, dim in enumerate(newshape) if dim is None]
+    why = "reshapes to a batch-sized shape that -1 does not write exactly"
+    if source is None or len(unknown) != 1 or -1 in newshape:
+        return why
+    at = unknown[0]
+    multiple = (multiples or [1] * len(newshape))[at]
+    offset = (offsets or [0] * len(newshape))[at]
+    divisor = (divisors or [1] * len(newshape))[at]
+    source_unknown = [dim for dim in source.shape if dim is None]
+    known = math.prod(dim for dim in source.shape if dim is not None)
+    target = math.prod(dim for dim in newshape if dim is not None)
+    # The source holds batch * known values, the target target * (batch *
+    # multiple / divisor + offset): -1 gives that size for every batch size
+    # exactly when the offset is 0 and known * divisor == target * multiple.
+    if len(source_unknown) != 1 or offset or known * divisor != target * multiple:
+        return why
+    written = tuple(-1 if dim is None else dim for dim in newshape)
+
+    def write(args, kwargs, masks):
+        return ops.reshape(args[1], written)
+
+    return write
+
+
+def _batch_broadcast_form(node, operation, attribute, multiples, offsets, divisors):
+    shape = list(getattr(operation, attribute))
+    source = node.args[1].spec if len(node.args) > 1 else None
+    why = f"{type(operation).__name__}s to a batch-sized shape other than a batch of one repeated"
+    if (source is None or shape[:1] != [None] or None in shape[1:]
+            or not _only_first(multiples, 1) or not _only_first(offsets, 0)
+            or not _only_first(divisors, 1)
+            or (multiples or [1])[0] != 1 or (offsets or [0])[0] != 0
+            or (divisors or [1])[0] != 1):
+        return why
+    rank = len(shape)
+    tile = type(operation).__name__ == "Tile"
+    # The source's dimension the batch fills must be one (or missing, for
+    # broadcast_to): the batch repeats it.
+    aligned = list(source.shape) if tile else [None] * (rank - len(source.shape)) + list(
+        source.shape)
+    if len(aligned) != rank or aligned[0] not in (None, 1) or (tile and aligned[0] != 1) or (
+            aligned[0] is None and len(source.shape) == rank):
+        return why
+
+    def write(args, kwargs, masks):
+        x = args[1]
+        one = ops.tile(x, [1] + shape[1:]) if tile else ops.broadcast_to(x, [1] + shape[1:])
+        mask = masks.batch(args[0], rank)
+        return ops.where(mask, one, one)
+
+    return write
+
+
+# -- a TensorFlow function ----------------------------------------------------------
+def _unary(keras_function):
+    return lambda a: keras_function(a["x"])
+
+
+def _binary(keras_function):
+    return lambda a: keras_function(a["x"], a["y"])
+
+
+def _static_ints(value):
+    """Whether `value` is an int or a (nested) list of ints, not tensors."""
+    return all(isinstance(leaf, (int, np.integer)) and not isinstance(leaf, bool)
+               for leaf in keras.tree.flatten(value))
+
+
+def _reshape(a):
+    if not _static_ints(a["shape"]):
+        return "reshapes to a shape computed in the graph"
+    return ops.reshape(a["tensor"], tuple(keras.tree.flatten(a["shape"])))
+
+
+def _softmax(a):
+    axis = -1 if a["axis"] is None else a["axis"]
+    return ops.softmax(a["logits"], axis=axis)
+
+
+def _crop(a):
+    image, top, left, height, width = (a["image"], a["offset_height"], a["offset_width"],
+                                       a["target_height"], a["target_width"])
+    if not _static_ints([top, left, height, width]) or len(image.shape) not in (3, 4):
+        return "crops at offsets or sizes computed in the graph"
+    rows = slice(top, top + height)
+    columns = slice(left, left + width)
+    key = (rows, columns) if len(image.shape) == 3 else (slice(None), rows, columns)
+    return image[key]
+
+
+def _pad(a):
+    image, top, left, height, width = (a["image"], a["offset_height"], a["offset_width"],
+                                       a["target_height"], a["target_width"])
+    rank = len(image.shape)
+    if not _static_ints([top, left, height, width]) or rank not in (3, 4):
+        return "pads to offsets or sizes computed in the graph"
+    rows, columns = image.shape[rank - 3], image.shape[rank - 2]
+    if rows is None or columns is None:
+        return "pads an image of unknown size"
+    widths = [[top, height - top - rows], [left, width - left - columns], [0, 0]]
+    return ops.pad(image, ([[0, 0]] if rank == 4 else []) + widths)
+
+
+#: A TensorFlow function (by the path `TFFunction` saves) -> (the arguments
+#: the Keras form reads, a function of the bound arguments giving the
+#: Keras tensor, or a string saying why not). Each `keras.ops` function here
+#: runs that very TensorFlow function on the TensorFlow backend (after a
+#: cast to the result dtype, a no-op where the dtypes are TensorFlow's), so
+#: the values are equal; any other argument given a value that is not its
+#: default leaves the node to kip. `checked_outputs` checks the dtype.
+TF_AS_KERAS_OPS = {
+    "math.square": (("x",), _unary(ops.square)),
+    "math.exp": (("x",), _unary(ops.exp)),
+    "math.log": (("x",), _unary(ops.log)),
+    "math.sqrt": (("x",), _unary(ops.sqrt)),
+    "math.sin": (("x",), _unary(ops.sin)),
+    "math.cos": (("x",), _unary(ops.cos)),
+    "math.tanh": (("x",), _unary(ops.tanh)),
+    "math.negative": (("x",), _unary(ops.negative)),
+    "math.sigmoid": (("x",), _unary(ops.sigmoid)),
+    "nn.relu": (("features",), lambda a: ops.relu(a["features"])),
+    "math.logical_not": (("x",), _unary(ops.logical_not)),
+    "math.logical_and": (("x", "y"), _binary(ops.logical_and)),
+    "math.logical_or": (("x", "y"), _binary(ops.logical_or)),
+    "math.add": (("x", "y"), _binary(ops.add)),
+    "math.subtract": (("x", "y"), _binary(ops.subtract)),
+    "math.multiply": (("x", "y"), _binary(ops.multiply)),
+    "math.maximum": (("x", "y"), _binary(ops.maximum)),
+    "math.minimum": (("x", "y"), _binary(ops.minimum)),
+    "concat": (("values", "axis"), lambda a: ops.concatenate(list(a["values"]), axis=a["axis"])),
+    "reshape": (("tensor", "shape"), _reshape),
+    "transpose": (("a", "perm"), lambda a: ops.transpose(a["a"], axes=a["perm"])),
+    "expand_dims": (("input", "axis"), lambda a: ops.expand_dims(a["input"], a["axis"])),
+    "cast": (("x", "dtype"), lambda a: ops.cast(a["x"], keras.backend.standardize_dtype(
+        a["dtype"]))),
+    "stop_gradient": (("input",), lambda a: ops.stop_gradient(a["input"])),
+    "nn.softmax": (("logits", "axis"), _softmax),
+    "image.crop_to_bounding_box": (
+        ("image", "offset_height", "offset_width", "target_height", "target_width"), _crop),
+    "image.pad_to_bounding_box": (
+        ("image", "offset_height", "offset_width", "target_height", "target_width"), _pad),
+}
+
+
+def _tf_function_form(node):
+    path = node.operation.function
+    entry = TF_AS_KERAS_OPS.get(path)
+    if entry is None:
+        return f"calls `tf.{path}`, which has no exact keras.ops form in to_keras's table"
+    read, build = entry
+    signature = inspect.signature(function_at(path, node.name))
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError as error:
+        return f"calls `tf.{path}` with arguments its signature does not take ({error})"
+    for name, value in bound.arguments.items():
+        default = signature.parameters[name].default
+        if name not in read and name != "name" and value is not default and not (
+                _static_ints(value) and value == default):
+            return f"calls `tf.{path}` with `{name}` set, which its keras.ops form does not take"
+
+    def write(args, kwargs, masks):
+        del masks
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        result = build(call.arguments)
+        if isinstance(result, str):
+            raise PassError(f"to_keras: `{node.name}` (TFFunction) {result}; it needs kip.")
+        return result
+
+    # What depends on values the graph holds (a shape given as a list) is
+    # decided now, so the error lists it with the others.
+    probe = signature.bind(*node.args, **node.kwargs)
+    probe.apply_defaults()
+    static = map_leaves(lambda leaf: leaf.spec if isinstance(leaf, Value) else leaf,
+                        dict(probe.arguments))
+    try:
+        result = build(static)
+    except Exception:  # noqa: BLE001 - decided when the model is built
+        result = None
+    if isinstance(result, str):
+        return f"calls `tf.{path}` and {result}"
+    return write
+
+
+__all__ = ["Masks", "TF_AS_KERAS_OPS", "checked_outputs", "keras_form", "weight_holders"]
