@@ -28,10 +28,10 @@ from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.passes.infra.manager import graph_of_model
+from keras_ipu_plugin.passes.plain_keras_nodes import GraphFacts
 from keras_ipu_plugin.passes.plain_keras_nodes import Masks
 from keras_ipu_plugin.passes.plain_keras_nodes import checked_outputs
 from keras_ipu_plugin.passes.plain_keras_nodes import keras_form
-from keras_ipu_plugin.passes.plain_keras_nodes import weight_holders
 from keras_ipu_plugin.runtime.functional import graph_model
 
 
@@ -51,10 +51,10 @@ def to_keras(model):
     """
     source = graph_model(model, "to_keras")
     graph = graph_of_model(source, "to_keras")
-    holders = weight_holders(graph)
+    facts = GraphFacts(graph)
     forms, foreign = {}, []
     for node in graph.nodes:
-        form = keras_form(node, holders)
+        form = keras_form(node, facts)
         if callable(form):
             forms[node.name] = form
         elif form is not None:

@@ -28,7 +28,7 @@ values never depend on the tensor's values. Every written node's dtype is
 checked against the graph's; anything else is named in `to_keras`'s error.
 
 Example:
-    >>> form = keras_form(node, holders)   # a writer, or why not
+    >>> form = keras_form(node, GraphFacts(graph))   # a writer, or why not
     >>> outputs = form(args, kwargs, masks) if callable(form) else None
 """
 
@@ -42,6 +42,7 @@ from keras import ops
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
+from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.state.reads import HeldConstant
 from keras_ipu_plugin.layers.state.reads import VariableRead
@@ -92,30 +93,85 @@ class Masks:
         return self._once(("indices", id(x), count), make)
 
 
-def weight_holders(graph):
-    """`{id(variable): {id(layer): node name}}`: the layers of `graph`
-    holding each variable, each with the first node calling it."""
-    holders = {}
-    for node in graph.nodes:
-        operation = node.operation
-        if isinstance(operation, keras.layers.Layer):
-            for variable in operation.weights:
-                holders.setdefault(id(variable), {}).setdefault(id(operation), node.name)
-    return holders
+class GraphFacts:
+    """What writing one node needs to know of the rest of `graph`:
+    `holders` (`{id(variable): {id(layer): first node calling it}}`, the
+    layers holding each variable) and `shape_at(value, batch)`, the shape of
+    a graph tensor when the graph runs on a batch of `batch` (None where
+    that cannot be worked out), from the operations' own output specs."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.holders = {}
+        for node in graph.nodes:
+            operation = node.operation
+            if isinstance(operation, keras.layers.Layer):
+                for variable in operation.weights:
+                    self.holders.setdefault(id(variable), {}).setdefault(id(operation), node.name)
+        self._shapes = {}  # batch -> {id(value): shape or None}
+
+    def shape_at(self, value, batch):
+        shapes = self._shapes.setdefault(batch, {})
+        if id(value) not in shapes:
+            self._work_out(value, batch, shapes)
+        return shapes[id(value)]
+
+    def _work_out(self, value, batch, shapes):
+        needed, stack = set(), [value]
+        while stack:  # the producers `value` depends on, not yet worked out
+            current = stack.pop()
+            producer = current.producer
+            if id(current) in shapes or producer is None or id(producer) in needed:
+                continue
+            needed.add(id(producer))
+            stack.extend(values_in((producer.args, producer.kwargs)))
+        for spec, input_value in zip(keras.tree.flatten(self.graph.input_specs),
+                                     keras.tree.flatten(self.graph.input_values)):
+            if id(input_value) not in shapes:
+                shape = (batch,) + tuple(spec.shape)
+                shapes[id(input_value)] = None if None in shape else shape
+        for node in self.graph.nodes:
+            if id(node) in needed:
+                self._node_shapes(node, shapes)
+
+    def _node_shapes(self, node, shapes):
+        known = True
+
+        def spec(leaf):
+            nonlocal known
+            if not isinstance(leaf, Value):
+                return leaf
+            shape = shapes.get(id(leaf))
+            known = known and shape is not None
+            return keras.KerasTensor(shape or leaf.spec.shape, leaf.spec.dtype)
+
+        args, kwargs = map_leaves(spec, node.args), map_leaves(spec, node.kwargs)
+        kwargs.pop("training", None)
+        outputs = None
+        if known:
+            try:
+                outputs = keras.tree.flatten(node.operation.compute_output_spec(*args, **kwargs))
+            except Exception:  # noqa: BLE001 - then its sizes are not known
+                outputs = None
+        for index, output in enumerate(node.outputs):
+            shape = None
+            if outputs is not None and index < len(outputs):
+                shape = tuple(outputs[index].shape)
+            shapes[id(output)] = None if shape is None or None in shape else shape
 
 
-def keras_form(node, holders):
+def keras_form(node, facts):
     """A function `write(args, kwargs, masks)` computing `node`'s outputs
     with Keras's own classes (args and kwargs: the node's, graph tensors
     given as Keras tensors), or a string saying why there is none (None
     where the node is not one of kip's kinds written here)."""
     operation = node.operation
     if isinstance(operation, VariableRead):
-        return _read_form(node, holders)
+        return _read_form(node, facts.holders)
     if isinstance(operation, HeldConstant):
         return _constant_form(node)
     if isinstance(operation, BatchSizedOperation):
-        return _batch_sized_form(node)
+        return _batch_sized_form(node, facts)
     if isinstance(operation, TFFunction):
         return _tf_function_form(node)
     return None
@@ -164,8 +220,10 @@ def _read_form(node, holders):
         policy = f"mixed_{given}"
     else:
         return f"reads a {stored} weight as {given}, which no Keras dtype policy does"
-    if "float" not in stored:
-        return f"reads a {stored} weight (a Keras Embedding holds floating-point weights)"
+    trainable = bool(read.trainable and variable.trainable)
+    if "float" not in stored and ("int" not in stored or trainable):
+        return (f"reads a {'trainable ' if trainable else ''}{stored} weight (a Keras "
+                "Embedding holds floating-point weights, or integers it does not train)")
     shape = tuple(variable.shape)
     rows = shape[0] if len(shape) >= 2 else 1
     columns = math.prod(shape) // rows if rows else 0
@@ -175,7 +233,7 @@ def _read_form(node, holders):
     def make(name):
         layer = keras.layers.Embedding(
             rows, columns, dtype=policy, embeddings_initializer="zeros",
-            trainable=bool(read.trainable and variable.trainable), name=name)
+            trainable=trainable, name=name)
         layer.build((rows,))
         layer.set_weights([np.asarray(variable.numpy()).reshape(rows, columns)])
         return layer
@@ -202,7 +260,7 @@ def _constant_form(node):
 
 
 # -- a keras.ops call sized by the batch -------------------------------------------
-def _batch_sized_form(node):
+def _batch_sized_form(node, facts):
     sized = node.operation
     operation = sized.operation
     name = type(operation).__name__
@@ -211,7 +269,7 @@ def _batch_sized_form(node):
     steps = {attribute: (sized.multiples.get(attribute), sized.offsets.get(attribute),
                          sized.divisors.get(attribute)) for attribute in sized.attributes}
     if name == "Reshape" and list(sized.attributes) == ["newshape"]:
-        return _batch_reshape_form(node, operation, *steps["newshape"])
+        return _batch_reshape_form(node, facts, operation, steps)
     if name in ("BroadcastTo", "Tile") and len(sized.attributes) == 1:
         attribute = sized.attributes[0]
         return _batch_broadcast_form(node, operation, attribute, *steps[attribute])
@@ -224,26 +282,41 @@ def _only_first(values, default):
     return values is None or all(v == default for v in list(values)[1:])
 
 
-def _batch_reshape_form(node, operation, multiples, offsets, divisors):
+def _batch_reshape_form(node, facts, operation, steps):
     newshape = list(operation.newshape)
-    source = node.args[1].spec if len(node.args) > 1 else None
-    unknown = [i for i, dim in enumerate(newshape) if dim is None]
     why = "reshapes to a batch-sized shape that -1 does not write exactly"
-    if source is None or len(unknown) != 1 or -1 in newshape:
+    if len(node.args) < 2 or newshape.count(None) != 1 or newshape.count(-1) > 1:
         return why
-    at = unknown[0]
-    multiple = (multiples or [1] * len(newshape))[at]
-    offset = (offsets or [0] * len(newshape))[at]
-    divisor = (divisors or [1] * len(newshape))[at]
-    source_unknown = [dim for dim in source.shape if dim is None]
-    known = math.prod(dim for dim in source.shape if dim is not None)
-    target = math.prod(dim for dim in newshape if dim is not None)
-    # The source holds batch * known values, the target target * (batch *
-    # multiple / divisor + offset): -1 gives that size for every batch size
-    # exactly when the offset is 0 and known * divisor == target * multiple.
-    if len(source_unknown) != 1 or offset or known * divisor != target * multiple:
+    anchor, source = node.args[0], node.args[1]
+    if [dim for dim in source.spec.shape if dim is None] != [None]:
         return why
-    written = tuple(-1 if dim is None else dim for dim in newshape)
+    step = math.lcm(*[divisor for _, _, divisors in steps.values()
+                      for divisor in keras.tree.flatten(divisors or [1])])
+    # The source's unknown dimension and the target's are each linear in the
+    # batch size (as traced): a written reshape giving the target's shape at
+    # two batch sizes gives it at every one.
+    sizes = (2 * step, 3 * step)
+    shapes = [(facts.shape_at(source, batch), facts.shape_at(anchor, batch)) for batch in sizes]
+    if any(shape is None for pair in shapes for shape in pair):
+        return why + " (its sizes could not be worked out)"
+    expected = [tuple(node.operation.compute_output_spec(
+        keras.KerasTensor(anchor_shape, anchor.spec.dtype),
+        keras.KerasTensor(source_shape, source.spec.dtype)).shape)
+        for source_shape, anchor_shape in shapes]
+    fill = None
+    if -1 in newshape:
+        at = newshape.index(-1)
+        fill = expected[0][at]
+        if expected[1][at] != fill:
+            return why
+    written = tuple(-1 if dim is None else fill if dim == -1 else dim for dim in newshape)
+    unknown = written.index(-1)
+    others = math.prod(dim for dim in written if dim != -1)
+    for (source_shape, _), want in zip(shapes, expected):
+        count = math.prod(source_shape)
+        got = written[:unknown] + (count // others,) + written[unknown + 1:]
+        if count % others or got != want:
+            return why
 
     def write(args, kwargs, masks):
         return ops.reshape(args[1], written)
@@ -412,4 +485,4 @@ def _tf_function_form(node):
     return write
 
 
-__all__ = ["Masks", "TF_AS_KERAS_OPS", "checked_outputs", "keras_form", "weight_holders"]
+__all__ = ["GraphFacts", "Masks", "TF_AS_KERAS_OPS", "checked_outputs", "keras_form"]
