@@ -3,7 +3,10 @@
 A converted or passed model is a `KipFunctional`: its `.keras` file names
 kip's classes, so loading it needs `import keras_ipu_plugin` (and the
 user's own layer classes registered). Where every node of the graph is one
-of Keras's own layers or `keras.ops` operations, which is what `Expand("all")`
+of Keras's own layers or `keras.ops` operations, or one of kip's node kinds
+that Keras's classes compute exactly (a layer's weight read, a fixed tensor,
+a batch-sized reshape or broadcast, a TensorFlow function with an exact
+`keras.ops` form: `plain_keras_nodes.py`), which is what `Expand("all")`
 leaves of most models, the same computation fits in a model of Keras's own
 classes only, whose file loads with Keras alone.
 
@@ -40,8 +43,10 @@ def to_keras(model):
 
     `model` is a converted model, the result of `apply_passes`, or a
     `PluginModel` that has seen a batch. Raises `kip.PassError` naming the
-    nodes whose classes are kip's or the user's (a layer `Expand` left
-    whole, a `tf.*` call, a variable read): those need
+    nodes whose classes are kip's or the user's and that Keras's classes
+    cannot compute exactly (a layer `Expand` left whole, a `tf.*` call
+    outside `plain_keras_nodes.TF_AS_KERAS_OPS`, a weight another layer
+    also holds, a variable write), with why: those need
     `import keras_ipu_plugin`, and the user's classes registered, to load.
 
     Example:

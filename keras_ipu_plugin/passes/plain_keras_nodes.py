@@ -403,6 +403,32 @@ def _pad(a):
     return ops.pad(image, ([[0, 0]] if rank == 4 else []) + widths)
 
 
+def _patches(a):
+    """`tf.image.extract_patches` of patches that tile the image (sizes equal
+    to strides, rates 1, "VALID"): the same values moved by reshapes and a
+    transpose (each patch's values in row, column, channel order, as
+    TensorFlow's), where Keras's own `extract_patches` convolves (a product
+    with 0 turns an inf into NaN)."""
+    images, sizes, strides, rates = a["images"], a["sizes"], a["strides"], a["rates"]
+    padding = a["padding"]
+    if not (_static_ints([sizes, strides, rates]) and len(images.shape) == 4
+            and isinstance(padding, str) and padding.upper() == "VALID"
+            and list(sizes) == list(strides) and len(sizes) == 4
+            and sizes[0] == sizes[3] == 1 and list(rates) == [1, 1, 1, 1]
+            and None not in images.shape[1:]):
+        return "extracts patches other than ones tiling an image of known size"
+    _, height, width, channels = images.shape
+    rows, columns = sizes[1], sizes[2]
+    across, down = width // columns, height // rows
+    if not across or not down:
+        return "extracts patches larger than the image"
+    if (down * rows, across * columns) != (height, width):
+        images = images[:, :down * rows, :across * columns, :]
+    patches = ops.reshape(images, (-1, down, rows, across, columns, channels))
+    patches = ops.transpose(patches, (0, 1, 3, 2, 4, 5))
+    return ops.reshape(patches, (-1, down, across, rows * columns * channels))
+
+
 #: A TensorFlow function (by the path `TFFunction` saves) -> (the arguments
 #: the Keras form reads, a function of the bound arguments giving the
 #: Keras tensor, or a string saying why not). Each `keras.ops` function here
@@ -441,6 +467,7 @@ TF_AS_KERAS_OPS = {
         ("image", "offset_height", "offset_width", "target_height", "target_width"), _crop),
     "image.pad_to_bounding_box": (
         ("image", "offset_height", "offset_width", "target_height", "target_width"), _pad),
+    "image.extract_patches": (("images", "sizes", "strides", "rates", "padding"), _patches),
 }
 
 

@@ -201,6 +201,7 @@ class EveryTableEntry(keras.layers.Layer):
             tf.stop_gradient(x), tf.nn.softmax(x), tf.nn.softmax(x, axis=0),
             tf.image.crop_to_bounding_box(image, 1, 2, 3, 2),
             tf.image.pad_to_bounding_box(image, 1, 0, 7, 8),
+            tf.image.extract_patches(image, [1, 2, 3, 1], [1, 2, 3, 1], [1, 1, 1, 1], "VALID"),
         ]
         return results
 
@@ -212,6 +213,7 @@ def test_every_table_entry_loads_without_kip_with_equal_outputs(tmp_path):
     inputs = keras.Input((5, 6, 2))
     model = keras.Model(inputs, EveryTableEntry(name="table")(inputs))
     image = np.random.default_rng(1).normal(size=(3, 5, 6, 2)).astype("float32")
+    image[0, 0, 0, 0], image[1, 2, 3, 1] = np.inf, np.nan  # moved, never multiplied
     passed = _expanded(model, image)
     recorded = {node.operation.function for node in passed.kip_graph.nodes
                 if type(node.operation).__name__ == "TFFunction"}
