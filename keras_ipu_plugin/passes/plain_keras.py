@@ -89,7 +89,15 @@ def to_keras(model):
         args = map_leaves(resolve, node.args)
         kwargs = map_leaves(resolve, node.kwargs)
         if node.name in forms:
-            outputs = checked_outputs(node, forms[node.name](args, kwargs, masks))
+            try:
+                written = forms[node.name](args, kwargs, masks)
+            except PassError:
+                raise
+            except Exception as error:  # noqa: BLE001 - named, as every node Keras cannot hold
+                raise PassError(
+                    f"to_keras: `{node.name}` ({type(operation).__name__}) cannot be written "
+                    f"with Keras's classes: {type(error).__name__}: {error}") from error
+            outputs = checked_outputs(node, written)
         else:
             if id(operation) not in copies:
                 copies[id(operation)] = _copy(operation, names.create(_layer_name(node.name)))

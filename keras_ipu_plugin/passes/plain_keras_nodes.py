@@ -505,8 +505,8 @@ def _tf_function_form(node):
                         dict(probe.arguments))
     try:
         result = build(static)
-    except Exception:  # noqa: BLE001 - decided when the model is built
-        result = None
+    except Exception as error:  # noqa: BLE001 - Keras refuses what the call gives
+        result = f"its keras.ops form refuses the arguments ({type(error).__name__}: {error})"
     if isinstance(result, str):
         return f"calls `tf.{path}` and {result}"
     return write
