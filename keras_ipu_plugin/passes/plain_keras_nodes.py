@@ -155,8 +155,12 @@ class GraphFacts:
                 outputs = None
         for index, output in enumerate(node.outputs):
             shape = None
-            if outputs is not None and index < len(outputs):
-                shape = tuple(outputs[index].shape)
+            if outputs is not None and index < len(outputs) and len(
+                    outputs[index].shape) == len(output.spec.shape):
+                # A size the graph knows holds at every batch size; an output
+                # spec may leave it unknown (EinsumDense's partial shapes).
+                shape = tuple(known if dim is None else dim
+                              for dim, known in zip(outputs[index].shape, output.spec.shape))
             shapes[id(output)] = None if shape is None or None in shape else shape
 
 
