@@ -129,6 +129,14 @@ def _classes_not_keras(operation):
             module = value.get("module")
             if isinstance(module, str) and "class_name" in value and not _is_keras_module(module):
                 found.append(f"{module}.{value['class_name']} in its config")
+            # A function registered with Keras (keras_hub's `gelu_approximate`
+            # activation) is saved as {"module": "builtins", "class_name":
+            # "function", "config": "package>name"}: found only where the
+            # package registering it is imported.
+            registered = value.get("config")
+            if value.get("class_name") == "function" and isinstance(registered, str) and (
+                    ">" in registered and registered.split(">")[0] != "keras"):
+                found.append(f"the registered function `{registered}` in its config")
             for item in value.values():
                 visit(item)
         elif isinstance(value, (list, tuple)):

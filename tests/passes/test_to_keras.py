@@ -118,3 +118,20 @@ def test_a_plugin_model_gives_its_converted_graph():
         kip.to_keras(plugin)
     plugin(X)
     np.testing.assert_allclose(kip.to_keras(plugin)(X), model(X), rtol=1e-6, atol=1e-6)
+
+
+@keras.saving.register_keras_serializable(package="my_activations")
+def scaled_tanh(x):
+    return 2.0 * keras.ops.tanh(x)
+
+
+def test_a_function_registered_by_the_users_package_is_named():
+    """A Keras layer whose config names a function registered by another
+    package (keras_hub's `gelu_approximate` activation) needs that package
+    to load: named, not written into a file Keras alone fails on."""
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(4, activation=scaled_tanh, name="head")(inputs))
+    passed = kip.apply_passes(kip.convert_to_functional(model, X), [kip.passes.Expand("all")])
+    with pytest.raises(kip.PassError, match=r"`head` \(the registered function "
+                       r"`my_activations>scaled_tanh` in its config\)"):
+        kip.to_keras(passed)
