@@ -33,12 +33,12 @@ from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
-from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracer import TraceError
 from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
-from keras_ipu_plugin.frontend.trace.training_branches import default_training
-from keras_ipu_plugin.frontend.trace.tracing import essential_message
+from keras_ipu_plugin.frontend.trace.training_modes import default_training
+from keras_ipu_plugin.frontend.trace.tracer import essential_message
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
-from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracer import trace_model
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch
 from keras_ipu_plugin.frontend.verify.compare import is_float_array

@@ -19,11 +19,11 @@ import re
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.trace import tracing
+from keras_ipu_plugin.frontend.trace import tracer as tracing
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
-from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK
 from keras_ipu_plugin.ir.graph import InlinedBlock
 from keras_ipu_plugin.ir.graph import Node

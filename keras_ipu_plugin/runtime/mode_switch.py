@@ -3,7 +3,7 @@
 A layer whose `call` branches on `training` in Python (stochastic depth:
 `if training: ... keras.random.uniform(...) ...; return x`) computes one
 graph in training and another in inference. The tracer traces both
-(`frontend/trace/training_branches.py`) and puts this layer in the layer's place:
+(`frontend/trace/training_modes.py`) and puts this layer in the layer's place:
 it runs the graph of the mode it is called with, and only that one, so a
 random draw of the training branch advances its seed generator exactly when
 the original's would.

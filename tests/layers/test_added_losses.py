@@ -2,7 +2,7 @@
 
 keras.io's VQ-VAE quantizer and the Switch Transformer's router add a loss
 in `call`. Traced, the loss is an `AddedLoss` node (`layers/state/added_loss.py`,
-`frontend/trace/losses.py`): the layer expands, the graph's model holds the same
+`frontend/trace/trace_views.py`): the layer expands, the graph's model holds the same
 loss after a call as the original (`model.losses`), verification compares
 those losses and their gradients, and training adds them as plain Keras
 does: `fit` of the graph's model itself, `PluginModel`, `PluginCallback`,

@@ -31,7 +31,7 @@ import numpy as np
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import node_identity
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node

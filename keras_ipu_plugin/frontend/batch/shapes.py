@@ -21,8 +21,8 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.trace.failures import STATIC_BATCH_HINT
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.failures import essential_message
-from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
-from keras_ipu_plugin.frontend.trace.output_specs import states_own_output_shape
+from keras_ipu_plugin.frontend.trace.trace_views import precise_specs
+from keras_ipu_plugin.frontend.trace.trace_views import states_own_output_shape
 from keras_ipu_plugin.ir.graph import map_values
 
 

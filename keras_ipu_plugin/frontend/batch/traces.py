@@ -39,7 +39,7 @@ from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.trace.call_trace import Traces
 from keras_ipu_plugin.frontend.trace.call_trace import anchor_of
 from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation

@@ -80,7 +80,7 @@ from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.trace.writes import handles_of
-from keras_ipu_plugin.frontend.trace.training_branches import switch_modes
+from keras_ipu_plugin.frontend.trace.training_modes import switch_modes
 from keras_ipu_plugin.frontend.verify.compare import as_numpy
 from keras_ipu_plugin.frontend.verify.compare import as_tensor
 from keras_ipu_plugin.frontend.verify.compare import comparable

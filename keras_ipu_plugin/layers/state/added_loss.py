@@ -6,7 +6,7 @@ keras.io's VQ-VAE quantizer adds its commitment and codebook losses in
 Switch Transformer's router adds its load-balancing loss. Keras 3 takes
 `add_loss` on concrete tensors only, so a functional model cannot carry
 such a loss from its symbolic build, and the layer used to run whole. The
-tracer records the call as this layer instead (`frontend/trace/losses.py`): it
+tracer records the call as this layer instead (`frontend/trace/trace_views.py`): it
 is called on the loss's graph tensor and adds it with Keras's own
 `add_loss` each time the graph runs, so `model.losses` of the graph's
 model holds the same loss after a call as the original's does, and Keras's
@@ -14,7 +14,7 @@ model holds the same loss after a call as the original's does, and Keras's
 
 The node returns the loss (so that the call's first output can be ordered
 after it: a functional model runs only what its outputs need,
-`frontend/trace/write_nodes.py`); it is never expanded and never outlined, and
+`frontend/trace/writes.py`); it is never expanded and never outlined, and
 saves with the model.
 
 A call of the graph's model replaces what the node added at its previous

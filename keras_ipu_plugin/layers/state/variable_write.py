@@ -4,7 +4,7 @@ keras.io's PixelCNN masks its kernel on every call,
 `self.conv.kernel.assign(self.conv.kernel * self.mask)`, then calls the
 conv; a step counter does `self.count.assign_add(1)`; an EMA codebook
 `self.ema.assign(decay * self.ema + (1 - decay) * stats)`. Traced, such a
-write is recorded as a node (`frontend/trace/write_nodes.py`), as a read is
+write is recorded as a node (`frontend/trace/writes.py`), as a read is
 (`reads.py`):
 
 - `VariableWrite(value, after=[...])` makes the write when the graph runs

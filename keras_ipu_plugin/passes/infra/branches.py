@@ -14,8 +14,8 @@ Example:
 """
 
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.frontend.trace.tracing import TraceError
-from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracer import TraceError
+from keras_ipu_plugin.frontend.trace.tracer import trace_model
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.passes.infra.base import ALL
 from keras_ipu_plugin.passes.infra.base import contains

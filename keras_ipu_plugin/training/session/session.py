@@ -66,9 +66,9 @@ from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.training.session.step_self import CalleeStandIn
 from keras_ipu_plugin.training.session.step_self import step_self
 from keras_ipu_plugin.training.session.step_losses import StepLosses
-from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracer import TraceError
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
-from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracer import trace_model
 from keras_ipu_plugin.frontend.verify.runs import verifying_on
 from keras_ipu_plugin.training.session.new_variables import hand_over_optimizer_state
 from keras_ipu_plugin.training.session.new_variables import replaced_variable_pairs
