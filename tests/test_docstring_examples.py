@@ -14,7 +14,7 @@ RUNNABLE = [
     "keras_ipu_plugin.frontend.trace.attribute_paths",
     "keras_ipu_plugin.frontend.trace.failures",
     "keras_ipu_plugin.ir.names",
-    "keras_ipu_plugin.layers.tf_calls.tf_function",
+    "keras_ipu_plugin.layers.tf_calls",
     "keras_ipu_plugin.passes.microbatching",
     "keras_ipu_plugin.planning.stage_balance",
 ]

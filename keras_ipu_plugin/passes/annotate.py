@@ -452,7 +452,7 @@ def _joined(*parts):
 def _outline_entry(node, detail):
     """The report's (action, detail) for outlining `node`: a layer whose
     `get_config` fails is outlined alone (nothing shows it equal to another)."""
-    from keras_ipu_plugin.runtime.effects.outline import outline_config
+    from keras_ipu_plugin.runtime.effects import outline_config
 
     _, error = outline_config(node.operation)
     if error is None:

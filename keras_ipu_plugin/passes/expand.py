@@ -8,7 +8,7 @@ between call sites stay shared, because the same layer objects are called.
 """
 
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.frontend.replay.templates import CallTemplates
+from keras_ipu_plugin.frontend.replay import CallTemplates
 from keras_ipu_plugin.passes.infra.base import ALL
 from keras_ipu_plugin.passes.infra.base import contains
 from keras_ipu_plugin.passes.infra.branches import in_branches
@@ -31,7 +31,7 @@ from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
-from keras_ipu_plugin.layers.state.reads import ReadLayers
+from keras_ipu_plugin.layers.state import ReadLayers
 
 
 @register_pass("expand", order=0)

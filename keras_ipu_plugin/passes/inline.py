@@ -1,7 +1,7 @@
 """Inline one call of a custom layer: what `Expand` does at each node.
 
 `inline_call(graph, node, ...)` traces the layer's `call` at `node` (or
-replays the trace of a block of the same kind, `frontend/replay/templates.py`) and
+replays the trace of a block of the same kind, `frontend/replay.py`) and
 puts the nodes it makes in the node's place with the graph's primitives:
 inserted before it, the node's users rewired to the new outputs, the node
 erased. The new nodes are named after their path, `parent.child`, in the
@@ -19,7 +19,7 @@ import re
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.trace import tracer as tracing
+from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
@@ -36,8 +36,8 @@ from keras_ipu_plugin.layers.keras_ops.masks import AttachMask
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
-from keras_ipu_plugin.layers.state.reads import is_read
-from keras_ipu_plugin.layers.state.variable_write import is_write_node
+from keras_ipu_plugin.layers.state import is_read
+from keras_ipu_plugin.layers.state import is_write_node
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")
 
@@ -181,7 +181,7 @@ def _trace(graph, node, report, reads, templates, agnostic):
             # one trace is enough where no sub-layer reads `training`
             training=False if agnostic else training, prefix=node.name + ".", reads=reads,
         )
-    except tracing.TraceError as error:
+    except TraceError as error:
         return _stay_opaque(node, error.reason, report)
     leaves = keras.tree.flatten(outputs)
     if len(leaves) == len(node.outputs) and None in leaves:

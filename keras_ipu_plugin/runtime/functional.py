@@ -45,8 +45,8 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.ir.specs import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
-from keras_ipu_plugin.layers.state.shared_variables import link_shared_variables
-from keras_ipu_plugin.layers.state.shared_variables import mark_shared_variables
+from keras_ipu_plugin.layers.state import link_shared_variables
+from keras_ipu_plugin.layers.state import mark_shared_variables
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-in run-time effects)
 # Every kip layer a saved graph may hold is registered with Keras wherever a
@@ -54,8 +54,7 @@ from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-
 # (`TensorSizedOperation` was registered by tracing alone).
 from keras_ipu_plugin.layers import alias, opaque  # noqa: F401
 from keras_ipu_plugin.layers.keras_ops import batch_sized, masks, random_draws, tensor_sized  # noqa: F401
-from keras_ipu_plugin.layers.state import added_loss, reads, variable_write  # noqa: F401
-from keras_ipu_plugin.layers.tf_calls import tf_function, tf_random_draw  # noqa: F401
+from keras_ipu_plugin.layers import state, tf_calls  # noqa: F401
 from keras_ipu_plugin.runtime.graph_of import graph_of
 from keras_ipu_plugin.runtime.interpreter import interpreter_for
 

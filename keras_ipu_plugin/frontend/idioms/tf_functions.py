@@ -12,10 +12,10 @@ tf_function.py`), through TensorFlow's public dispatch for custom types
 Covered: TensorFlow's elementwise functions (unary and binary: `tf.math.*`,
 `tf.nn.relu`, ...) and the common non-elementwise ones (`tf.einsum`,
 `tf.range(tf.shape(x)[-1])`, `tf.stop_gradient`, ...): exactly the table
-`layers/tf_calls/tf_function_table.py`, which is also all a saved model may name.
+`layers/tf_calls.py`, which is also all a saved model may name.
 TensorFlow's random draws given a symbolic shape or tensor
 (`tf.random.normal(shape=(tf.shape(x)[0], dim))`) are recorded as
-`TFRandomDraw`s (`layers/tf_calls/tf_random_draw.py`), which draw as the original
+`TFRandomDraw`s (`layers/tf_calls.py`), which draw as the original
 does each time the graph runs (the table's `RANDOM_DRAWS`). Nothing outside
 the table is recorded: such a call still raises, and the layer stays whole
 with that reason, as before.
@@ -40,14 +40,14 @@ import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
-from keras_ipu_plugin.layers.tf_calls.tf_function import public_name_of
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import ELEMENTWISE
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import RANDOM_DRAWS
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import TENSOR_PARAMETERS
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import draw_function_at
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import function_at
-from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
+from keras_ipu_plugin.layers.tf_calls import TFFunction
+from keras_ipu_plugin.layers.tf_calls import public_name_of
+from keras_ipu_plugin.layers.tf_calls import ELEMENTWISE
+from keras_ipu_plugin.layers.tf_calls import RANDOM_DRAWS
+from keras_ipu_plugin.layers.tf_calls import TENSOR_PARAMETERS
+from keras_ipu_plugin.layers.tf_calls import draw_function_at
+from keras_ipu_plugin.layers.tf_calls import function_at
+from keras_ipu_plugin.layers.tf_calls import TFRandomDraw
 
 _LIST_PARAMETER = "*"
 

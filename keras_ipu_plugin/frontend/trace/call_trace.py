@@ -13,7 +13,7 @@ are read through `VariableRead` nodes (their symbolic reads stand in the
 view's attributes), a direct sub-layer called on concrete tensors only
 (`self.embedding(ops.arange(n))`) is called on `HeldConstant` nodes holding
 them, a `keras.random` draw is a `RandomDraw` node, and a write is a
-`VariableWrite` node (`write_nodes.py`).
+`VariableWrite` node (`writes.py`).
 
 Where tracing stops (which sub-layers are traced through, and whether a
 layer's `call` is handed `training`) is the `Tracer`'s to say
@@ -54,7 +54,7 @@ from keras_ipu_plugin.frontend.batch.shapes import (
 )
 from keras_ipu_plugin.frontend.idioms import tf_functions
 from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms, unknown_sizes
-from keras_ipu_plugin.frontend.trace import trace_views, writes as write_nodes
+from keras_ipu_plugin.frontend.trace import trace_views, writes as writes_lib
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths, path_of, stable_name
 from keras_ipu_plugin.frontend.trace.failures import (
     TraceError,
@@ -74,9 +74,9 @@ from keras_ipu_plugin.frontend.trace.trace_views import (
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK, Node, Value
 from keras_ipu_plugin.ir.names import Namespace
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.state.reads import HeldConstant, is_read
-from keras_ipu_plugin.layers.state.variable_write import is_write_node
-from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
+from keras_ipu_plugin.layers.state import HeldConstant, is_read
+from keras_ipu_plugin.layers.state import is_write_node
+from keras_ipu_plugin.layers.tf_calls import TFRandomDraw
 from keras_ipu_plugin.layers.views import layer_view, shallow_view, viewed_layer
 
 
@@ -119,7 +119,7 @@ class CallTrace:
     lift_sites: dict = dataclasses.field(default_factory=dict, init=False)
     # replay.output_specs_key -> output KerasTensors
     output_specs: dict = dataclasses.field(default_factory=dict, init=False)
-    # the variable writes `call` makes, as nodes (`write_nodes.py`)
+    # the variable writes `call` makes, as nodes (`writes.py`)
     writes: object = dataclasses.field(init=False)
     _names: Namespace = dataclasses.field(default_factory=Namespace, init=False)
     _new_reads: list = dataclasses.field(default_factory=list, init=False)
@@ -131,7 +131,7 @@ class CallTrace:
     def __post_init__(self):
         if self.anchor is None:
             self.anchor = anchor_of((self.args, self.kwargs))
-        self.writes = write_nodes.WriteRecorder(self)
+        self.writes = writes_lib.WriteRecorder(self)
 
     def at(self, args, kwargs, placeholders, anchor):
         """A new trace of the same call on other inputs (`args`, `kwargs`
@@ -195,7 +195,7 @@ class CallTrace:
         self.writes.held(variable, tensor, name)
         return tensor
 
-    read = _read  # for `write_nodes`: a read of a sub-layer's variable
+    read = _read  # for the write recorder: a read of a sub-layer's variable
 
     def unique_name(self, name):
         """A node name for a graph layer the trace makes (`prefix` + `name`)."""
@@ -219,7 +219,7 @@ class CallTrace:
             # its variables read as graph values from `call`'s own code
             # (`self.conv.kernel`), so writes of them are nodes
             layer = shallow_view(layer, builtin_view_class(
-                type(layer), write_nodes.variable_attributes(layer)))
+                type(layer), writes_lib.variable_attributes(layer)))
         self.lift_for.add(id(layer))
         return layer
 
@@ -359,11 +359,11 @@ def trace_once(trace, training, pinned, opaque_layers):
         with _compat.call_context(layer, training):
             try:
                 outputs = _traced_call(layer, view)(*trace.args, **kwargs)
-                # every write `call` made is before an output (`write_nodes.py`)
+                # every write `call` made is before an output (`writes.py`)
                 outputs = trace.writes.finish(outputs)
             except TraceError:
                 raise
-            except write_nodes.WriteError as error:  # a write no graph can hold
+            except writes_lib.WriteError as error:  # a write no graph can hold
                 # (without the banner Keras puts on it when raised in `ops.cond`)
                 raise TraceError(essential_message(error, limit=2000)) from error
             except Exception as error:  # user code failing on symbols

@@ -48,9 +48,9 @@ Traced, the loss is a symbolic tensor, which Keras's `add_loss` refuses
 ("can only be called ... on a tensor input"), and the layer stayed whole.
 The views tracing calls (`tracing._inline_view_class`) take `add_loss`
 here instead: the traced layer's own `add_loss` of a symbolic loss becomes
-an `AddedLoss` node on it (`layers/state/added_loss.py`), which adds the loss
+an `AddedLoss` node on it (`layers/state.py`), which adds the loss
 each time the graph runs; the call's first output comes after it, as after
-a variable write (`write_nodes.WriteRecorder.finish`), so no loss is left
+a variable write (`writes_lib.WriteRecorder.finish`), so no loss is left
 out of the graph. A concrete loss (computed eagerly while traced, from no
 input) is held by a `HeldConstant` node, as other concrete tensors are,
 and checked not to be computed from a weight the graph would freeze.
@@ -75,15 +75,15 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.replay.templates import output_specs_key
-from keras_ipu_plugin.frontend.trace import writes as write_nodes, writes as writes_lib
+from keras_ipu_plugin.frontend.replay import output_specs_key
+from keras_ipu_plugin.frontend.trace import writes as writes_lib
 from keras_ipu_plugin.frontend.trace.failures import (
     describe_failure,
     TraceError,
     ModeStructureError,
 )
-from keras_ipu_plugin.layers.state.added_loss import AddedLoss
-from keras_ipu_plugin.layers.state.reads import is_read
+from keras_ipu_plugin.layers.state import AddedLoss
+from keras_ipu_plugin.layers.state import is_read
 from keras_ipu_plugin.layers.user_code import takes_keyword, takes_training
 from keras_ipu_plugin.layers.views import shallow_view, viewed_layer
 
@@ -258,7 +258,7 @@ def _lifting_call(self, *args, **kwargs):
             args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
     if trace is None:
         outputs = super(type(self), self).__call__(*args, **kwargs)
-    else:  # ordered among the writes `call` makes (`write_nodes.py`)
+    else:  # ordered among the writes `call` makes (`writes_lib.py`)
         args, kwargs = trace.writes.before_call(self, args, kwargs)
         outputs = None
         try:
@@ -323,11 +323,11 @@ def builtin_view_class(cls, variable_names=frozenset()):
     lifted (`_lifting_call`), whose output shapes are as precise as its
     inputs allow (`_precise_output_spec`) and whose variables
     `variable_names` read as graph values from the traced `call`'s own code
-    (`write_nodes.reading_members`); everything else is the class's own."""
+    (`writes_lib.reading_members`); everything else is the class's own."""
     return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                        "__call__": _lifting_call,
                                        "compute_output_spec": _precise_output_spec,
-                                       **write_nodes.reading_members(cls, variable_names)})
+                                       **writes_lib.reading_members(cls, variable_names)})
 
 
 def _precise_output_spec(self, *args, **kwargs):
@@ -437,7 +437,7 @@ def dense_unless_given_sparse(specs, structure):
 def traced_add_loss(view, loss):
     """`add_loss` of a view of a user layer (see the module docstring)."""
     leaves = keras.tree.flatten(loss)
-    recorder = write_nodes.current()
+    recorder = writes_lib.current()
     symbolic = any(isinstance(leaf, keras.KerasTensor) for leaf in leaves)
     if recorder is None:
         return super(type(view), view).add_loss(loss)
@@ -447,7 +447,7 @@ def traced_add_loss(view, loss):
             return None  # a sub-layer's spec: its own node or trace adds the loss
         return super(type(view), view).add_loss(loss)
     if not recorder.in_own_context():
-        raise write_nodes.WriteError(
+        raise writes_lib.WriteError(
             "`call` adds a loss (`self.add_loss(...)`) inside a branch or a loop "
             "(`ops.cond`, `ops.while_loop`, `ops.scan`...), which one graph node cannot "
             "hold: write the loss outside it, added once, choosing with "

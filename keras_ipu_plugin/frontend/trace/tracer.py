@@ -102,7 +102,7 @@ from keras_ipu_plugin.ir.graph import Value, map_leaves, Graph
 from keras_ipu_plugin.layers import user_code
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.layers.state.reads import ReadLayers
+from keras_ipu_plugin.layers.state import ReadLayers
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 
 __all__ = [

@@ -57,8 +57,8 @@ from keras_ipu_plugin.frontend.trace.failures import ModeStructureError, TraceEr
 from keras_ipu_plugin.ir.graph import FOLLOW, map_leaves, Node, Value, values_in
 from keras_ipu_plugin.ir.specs import InputSpec
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.state.reads import HeldConstant
-from keras_ipu_plugin.layers.state.variable_write import is_write_node
+from keras_ipu_plugin.layers.state import HeldConstant
+from keras_ipu_plugin.layers.state import is_write_node
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch, branch_input_graph
 
 __all__ = ["BranchError", "default_training", "switch_modes", "switch_node", "with_branch_nodes"]

@@ -38,7 +38,7 @@ Traced, `self.conv.kernel` is a symbolic read of the kernel (a
 `VariableRead` node: the traced layer's own variables are, and so are the
 variables of its direct Keras sub-layers read from its own code, through
 `reading_members`), `* self.mask` a `keras.ops` node, and the `assign`
-a `VariableWrite` node (`layers/state/variable_write.py`). Its order in `call`
+a `VariableWrite` node (`layers/state.py`). Its order in `call`
 becomes data dependencies, which Expand keeps and passes see:
 
 - a write comes after every read and sub-layer call that came before it in
@@ -76,8 +76,8 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
-from keras_ipu_plugin.layers.state import reads as reads_lib
-from keras_ipu_plugin.layers.state.variable_write import AfterWrites, VariableWrite
+from keras_ipu_plugin.layers import state as state_lib
+from keras_ipu_plugin.layers.state import AfterWrites, VariableWrite
 from keras_ipu_plugin.layers.views import viewed_layer
 from keras_ipu_plugin.runtime.distribution import owning_strategy
 
@@ -306,7 +306,7 @@ class WriteRecorder:
         # runs in a scratch graph of its own
         self._context = _context()
         try:
-            with reads_lib.recording_writes(self.record):
+            with state_lib.recording_writes(self.record):
                 yield self
         finally:
             _recording.recorder = previous
@@ -461,7 +461,7 @@ class WriteRecorder:
         state = vars(self.view)
 
         def fresh(value):
-            if isinstance(value, reads_lib.ReadTensor) and value.variable is variable:
+            if isinstance(value, state_lib.ReadTensor) and value.variable is variable:
                 return output
             if isinstance(value, list):
                 return [fresh(item) for item in value]
@@ -473,7 +473,7 @@ class WriteRecorder:
 
         for attribute in list(state):
             value = state[attribute]
-            if isinstance(value, (reads_lib.ReadTensor, list, tuple, dict)):
+            if isinstance(value, (state_lib.ReadTensor, list, tuple, dict)):
                 state[attribute] = fresh(value)
 
     # -- ordering ------------------------------------------------------------

@@ -89,9 +89,9 @@ from keras_ipu_plugin.frontend.verify.compare import outputs_close
 from keras_ipu_plugin.frontend.verify.compare import path_name
 from keras_ipu_plugin.frontend.verify.compare import tolerance_for
 from keras_ipu_plugin.frontend.verify.compare import variable_name
-from keras_ipu_plugin.frontend.verify.rows import fixed_batch_size
-from keras_ipu_plugin.frontend.verify.rows import reference_run
-from keras_ipu_plugin.frontend.verify.rows import row_count
+from keras_ipu_plugin.frontend.verify.compare import fixed_batch_size
+from keras_ipu_plugin.frontend.verify.compare import reference_run
+from keras_ipu_plugin.frontend.verify.compare import row_count
 from keras_ipu_plugin.frontend.verify.runs import RunMode
 from keras_ipu_plugin.frontend.verify.runs import refuse_untracked_variables
 from keras_ipu_plugin.frontend.verify.runs import run_model

@@ -6,7 +6,7 @@ VQ-VAE quantizer, a router's load-balancing loss) on the layer that added
 it, so that `model.losses` and `sub_model.losses` hold it after a call, and
 Keras's `compute_loss` adds it to the training loss. In a converted graph
 the loss is added by the graph's own `AddedLoss` node
-(`layers/state/added_loss.py`), which the user's model does not hold: a step
+(`layers/state.py`), which the user's model does not hold: a step
 running through the plugin would read the user's layers and miss it. So
 the step's `self` and its sub-models (`step_self.py`) add to their own
 `losses` what the `AddedLoss` nodes added in the conversions run for them
@@ -29,7 +29,7 @@ import threading
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.layers.state.added_loss import loss_nodes
+from keras_ipu_plugin.layers.state import loss_nodes
 
 
 class StepLosses:
