@@ -6,7 +6,7 @@ The data flows one way (see docs/architecture.md):
     ir/           the graph IR
     layers/       the layers a graph may hold (alias, opaque, reads, writes, ...)
     runtime/      IR -> Keras model, and running it (rebuild, executor, backends)
-    frontend/     model + first batch -> IR: trace/, idioms/, batch/, replay/,
+    frontend/     model + first batch -> IR: trace/, idioms/, batch/, replay,
                   verify/, and inputs, state, convert
     planning/     node costs, the recompute and stage planners, stage timing
     passes/infra/  pass infrastructure (Pass, registry, patterns, configs, manager)

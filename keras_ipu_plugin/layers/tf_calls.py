@@ -41,10 +41,6 @@ saves by the function's public name (`"math.square"`). A name is resolved
 only from the table of functions the tracer records (`tf_function_table`):
 a saved model naming anything else fails to load, before anything runs.
 
-Example:
-    >>> square = TFFunction("math.square")
-    >>> square(keras.KerasTensor((None, 4))).shape
-    (None, 4)
 
 `TFRandomDraw`: a TensorFlow random draw a layer's `call` makes, as a
 graph operation.
@@ -299,7 +295,13 @@ _NAMESPACES = ("math", "nn", "linalg", "bitwise", "", "image")
 class TFFunction(keras.Operation):
     """Calls the TensorFlow function with public name `function` (a path
     under `tf`, such as `"math.square"` or `"reshape"`, one of the table
-    `tf_function_table.RECORDED`) on its arguments."""
+    `RECORDED`) on its arguments.
+
+    Example:
+        >>> square = TFFunction("math.square")
+        >>> square(keras.KerasTensor((None, 4))).shape
+        (None, 4)
+    """
 
     def __init__(self, function, name=None):
         if name is not None and not isinstance(name, str):

@@ -43,7 +43,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.ir.specs import check_dtype_kinds
+from keras_ipu_plugin.ir.graph import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.layers.state import link_shared_variables
 from keras_ipu_plugin.layers.state import mark_shared_variables

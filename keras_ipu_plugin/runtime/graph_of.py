@@ -35,7 +35,7 @@ from keras_ipu_plugin.ir.graph import FOLLOW
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.ir.graph import Namespace
 
 
 def graph_of(model):

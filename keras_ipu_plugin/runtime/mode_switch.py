@@ -37,7 +37,7 @@ import numpy as np
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.ir.graph import Namespace
 from keras_ipu_plugin.layers import saved_values
 
 #: The modes a switch may hold, by the `training` value each stands for.

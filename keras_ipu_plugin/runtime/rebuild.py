@@ -14,7 +14,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
-from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.ir.graph import Namespace
 from keras_ipu_plugin.layers.alias import LayerAlias
 from keras_ipu_plugin.layers.layer_kinds import seed_states
 from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw

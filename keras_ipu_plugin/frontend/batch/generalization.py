@@ -36,7 +36,7 @@ from keras_ipu_plugin.frontend.trace.training_modes import node_identity
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.state import HeldConstant
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch

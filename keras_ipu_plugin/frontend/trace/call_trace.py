@@ -72,7 +72,7 @@ from keras_ipu_plugin.frontend.trace.trace_views import (
     OPAQUE,
 )
 from keras_ipu_plugin.ir.graph import UNTRACED_MASK, Node, Value
-from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.ir.graph import Namespace
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.state import HeldConstant, is_read
 from keras_ipu_plugin.layers.state import is_write_node

@@ -55,7 +55,7 @@ import keras
 from keras_ipu_plugin.frontend.trace.call_trace import trace_once
 from keras_ipu_plugin.frontend.trace.failures import ModeStructureError, TraceError
 from keras_ipu_plugin.ir.graph import FOLLOW, map_leaves, Node, Value, values_in
-from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.state import HeldConstant
 from keras_ipu_plugin.layers.state import is_write_node

@@ -16,7 +16,7 @@ Example:
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.trace.tracer import TraceError
 from keras_ipu_plugin.frontend.trace.tracer import trace_model
-from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.passes.infra.base import ALL
 from keras_ipu_plugin.passes.infra.base import contains
 from keras_ipu_plugin.passes.infra.base import describe

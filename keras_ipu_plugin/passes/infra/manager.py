@@ -20,7 +20,7 @@ from keras_ipu_plugin.runtime.distribution import strategy_owning
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.runtime.graph_of import graph_of as run_graph_of
-from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.infra.base import EQUAL
 from keras_ipu_plugin.passes.infra.base import Pass

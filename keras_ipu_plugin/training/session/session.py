@@ -627,7 +627,7 @@ def describe_structure_change(session):
 
 
 def _spec_of_input(tensor):
-    from keras_ipu_plugin.ir.specs import InputSpec
+    from keras_ipu_plugin.ir.graph import InputSpec
 
     return InputSpec(name=tensor.name, shape=tuple(tensor.shape[1:]), dtype=tensor.dtype)
 
