@@ -12,7 +12,7 @@ import importlib
 import pytest
 
 RUNNABLE = [
-    "keras_ipu_plugin.frontend.idioms.tf_functions",
+    "keras_ipu_plugin.frontend.idioms:recorded",
     "keras_ipu_plugin.frontend.trace.attribute_paths",
     "keras_ipu_plugin.frontend.trace.failures",
     "keras_ipu_plugin.ir.graph:Namespace",

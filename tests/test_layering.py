@@ -2,7 +2,7 @@
 
 The data flows one way (see docs/architecture.md):
 
-    _compat, errors, report, concurrency   (the base: no imports of ours above them)
+    _compat, errors, report   (the base: no imports of ours above them)
     ir/           the graph IR
     layers/       the layers a graph may hold (alias, opaque, reads, writes, ...)
     runtime/      IR -> Keras model, and running it (rebuild, executor, backends)
@@ -31,7 +31,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_ipu_plugin"
 NAME = "keras_ipu_plugin"
 
 LAYERS = [
-    {"_compat", "errors", "report", "concurrency"},
+    {"_compat", "errors", "report"},
     {"ir"},
     {"layers"},
     {"runtime"},

@@ -9,11 +9,11 @@ topic:
   calls a layer (`call_context`, `current_training`, the masks `__call__`
   adds), the functional model (`Functional`, `run_functional_graph`,
   `functional_nodes`, `output_structure`, ...);
-- `keras_state`: what Keras objects hold: a layer's own losses / variables /
-  bookkeeping, a variable's strategy and stored value, TensorFlow's tracked
-  containers, a built optimizer's per-variable state;
-- `trainer`: Keras's step functions, `compile`'s settings, the symbolic build
-  under a strategy;
+- `keras_objects`: what Keras objects hold and how Keras trains them: a
+  layer's own losses / variables / bookkeeping, a variable's strategy and
+  stored value, TensorFlow's tracked containers, a built optimizer's
+  per-variable state, Keras's step functions, `compile`'s settings, the
+  symbolic build under a strategy;
 - `tf_internals`: TensorFlow's dispatch and op callbacks, its stateful random
   draws and global random state, `tf.data` pipelines, and what the
   trace-time idioms wrap.
@@ -46,8 +46,6 @@ from keras_ipu_plugin._compat.keras_graphs import (  # noqa: F401
     producing_node,
     record_call,
     set_keras_mask,
-)
-from keras_ipu_plugin._compat.keras_graphs import (  # noqa: F401
     adopt_call_signature,
     call_context,
     call_context_args,
@@ -55,8 +53,6 @@ from keras_ipu_plugin._compat.keras_graphs import (  # noqa: F401
     current_training,
     masks_keras_would_pass,
     set_call_takes_training_argument,
-)
-from keras_ipu_plugin._compat.keras_graphs import (  # noqa: F401
     Functional,
     functional_nodes,
     inbound_nodes,
@@ -66,7 +62,7 @@ from keras_ipu_plugin._compat.keras_graphs import (  # noqa: F401
     run_functional_graph,
     standardize_inputs,
 )
-from keras_ipu_plugin._compat.trainer import (  # noqa: F401
+from keras_ipu_plugin._compat.keras_objects import (  # noqa: F401
     OneReplicaSymbolicBuild,
     auto_jit_compile,
     compile_arguments,
@@ -78,8 +74,6 @@ from keras_ipu_plugin._compat.trainer import (  # noqa: F401
     reduces_across_workers,
     saving_to_hdf5,
     symbolic_build_from_one_replica,
-)
-from keras_ipu_plugin._compat.keras_state import (  # noqa: F401
     optimizer_knows,
     optimizer_own_variables,
     optimizer_slot_lists,
@@ -87,8 +81,6 @@ from keras_ipu_plugin._compat.keras_state import (  # noqa: F401
     replace_optimizer_variable,
     set_optimizer_state,
     set_optimizer_variables,
-)
-from keras_ipu_plugin._compat.keras_state import (  # noqa: F401
     KERAS_MODEL_CODE_MODULES,
     KERAS_OPERATION_MODULES,
     LAYER_BOOKKEEPING,
@@ -104,8 +96,6 @@ from keras_ipu_plugin._compat.keras_state import (  # noqa: F401
     own_losses,
     own_variables,
     sub_layers,
-)
-from keras_ipu_plugin._compat.keras_state import (  # noqa: F401
     backing_variable,
     current_value,
     global_seed_generator_state,
@@ -115,8 +105,6 @@ from keras_ipu_plugin._compat.keras_state import (  # noqa: F401
     stored_value,
     variable_signature,
     variable_strategy,
-)
-from keras_ipu_plugin._compat.keras_state import (  # noqa: F401
     NEVER_CONTAINERS,
     OWN_STORAGE,
     raw_container,
@@ -131,21 +119,15 @@ from keras_ipu_plugin._compat.tf_internals import (  # noqa: F401
     tensor_array_zeros,
     tensor_size_attributes,
     traced_idiom_targets,
-)
-from keras_ipu_plugin._compat.tf_internals import (  # noqa: F401
     add_fallback_dispatch,
     make_dispatchable,
     op_callback,
     raised_in_tf_random_function,
     stop_gradient_recording,
     tf_elementwise_functions,
-)
-from keras_ipu_plugin._compat.tf_internals import (  # noqa: F401
     dataset_is_batched,
     dataset_strategy,
     stateful_op_names,
-)
-from keras_ipu_plugin._compat.tf_internals import (  # noqa: F401
     global_random_state,
     put_back_global_random_state,
     restore_stateful_draw_ops,

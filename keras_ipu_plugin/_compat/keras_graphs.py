@@ -1,13 +1,10 @@
-"""Keras's symbolic graphs: the nodes a symbolic call records and the tensors they
-make, how Keras calls a layer (the call context, the arguments `__call__`
-reads, the masks it adds), and the functional model that runs a graph of
-layers.
+"""Keras's symbolic graphs:
 
-The nodes Keras records for a symbolic call and the tensors they make.
-
-How Keras calls a layer: the call context (`training`), the arguments `__call__` reads and the masks it adds.
-
-Keras's functional model: its base class, its run of a graph of layers, its nodes and output structure.
+- the nodes Keras records for a symbolic call and the tensors they make;
+- how Keras calls a layer: the call context (`training`), the arguments
+  `__call__` reads and the masks it adds;
+- Keras's functional model: its base class, its run of a graph of layers,
+  its nodes and output structure.
 
 Part of `_compat`, the one package that touches private Keras / TensorFlow
 APIs (see its `__init__`).

@@ -1,16 +1,13 @@
-"""TensorFlow's internals: dispatch, op callbacks, gradient recording and
-tracebacks; stateful random draws and the global random state; `tf.data`
-pipelines; and the Keras and TensorFlow objects the trace-time idioms wrap.
+"""TensorFlow's internals:
 
-TensorFlow's dispatch, op callbacks, gradient recording and error tracebacks.
-
-TensorFlow's stateful random draws and global random state: the ops a
-recorder takes the place of, and the state put back after runs that drew
-(`frontend/verify/runs.py`'s `taped_stateful_draws` is the recorder).
-
-`tf.data` pipelines: whether one is batched, its strategy.
-
-The Keras and TensorFlow objects the trace-time idioms wrap (`frontend/idioms/traced_idioms.py`): the wrappers are tracing behaviour and live with the tracer; only reaching the objects is access.
+- its dispatch, op callbacks, gradient recording and error tracebacks;
+- its stateful random draws and global random state: the ops a recorder
+  takes the place of, and the state put back after runs that drew
+  (`frontend/verify/runs.py`'s `taped_stateful_draws` is the recorder);
+- `tf.data` pipelines: whether one is batched, its strategy;
+- the Keras and TensorFlow objects the trace-time idioms wrap
+  (`frontend/idioms.py`): the wrappers are tracing behaviour and live with
+  the tracer; only reaching the objects is access.
 
 Part of `_compat`, the one package that touches private Keras / TensorFlow
 APIs (see its `__init__`).
@@ -259,7 +256,7 @@ def stateful_op_names(graph_def):
 
 
 def traced_idiom_targets():
-    """The Keras objects `frontend/idioms/traced_idioms.py` wraps while a trace runs:
+    """The Keras objects `frontend/idioms.py` wraps while a trace runs:
     `variable` (the backend's Variable class) and `variable_initializer` (the
     name of its private method that draws the initial value), `tile` and
     `ndim` (the `ops.tile` / `ops.ndim` operation classes), `keras_tensor`,
@@ -279,7 +276,7 @@ def traced_idiom_targets():
 def eager_tensor_array_targets():
     """`(class, write, stack)`: TensorFlow's eager `TensorArray` implementation
     (what `tf.TensorArray` is while a trace runs `call` eagerly) and the names
-    of the methods `frontend/idioms/traced_idioms.py` wraps (`frontend/idioms/tensor_arrays.py`)."""
+    of the methods `frontend/idioms.py` wraps (`frontend/idioms.py`)."""
     from tensorflow.python.ops import tensor_array_ops
 
     return tensor_array_ops._EagerTensorArray, "_write", "stack"
@@ -310,7 +307,7 @@ def tensor_size_attributes():
     `ops.repeat(x, tensor)`), with the value each attribute holds in a saved
     `layers.tensor_sized.TensorSizedOperation` (the tensor fills it when the
     graph runs). TensorFlow's functions under them take a tensor there.
-    Also what `frontend/idioms/traced_idioms.py` wraps the `symbolic_call` of."""
+    Also what `frontend/idioms.py` wraps the `symbolic_call` of."""
     from keras.src.ops.math import SegmentMax
     from keras.src.ops.math import SegmentSum
     from keras.src.ops.math import TopK
@@ -331,7 +328,7 @@ def tensor_size_attributes():
 def segment_functions():
     """`[(module, name)]` where `keras.ops.segment_sum` / `segment_max` are
     reachable as module attributes (`keras.ops`, `keras.ops.math`, Keras's
-    own `keras.src.ops.math`): `frontend/idioms/traced_idioms.py` wraps them to
+    own `keras.src.ops.math`): `frontend/idioms.py` wraps them to
     see a `num_segments` given explicitly as None (an unknown dimension,
     `ops.shape(x)[0]` while tracing)."""
     from keras.src.ops import math as keras_math

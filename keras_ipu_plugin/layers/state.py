@@ -457,7 +457,7 @@ class AddedLoss(keras.layers.Layer):
         super().__init__(**kwargs)
         # The user's layer whose `add_loss` this is (not saved, not tracked):
         # what that layer added at an earlier call of the user's model is
-        # this node's to stand for (`training/session/step_losses.py`).
+        # this node's to stand for (`training/session/step_self.py`).
         self.adds_for = None if adds_for is None else weakref.ref(adds_for)
         self.built = True
 

@@ -9,7 +9,7 @@ A `TFFunction` node calls a TensorFlow function named by its public path
 from a file must never become arbitrary code: `tf` reaches `os.system`,
 `eval`, `tf.load_library`, file writes and more by walking attributes.
 So a path is resolved only when it is an entry of this table, and the table
-is exactly what the tracer records (`frontend/idioms/tf_functions.py` registers
+is exactly what the tracer records (`frontend/idioms.py` registers
 these functions and no others): what one run recorded, another loads, and
 nothing else loads.
 
@@ -34,7 +34,7 @@ TensorFlow's own functions (`tf.square(a - b)`, `tf.nn.relu(x)`,
 `tf.reduce_sum(x, -1)`): "A KerasTensor cannot be used as input to a
 TensorFlow function". Code written for Keras 2 is full of them, and every
 layer using one stayed a black box to Expand. While tracing, the tracer
-records such a call as this operation (`frontend/idioms/tf_functions.py`), which
+records such a call as this operation (`frontend/idioms.py`), which
 calls the very same TensorFlow function when the graph runs: its gradient
 is TensorFlow's, its output shapes are TensorFlow's shape inference, and it
 saves by the function's public name (`"math.square"`). A name is resolved
@@ -49,7 +49,7 @@ Code written for TensorFlow samples with its stateful functions:
 keras.io's VAE as often written, `epsilon = tf.random.normal(shape=(batch,
 dim))` with `batch = tf.shape(z_mean)[0]`. On Keras 3's symbolic tensors
 such a call raises, so the layer used to run whole. While tracing, the
-tracer records it as this operation instead (`frontend/idioms/tf_functions.py`):
+tracer records it as this operation instead (`frontend/idioms.py`):
 when the graph runs it makes the very same call (`tf.random.normal` with
 the same shape tensors, mean, stddev, dtype and op-level seed, or none), so
 it draws as the original does, from TensorFlow's own random state: the
@@ -145,7 +145,7 @@ TENSOR_PARAMETERS = {
     "nn.space_to_depth": ("input",), "linalg.matmul": ("a", "b"),
     # `tf.einsum(equation, *inputs)`: its inputs are a var-positional
     # parameter, which TensorFlow's type-based dispatch does not take; it is
-    # recorded through its fallback dispatch (`frontend/idioms/tf_functions.py`)
+    # recorded through its fallback dispatch (`frontend/idioms.py`)
     "linalg.einsum": ("*inputs",),
     "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
     "image.resize": ("images",), "image.extract_patches": ("images",),

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import strategy_owning
 from keras_ipu_plugin.runtime.interpreter import call_arguments
 from keras_ipu_plugin.runtime.interpreter import output_tensors
 from keras_ipu_plugin.ir.graph import FOLLOW

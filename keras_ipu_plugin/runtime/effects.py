@@ -108,7 +108,7 @@ from keras_ipu_plugin.layers.alias import LayerAlias
 from keras_ipu_plugin.layers.layer_kinds import seed_states, writes_variables, training_agnostic
 from keras_ipu_plugin.layers.state import is_write_node
 from keras_ipu_plugin.layers.tf_calls import draws_statefully
-from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.runtime.interpreter import graph_of
 from keras_ipu_plugin.runtime.interpreter import RunEffect, register_run_effect
 from keras_ipu_plugin.runtime.variables import union_of_variables
 

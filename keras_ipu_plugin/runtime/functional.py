@@ -8,7 +8,7 @@ its config so they survive `save` / `load_model`:
   model overwrites those with the outer `training`; this one keeps them
   (its nodes hold them per call site).
 - `kip_graph` (not saved): the IR graph the passes produced, which is what
-  runs (`runtime/graph_of.py`; the interpreter, `interpreter.py`, runs it
+  runs (`runtime/interpreter.py`; the interpreter, `interpreter.py`, runs it
   with the run-time effects of its nodes' annotations).
 - `kip_node_annotations`: what the Outline / Recompute / PipelineStages
   passes (and any other) recorded, saved by node path, per call site: a
@@ -55,7 +55,7 @@ from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-
 from keras_ipu_plugin.layers import alias, opaque  # noqa: F401
 from keras_ipu_plugin.layers.keras_ops import batch_sized, masks, random_draws, tensor_sized  # noqa: F401
 from keras_ipu_plugin.layers import state, tf_calls  # noqa: F401
-from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.runtime.interpreter import graph_of
 from keras_ipu_plugin.runtime.interpreter import interpreter_for
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).

@@ -21,7 +21,7 @@ it in; `none_means` names the mode that stands for it (`"default"` where
 the original computes a third thing with None).
 
 Passes see into the modes through `branch_graphs` (the IR of each mode,
-`passes/infra/branches.py` runs a pass over them and makes a new switch with
+`passes/infra/base.py` runs a pass over them and makes a new switch with
 `from_branch_graphs`).
 
 Example:
@@ -131,7 +131,7 @@ class ModeSwitch(keras.layers.Layer):
         in the other). The body's nodes are the modes' nodes, mode after mode
         (`from_branch_graphs`), so a layer's k-th call in the body is its k-th
         call counted across the modes in that order."""
-        from keras_ipu_plugin.runtime.graph_of import graph_of
+        from keras_ipu_plugin.runtime.interpreter import graph_of
 
         pinned = {node.name: node.training for node in graph_of(self.body).nodes
                   if node.training in (True, False)}

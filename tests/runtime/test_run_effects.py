@@ -17,7 +17,7 @@ from keras_ipu_plugin.runtime import interpreter as interpreter_lib
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.interpreter import Interpreter
 from keras_ipu_plugin.runtime.rebuild import rebuild
-from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.runtime.interpreter import graph_of
 
 
 @pytest.fixture

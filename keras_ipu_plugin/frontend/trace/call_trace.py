@@ -45,15 +45,12 @@ import functools
 import re
 
 import keras
+import numpy as np
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.batch.shapes import (
-    check_batch_dimensions,
-    fixed_batch_reason,
-    unknown_dimension_attributes,
-)
-from keras_ipu_plugin.frontend.idioms import tf_functions
-from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms, unknown_sizes
+from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend import idioms
+from keras_ipu_plugin.frontend.idioms import traced_idioms, unknown_sizes
 from keras_ipu_plugin.frontend.trace import trace_views, writes as writes_lib
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths, path_of, stable_name
 from keras_ipu_plugin.frontend.trace.failures import (
@@ -77,7 +74,7 @@ from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.state import HeldConstant, is_read
 from keras_ipu_plugin.layers.state import is_write_node
 from keras_ipu_plugin.layers.tf_calls import TFRandomDraw
-from keras_ipu_plugin.layers.views import layer_view, shallow_view, viewed_layer
+from keras_ipu_plugin.layers.user_code import layer_view, shallow_view, viewed_layer
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,12 +146,12 @@ class CallTrace:
             # The read layers outlive the trace (a graph keeps them): leave
             # none of the trace's Keras nodes on them. Public code's
             # `ops.tile(t, (ops.shape(x)[0], 1, 1))` and `table[None]` are
-            # followed (`traced_idioms.py`), and TensorFlow functions
-            # on symbolic tensors are recorded (`tf_functions.recorded`).
+            # followed (`frontend/idioms.py`), and TensorFlow functions
+            # on symbolic tensors are recorded (`idioms.recorded`).
             with trace_views.in_progress(self), \
                     _compat.node_lists_snapshot(self.reads.layers(), always=True), \
                     traced_idioms(self.record_draw), \
-                    tf_functions.recorded(batch_anchor=self.batch_anchor), \
+                    idioms.recorded(batch_anchor=self.batch_anchor), \
                     self.writes.recording():
                 yield
         finally:
@@ -589,6 +586,49 @@ def _reject_variables(operation, structure):
                 f"`call` uses the variable `{leaf.path}` directly (in "
                 f"`{operation.name}`) rather than through a sub-layer"
             )
+
+
+def unknown_dimension_attributes(operation):
+    """Names of `operation`'s shape attributes (lists / tuples of
+    dimensions) that hold None."""
+    return [
+        name for name, value in vars(operation).items()
+        if not name.startswith("_") and isinstance(value, (list, tuple))
+        and any(item is None for item in value)
+        and all(item is None or isinstance(item, int) for item in value)
+    ]
+
+
+def fixed_batch_reason(operation, arguments, outputs, name):
+    """Why the call of `operation` (a reshape or broadcast) at node `name`
+    runs at one batch size only, or None: it takes a tensor whose batch
+    size is unknown (None) to a shape that is all constants, so the batch
+    size is one of them (keras.io's Switch Transformer reshapes to
+    `[num_tokens_per_batch, embed_dim]`, a Python int from the data's
+    batch size). `arguments`: the call's arguments, flattened."""
+    kind = type(operation).__name__
+    function = getattr(operation, "function", None)
+    if kind == "TFFunction" and function in ("reshape", "broadcast_to"):
+        kind = "Reshape" if function == "reshape" else "BroadcastTo"
+    if kind not in ("Reshape", "BroadcastTo"):
+        return None
+    given = next((t for t in arguments if isinstance(t, keras.KerasTensor)), None)
+    if given is None or not given.shape or given.shape[0] is not None or None in given.shape[1:]:
+        return None
+    if len(outputs) != 1 or not outputs[0].shape or None in tuple(outputs[0].shape):
+        return None
+    shape, fixed = tuple(given.shape), tuple(outputs[0].shape)
+    rows = int(np.prod(fixed)) / max(int(np.prod(shape[1:])), 1)
+    batch = f"the batch size {int(rows)}" if rows == int(rows) else "a batch size"
+    verb = "reshapes" if kind == "Reshape" else "broadcasts"
+    return (
+        f"`{name}` {verb} a tensor whose batch size is unknown, of shape {shape}, to the "
+        f"fixed shape {fixed}: the code holds {batch} as a constant, so it runs at that "
+        "batch size only; write that dimension as -1 (`ops.reshape(x, (-1, "
+        f"{', '.join(map(str, fixed[1:]))}))`) or from `ops.shape(x)[0]` (times what it "
+        "multiplies) for the layer to expand and run at any batch size, or convert with "
+        "static_batch=True"
+    )
 
 
 def _reject_unknown_dimensions(operation, structure, prefix):

@@ -85,7 +85,7 @@ from keras_ipu_plugin.frontend.trace.failures import (
 from keras_ipu_plugin.layers.state import AddedLoss
 from keras_ipu_plugin.layers.state import is_read
 from keras_ipu_plugin.layers.user_code import takes_keyword, takes_training
-from keras_ipu_plugin.layers.views import shallow_view, viewed_layer
+from keras_ipu_plugin.layers.user_code import shallow_view, viewed_layer
 
 __all__ = ["traced_add_loss"]
 

@@ -103,7 +103,7 @@ from keras_ipu_plugin.layers import user_code
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.state import ReadLayers
-from keras_ipu_plugin.runtime.distribution import owning_strategy
+from keras_ipu_plugin.runtime.variables import owning_strategy
 
 __all__ = [
     "Tracer",

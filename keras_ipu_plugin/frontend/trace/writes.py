@@ -78,8 +78,8 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
 from keras_ipu_plugin.layers import state as state_lib
 from keras_ipu_plugin.layers.state import AfterWrites, VariableWrite
-from keras_ipu_plugin.layers.views import viewed_layer
-from keras_ipu_plugin.runtime.distribution import owning_strategy
+from keras_ipu_plugin.layers.user_code import viewed_layer
+from keras_ipu_plugin.runtime.variables import owning_strategy
 
 __all__ = [
     "WriteLog",

@@ -12,14 +12,14 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.backends import get_backend
-from keras_ipu_plugin.concurrency import one_conversion_at_a_time
+from keras_ipu_plugin.frontend.convert import one_conversion_at_a_time
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import strategy_owning
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
-from keras_ipu_plugin.runtime.graph_of import graph_of as run_graph_of
+from keras_ipu_plugin.runtime.interpreter import graph_of as run_graph_of
 from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.infra.base import EQUAL

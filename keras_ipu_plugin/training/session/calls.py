@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin.frontend import inputs as inputs_lib
-from keras_ipu_plugin.concurrency import one_conversion_at_a_time
+from keras_ipu_plugin.frontend.convert import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import Converter
 from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.convert import as_tensors
