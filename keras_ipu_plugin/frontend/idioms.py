@@ -27,7 +27,7 @@ to let it run as Keras runs it): run eagerly, it would draw once, freeze
 the numbers into the graph and advance the layer's seed generator.
 A `tf.TensorArray` written with symbolic tensors in a Python loop and
 stacked (keras_hub's RWKV-7) keeps them in its list and stacks them with
-`keras.ops.stack` (`tensor_arrays.py`).
+`keras.ops.stack` (`symbolic_write`, `symbolic_stack` below).
 Every change is thread-confined: the wrappers put on Keras's classes while
 any thread is inside the context consult this thread-local state and do
 exactly what Keras does on every other thread; a class attribute (NumPy's
@@ -88,7 +88,7 @@ A layer written for Keras 2 calls TensorFlow directly: `tf.square(a - b)`,
 used as input to a TensorFlow function"), so such a layer used to stay one
 opaque node. While a trace runs, on the tracing thread, `recorded()` makes
 each such call a `TFFunction` graph operation instead (`layers/
-tf_function.py`), through TensorFlow's public dispatch for custom types
+tf_calls.py`), through TensorFlow's public dispatch for custom types
 (`tf.experimental.dispatch_for_api`).
 
 Covered: TensorFlow's elementwise functions (unary and binary: `tf.math.*`,

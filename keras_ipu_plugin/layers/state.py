@@ -64,7 +64,7 @@ keras.io's PixelCNN masks its kernel on every call,
 conv; a step counter does `self.count.assign_add(1)`; an EMA codebook
 `self.ema.assign(decay * self.ema + (1 - decay) * stats)`. Traced, such a
 write is recorded as a node (`frontend/trace/writes.py`), as a read is
-(`reads.py`):
+(`VariableRead`, above):
 
 - `VariableWrite(value, after=[...])` makes the write when the graph runs
   (`variable.assign(value)`, `assign_add`, `assign_sub`: Keras's own methods,
@@ -149,7 +149,7 @@ class HoldsVariable:
     write) shares: the very variable object, tracked (so the functional
     model trains and saves it), or, loaded from a file, a placeholder that
     the loading `KipFunctional` points at the variable of the layer that
-    owns it (`variable_owner`, see `shared_variables.py`): a variable held
+    owns it (`variable_owner`, see `mark_shared_variables` below): a variable held
     by two layers of a file is loaded as two variables, which would then
     train apart."""
 
@@ -319,7 +319,7 @@ class ReadTensor(keras.KerasTensor):
 
     `assign` / `assign_add` / `assign_sub` on it, while a trace records
     writes (`recording_writes`), become a `VariableWrite` node of the graph
-    (`variable_write.py`) and return the variable's value after the write.
+    (`VariableWrite`, below) and return the variable's value after the write.
     """
 
     def __init__(self, variable, dtype=None):

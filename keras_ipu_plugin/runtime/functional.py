@@ -446,7 +446,7 @@ class KipFunctional(_compat.Functional):
         if self.kip_output_modes is not None:
             config["kip_output_modes"] = self.kip_output_modes
         # A variable two layers hold (a conv's kernel and its write node) is
-        # loaded as one (`shared_variables.py`).
+        # loaded as one (`layers/state.py`).
         mark_shared_variables(self, config)
         return config
 

@@ -12,7 +12,7 @@ either.
 What an annotation does when the model runs is a `RunEffect`, registered
 under a name with `register_run_effect` by the file that defines it (the
 built-in ones: recompute segments, outlined bodies and pipeline-stage
-placement, in `runtime/effects/`). An effect may
+placement, in `runtime/effects.py`). An effect may
 
 - `plan(steps)`: regroup the run (recompute segments run several nodes
   under one checkpoint): a step is a `Node` or an object with

@@ -12,7 +12,7 @@ that differs raises `NotBatchGeneral`, with the reason.
 
 keras_hub's Mixtral MoE block adds its load-balancing loss in training
 only (`if training:`, a `ModeSwitch` holding a graph per mode,
-`training_branches.py`), and recovers the batch size there as
+`trace/training_modes.py`), and recovers the batch size there as
 `ops.shape(router_logits)[0] // seq_len`: each of its two traces holds a
 switch of its own, and the two are one where each mode's two graphs are
 one graph for any batch size (`general_switch`).

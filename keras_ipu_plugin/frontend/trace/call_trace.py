@@ -6,9 +6,9 @@ One symbolic call of a layer's `call`, and the trace it makes.
 
 `trace_once` calls `type(layer).call` on a view of the layer
 (`trace_views.py`) with KerasTensors, under one `training` mode, and walks
-the Keras nodes it recorded into IR nodes (`keras_nodes.py`). `CallTrace`
+the Keras nodes it recorded into IR nodes (`collect_nodes`, below). `CallTrace`
 is the trace in progress: what `call` holds rather than receives becomes a
-node too (`reads.py`): the variables the traced layer keeps as attributes
+node too (`layers/state.py`): the variables the traced layer keeps as attributes
 are read through `VariableRead` nodes (their symbolic reads stand in the
 view's attributes), a direct sub-layer called on concrete tensors only
 (`self.embedding(ops.arange(n))`) is called on `HeldConstant` nodes holding
@@ -82,7 +82,7 @@ class CallTrace:
     """The trace of one `call` in progress: the call traced (its layer,
     symbolic arguments, the `training` it is traced for, the `Tracer`
     making it) and the graph values that `call` holds rather than receives
-    (see `reads.py`).
+    (see `layers/state.py`).
 
     `hold_attributes(view)` puts the symbolic read of each variable the
     traced layer keeps as an attribute (alone, or in a list or dict) in the
@@ -640,7 +640,7 @@ def _reject_unknown_dimensions(operation, structure, prefix):
     if type(operation).__name__ == "GetItem":  # `x[:, None]`: a new axis
         return
     if isinstance(operation, TFRandomDraw) and keras.tree.flatten(structure[1].get("batch_of")):
-        return  # its None is the batch size of `batch_of` (`tf_random_draw.py`)
+        return  # its None is the batch size of `batch_of` (`layers/tf_calls.py`)
     for value in _sequences_in(structure):
         if any(item is None for item in value):
             raise TraceError(

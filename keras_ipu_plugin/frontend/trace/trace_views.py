@@ -18,7 +18,7 @@ still traced.
 Keras's own layers held by the traced layer are called through views of
 `builtin_view_class`: a call on concrete tensors only is lifted onto
 `HeldConstant` nodes (`_lifting_call`) and their output specs are made
-precise (`output_specs.py`). Both kinds consult the trace in progress
+precise (`precise_specs`, below). Both kinds consult the trace in progress
 (`current_trace`, set by `CallTrace.active` in `call_trace.py`).
 
 Example:
@@ -258,7 +258,7 @@ def _lifting_call(self, *args, **kwargs):
             args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
     if trace is None:
         outputs = super(type(self), self).__call__(*args, **kwargs)
-    else:  # ordered among the writes `call` makes (`writes_lib.py`)
+    else:  # ordered among the writes `call` makes (`writes.py`)
         args, kwargs = trace.writes.before_call(self, args, kwargs)
         outputs = None
         try:

@@ -1,7 +1,6 @@
-"""The `Tracer` and the entry of a trace (`trace_model`: a model into a `Graph`).
-
-The `Tracer`: it traces a `call`, and says where tracing stops, which
-`call`s take `training`, and when a failed trace is tried again.
+"""The `Tracer`: it traces a `call`, and says where tracing stops, which
+`call`s take `training`, and when a failed trace is tried again; and the
+entry of a trace for a whole model (`trace_model`: a model into a `Graph`).
 
 `Tracer.trace` traces one call of a layer on symbolic inputs into IR
 nodes. The trace in progress is a `CallTrace` (`call_trace.py`); what makes
@@ -35,37 +34,33 @@ Example:
     >>> plugin = kip.PluginModel(MyModel(), passes=[kip.passes.Expand("all")],
     ...                          tracer=KeepAttention())   # and at every rebuild
 
-Trace a layer's `call` on symbolic inputs into the graph IR.
-
-Calling `layer.call(...)` (not `layer(...)`) on KerasTensors records one Keras
-node per sub-layer or `keras.ops` call made inside it. We walk those nodes
+Tracing a whole model: calling `layer.call(...)` (not `layer(...)`) on
+KerasTensors records one Keras node per sub-layer or `keras.ops` call made
+inside it. We walk those nodes
 back from the outputs into `graph.Node`s, then undo the node bookkeeping on
 the user's layers: the IR is the only record kept, and `runtime.rebuild.rebuild`
 makes the final functional model.
 
-This module is the entry for a whole model (`trace_model`); a layer's call
-is traced by `Tracer.trace`. The concepts it puts together are each a
-module of their own:
+`trace_model` is the entry for a whole model; a layer's call is traced by
+`Tracer.trace`. The other parts of a trace are each a module of their own:
 
-- `tracer.py`: the `Tracer`: `trace` (one call into IR nodes, and the checks
-  on a finished trace: no weight frozen, no write lost), the retry policy
-  (`traces`), and the hooks that say where tracing stops (which layers are
-  user code it traces through) and which `call`s take `training`;
-- `call_trace.py`: one symbolic call (`trace_once`) and the trace in
-  progress (`CallTrace`: reads, held constants, random draws, writes);
+- `call_trace.py`: one symbolic call (`trace_once`), the trace in progress
+  (`CallTrace`: reads, held constants, random draws, writes) and the Keras
+  nodes it recorded walked back into IR nodes (`collect_nodes`);
+- `writes.py`: the variable writes a `call` makes, seen as they happen and
+  recorded as graph nodes;
 - `trace_views.py`: the classes of the views called instead of the user's
-  layers, and how their output shapes are worked out;
-- `keras_nodes.py`: the Keras nodes a call recorded, walked into IR nodes;
+  layers, how their output shapes are worked out (as precise as the inputs
+  allow) and the losses their `add_loss` records;
 - `training_modes.py`: tracing under both `training` modes to tell which
   nodes follow the model's `training`;
 - `../batch/`: batch generalisation (traces at two batch sizes made one
   graph; shapes replayed to check the batch size);
-- `output_specs.py`: output specs as precise as the inputs allow;
 - `failures.py`: `TraceError` and the reason text of each failure;
-- `../idioms/traced_idioms.py`: the symbolic idioms Keras rejects, followed
+- `../idioms.py`: the symbolic idioms Keras rejects, followed
   while tracing (`ops.tile` with the batch size, `x[None]`, NumPy scalars, draws).
 
-What `call` holds rather than receives is a node too (`reads.py`): the
+What `call` holds rather than receives is a node too (`layers/state.py`): the
 variables the traced layer keeps as attributes are read through
 `VariableRead` nodes, and a direct sub-layer called on concrete tensors only
 (`self.embedding(ops.arange(n))`) is called on `HeldConstant` nodes holding

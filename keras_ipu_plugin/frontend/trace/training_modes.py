@@ -9,7 +9,7 @@ sub-layer whose recorded value changes with it follows the model's
 (`bn(x, training=False)`). A `call` whose source never names `training`
 nor forwards `**kwargs` is traced once. If the two traces differ in which
 layers they call, `call` branches on `training` in Python: one `ModeSwitch`
-node holds both traces (`training_branches.py`), or the layer stays whole
+node holds both traces (`switch_node`, below), or the layer stays whole
 with the lines that branch in its reason.
 
 Example:

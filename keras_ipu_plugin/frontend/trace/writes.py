@@ -15,7 +15,7 @@ before (not the initial value of a variable built meanwhile), with the layer
 call it happened inside (`inline(layer)`): a write made inside a sub-layer
 that is a node of the graph is made again by that node, any other is lost.
 (A write the traced layer's own code makes on a Keras variable it holds, or
-on one of a Keras sub-layer's, is a graph node instead: `write_nodes.py`.
+on one of a Keras sub-layer's, is a graph node instead: `WriteRecorder`, below.
 Inside a sub-layer run inline, `deferred` keeps the writes to Keras
 variables from the variables and logs them here.)
 

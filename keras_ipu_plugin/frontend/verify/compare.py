@@ -8,13 +8,13 @@ runs are kept in (`as_numpy`, `gradient_numpy`, `SparseRows`).
 Floats are compared within a tolerance scaled by the largest finite value,
 which follows the dtype the models compute in (`Tolerance`, `tolerance_for`),
 integers, booleans and strings exactly, dtypes and shapes exactly, and NaN
-or Inf must stand where the original has them (see `verify.py`).
+or Inf must stand where the original has them (see `equivalence.py`).
 
 Example:
     >>> compare_values("output `logits`", expected, actual, tolerance_for(model), "converted")
     3.2e-07
 
-Which rows of the batch verification runs on (see `verify.py`, "Cost").
+Which rows of the batch verification runs on (see `equivalence.py`, "Cost").
 
 `reference_run` leaves out the rows whose inputs, or whose outputs in the
 original, hold NaN or Inf, refuses a batch that leaves none, and narrows

@@ -57,9 +57,9 @@ tells which rows to leave out), and a model with a fixed batch size, or
 an original that fails on fewer rows (a batch size written in its code), is
 verified on the whole batch.
 
-The parts are modules of their own: which rows are verified
-(`rows.py`), running a model for its outputs and gradients
-(`runs.py`), and comparing two runs' values (`compare.py`).
+The parts are modules of their own: running a model for its outputs and
+gradients (`runs.py`), and which rows are verified and how two runs' values
+are compared (`compare.py`).
 
 Example:
     >>> verification = check_equivalent(model, converted, x)

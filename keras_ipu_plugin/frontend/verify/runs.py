@@ -4,7 +4,7 @@ random projection of them, as NumPy, eagerly or as `fit` runs the model
 refusal of trainable variables the forward pass reads that Keras does not
 track (`refuse_untracked_variables`); and the tape that hands both models
 the same stateful TensorFlow random draws (`taped_stateful_draws`). See
-`verify.py`.
+`equivalence.py`.
 
 Example:
     >>> run = run_model(model, x, model.trainable_variables, role="original")

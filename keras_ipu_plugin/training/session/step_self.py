@@ -16,7 +16,7 @@ It holds no state of its own:
 - optimizers come wrapped (`OptimizingFacade`), so that new variables are
   learnt;
 - `losses` adds to the model's those that the converted graphs' `add_loss`
-  nodes added in the step (`step_losses.py`);
+  nodes added in the step (`StepLosses`, below);
 - every other attribute is the model's. With a `PluginModel`, what Keras's
   `compile` set (optimizer, compiled loss and metrics) is the wrapper's,
   the rest (layers, the attributes the model's own `compile` set) the
@@ -124,7 +124,7 @@ class StepSelf:
     @property
     def losses(self):
         # The model's, as Keras reads them, and those the converted graphs'
-        # `add_loss` nodes added in this step (`step_losses.py`).
+        # `add_loss` nodes added in this step (`StepLosses`, below).
         session = vars(self)[_RUNTIME]
         return session.step_losses.losses(session.subject, super().losses)
 
@@ -180,7 +180,7 @@ class CalleeStandIn:
     @property
     def losses(self):
         """The sub-model's losses, and those its converted graph's `add_loss`
-        nodes added in this step (`step_losses.py`)."""
+        nodes added in this step (`StepLosses`, below)."""
         return self._kip_session.step_losses.losses(self._kip_callee, self._kip_callee.losses)
 
     def __getattr__(self, name):
