@@ -69,7 +69,7 @@ GUARDS = "tests/test_mutation_guards.py"
 THREADS = "tests/frontend/trace/test_thread_confinement.py"
 
 MUTATIONS = [
-    # -- verify.py: verification compares what it says it compares -----------
+    # -- frontend/verify/: verification compares what it says it compares -----------
     M("verify-tolerance-100x", "frontend/verify/compare.py",
       '"float32": Tolerance(rtol=1e-4, atol=1e-5, dtype="float32"),',
       '"float32": Tolerance(rtol=1e-2, atol=1e-3, dtype="float32"),',
@@ -152,7 +152,7 @@ MUTATIONS = [
       "            if id(variable) in wanted and value is not None and not _same(_read(variable), value):",
       "            if False:",
       "variables a conversion created keep what its runs changed", MODEL_STATE),
-    # -- the interpreter and its run-time effects (runtime/effects/) ----------------------------------------------------------------
+    # -- the interpreter and its run-time effects (runtime/effects.py) -----------------------------------------------------------
     M("executor-ignores-pinned-training", "runtime/interpreter.py",
       '        if node.training in (True, False):\n            kwargs["training"] = node.training',
       '        if False:\n            kwargs["training"] = node.training',
@@ -197,7 +197,7 @@ MUTATIONS = [
       '        stage = node.annotations.get("stage", 0)',
       '        stage = 0',
       "every layer runs in pipeline stage 0", "tests/runtime/test_run_effects.py", PASSES),
-    # -- recompute.py ---------------------------------------------------------------
+    # -- recompute_grad --------------------------------------------------------------
     M("recompute-keeps-activations", "runtime/backends/__init__.py",
       "        with _compat.stop_gradient_recording():\n            results = list(fn(*args))",
       "        if True:\n            results = list(fn(*args))",
