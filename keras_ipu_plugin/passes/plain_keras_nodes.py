@@ -44,10 +44,10 @@ from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import values_in
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.state.reads import HeldConstant
-from keras_ipu_plugin.layers.state.reads import VariableRead
-from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import function_at
+from keras_ipu_plugin.layers.state import HeldConstant
+from keras_ipu_plugin.layers.state import VariableRead
+from keras_ipu_plugin.layers.tf_calls import TFFunction
+from keras_ipu_plugin.layers.tf_calls import function_at
 from keras_ipu_plugin.layers.user_code import is_keras_module
 
 
