@@ -32,6 +32,7 @@ from keras_ipu_plugin._compat.nodes import (  # noqa: F401
     KerasNode,
     OPERATION_BOOKKEEPING,
     Operation,
+    batch_index_operations,
     broadcast_to_operation,
     copied_operation,
     forget_nodes,

@@ -149,8 +149,11 @@ def describe_failure(error, default=None):
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
-        # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
-        return f"{text}; {STATIC_BATCH_HINT}, or write a reshape's batch dimension as -1"
+        # Almost always a shape built from `ops.shape(x)[0]`: say where, and
+        # what helps.
+        line = _user_source_line(error)
+        return (f"{text}{f' at `{line}`' if line else ''}; {STATIC_BATCH_HINT}, or write a "
+                "reshape's batch dimension as -1")
     if _TO_NUMPY.search(text):
         return f"{text}; {NUMPY_OPERAND_HINT}"
     # Never TensorFlow's or Keras's words alone: say what happened, then
