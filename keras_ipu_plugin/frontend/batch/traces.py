@@ -39,6 +39,7 @@ from keras_ipu_plugin.frontend.batch.generalization import progression_signature
 from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.trace.call_trace import Traces
 from keras_ipu_plugin.frontend.trace.call_trace import anchor_of
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
@@ -211,6 +212,8 @@ def trace_at_two_batch_sizes(call, error, batch_sizes=TRIAL_BATCH_SIZES, per_inp
         for grouping in _groupings(independent_inputs(args, kwargs)):
             try:
                 traces = trace_at_two_batch_sizes(call, error, blocks=grouping)
+            except ModeStructureError:
+                raise  # the same at any sizes
             except TraceError:
                 continue
             if not _sizes_followed(traces):
@@ -276,6 +279,15 @@ def trace_at_two_batch_sizes(call, error, batch_sizes=TRIAL_BATCH_SIZES, per_inp
             {id(swap(t)): placeholders[id(t)] for t in symbols}, anchor=concrete[id(anchor)])
         try:
             result = trace_modes(trace)
+        except ModeStructureError as failure:
+            # Another output structure in each mode, seen once the batch
+            # size is known: the same at any batch size, and what the model
+            # must hold (`convert.opaque_graph`), or refuse, up front.
+            if error is None:
+                raise
+            raise ModeStructureError(
+                f"{error.reason}; traced at batch size {batch_size} instead, {failure.reason}",
+                structures=failure.structures) from None
         except TraceError as failure:
             if error is None:  # confirming a generalization: that failure says why not
                 raise NotBatchGeneral(f"and at batch size {batch_size} {failure.reason}") from None

@@ -68,7 +68,14 @@ class ModeStructureError(TraceError):
     """A `call` returns another output structure in training than in
     inference. No node inside a traced call can hold that (the call's
     code reads one structure), so it goes up to the model, which then runs
-    whole and returns each mode's structure (`convert.opaque_graph`)."""
+    whole and returns each mode's structure (`convert.opaque_graph`), or
+    conversion refuses where it cannot learn them. `structures`: how the
+    modes' structures differ, and where, in words (the reason says what
+    follows too)."""
+
+    def __init__(self, reason, *, structures):
+        super().__init__(reason)
+        self.structures = structures
 
 
 STATIC_BATCH_HINT = (
