@@ -309,7 +309,7 @@ def _progression(a, b, shape, name):
         "one row repeated nor `start + i * step` along one batch dimension (from a start "
         "and by a step that do not change with the batch size), which no graph computes "
         "from the batch size")
-    if len(axes) != 1 or a.dtype.kind not in "iuf":
+    if len(axes) != 1 or a.dtype.kind not in "if":  # (unsigned: a step down would wrap)
         raise refusal
     axis = axes[0]
     if b.shape[axis] < 2 or a.shape[axis] < 1:
