@@ -373,12 +373,11 @@ def _mode_output_specs(model, specs, inference_specs, differ_reason=None, batch_
         return modes, "training" if default else "inference"
     try:
         in_none = specs_in(None)
-    except _NoModeSpecs as error:
-        raise ConversionError(
-            f"Cannot convert `{model.name}`: its `call` returns another structure in "
-            "training than in inference, and fails when traced in a function with "
-            f"training=None ({essential_message(error.__cause__)}), so the structure it "
-            "returns when called without a mode is unknown.") from error
+    except _NoModeSpecs as unknown:
+        error = unknown.__cause__
+        raise refuse(differ_reason or (
+            f"its `call` returns another structure in training ({structure(in_training)}) "
+            f"than in inference ({held})"), None, error) from error
     for mode in ("inference", "training"):
         if structure(in_none) == structure(modes[mode]):
             return modes, mode

@@ -612,37 +612,51 @@ class BatchSizedTrainingOutputs(TopKRetrieval):
     `call` also branches on a tensor's value in Python (so tracing says
     only that, not how the modes' structures differ)."""
 
-    def __init__(self, branches_on_values=False, **kwargs):
+    def __init__(self, branches_on_values=False, unknown_mode=False, **kwargs):
         super().__init__(**kwargs)
         self.branches_on_values = branches_on_values
+        self.unknown_mode = unknown_mode
 
-    def call(self, inputs, training=False):
+    def call(self, inputs, training=None):
         embedding = self.encoder(ops.mean(self.item_embedding(inputs["item_ids"]), axis=1))
         if self.branches_on_values and ops.max(embedding) > 1e6:
             embedding = embedding * 0.5
-        if training:
+        if (training is None) if self.unknown_mode else training:
             zeros = np.zeros((embedding.shape[0], WIDTH), "float32")
-            return {"item_sequence_embedding": embedding + zeros}
+            embedding = embedding + zeros
+        if training:
+            return {"item_sequence_embedding": embedding}
         scores = ops.matmul(embedding, ops.transpose(self.item_embedding.embeddings))
         return {"item_sequence_embedding": embedding,
                 "predictions": ops.top_k(scores, self.K)[1]}
 
 
-def _batch_sized_training_outputs(branches_on_values=False, seed=5):
+def _batch_sized_training_outputs(seed=5, **kwargs):
     keras.utils.set_random_seed(seed)
-    model = BatchSizedTrainingOutputs(branches_on_values)
-    model(_retrieval_data()[0])
+    model = BatchSizedTrainingOutputs(**kwargs)
+    model(_retrieval_data()[0], training=False)
     return model
 
 
-@pytest.mark.parametrize("branches_on_values", [False, True])
-def test_a_model_whose_training_structure_cannot_be_held_is_refused_up_front(branches_on_values):
+#: {case: (the model's configuration, the `training` value whose `call` fails traced
+#: with the batch size unknown)}
+UNTRACEABLE_MODES = {
+    "training": ({}, True),
+    "training, and `call` branching on a tensor's value": ({"branches_on_values": True}, True),
+    "no mode given": ({"unknown_mode": True}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNTRACEABLE_MODES))
+def test_a_model_whose_training_structure_cannot_be_held_is_refused_up_front(case):
     """A model returning another structure in training, whose training
-    mode cannot run with the batch size unknown, is refused by conversion
-    and by `PluginModel` before any step, saying how the modes differ,
-    what fails and what to do, and leaving the model's weights as they
-    were; never converted with one structure for a training it cannot run."""
-    model = _batch_sized_training_outputs(branches_on_values)
+    mode (or the mode `training=None` runs) cannot run with the batch size
+    unknown, is refused by conversion and by `PluginModel` before any step,
+    saying how the modes differ, what fails and what to do, and leaving
+    the model's weights as they were; never converted with one structure
+    for a training it cannot run."""
+    config, failing = UNTRACEABLE_MODES[case]
+    model = _batch_sized_training_outputs(**config)
     x, y = _retrieval_data()
     with pytest.raises(kip.ConversionError) as refused:
         kip.convert_to_functional(model, x)
@@ -652,7 +666,8 @@ def test_a_model_whose_training_structure_cannot_be_held_is_refused_up_front(bra
     assert "could not train" in message and "static_batch=True" in message, message
     assert "cannot be interpreted as an integer" in message, message
     assert "it trains" not in message and "still trains" not in message, message
-    if not branches_on_values:
+    assert f"under training={failing} fails" in message, message
+    if not config:
         assert "test_training_branches.py" in message, message  # where `call` branches
     before = [v.numpy() for v in model.weights]
     trainee = kip.PluginModel(model)
