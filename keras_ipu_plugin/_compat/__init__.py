@@ -118,6 +118,7 @@ from keras_ipu_plugin._compat.variables import (  # noqa: F401
     stored_value,
     variable_signature,
     variable_strategy,
+    writes_other_variables,
 )
 from keras_ipu_plugin._compat.tracking import (  # noqa: F401
     NEVER_CONTAINERS,
