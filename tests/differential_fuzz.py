@@ -847,9 +847,10 @@ DOCUMENTED.update({
                  "Float rounding TensorFlow's graph optimiser chooses); the same case with "
                  "that rewrite off passes",
     "recompute_fusion": "documented: in a recomputed segment TensorFlow's remapper fuses a "
-                        "MatMul with its bias and activation where the forward pass, whose "
-                        "intermediate has more readers, does not, so the recomputed activation "
-                        "is rounded once instead of twice (docs/reference.md, Float rounding "
+                        "MatMul with the elementwise ops after it (its bias, an activation) "
+                        "where the forward pass, whose intermediate has more readers, does "
+                        "not, so the recomputation rounds once where the forward pass rounded "
+                        "twice (docs/reference.md, Float rounding "
                         "TensorFlow's graph optimiser chooses); the same case with that "
                         "rewrite off passes",
 })
