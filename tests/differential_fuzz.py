@@ -21,8 +21,10 @@ pass to under every precision policy). A case ends as
 - ``documented``: a value differs through a difference kip documents
                (`DOCUMENTED`: microbatches seen by random layers and by
                layers writing variables in `call`, BatchNormalization
-               included, or rounded per microbatch under a mixed policy),
-               and the same case without it passes.
+               included, or rounded per microbatch under a mixed policy;
+               the float rounding of a TensorFlow graph rewrite,
+               `GRAPH_REWRITES`), and the same case without it (for a
+               rewrite: with that rewrite off on both sides) passes.
 
 A failing case is shrunk: grammar elements and settings are dropped or set
 back to their plain defaults one at a time while the case still fails, and
