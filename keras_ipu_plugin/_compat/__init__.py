@@ -106,6 +106,7 @@ from keras_ipu_plugin._compat.keras_objects import (  # noqa: F401
     stored_value,
     variable_signature,
     variable_strategy,
+    writes_other_variables,
     NEVER_CONTAINERS,
     OWN_STORAGE,
     raw_container,
