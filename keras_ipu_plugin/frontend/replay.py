@@ -1,6 +1,6 @@
-"""Trace each kind of block once and replay it over the others: block signatures
-(when two calls trace to the same graph) and call templates (a traced call
-replayed over another block).
+"""Trace each kind of block once and replay it over the others: block
+signatures (when two calls trace to the same graph) and call templates (a
+traced call replayed over another block). One concept: replay.
 
 Block signatures: when two calls of two blocks trace to the same graph.
 

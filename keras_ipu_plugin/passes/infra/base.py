@@ -1,5 +1,6 @@
-"""What every pass shares: the `Pass` interface, target matching, and the
-registry that makes a pass known to configs and saving.
+"""What every pass shares: the `Pass` interface, target matching (inside
+`ModeSwitch` branches too), and the registry that makes a pass known to
+configs and saving. One concept: a pass and where its targets are.
 
 A target is a layer name (the layer's own name, or its node path such as
 `"block_1.dense"`), a layer class (subclasses match too), a `Chain` of
@@ -9,9 +10,7 @@ A name or class target also matches a block that Expand inlined (its path,
 its layer's name or its class): the block's nodes, which the annotation
 passes treat as one (a checkpoint after its last node, say).
 
-Passes inside the `training` modes of `ModeSwitch` nodes.
-
-A layer whose `call` branches on `training` in Python becomes a
+Targets inside the `training` modes of `ModeSwitch` nodes: a layer whose `call` branches on `training` in Python becomes a
 `ModeSwitch` node holding one graph per mode (`runtime/mode_switch.py`).
 A pass that reaches inside (Expand, Replace, Recompute) runs on each of
 those graphs for the targets found there, and the node gets a new switch
