@@ -16,6 +16,7 @@ import re
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import LoadError
+from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.layers import saved_values
 
@@ -135,7 +136,6 @@ def _check_saved_annotations(annotations, entry, key, kind):
                                      and notes["stage"] >= 0):
             saved_values.refuse(entry, f"{where}.stage", "a non-negative int", notes["stage"])
         if "outline" in notes:
-            from keras_ipu_plugin.errors import PassError
             from keras_ipu_plugin.runtime.backends.ipu import check_outline_kwargs
 
             options = notes["outline"]
