@@ -273,7 +273,7 @@ class Node:
 class Graph:
     """Inputs, nodes in topological order, outputs.
 
-    Tracing makes one (`frontend.tracing.trace_model`), as does reading a
+    Tracing makes one (`frontend.trace.tracer.trace_model`), as does reading a
     functional model (`passes.infra.manager.graph_of`); `runtime.rebuild.rebuild`
     turns it back into a model. Passes edit it with the primitives below
     (see the module docstring).

@@ -46,7 +46,7 @@ quantizer's losses in `call`:
 
 Traced, the loss is a symbolic tensor, which Keras's `add_loss` refuses
 ("can only be called ... on a tensor input"), and the layer stayed whole.
-The views tracing calls (`tracing._inline_view_class`) take `add_loss`
+The views tracing calls (`inline_view_class`) take `add_loss`
 here instead: the traced layer's own `add_loss` of a symbolic loss becomes
 an `AddedLoss` node on it (`layers/state.py`), which adds the loss
 each time the graph runs; the call's first output comes after it, as after
