@@ -4,7 +4,7 @@ layer. One concept: inlining.
 `Expand`: inline custom layers into the sub-layers their `call` uses.
 
 Each expanded layer's node is replaced by the nodes its `call` traces to,
-named `parent.child` (`inline.inline_call`). With `targets="all"`
+named `parent.child` (`inline_call`, below). With `targets="all"`
 expansion repeats until only built-in Keras layers (and layers that cannot
 be traced, which stay opaque and are reported) remain. Sub-layers shared
 between call sites stay shared, because the same layer objects are called.
