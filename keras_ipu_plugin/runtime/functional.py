@@ -469,12 +469,3 @@ def _is_mode_switch(layer):
     imports this one)."""
     return isinstance(getattr(layer, "body", None), KipFunctional) and hasattr(
         layer, "mode_outputs")
-
-
-#: How Keras writes a symbolic tensor among a node's saved arguments.
-_SYMBOLIC = "__keras_tensor__"
-#: The other values Keras writes there (constants: a held array or tensor,
-#: bytes, `...`, a slice); any other saved object is refused.
-_CONSTANTS = ("__numpy__", "__tensor__", "__bytes__", "__ellipsis__", "__slice__")
-
-

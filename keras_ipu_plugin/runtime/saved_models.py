@@ -62,6 +62,12 @@ def refuse_hdf5(model, filepath=None, zipped=None):
     )
 
 
+#: How Keras writes a symbolic tensor among a node's saved arguments.
+_SYMBOLIC = "__keras_tensor__"
+#: The other values Keras writes there (constants: a held array or tensor,
+#: bytes, `...`, a slice); any other saved object is refused.
+_CONSTANTS = ("__numpy__", "__tensor__", "__bytes__", "__ellipsis__", "__slice__")
+
 #: The longest stage device name a saved graph may hold
 #: (`/job:worker/replica:0/task:12/device:IPU:3` is 41).
 MAX_DEVICE_NAME = 200
