@@ -3,7 +3,7 @@ specs their symbolic calls give, and the losses their `add_loss` records.
 
 The classes of the views a trace calls instead of the user's layers.
 
-`call` runs on a view of the traced layer (`views.layer_view`) whose
+`call` runs on a view of the traced layer (`user_code.layer_view`) whose
 user-written sub-layers are views too, of a class made here
 (`inline_view_class`): their symbolic calls work out the output shapes by
 running their own `call` inline on the KerasTensors
