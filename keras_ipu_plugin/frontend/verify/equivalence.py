@@ -57,6 +57,12 @@ tells which rows to leave out), and a model with a fixed batch size, or
 an original that fails on fewer rows (a batch size written in its code), is
 verified on the whole batch.
 
+Every run starts from the same values of every variable both models hold,
+a whole model's weights: they are compared bit for bit in place (no copy),
+and read once after a run, what it wrote being put back in the same pass
+(`_Variables`). Copied and compared as bytes before and after each run,
+they took about as long as the runs on a BERT (docs/benchmarks.md).
+
 The parts are modules of their own: which rows are verified
 (`rows.py`), running a model for its outputs and gradients
 (`runs.py`), and comparing two runs' values (`compare.py`).
