@@ -103,12 +103,14 @@ def _sample_weight():
     return {"sample_weight": np.random.default_rng(5).uniform(0.1, 2.0, 11).astype("float32")}
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
-@pytest.mark.parametrize("count,samples,fit", [
-    (2, 10, dict),              # batches 4, 4, 2: slices 2 + 2, and 1 + 1
-    (3, 11, _class_weight),     # batches 4, 4, 3: slices 2 + 1 + 1, and 1 + 1 + 1
-    (3, 11, _sample_weight),
-], ids=["even", "uneven-class-weights", "uneven-sample-weights"])
+@pytest.mark.parametrize("count,samples,fit,jit", [
+    (2, 10, dict, False),           # batches 4, 4, 2: slices 2 + 2, and 1 + 1
+    (2, 10, dict, True),
+    (3, 11, _class_weight, False),  # batches 4, 4, 3: slices 2 + 1 + 1, and 1 + 1 + 1
+    (3, 11, _class_weight, True),
+    (3, 11, _sample_weight, False),
+], ids=["even-graph", "even-xla", "uneven-class-weights-graph", "uneven-class-weights-xla",
+        "uneven-sample-weights-graph"])
 def test_a_partial_last_batch_trains_as_plain_keras(count, samples, fit, jit):
     """A batch of 4 rows into 3 microbatches, and a partial last batch,
     train to plain Keras's weights and history (loss, accuracy), with
