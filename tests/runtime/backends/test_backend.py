@@ -67,7 +67,7 @@ def test_a_recomputed_segment_passing_a_mask_on_has_gradients(jit_compile):
     # boolean tensor) to the next: its incoming "gradient" is boolean, and
     # the anchor tying the recomputation to the backward pass was taken
     # from it (the gallery transformer without dropout failed to train).
-    from keras_ipu_plugin.runtime.recompute_grad import recompute_grad
+    from keras_ipu_plugin.runtime.backends import recompute_grad
 
     w = tf.Variable(np.random.default_rng(0).normal(size=(3, 3)).astype("float32"))
 
