@@ -31,14 +31,16 @@ def per_variable(trainable, weights, value_gradients, variable_gradients):
 
 def batch_rows(x, count):
     """The rows of batch `x` (its first tensor's): a Python int where the
-    shape is known as the step is traced, else a scalar tensor. A batch of
-    fewer rows than `count` microbatches is refused: a Python error where
-    the rows are known, else an assertion that the row counts depend on.
+    shape is known as the step is traced, else a scalar tensor.
 
-    XLA drops assertions. Under `jit_compile=True` with a batch size the
-    trace does not know, a batch smaller than `count` therefore trains,
-    and the step keeps that exact (`_Run` in step.py: an empty microbatch
-    adds no loss, no gradient and writes no variable).
+    A batch of fewer rows than microbatches (a small last batch) leaves
+    some microbatches empty. Where the batch size is known only when the
+    step runs (`fit`'s traced step, graph mode or XLA), it trains as plain
+    Keras trains it: the step keeps each microbatch's loss, gradients and
+    variable writes only if it has rows (`_Run` in step.py), so an empty
+    microbatch changes nothing. Where it is known as the step is traced
+    (eagerly, `train_on_batch`), Keras's losses and metrics cannot take a
+    microbatch of no rows, and the batch is refused naming both sizes.
 
     Example:
         >>> batch_rows(np.zeros((10, 3)), 4)
@@ -51,26 +53,17 @@ def batch_rows(x, count):
     if tensor.shape.rank == 0:
         raise ValueError(f"PipelineStages(microbatches={count}): `x` holds a scalar; "
                          "it cannot be split into microbatches.")
-    rows = tensor.shape[0] if tensor.shape.rank else None
+    rows = tensor.shape[0]
     if rows is None and tf.executing_eagerly():
         rows = int(tf.shape(tensor)[0])
-    if rows is not None:
-        if rows < count:
-            raise ValueError(f"{_TOO_SMALL[0].format(count=count)} {rows} "
-                             f"{_TOO_SMALL[1].format(count=count)}")
-        return rows
-    rows = tf.shape(tensor)[0]
-    check = tf.debugging.Assert(tf.greater_equal(rows, count), [
-        _TOO_SMALL[0].format(count=count), rows, _TOO_SMALL[1].format(count=count)])
-    with tf.control_dependencies([check]):
-        return tf.identity(rows)
-
-
-#: The refusal of a batch smaller than its microbatches, around its rows.
-_TOO_SMALL = ("PipelineStages(microbatches={count}): a batch of",
-              "rows (`x`) is smaller than its {count} microbatches, so a microbatch would be "
-              "empty; use a batch size of at least {count} (drop_remainder=True on a dataset "
-              "whose last batch would be smaller), or fewer microbatches.")
+    if rows is None:
+        return tf.shape(tensor)[0]
+    if rows < count:
+        raise ValueError(f"PipelineStages(microbatches={count}): a batch of {rows} rows (`x`) "
+                         f"is smaller than its {count} microbatches, so a microbatch would be "
+                         f"empty; use a batch size of at least {count} (drop_remainder=True on "
+                         "a dataset whose last batch would be smaller), or fewer microbatches.")
+    return rows
 
 
 def slice_sizes(rows, count):

@@ -9,8 +9,9 @@ kip.scope runs this step instead of Keras's `train_step`:
 1. the batch (x, y, sample weights; class weights are sample weights by
    then) of B rows is split into M microbatches of consecutive rows, as
    equal as possible (the first B % M one row longer: a partial last batch
-   trains); a batch of fewer than M rows is an error naming both
-   (`microbatches.batch_rows`);
+   trains; a batch of fewer than M rows leaves microbatches empty, which
+   change nothing, or is an error naming both where its size is known as
+   the step is traced: `microbatches.batch_rows`);
 2. for each microbatch, each stage s runs its forward pass under its own
    `tf.GradientTape` inside `tf.device(devices[s])`; the loss of the
    microbatch (Keras's `compute_loss`, weight regularization included) is
@@ -239,10 +240,10 @@ class _Run:
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.rows = microbatches.batch_rows(x, self.count)
         self.sizes = microbatches.slice_sizes(self.rows, self.count)
-        # Where the batch size is known only when the step runs, a batch
-        # smaller than the microbatches is refused by an assertion, which
-        # XLA drops: there each microbatch's contributions are kept only if
-        # it has rows, so that an empty one changes nothing.
+        # Where a microbatch may be empty (the batch size known only when
+        # the step runs, or smaller than the microbatches), each
+        # microbatch's contributions are kept only if it has rows, so that
+        # an empty one changes nothing.
         self.nonempty = (None if isinstance(self.rows, int)
                          else [tf.greater(size, 0) for size in self.sizes])
         self.xs = microbatches.split(x, self.sizes, "x")
