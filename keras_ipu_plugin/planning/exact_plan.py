@@ -106,7 +106,7 @@ def least_recompute(plain, split, budget, held_gradients=False, deadline=None):
     to `plain` where a node may not). `deadline`: a `time.monotonic()` after
     which `SolveTimeout` is raised."""
     start = time.monotonic()
-    labels = _Search(plain, split, held_gradients, budget, math.inf, deadline).run()
+    labels = _Search(plain, split, held_gradients, budget, math.inf, deadline, "flops").run()
     if not labels:
         return None
     best = min(labels, key=lambda label: (label[1], label[2]))
@@ -117,14 +117,35 @@ def smallest_peak_within(plain, split, max_extra_flops=math.inf, held_gradients=
                          deadline=None):
     """The plan with the smallest estimated peak among those recomputing at
     most `max_extra_flops` (every node's own recomputation included, as in
-    `RecomputePlan.extra_flops`); None when none does."""
+    `RecomputePlan.extra_flops`); None when none does.
+
+    The smallest peak of all is searched for directly; under a cap, the
+    least recomputation falls as the budget grows, so the smallest budget
+    whose least recomputation is within the cap is found by bisection,
+    each budget met lowered to the peak its plan reaches (to within a
+    millionth of the peak)."""
     start = time.monotonic()
-    cap = max_extra_flops * (1 + 1e-9) if math.isfinite(max_extra_flops) else math.inf
-    labels = _Search(plain, split, held_gradients, math.inf, cap, deadline).run()
+    labels = _Search(plain, split, held_gradients, math.inf, math.inf, deadline, "peak").run()
     if not labels:
         return None
-    best = min(labels, key=lambda label: (label[2], label[1]))
-    return _plan_of(best, time.monotonic() - start)
+    best = _plan_of(min(labels, key=lambda label: (label[2], label[1])), 0.0)
+    if math.isfinite(max_extra_flops):
+        cap = max_extra_flops * (1 + 1e-9)
+        low = best.peak
+        best = least_recompute(plain, split, low, held_gradients, deadline)
+        if best.extra_flops > cap:
+            # Doing nothing recomputes only what the nodes recompute of their own.
+            best = least_recompute(plain, split, math.inf, held_gradients, deadline)
+            if best.extra_flops > cap:
+                return None
+            while best.peak - low > 1e-6 * best.peak:
+                middle = (low + best.peak) / 2
+                found = least_recompute(plain, split, middle, held_gradients, deadline)
+                if found is not None and found.extra_flops <= cap:
+                    best = found  # its peak is at most `middle`
+                else:
+                    low = middle
+    return dataclasses.replace(best, seconds=time.monotonic() - start)
 
 
 def _plan_of(label, seconds):
@@ -143,13 +164,22 @@ def _plan_of(label, seconds):
         seconds=seconds)
 
 
-def _pareto(labels):
-    """The labels (kept or held, flops, peak or local, ...) no other is
-    better than or equal to in all three first figures."""
-    labels = sorted(labels, key=lambda label: (label[0], label[1], label[2]))
+def _pareto(labels, second, third=None):
+    """The labels no other is better than or equal to in figures 0,
+    `second` and `third` (when given)."""
+    labels = sorted(labels, key=lambda label: (label[0], label[second],
+                                                label[third] if third else 0))
     kept = []
+    if third is None:
+        best = math.inf
+        for label in labels:
+            if label[second] < best:
+                kept.append(label)
+                best = label[second]
+        return kept
     for label in labels:
-        if not any(other[1] <= label[1] and other[2] <= label[2] for other in kept):
+        if not any(other[second] <= label[second] and other[third] <= label[third]
+                   for other in kept):
             kept.append(label)
     return kept
 
@@ -161,9 +191,14 @@ class _Search:
     `recompute_plan._search`); a trail is a linked list of `(kind, index)`.
     """
 
-    def __init__(self, plain, split, held_gradients, budget, cap, deadline):
+    def __init__(self, plain, split, held_gradients, budget, cap, deadline, minimise):
         self.plain, self.split = plain, split
         self.budget, self.cap, self.deadline = budget, cap, deadline
+        # What labels are compared on besides the bytes kept: the least
+        # recomputation under a budget needs no peak (it is under the
+        # budget), the smallest peak no recomputation.
+        self.outer = 1 if minimise == "flops" else 2
+        self.inner = (1, 2) if minimise == "flops" else (2, None)
         self.n = len(plain)
         self.after = recompute_plan._gradients_after(plain, held_gradients)
         splittable = set(may_split(plain, split))
@@ -211,16 +246,19 @@ class _Search:
                 continue
             least_kept = min(label[0] for labels in front.values() for label in labels)
             least_flops = min(label[1] for labels in front.values() for label in labels)
+            ends = None  # the recomputed segments from here, alike for every state
             for (previous, split_before, pending, closed), labels in front.items():
                 self.step_normal(fronts, position, previous, split_before, pending, closed,
                                  labels)
                 may_start = not closed and (previous != _NORMAL
                                             or self.plain[position - 1].can_checkpoint)
                 if may_start:
+                    if ends is None:
+                        ends = self.recomputed_ends(position, least_kept, least_flops)
                     self.step_segments(fronts, position, previous, split_before, pending,
-                                       labels, least_kept, least_flops)
+                                       labels, ends, least_kept, least_flops)
             for key in fronts[position + 1]:
-                fronts[position + 1][key] = _pareto(fronts[position + 1][key])
+                fronts[position + 1][key] = _pareto(fronts[position + 1][key], self.outer)
         return [label for (_, _, pending, _), labels in fronts[self.n].items() if not pending
                 for label in labels]
 
@@ -240,38 +278,45 @@ class _Search:
                         here + cost.kept, new_flops, new_peak,
                         (("split", position), trail) if split else trail))
 
-    def step_segments(self, fronts, position, previous, split_before, pending, labels,
-                      least_kept, least_flops):
-        """Every segment starting at `position`: recomputed (each of its
-        nodes split or not, nested inside its layer or not), or (only to
-        settle a pending segment) a checkpoint spent on a run the executor
-        runs normally."""
-        checkpoint = self.plain[position - 1].boundary if position > 0 else 0.0
-        if previous == _NORMAL:  # the run before ends at a kept node
-            labels = [(kept, flops, peak, (("keep", position - 1), trail))
-                      for kept, flops, peak, trail in labels]
+    def recomputed_ends(self, position, least_kept, least_flops):
+        """`[(last, spent, inner labels)]`: every recomputed segment
+        starting at `position` (each of its nodes split or not, nested
+        inside its layer or not) that may end at `last`, and whether the
+        executor would run it normally were it the last (`spent`)."""
+        checkpoint = self.checkpoint(position)
         # Inner labels: (held, flops, local, split of the last node, trail,
         # whether a node is recomputed inside its layer).
-        recomputed = [(0.0, 0.0, 0.0, None, None, False)]
-        run = [(0.0, 0.0, 0.0, split_before, None, False)] if pending else []
-        largest = 0.0
+        labels = [(0.0, 0.0, 0.0, None, None, False)]
+        ends, largest = [], 0.0
         for last in range(position, self.n):
             self.check_time()
             if self.plain[last].fixed:
                 break
             largest = max(largest, self.elements[last])
-            recomputed = self.extend_recomputed(recomputed, position, last, checkpoint,
-                                                least_kept, least_flops)
-            if run:
-                run = self.extend_run(run, position, last, previous, least_kept, least_flops)
-            if not recomputed and not run:
-                return  # a longer segment only holds more
-            if not self.plain[last].can_checkpoint:
-                continue
-            spent = self.tail[last] < largest
-            for held, extra, local, split, inner, deep in recomputed:
-                if deep and last == position:
-                    continue  # one node alone is recomputed inside its layer already
+            labels = self.extend_recomputed(labels, position, last, checkpoint, least_kept,
+                                            least_flops)
+            if not labels:
+                break  # a longer segment only holds more
+            if self.plain[last].can_checkpoint:
+                # One node alone is recomputed inside its layer already.
+                ending = [label for label in labels if not (label[5] and last == position)]
+                ends.append((last, self.tail[last] < largest, ending))
+        return ends
+
+    def checkpoint(self, position):
+        return self.plain[position - 1].boundary if position > 0 else 0.0
+
+    def step_segments(self, fronts, position, previous, split_before, pending, labels, ends,
+                      least_kept, least_flops):
+        """Every segment starting at `position`: recomputed (`ends`), or
+        (only to settle a pending segment) a checkpoint spent on a run the
+        executor runs normally."""
+        checkpoint = self.checkpoint(position)
+        if previous == _NORMAL:  # the run before ends at a kept node
+            labels = [(kept, flops, peak, (("keep", position - 1), trail))
+                      for kept, flops, peak, trail in labels]
+        for last, spent, options in ends:
+            for held, extra, local, split, inner, deep in options:
                 mark = ("nested" if deep else "checkpoint", last)
                 key = (_RECOMPUTED, split, spent, False)
                 for kept, flops, peak, trail in labels:
@@ -280,15 +325,28 @@ class _Search:
                         fronts[last + 1].setdefault(key, []).append((
                             kept + checkpoint, flops + extra, new_peak,
                             (mark, _join(inner, trail))))
-            if spent:
-                for held, extra, local, split, inner, _ in run:
-                    key = (_NORMAL, split, False, True)
-                    for kept, flops, peak, trail in labels:
-                        new_peak = max(peak, kept + local)
-                        if new_peak <= self.budget and flops + extra <= self.cap:
-                            fronts[last + 1].setdefault(key, []).append((
-                                kept + held, flops + extra, new_peak,
-                                (("checkpoint", last), _join(inner, trail))))
+        if not pending:
+            return
+        run = [(0.0, 0.0, 0.0, split_before, None, False)]
+        largest = 0.0
+        for last in range(position, self.n):
+            self.check_time()
+            if self.plain[last].fixed:
+                break
+            largest = max(largest, self.elements[last])
+            run = self.extend_run(run, position, last, previous, least_kept, least_flops)
+            if not run:
+                return
+            if not self.plain[last].can_checkpoint or not self.tail[last] < largest:
+                continue
+            for held, extra, local, split, inner, _ in run:
+                key = (_NORMAL, split, False, True)
+                for kept, flops, peak, trail in labels:
+                    new_peak = max(peak, kept + local)
+                    if new_peak <= self.budget and flops + extra <= self.cap:
+                        fronts[last + 1].setdefault(key, []).append((
+                            kept + held, flops + extra, new_peak,
+                            (("checkpoint", last), _join(inner, trail))))
 
     def extend_recomputed(self, labels, position, last, checkpoint, least_kept, least_flops):
         """The recomputed segment's inner labels with node `last` added
@@ -319,7 +377,7 @@ class _Search:
                     if inside:
                         mark = (("inside", last), mark)
                     extended.append((*new, split, mark, deep or inside))
-        return _pareto_inner(extended)
+        return _pareto_inner(extended, self.inner)
 
     def extend_run(self, labels, position, last, previous, least_kept, least_flops):
         """The inner labels of nodes `position..last` run normally."""
@@ -335,17 +393,17 @@ class _Search:
                     continue
                 extended.append((*new, split, (("split", last), inner) if split else inner,
                                  False))
-        return _pareto_inner(extended)
+        return _pareto_inner(extended, self.inner)
 
 
-def _pareto_inner(labels):
+def _pareto_inner(labels, dims):
     """Inner labels no other with the same last split beats in held bytes,
     flops and local peak (a segment with a node recomputed inside its layer
     is compared only with such segments: it may not end at its first node)."""
     by_split = {}
     for label in labels:
         by_split.setdefault((label[3], label[5]), []).append(label)
-    return [label for group in by_split.values() for label in _pareto(group)]
+    return [label for group in by_split.values() for label in _pareto(group, *dims)]
 
 
 def _items(link):

@@ -9,11 +9,13 @@ Example:
 
 import dataclasses
 import math
+import time
 
 import keras
 
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.planning import exact_plan
 from keras_ipu_plugin.planning import node_costs
 from keras_ipu_plugin.planning import recompute_plan
 from keras_ipu_plugin.planning import stage_balance
@@ -95,7 +97,8 @@ def recompute_costs(graph, order, profiles, batch, split=True):
     """The `recompute_plan.NodeCost` chain of `graph` in `order` (the
     executor's), from `profiles` (graph order) at `batch` rows; `split`:
     with the Dense layers that `runs_split` picks split (False: every node
-    as it runs without recomputation)."""
+    as it runs without recomputation; `"every"`: every Dense that may run
+    split, split)."""
     by_node = {id(profile.node): profile for profile in profiles}
     position = {id(node): index for index, node in enumerate(order)}
     producer = {id(value): node for node in graph.nodes for value in node.outputs}
@@ -137,15 +140,21 @@ def runs_split(node, profile):
     of the split layer keeps less than the layer's own, at the cost of
     recomputing the activation (a few percent of a Dense's matmul). Not
     where an outlined body replaces the layer's call."""
-    split = profile.split
-    return (split is not None and "outline" not in node.annotations
-            and split.kept_bytes < profile.kept_bytes)
+    return may_run_split(node, profile) and profile.split.kept_bytes < profile.kept_bytes
+
+
+def may_run_split(node, profile):
+    """Whether the node's activation may be recomputed from its kept
+    pre-activation at all (`runs_split` also asks that it keep less so)."""
+    return profile.split is not None and "outline" not in node.annotations
 
 
 def _as_run(node, profile, split=True):
     """The figures of `profile` as the node will run: split (`runs_split`,
-    when `split`), or as it is."""
-    if split and runs_split(node, profile):
+    when `split`; `may_run_split`, when `split == "every"`), or as it is."""
+    if split == "every" and may_run_split(node, profile):
+        return profile.split
+    if split is True and runs_split(node, profile):
         return profile.split
     return node_costs.SplitProfile(profile.internal, profile.kept_output,
                                    tuple(profile.kept_inputs), profile.backward_bytes, 0.0)
@@ -244,6 +253,48 @@ def choose_recompute(graph, memory_budget, step, budget=None):
                f"{_names(fixed)}." if fixed else "")
             + " Raise the budget, or lower the batch.") from None
     return RecomputeChoice(graph, order, profiles, costs, plan, batch, memory_budget, budget)
+
+
+#: How long `exact_optimum` searches by default.
+EXACT_SECONDS = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimum:
+    """The optimum of the cost model beside a chosen plan: `peak` (bytes,
+    the step's overhead included like the plan's), its recomputation as a
+    fraction of a forward pass, the `exact_plan.ExactPlan`, and the
+    seconds the search took."""
+
+    peak: float
+    extra_fraction: float
+    plan: object
+    seconds: float
+
+
+def exact_optimum(choice, seconds=EXACT_SECONDS):
+    """The smallest estimated peak any plan reaches recomputing no more
+    than `choice`'s plan, where each Dense's activation split and each
+    nested node's recomputation inside its layer are chosen per node with
+    the checkpoints (`exact_plan`); `exact_plan.SolveTimeout` after
+    `seconds`. `choice.plan.peak / optimum.peak` is how far the planner is
+    from the optimum of its own cost model.
+
+    Example:
+        >>> choice = choose_recompute(graph, 0.2, "recompute")
+        >>> exact_optimum(choice).peak <= choice.plan.peak
+        True
+    """
+    graph, order, profiles, batch = choice.graph, choice.order, choice.profiles, choice.batch
+    plain = recompute_costs(graph, order, profiles, batch, split=False)
+    split = recompute_costs(graph, order, profiles, batch, split="every")
+    start = time.monotonic()
+    found = exact_plan.smallest_peak_within(plain, split, choice.plan.extra_flops,
+                                            deadline=start + seconds)
+    forward = sum(cost.flops for cost in plain)
+    return Optimum(peak=found.peak + step_overhead(graph, batch),
+                   extra_fraction=found.extra_flops / forward if forward else 0.0,
+                   plan=found, seconds=time.monotonic() - start)
 
 
 def apply_recompute(choice, report, step, note=None):
