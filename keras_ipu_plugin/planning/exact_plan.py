@@ -31,6 +31,7 @@ Example:
     True
 """
 
+import bisect
 import dataclasses
 import math
 import time
@@ -41,6 +42,12 @@ from keras_ipu_plugin.planning import recompute_plan
 from keras_ipu_plugin.planning.recompute_plan import NodeCost  # noqa: F401 (the example)
 
 _START, _NORMAL, _FIXED, _RECOMPUTED = 0, 1, 2, 3
+
+
+#: The smallest peak under a recomputation cap is found to within this
+#: fraction (peaks in bytes are whole numbers: far below one byte on small
+#: chains, where it is exact).
+PEAK_TOLERANCE = 1e-4
 
 
 class SolveTimeout(RuntimeError):
@@ -114,16 +121,18 @@ def least_recompute(plain, split, budget, held_gradients=False, deadline=None):
 
 
 def smallest_peak_within(plain, split, max_extra_flops=math.inf, held_gradients=False,
-                         deadline=None):
+                         deadline=None, known=None):
     """The plan with the smallest estimated peak among those recomputing at
     most `max_extra_flops` (every node's own recomputation included, as in
-    `RecomputePlan.extra_flops`); None when none does.
+    `RecomputePlan.extra_flops`); None when none does. `known`: the peak of
+    a plan of this space known to recompute no more (the planner's), which
+    bounds the search.
 
     The smallest peak of all is searched for directly; under a cap, the
     least recomputation falls as the budget grows, so the smallest budget
     whose least recomputation is within the cap is found by bisection,
-    each budget met lowered to the peak its plan reaches (to within a
-    millionth of the peak)."""
+    each budget met lowered to the peak its plan reaches (to within
+    `PEAK_TOLERANCE` of the peak)."""
     start = time.monotonic()
     labels = _Search(plain, split, held_gradients, math.inf, math.inf, deadline, "peak").run()
     if not labels:
@@ -134,11 +143,13 @@ def smallest_peak_within(plain, split, max_extra_flops=math.inf, held_gradients=
         low = best.peak
         best = least_recompute(plain, split, low, held_gradients, deadline)
         if best.extra_flops > cap:
-            # Doing nothing recomputes only what the nodes recompute of their own.
-            best = least_recompute(plain, split, math.inf, held_gradients, deadline)
-            if best.extra_flops > cap:
+            # Doing nothing recomputes only what the nodes recompute of
+            # their own; a known plan, no more than the cap.
+            best = least_recompute(plain, split, math.inf if known is None else known,
+                                   held_gradients, deadline)
+            if best is None or best.extra_flops > cap:
                 return None
-            while best.peak - low > 1e-6 * best.peak:
+            while best.peak - low > PEAK_TOLERANCE * best.peak:
                 middle = (low + best.peak) / 2
                 found = least_recompute(plain, split, middle, held_gradients, deadline)
                 if found is not None and found.extra_flops <= cap:
@@ -151,11 +162,12 @@ def smallest_peak_within(plain, split, max_extra_flops=math.inf, held_gradients=
 def _plan_of(label, seconds):
     found = {"split": set(), "checkpoint": set(), "keep": set(), "nested": set(),
              "inside": set()}
-    link = label[3]
-    while link is not None:
-        kind, index = link[0]
-        found[kind].add(index)
-        link = link[1]
+    for kind, index in _items(label[3]):
+        if kind == "inner":  # a segment's own choices: a list of its own
+            for inner_kind, inner_index in _items(index):
+                found[inner_kind].add(inner_index)
+        else:
+            found[kind].add(index)
     return ExactPlan(
         splits=tuple(sorted(found["split"])),
         checkpoints=tuple(sorted(found["checkpoint"] | found["nested"])),
@@ -300,8 +312,26 @@ class _Search:
             if self.plain[last].can_checkpoint:
                 # One node alone is recomputed inside its layer already.
                 ending = [label for label in labels if not (label[5] and last == position)]
-                ends.append((last, self.tail[last] < largest, ending))
+                ends.append((last, self.tail[last] < largest, self.choices(ending)))
         return ends
+
+    def choices(self, labels):
+        """`{split of the last node: (locals, labels)}`: of the segments
+        ending here, those a plan may take: by local peak ascending, each
+        recomputing less than the ones before (the least recomputation
+        under a budget takes the last one that fits), or the one with the
+        least local peak (for the smallest peak)."""
+        by_split = {}
+        for label in sorted(labels, key=lambda label: (label[2], label[1])):
+            locals_, chosen = by_split.setdefault(label[3], ([], []))
+            if self.outer == 2:
+                if not chosen:
+                    locals_.append(label[2])
+                    chosen.append(label)
+            elif not chosen or label[1] < chosen[-1][1]:
+                locals_.append(label[2])
+                chosen.append(label)
+        return by_split
 
     def checkpoint(self, position):
         return self.plain[position - 1].boundary if position > 0 else 0.0
@@ -315,16 +345,21 @@ class _Search:
         if previous == _NORMAL:  # the run before ends at a kept node
             labels = [(kept, flops, peak, (("keep", position - 1), trail))
                       for kept, flops, peak, trail in labels]
-        for last, spent, options in ends:
-            for held, extra, local, split, inner, deep in options:
-                mark = ("nested" if deep else "checkpoint", last)
+        for last, spent, by_split in ends:
+            for split, (locals_, options) in by_split.items():
                 key = (_RECOMPUTED, split, spent, False)
                 for kept, flops, peak, trail in labels:
+                    # The segment recomputing least that fits the budget.
+                    fits = bisect.bisect_right(locals_, self.budget - kept - 2 * checkpoint)
+                    if not fits:
+                        continue
+                    _, extra, local, _, inner, deep = options[fits - 1]
                     new_peak = max(peak, kept + 2 * checkpoint + local)
                     if new_peak <= self.budget and flops + extra <= self.cap:
+                        mark = ("nested" if deep else "checkpoint", last)
                         fronts[last + 1].setdefault(key, []).append((
                             kept + checkpoint, flops + extra, new_peak,
-                            (mark, _join(inner, trail))))
+                            (mark, (("inner", inner), trail))))
         if not pending:
             return
         run = [(0.0, 0.0, 0.0, split_before, None, False)]
@@ -346,7 +381,7 @@ class _Search:
                     if new_peak <= self.budget and flops + extra <= self.cap:
                         fronts[last + 1].setdefault(key, []).append((
                             kept + held, flops + extra, new_peak,
-                            (("checkpoint", last), _join(inner, trail))))
+                            (("checkpoint", last), (("inner", inner), trail))))
 
     def extend_recomputed(self, labels, position, last, checkpoint, least_kept, least_flops):
         """The recomputed segment's inner labels with node `last` added
@@ -410,10 +445,3 @@ def _items(link):
     while link is not None:
         yield link[0]
         link = link[1]
-
-
-def _join(inner, trail):
-    """The trail with the inner choices (a linked list) in front."""
-    for item in reversed(list(_items(inner))):
-        trail = (item, trail)
-    return trail

@@ -288,11 +288,13 @@ def exact_optimum(choice, seconds=EXACT_SECONDS):
     graph, order, profiles, batch = choice.graph, choice.order, choice.profiles, choice.batch
     plain = recompute_costs(graph, order, profiles, batch, split=False)
     split = recompute_costs(graph, order, profiles, batch, split="every")
+    overhead = step_overhead(graph, batch)
     start = time.monotonic()
     found = exact_plan.smallest_peak_within(plain, split, choice.plan.extra_flops,
-                                            deadline=start + seconds)
+                                            deadline=start + seconds,
+                                            known=choice.plan.peak - overhead)
     forward = sum(cost.flops for cost in plain)
-    return Optimum(peak=found.peak + step_overhead(graph, batch),
+    return Optimum(peak=found.peak + overhead,
                    extra_fraction=found.extra_flops / forward if forward else 0.0,
                    plan=found, seconds=time.monotonic() - start)
 
