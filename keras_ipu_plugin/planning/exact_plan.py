@@ -47,7 +47,7 @@ _START, _NORMAL, _FIXED, _RECOMPUTED = 0, 1, 2, 3
 #: The smallest peak under a recomputation cap is found to within this
 #: fraction (peaks in bytes are whole numbers: far below one byte on small
 #: chains, where it is exact).
-PEAK_TOLERANCE = 1e-4
+PEAK_TOLERANCE = 1e-3
 
 
 class SolveTimeout(RuntimeError):
@@ -106,14 +106,18 @@ def evaluate(plain, split, plan, held_gradients=False):
         plan.nested, inside=set(plan.inside))
 
 
-def least_recompute(plain, split, budget, held_gradients=False, deadline=None):
+def least_recompute(plain, split, budget, held_gradients=False, deadline=None,
+                    max_extra_flops=math.inf):
     """The plan with the least recomputation whose estimated peak is at
     most `budget`, or None when no plan meets it. `plain`: the chain with
     no node split; `split`: with every node that may be split split (equal
     to `plain` where a node may not). `deadline`: a `time.monotonic()` after
-    which `SolveTimeout` is raised."""
+    which `SolveTimeout` is raised; `max_extra_flops`: plans recomputing more
+    are not looked at (None is returned when every plan meeting the budget
+    does)."""
     start = time.monotonic()
-    labels = _Search(plain, split, held_gradients, budget, math.inf, deadline, "flops").run()
+    labels = _Search(plain, split, held_gradients, budget, max_extra_flops, deadline,
+                     "flops").run()
     if not labels:
         return None
     best = min(labels, key=lambda label: (label[1], label[2]))
@@ -141,18 +145,17 @@ def smallest_peak_within(plain, split, max_extra_flops=math.inf, held_gradients=
     if math.isfinite(max_extra_flops):
         cap = max_extra_flops * (1 + 1e-9)
         low = best.peak
-        best = least_recompute(plain, split, low, held_gradients, deadline)
         if best.extra_flops > cap:
             # Doing nothing recomputes only what the nodes recompute of
             # their own; a known plan, no more than the cap.
             best = least_recompute(plain, split, math.inf if known is None else known,
-                                   held_gradients, deadline)
-            if best is None or best.extra_flops > cap:
+                                   held_gradients, deadline, cap)
+            if best is None:
                 return None
             while best.peak - low > PEAK_TOLERANCE * best.peak:
                 middle = (low + best.peak) / 2
-                found = least_recompute(plain, split, middle, held_gradients, deadline)
-                if found is not None and found.extra_flops <= cap:
+                found = least_recompute(plain, split, middle, held_gradients, deadline, cap)
+                if found is not None:
                     best = found  # its peak is at most `middle`
                 else:
                     low = middle
