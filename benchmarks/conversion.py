@@ -27,7 +27,7 @@ scaling ratio moved by more than its goal's margin between runs):
 What makes that possible: an expanded layer keeps its own name in the
 Keras model unless it is taken (API.md; a `LayerAlias` per inlined layer
 cost about 1.3x a whole `clone_model` on its own); each kind of block is
-traced once and replayed over the others (`frontend/replay/templates.py`), at
+traced once and replayed over the others (`frontend/replay.py`), at
 conversion (its output shapes) and at expansion (its sub-graph, whatever
 its nodes: layers, `keras.ops` calls, TensorFlow functions, reads,
 constants, random draws), its signature read from the variables' stored

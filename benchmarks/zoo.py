@@ -3,8 +3,8 @@ of `tests/zoo/harness.py`, as a table.
 
 Columns: model | traced | expand equal | custom layers left | to_keras (a
 model of Keras's own classes computing the expanded model's outputs: its
-file loads without kip; n/a where nodes need kip) | replace reach | fit equal (PluginModel, PluginCallback; PluginModel with Expand("all"),
-with Recompute(auto=True), with Adam) | time, then one line per check
+file loads without kip; n/a where nodes need kip) | replace reach | fit equal (PluginModel, PluginCallback; PluginModel with Expand("all")
+and Adam, with Recompute(auto=True)) | time, then one line per check
 that did not pass, with its reason (an error's first line). Each check runs
 in this process inside its own try/except (`tests/zoo/harness.py`), so one
 failure never stops the board.
@@ -46,9 +46,8 @@ COLUMNS = (
     ("replace", "replace reach"),
     ("plugin_model", "fit equal\nPluginModel"),
     ("plugin_callback", "fit equal\nPluginCallback"),
-    ("fit_expand", "fit equal\nwith Expand"),
+    ("fit_expand", "fit equal\nExpand, Adam"),
     ("fit_recompute", "fit equal\nwith Recompute"),
-    ("fit_adam", "fit equal\nwith Adam"),
 )
 
 

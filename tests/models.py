@@ -482,3 +482,68 @@ class GrowAt(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == self.epoch:
             self.target.grow = True
+
+
+class NormBlock(keras.layers.Layer):
+    """`x + LayerNorm(Dense(x))`: a residual block of two Keras layers."""
+
+    def __init__(self, width=32, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(width, activation="gelu")
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x):
+        return x + self.norm(self.dense(x))
+
+
+class NormTower(keras.Model):
+    """A Dense stem, `depth` `NormBlock`s named block_0, block_1, ... and a
+    Dense(1) head."""
+
+    def __init__(self, depth=12, width=32):
+        super().__init__()
+        self.stem = keras.layers.Dense(width)
+        self.blocks = [NormBlock(width, name=f"block_{i}") for i in range(depth)]
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def regression_data(n=64, features=16):
+    """`n` rows of `features` normal inputs and one normal target (seed 0)."""
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+class MaskedAttentionBlock(keras.layers.Layer):
+    """Self-attention under a padding mask passed as a keyword, then LayerNorm."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x, mask=None):
+        return self.norm(x + self.attention(x, x, attention_mask=mask))
+
+
+class MaskedTower(keras.Model):
+    """Token ids (0 pads) through an Embedding and `depth`
+    `MaskedAttentionBlock`s named masked_0, ...; a Dense(1) head on the first token."""
+
+    def __init__(self, depth=3):
+        super().__init__()
+        self.embed = keras.layers.Embedding(20, 8)
+        self.blocks = [MaskedAttentionBlock(name=f"masked_{i}") for i in range(depth)]
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        mask = keras.ops.expand_dims(keras.ops.not_equal(ids, 0), 1)
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return self.head(x[:, 0])

@@ -2,11 +2,11 @@
 
 The data flows one way (see docs/architecture.md):
 
-    _compat, errors, report, concurrency   (the base: no imports of ours above them)
+    _compat, errors, report   (the base: no imports of ours above them)
     ir/           the graph IR
     layers/       the layers a graph may hold (alias, opaque, reads, writes, ...)
     runtime/      IR -> Keras model, and running it (rebuild, executor, backends)
-    frontend/     model + first batch -> IR: trace/, idioms/, batch/, replay/,
+    frontend/     model + first batch -> IR: trace/, idioms/, batch/, replay,
                   verify/, and inputs, state, convert
     planning/     node costs, the recompute and stage planners, stage timing
     passes/infra/  pass infrastructure (Pass, registry, patterns, configs, manager)
@@ -31,7 +31,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_ipu_plugin"
 NAME = "keras_ipu_plugin"
 
 LAYERS = [
-    {"_compat", "errors", "report", "concurrency"},
+    {"_compat", "errors", "report"},
     {"ir"},
     {"layers"},
     {"runtime"},

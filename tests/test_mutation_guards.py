@@ -349,7 +349,7 @@ def test_a_successful_conversion_leaves_a_sub_layers_python_counter_unchanged(ve
 def test_losses_added_inside_a_recompute_segment_keep_their_value_and_gradient():
     from keras_ipu_plugin.passes import Recompute
     from keras_ipu_plugin.runtime.backends import get_backend
-    from keras_ipu_plugin.runtime.effects.recompute import make_plan
+    from keras_ipu_plugin.runtime.effects import make_plan
 
     x = _rand(8, 8)
     model = RegularizedTower(depth=4, name="regularized")

@@ -4,22 +4,19 @@ Keras 3 exposes no public way to do what the plugin is for, so this package
 gives each private access a name that says what it is for, one module per
 topic:
 
-- `nodes`: the nodes a symbolic call records, and undoing them
-  (`producing_node`, `node_lists_snapshot`, `record_call`, ...);
-- `calls`: how Keras calls a layer (`call_context`, `current_training`, the
-  masks `__call__` adds);
-- `functional`: the functional model (`Functional`, `run_functional_graph`,
+- `keras_graphs`: the nodes a symbolic call records and undoing them
+  (`producing_node`, `node_lists_snapshot`, `record_call`, ...), how Keras
+  calls a layer (`call_context`, `current_training`, the masks `__call__`
+  adds), the functional model (`Functional`, `run_functional_graph`,
   `functional_nodes`, `output_structure`, ...);
-- `trainer`: Keras's step functions, `compile`'s settings, the symbolic build
-  under a strategy;
-- `optimizers`: a built optimizer's per-variable state;
-- `layers`, `variables`, `tracking`: a layer's own losses / variables /
-  bookkeeping, a variable's strategy and stored value, TensorFlow's tracked
-  containers;
-- `idioms`, `tf_ops`: what the trace-time idioms wrap, TensorFlow's dispatch
-  and op callbacks;
-- `datasets`, `random_state`: `tf.data` pipelines, TensorFlow's stateful
-  random draws and global random state.
+- `keras_objects`: what Keras objects hold and how Keras trains them: a
+  layer's own losses / variables / bookkeeping, a variable's strategy and
+  stored value, TensorFlow's tracked containers, a built optimizer's
+  per-variable state, Keras's step functions, `compile`'s settings, the
+  symbolic build under a strategy;
+- `tf_internals`: TensorFlow's dispatch and op callbacks, its stateful random
+  draws and global random state, `tf.data` pipelines, and what the
+  trace-time idioms wrap.
 
 Every name is also reachable from the package itself (`_compat.call_context`),
 which is how the rest of the plugin reads them. No other module imports
@@ -28,7 +25,7 @@ it did not make (`tests/test_layering.py` checks both), so a Keras upgrade is
 a change in this package.
 """
 
-from keras_ipu_plugin._compat.nodes import (  # noqa: F401
+from keras_ipu_plugin._compat.keras_graphs import (  # noqa: F401
     KerasNode,
     OPERATION_BOOKKEEPING,
     Operation,
@@ -49,8 +46,6 @@ from keras_ipu_plugin._compat.nodes import (  # noqa: F401
     producing_node,
     record_call,
     set_keras_mask,
-)
-from keras_ipu_plugin._compat.calls import (  # noqa: F401
     adopt_call_signature,
     call_context,
     call_context_args,
@@ -58,8 +53,6 @@ from keras_ipu_plugin._compat.calls import (  # noqa: F401
     current_training,
     masks_keras_would_pass,
     set_call_takes_training_argument,
-)
-from keras_ipu_plugin._compat.functional import (  # noqa: F401
     Functional,
     functional_nodes,
     inbound_nodes,
@@ -69,7 +62,7 @@ from keras_ipu_plugin._compat.functional import (  # noqa: F401
     run_functional_graph,
     standardize_inputs,
 )
-from keras_ipu_plugin._compat.trainer import (  # noqa: F401
+from keras_ipu_plugin._compat.keras_objects import (  # noqa: F401
     OneReplicaSymbolicBuild,
     auto_jit_compile,
     compile_arguments,
@@ -81,8 +74,6 @@ from keras_ipu_plugin._compat.trainer import (  # noqa: F401
     reduces_across_workers,
     saving_to_hdf5,
     symbolic_build_from_one_replica,
-)
-from keras_ipu_plugin._compat.optimizers import (  # noqa: F401
     optimizer_knows,
     optimizer_own_variables,
     optimizer_slot_lists,
@@ -90,8 +81,6 @@ from keras_ipu_plugin._compat.optimizers import (  # noqa: F401
     replace_optimizer_variable,
     set_optimizer_state,
     set_optimizer_variables,
-)
-from keras_ipu_plugin._compat.layers import (  # noqa: F401
     KERAS_MODEL_CODE_MODULES,
     KERAS_OPERATION_MODULES,
     LAYER_BOOKKEEPING,
@@ -107,8 +96,6 @@ from keras_ipu_plugin._compat.layers import (  # noqa: F401
     own_losses,
     own_variables,
     sub_layers,
-)
-from keras_ipu_plugin._compat.variables import (  # noqa: F401
     backing_variable,
     current_value,
     global_seed_generator_state,
@@ -118,15 +105,13 @@ from keras_ipu_plugin._compat.variables import (  # noqa: F401
     stored_value,
     variable_signature,
     variable_strategy,
-)
-from keras_ipu_plugin._compat.tracking import (  # noqa: F401
     NEVER_CONTAINERS,
     OWN_STORAGE,
     raw_container,
     restore_wrapper_bookkeeping,
     wrapper_bookkeeping,
 )
-from keras_ipu_plugin._compat.idioms import (  # noqa: F401
+from keras_ipu_plugin._compat.tf_internals import (  # noqa: F401
     eager_tensor_array_targets,
     segment_functions,
     set_tensor_array_element_shape,
@@ -134,21 +119,15 @@ from keras_ipu_plugin._compat.idioms import (  # noqa: F401
     tensor_array_zeros,
     tensor_size_attributes,
     traced_idiom_targets,
-)
-from keras_ipu_plugin._compat.tf_ops import (  # noqa: F401
     add_fallback_dispatch,
     make_dispatchable,
     op_callback,
     raised_in_tf_random_function,
     stop_gradient_recording,
     tf_elementwise_functions,
-)
-from keras_ipu_plugin._compat.datasets import (  # noqa: F401
     dataset_is_batched,
     dataset_strategy,
     stateful_op_names,
-)
-from keras_ipu_plugin._compat.random_state import (  # noqa: F401
     global_random_state,
     put_back_global_random_state,
     restore_stateful_draw_ops,

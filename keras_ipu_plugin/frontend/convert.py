@@ -5,9 +5,27 @@ into the graph IR; the IR is rebuilt as a functional model that calls the
 same layer objects (so it shares every variable); the two are then checked
 equal on that batch. A model whose `call` cannot be traced becomes one
 opaque node that runs the original code.
+
+One conversion at a time in a process.
+
+Converting writes bookkeeping on the user's layers and takes it back: the
+nodes a symbolic call records on each layer, its build state, the values a
+verification run moves. Two threads converting the same model interleave
+those writes and fail ("name 'input' used 2 times", IndexError, "Graph
+disconnected"), and so do two *different* models that share a layer (a
+siamese encoder, one backbone under two heads): a lock per model cannot
+see that, so the lock is process-wide. Conversions are rare and spend
+nearly all their time in Python holding the GIL, so serialising them costs
+no real parallelism.
+
+Calling a converted model, or training it, takes no lock. Converting a
+model while another thread trains it is not supported: the conversion puts
+the model's non-trainable variables back to their values from before it
+(see `state.ModelState`), which would undo that thread's updates.
 """
 
 import dataclasses
+import threading
 import time
 
 import keras
@@ -15,36 +33,28 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
+from keras_ipu_plugin.errors import ConversionError, InputDataError, InputTypeError
 from keras_ipu_plugin.frontend import inputs as inputs_lib
-from keras_ipu_plugin.concurrency import one_conversion_at_a_time
-from keras_ipu_plugin.errors import ConversionError
-from keras_ipu_plugin.errors import InputDataError
-from keras_ipu_plugin.errors import InputTypeError
-from keras_ipu_plugin.runtime.functional import adopt_call_semantics
-from keras_ipu_plugin.ir.graph import Graph
-from keras_ipu_plugin.ir.graph import Node
-from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.layers.opaque import autograph_call
-from keras_ipu_plugin.layers.opaque import output_specs_of
+from keras_ipu_plugin.frontend.state import guarded, UndoneWrites, VariableValues, replay_state
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
+from keras_ipu_plugin.frontend.trace.tracer import (
+    TraceError,
+    essential_message,
+    current_tracer,
+    trace_model,
+)
+from keras_ipu_plugin.frontend.trace.training_modes import default_training
+from keras_ipu_plugin.frontend.verify.compare import is_float_array, tolerance_for
+from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent, keep_first_batch
+from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
+from keras_ipu_plugin.ir.graph import Graph, Node, Value
+from keras_ipu_plugin.layers.opaque import OpaqueLayer, autograph_call, output_specs_of
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.frontend.state import guarded
-from keras_ipu_plugin.frontend.state import UndoneWrites
-from keras_ipu_plugin.frontend.state import VariableValues
-from keras_ipu_plugin.frontend.state import replay_state
-from keras_ipu_plugin.frontend.trace.tracing import TraceError
-from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
-from keras_ipu_plugin.frontend.trace.training_branches import default_training
-from keras_ipu_plugin.frontend.trace.tracing import essential_message
-from keras_ipu_plugin.frontend.trace.tracer import current_tracer
-from keras_ipu_plugin.frontend.trace.tracing import trace_model
-from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
-from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch
-from keras_ipu_plugin.frontend.verify.compare import is_float_array
-from keras_ipu_plugin.frontend.verify.compare import tolerance_for
-from keras_ipu_plugin.frontend.verify.runs import taped_stateful_draws
+from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.runtime.rebuild import rebuild
+
+__all__ = ["one_conversion_at_a_time"]
 
 
 def convert_to_functional(model, data, *, training=None, verify=True, static_batch=False,
@@ -423,11 +433,24 @@ def _call_original(model, x):
         ) from error
 
 
-
-
 def _describe_structure(x):
     if isinstance(x, dict):
         return "a dict with keys " + ", ".join(repr(k) for k in x)
     if isinstance(x, (list, tuple)):
         return f"a {type(x).__name__} of {len(x)} tensors"
     return f"one tensor of shape {tuple(x.shape)}"
+
+
+# Re-entrant: a rebuild converts and then applies passes, each taking it.
+_CONVERSION_LOCK = threading.RLock()
+
+
+def one_conversion_at_a_time():
+    """The lock every conversion, rebuild and `apply_passes` holds while it
+    traces, rebuilds or verifies a user's model.
+
+    Example:
+        >>> with one_conversion_at_a_time():
+        ...     graph = trace_model(model, specs)
+    """
+    return _CONVERSION_LOCK

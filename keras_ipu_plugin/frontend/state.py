@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import strategy_owning
 from keras_ipu_plugin.layers.user_code import is_user_class
 from keras_ipu_plugin.frontend.trace.writes import handles_of
 

@@ -38,11 +38,30 @@ Example:
     >>> [user.name for user in graph.node("block_1").users]
     ['head']
     >>> rebuilt = rebuild(graph)     # keras_ipu_plugin.runtime.rebuild
+
+One way to make names unique: `Namespace`.
+
+Node names in a graph, the Keras layer names of a rebuilt model, the names
+of the layers Replace makes and of the reads a trace records all follow the
+same rule: a name is used as it is when free, else numbered `name_1`,
+`name_2`, ... (the first number free). One class, so that the rule is the
+same everywhere, and numbering stays linear: a counter per base name means
+the 500th `dense` does not try the 499 taken numbers before it.
+
+What a graph's inputs are: `InputSpec`s, and the check that data fits them.
+
+Example:
+    >>> spec = InputSpec(name="tokens", shape=(16,), dtype="int32")
+    >>> spec.keras_input()
+    <KerasTensor shape=(None, 16), dtype=int32, ...>
 """
 
-import keras
+from dataclasses import dataclass
 
-from keras_ipu_plugin.ir.names import Namespace
+import keras
+import numpy as np
+
+from keras_ipu_plugin.errors import InputDataError
 
 
 #: `Node.training` when the call follows the model's `training` argument.
@@ -642,3 +661,110 @@ def _gather_values(structure, found):
 def map_values(fn, structure):
     """Apply `fn` to every Value in a nest, keeping other leaves."""
     return map_leaves(lambda leaf: fn(leaf) if isinstance(leaf, Value) else leaf, structure)
+
+
+class Namespace:
+    """A set of taken names that hands out free ones.
+
+    Example:
+        >>> names = Namespace(["dense"])
+        >>> names.create("dense"), names.create("dense"), names.create("norm")
+        ('dense_1', 'dense_2', 'norm')
+    """
+
+    __slots__ = ("_taken", "_next")
+
+    def __init__(self, names=()):
+        self._taken = set(names)
+        self._next = {}  # base name -> the first number that may be free
+
+    def __contains__(self, name):
+        return name in self._taken
+
+    def __len__(self):
+        return len(self._taken)
+
+    def create(self, base):
+        """`base` if free, else `base_<n>` for the first free n; taken."""
+        if base not in self._taken:
+            self._taken.add(base)
+            return base
+        count = self._next.get(base, 1)
+        while f"{base}_{count}" in self._taken:
+            count += 1
+        self._next[base] = count + 1
+        name = f"{base}_{count}"
+        self._taken.add(name)
+        return name
+
+    def add(self, name):
+        """Take `name` as it is (a name chosen elsewhere, known to be free)."""
+        self._taken.add(name)
+
+    def discard(self, name):
+        """Free `name` (its node left the graph)."""
+        self._taken.discard(name)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Shape (without batch), dtype and name of one model input."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    batch_size: object = None  # None, or the static per-replica batch
+
+    def keras_input(self):
+        return keras.Input(
+            shape=self.shape,
+            batch_size=self.batch_size,
+            dtype=self.dtype,
+            name=self.name,
+        )
+
+
+def dtype_kind(dtype):
+    """`"float"`, `"int"`, `"bool"`, `"string"` or `"complex"`: what a cast
+    between two dtypes of different kinds would change (it truncates floats
+    to ints, turns numbers into True / False, fails on strings).
+
+    Example:
+        >>> dtype_kind("uint8"), dtype_kind(tf.float16), dtype_kind(np.dtype("<U3"))
+        ('int', 'float', 'string')
+    """
+    if isinstance(dtype, np.dtype) and dtype.kind in "USO":
+        return "string"
+    name = keras.backend.standardize_dtype(dtype)
+    for kind in ("bool", "string", "complex", "int", "float"):
+        if kind in name:
+            return kind
+    return name
+
+
+def check_dtype_kinds(model_name, expected, given):
+    """Raise `InputDataError` when a leaf of `given` has another dtype kind
+    than the model input it feeds (`expected`, KerasTensors in the same
+    order). Keras would cast it silently: a float batch fed to an input
+    converted as int32 would be truncated. Same kind, other width (float64
+    data for a float32 input) is Keras's usual cast, and is kept.
+
+    Example:
+        >>> check_dtype_kinds("net", converted.inputs, [np.zeros((2, 3), "int32")])
+    """
+    for tensor, leaf in zip(expected, given):
+        if leaf is None:
+            continue
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            dtype = np.asarray(leaf).dtype
+        if dtype_kind(dtype) != dtype_kind(tensor.dtype):
+            got = dtype if isinstance(dtype, np.dtype) and dtype.kind in "USO" else (
+                keras.backend.standardize_dtype(dtype))
+            raise InputDataError(
+                f"Input `{tensor.name}` of `{model_name}` was converted as "
+                f"{tensor.dtype} (from the first batch), but this batch gives it "
+                f"{got}. Keras would cast {got} to {tensor.dtype} without a "
+                "word and change the values; cast the data yourself if that is "
+                "meant, or convert the model on data of this dtype."
+            )

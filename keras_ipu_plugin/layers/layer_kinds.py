@@ -15,10 +15,10 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
-from keras_ipu_plugin.layers.state.reads import is_read
+from keras_ipu_plugin.layers.state import is_read
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.layers.user_code import is_user_layer
-from keras_ipu_plugin.layers.state.variable_write import VariableWrite
+from keras_ipu_plugin.layers.state import VariableWrite
 
 
 def is_expandable(operation, is_user_code=is_user_layer):

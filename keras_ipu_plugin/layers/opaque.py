@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from keras_ipu_plugin.layers import saved_values
 from keras_ipu_plugin.layers.user_code import takes_training
-from keras_ipu_plugin.layers.views import layer_view
+from keras_ipu_plugin.layers.user_code import layer_view
 
 
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")

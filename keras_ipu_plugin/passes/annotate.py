@@ -20,9 +20,9 @@ from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.runtime.backends.ipu import check_outline_kwargs
-from keras_ipu_plugin.passes.infra.branches import refuse_inside
-from keras_ipu_plugin.passes.infra.branches import run_inside
-from keras_ipu_plugin.passes.infra.branches import split_targets
+from keras_ipu_plugin.passes.infra.base import refuse_inside
+from keras_ipu_plugin.passes.infra.base import run_inside
+from keras_ipu_plugin.passes.infra.base import split_targets
 from keras_ipu_plugin.passes.infra.base import Pass
 from keras_ipu_plugin.passes.infra.base import as_targets
 from keras_ipu_plugin.passes.infra.base import config_value
@@ -452,7 +452,7 @@ def _joined(*parts):
 def _outline_entry(node, detail):
     """The report's (action, detail) for outlining `node`: a layer whose
     `get_config` fails is outlined alone (nothing shows it equal to another)."""
-    from keras_ipu_plugin.runtime.effects.outline import outline_config
+    from keras_ipu_plugin.runtime.effects import outline_config
 
     _, error = outline_config(node.operation)
     if error is None:

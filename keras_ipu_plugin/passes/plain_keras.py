@@ -25,7 +25,7 @@ import keras
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
-from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.ir.graph import Namespace
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.passes.infra.manager import graph_of_model
 from keras_ipu_plugin.runtime.functional import graph_model

@@ -20,9 +20,9 @@ from keras_ipu_plugin.errors import ConfigError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import config_path
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.ir.names import Namespace
-from keras_ipu_plugin.passes.infra.branches import run_inside
-from keras_ipu_plugin.passes.infra.branches import split_targets
+from keras_ipu_plugin.ir.graph import Namespace
+from keras_ipu_plugin.passes.infra.base import run_inside
+from keras_ipu_plugin.passes.infra.base import split_targets
 from keras_ipu_plugin.passes.infra.base import EQUAL
 from keras_ipu_plugin.passes.infra.base import RUNS
 from keras_ipu_plugin.passes.infra.base import Pass

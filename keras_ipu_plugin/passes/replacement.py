@@ -24,7 +24,7 @@ from keras_ipu_plugin.passes.infra.base import config_value
 from keras_ipu_plugin.passes.infra.base import saved_config
 from keras_ipu_plugin.passes.infra.layer_class_names import class_named
 from keras_ipu_plugin.passes.infra.layer_class_names import name_of_class
-from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import strategy_owning
 
 _REPLACEMENT_KEYS = ("class", "params", "copy_weights")
 _DEFAULT_COPIED = (

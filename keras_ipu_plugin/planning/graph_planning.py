@@ -21,7 +21,7 @@ from keras_ipu_plugin.planning import recompute_plan
 from keras_ipu_plugin.planning import stage_balance
 from keras_ipu_plugin.planning import stage_timing
 from keras_ipu_plugin.report import PlanTable
-from keras_ipu_plugin.runtime.effects import activation_remat
+from keras_ipu_plugin.runtime import effects
 
 BALANCES = ("params", "activations", "time")
 
@@ -318,7 +318,7 @@ def apply_recompute(choice, report, step, note=None):
     by_node = {id(profile.node): profile for profile in profiles}
     split = [node for node in order if runs_split(node, by_node[id(node)])]
     for node in split:
-        node.annotations[activation_remat.KEY] = True
+        node.annotations[effects.ACTIVATION_REMAT] = True
         report.add(step, node.name, "activation recomputed from its kept pre-activation",
                    "planned (Recompute(auto=True)): keeps less at a few percent of its cost")
     table = _recompute_table(choice.graph, choice.costs, order, plan, choice.batch,

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import strategy_owning
 from keras_ipu_plugin.runtime.interpreter import call_arguments
 from keras_ipu_plugin.runtime.interpreter import output_tensors
 from keras_ipu_plugin.ir.graph import FOLLOW
@@ -132,10 +132,10 @@ def profile_nodes(graph, batch):
 def _split_profile(node, batch, key, traced):
     """The node's `SplitProfile` when its layer may run split (see
     `activation_remat.splittable`), else None; traced once per key."""
-    from keras_ipu_plugin.runtime.effects import activation_remat
-    from keras_ipu_plugin.runtime.recompute_grad import recompute_grad
+    from keras_ipu_plugin.runtime import effects
+    from keras_ipu_plugin.runtime.backends import recompute_grad
 
-    if not activation_remat.splittable(node.operation) or len(node.input_values) != 1:
+    if not effects.splittable(node.operation) or len(node.input_values) != 1:
         return None
     split_key = None if key is None else (key, "split")
     if split_key is not None and split_key in traced:
@@ -143,7 +143,7 @@ def _split_profile(node, batch, key, traced):
     operation = node.operation
 
     def split(x, training=None):  # Dense ignores `training`
-        return activation_remat.split_call(operation, x, recompute_grad)
+        return effects.split_call(operation, x, recompute_grad)
 
     try:
         result = _trace(node, batch, call=split)
@@ -162,7 +162,7 @@ def _split_profile(node, batch, key, traced):
 
 
 def _has_forward_state(operation):
-    from keras_ipu_plugin.runtime.effects.recompute import has_forward_state as executor_rule
+    from keras_ipu_plugin.runtime.effects import has_forward_state as executor_rule
 
     return executor_rule(operation)
 
@@ -214,7 +214,7 @@ def _ShapeEstimate(node, batch, reason):
 def _trace_key(node, batch):
     """Nodes with equal keys keep and cost the same: same layer class and
     config (its name aside), same input signature and call arguments."""
-    from keras_ipu_plugin.runtime.effects.outline import outline_config
+    from keras_ipu_plugin.runtime.effects import outline_config
 
     operation = node.operation
     if not isinstance(operation, keras.layers.Layer):

@@ -8,7 +8,7 @@ its config so they survive `save` / `load_model`:
   model overwrites those with the outer `training`; this one keeps them
   (its nodes hold them per call site).
 - `kip_graph` (not saved): the IR graph the passes produced, which is what
-  runs (`runtime/graph_of.py`; the interpreter, `interpreter.py`, runs it
+  runs (`runtime/interpreter.py`; the interpreter, `interpreter.py`, runs it
   with the run-time effects of its nodes' annotations).
 - `kip_node_annotations`: what the Outline / Recompute / PipelineStages
   passes (and any other) recorded, saved by node path, per call site: a
@@ -43,10 +43,10 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import LoadError
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.errors import short_repr
-from keras_ipu_plugin.ir.specs import check_dtype_kinds
+from keras_ipu_plugin.ir.graph import check_dtype_kinds
 from keras_ipu_plugin.layers import saved_values
-from keras_ipu_plugin.layers.state.shared_variables import link_shared_variables
-from keras_ipu_plugin.layers.state.shared_variables import mark_shared_variables
+from keras_ipu_plugin.layers.state import link_shared_variables
+from keras_ipu_plugin.layers.state import mark_shared_variables
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-in run-time effects)
 # Every kip layer a saved graph may hold is registered with Keras wherever a
@@ -54,9 +54,8 @@ from keras_ipu_plugin.runtime import effects  # noqa: F401 (registers the built-
 # (`TensorSizedOperation` was registered by tracing alone).
 from keras_ipu_plugin.layers import alias, opaque  # noqa: F401
 from keras_ipu_plugin.layers.keras_ops import batch_sized, masks, random_draws, tensor_sized  # noqa: F401
-from keras_ipu_plugin.layers.state import added_loss, reads, variable_write  # noqa: F401
-from keras_ipu_plugin.layers.tf_calls import tf_function, tf_random_draw  # noqa: F401
-from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.layers import state, tf_calls  # noqa: F401
+from keras_ipu_plugin.runtime.interpreter import graph_of
 from keras_ipu_plugin.runtime.interpreter import interpreter_for
 
 #: `mask=` is a Keras mask put on the graph's inputs (a functional original).
@@ -447,7 +446,7 @@ class KipFunctional(_compat.Functional):
         if self.kip_output_modes is not None:
             config["kip_output_modes"] = self.kip_output_modes
         # A variable two layers hold (a conv's kernel and its write node) is
-        # loaded as one (`shared_variables.py`).
+        # loaded as one (`layers/state.py`).
         mark_shared_variables(self, config)
         return config
 

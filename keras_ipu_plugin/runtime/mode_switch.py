@@ -3,7 +3,7 @@
 A layer whose `call` branches on `training` in Python (stochastic depth:
 `if training: ... keras.random.uniform(...) ...; return x`) computes one
 graph in training and another in inference. The tracer traces both
-(`frontend/trace/training_branches.py`) and puts this layer in the layer's place:
+(`frontend/trace/training_modes.py`) and puts this layer in the layer's place:
 it runs the graph of the mode it is called with, and only that one, so a
 random draw of the training branch advances its seed generator exactly when
 the original's would.
@@ -21,7 +21,7 @@ it in; `none_means` names the mode that stands for it (`"default"` where
 the original computes a third thing with None).
 
 Passes see into the modes through `branch_graphs` (the IR of each mode,
-`passes/infra/branches.py` runs a pass over them and makes a new switch with
+`passes/infra/base.py` runs a pass over them and makes a new switch with
 `from_branch_graphs`).
 
 Example:
@@ -37,7 +37,7 @@ import numpy as np
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_values
-from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.ir.graph import Namespace
 from keras_ipu_plugin.layers import saved_values
 
 #: The modes a switch may hold, by the `training` value each stands for.
@@ -131,7 +131,7 @@ class ModeSwitch(keras.layers.Layer):
         in the other). The body's nodes are the modes' nodes, mode after mode
         (`from_branch_graphs`), so a layer's k-th call in the body is its k-th
         call counted across the modes in that order."""
-        from keras_ipu_plugin.runtime.graph_of import graph_of
+        from keras_ipu_plugin.runtime.interpreter import graph_of
 
         pinned = {node.name: node.training for node in graph_of(self.body).nodes
                   if node.training in (True, False)}

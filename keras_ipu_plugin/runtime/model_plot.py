@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import keras
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.layers.state.reads import HeldConstant
-from keras_ipu_plugin.layers.state.reads import VariableRead
+from keras_ipu_plugin.layers.state import HeldConstant
+from keras_ipu_plugin.layers.state import VariableRead
 from keras_ipu_plugin.runtime.functional import graph_model
 from keras_ipu_plugin.runtime.model_summary import called_layer
 from keras_ipu_plugin.runtime.model_summary import node_class_name

@@ -26,8 +26,8 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.runtime.backends import get_backend
-from keras_ipu_plugin.runtime.effects.recompute import Segment
-from keras_ipu_plugin.runtime.effects.recompute import wire_segments
+from keras_ipu_plugin.runtime.effects import Segment
+from keras_ipu_plugin.runtime.effects import wire_segments
 from keras_ipu_plugin.runtime.interpreter import Run
 from keras_ipu_plugin.runtime.interpreter import interpreter_for
 

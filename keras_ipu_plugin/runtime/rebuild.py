@@ -14,13 +14,13 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
-from keras_ipu_plugin.ir.names import Namespace
+from keras_ipu_plugin.ir.graph import Namespace
 from keras_ipu_plugin.layers.alias import LayerAlias
 from keras_ipu_plugin.layers.layer_kinds import seed_states
 from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
-from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
-from keras_ipu_plugin.layers.state.variable_write import AfterWrites
-from keras_ipu_plugin.layers.state.variable_write import VariableWrite
+from keras_ipu_plugin.layers.tf_calls import TFRandomDraw
+from keras_ipu_plugin.layers.state import AfterWrites
+from keras_ipu_plugin.layers.state import VariableWrite
 from keras_ipu_plugin.runtime.functional import KipFunctional
 
 

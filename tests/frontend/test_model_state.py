@@ -188,7 +188,7 @@ def test_rebuild_after_new_variables_leaves_the_counter_at_the_steps_run():
 def test_call_that_assigns_a_variable_itself_keeps_the_write_as_a_node():
     """It once ran whole (opaque): the write is now a
     `VariableWrite` node of the graph (tests/layers/test_variable_write_nodes.py)."""
-    from keras_ipu_plugin.layers.state.variable_write import VariableWrite
+    from keras_ipu_plugin.layers.state import VariableWrite
 
     model, x = CountingModel(), _x()
     model(x)

@@ -11,8 +11,8 @@ from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import GraphError
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.ir.names import Namespace
-from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.ir.graph import Namespace
+from keras_ipu_plugin.ir.graph import InputSpec
 
 SPEC = keras.KerasTensor((None, 4))
 

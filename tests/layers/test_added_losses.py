@@ -1,8 +1,8 @@
 """Losses a layer's `call` adds (`self.add_loss(...)`) as graph nodes.
 
 keras.io's VQ-VAE quantizer and the Switch Transformer's router add a loss
-in `call`. Traced, the loss is an `AddedLoss` node (`layers/state/added_loss.py`,
-`frontend/trace/losses.py`): the layer expands, the graph's model holds the same
+in `call`. Traced, the loss is an `AddedLoss` node (`layers/state.py`,
+`frontend/trace/trace_views.py`): the layer expands, the graph's model holds the same
 loss after a call as the original (`model.losses`), verification compares
 those losses and their gradients, and training adds them as plain Keras
 does: `fit` of the graph's model itself, `PluginModel`, `PluginCallback`,
@@ -22,7 +22,7 @@ from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
-from keras_ipu_plugin.layers.state.added_loss import AddedLoss
+from keras_ipu_plugin.layers.state import AddedLoss
 
 from graph_checks import all_nodes
 

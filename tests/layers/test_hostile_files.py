@@ -213,7 +213,7 @@ def test_a_tf_function_outside_the_table_is_refused_and_nothing_runs(saved, tmp_
     config = json.loads(graph_files["config.json"])
     layers = config["config"]["layers"]
     layers.append({
-        "module": "keras_ipu_plugin.layers.tf_calls.tf_function", "class_name": "TFFunction",
+        "module": "keras_ipu_plugin.layers.tf_calls", "class_name": "TFFunction",
         "config": {"function": path, "name": "evil"},
         "registered_name": "keras_ipu_plugin>TFFunction", "name": "evil",
         # With a graph tensor among its arguments, as a traced call has:
@@ -245,7 +245,7 @@ def test_a_tf_function_entry_of_the_wrong_shape_is_refused(saved, tmp_path, conf
 
 
 def test_every_table_entry_is_a_public_function_and_every_recorded_function_loads():
-    from keras_ipu_plugin.layers.tf_calls import tf_function_table as table
+    from keras_ipu_plugin.layers import tf_calls as table
 
     for path in table.RECORDED:
         assert table.refused_reason(path) is None, path
@@ -270,7 +270,7 @@ HOSTILE_ENTRIES = [
     ("RandomDraw", lambda c: c.update(shape=["x"]), "shape"),
     # BatchSizedOperation: the operation is a Keras object, its attributes set by name
     ("BatchSizedOperation", lambda c: c.update(operation={
-        "module": "keras_ipu_plugin.layers.tf_calls.tf_function", "class_name": "TFFunction",
+        "module": "keras_ipu_plugin.layers.tf_calls", "class_name": "TFFunction",
         "config": {"function": "_os.system"}, "registered_name": "keras_ipu_plugin>TFFunction"}),
      "operation"),
     ("BatchSizedOperation", lambda c: c.update(operation={
@@ -493,7 +493,7 @@ def _constant_node(name, class_entry, args, kwargs=None):
             "inbound_nodes": [{"args": args, "kwargs": kwargs or {}}]}
 
 
-TF_FUNCTION = {"module": "keras_ipu_plugin.layers.tf_calls.tf_function", "class_name": "TFFunction",
+TF_FUNCTION = {"module": "keras_ipu_plugin.layers.tf_calls", "class_name": "TFFunction",
                "registered_name": "keras_ipu_plugin>TFFunction", "config": {}}
 
 

@@ -18,8 +18,8 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Recompute
-from keras_ipu_plugin.layers.state.variable_write import AfterWrites
-from keras_ipu_plugin.layers.state.variable_write import VariableWrite
+from keras_ipu_plugin.layers.state import AfterWrites
+from keras_ipu_plugin.layers.state import VariableWrite
 from models import DecaysAfterUse
 from models import PixelCNN
 from models import PixelConvLayer
@@ -335,7 +335,7 @@ def test_verification_catches_a_lost_write():
 
 def test_recompute_never_puts_a_write_in_a_recomputed_segment():
     from keras_ipu_plugin.runtime.backends import get_backend
-    from keras_ipu_plugin.runtime.effects.recompute import make_plan
+    from keras_ipu_plugin.runtime.effects import make_plan
 
     x = _images(8)[0]
     model = _built(PixelCNN)

@@ -170,7 +170,7 @@ def test_nodes_with_forward_state_are_never_in_a_recomputed_segment():
 
 def test_segments_follow_the_executor_last_segment_rule():
     # A recomputed segment followed by nodes smaller than its largest output
-    # runs normally when it is the last one (runtime/effects/recompute.py: _keep_last_segment).
+    # runs normally when it is the last one (runtime/effects.py: _keep_last_segment).
     costs = _uniform_chain(4)
     costs[3] = NodeCost("head", elements=1)
     assert recompute_plan.segments_of(costs, [2]) == [(0, 2, False, False),

@@ -22,7 +22,7 @@ from keras_ipu_plugin import _compat
 from keras_ipu_plugin import cli
 from keras_ipu_plugin.passes.infra.manager import graph_of
 from keras_ipu_plugin.runtime.backends import get_backend
-from keras_ipu_plugin.runtime.effects.recompute import make_plan
+from keras_ipu_plugin.runtime.effects import make_plan
 from keras_ipu_plugin.layers.layer_kinds import seed_states
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import PipelineStages

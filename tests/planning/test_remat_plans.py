@@ -147,7 +147,7 @@ def _name(model, path):
 
 def _segments(model):
     from keras_ipu_plugin.runtime.backends import get_backend
-    from keras_ipu_plugin.runtime.effects.recompute import make_plan
+    from keras_ipu_plugin.runtime.effects import make_plan
 
     return make_plan(model, get_backend())
 
@@ -256,7 +256,7 @@ def test_an_activation_note_keeps_the_pre_activation_and_recomputes_gelu(monkeyp
 
 
 def test_a_layer_that_is_not_a_plain_dense_runs_as_it_is_under_the_note():
-    from keras_ipu_plugin.runtime.effects.activation_remat import splittable
+    from keras_ipu_plugin.runtime.effects import splittable
 
     class Scaled(keras.layers.Dense):  # a subclass may change `call`
         def call(self, x):

@@ -12,7 +12,7 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.runtime import interpreter as interpreter_lib
 from keras_ipu_plugin.runtime.backends import get_backend
-from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.runtime.interpreter import graph_of
 from keras_ipu_plugin.runtime.pipeline import StagedModel
 from keras_ipu_plugin.runtime.rebuild import rebuild
 

@@ -17,7 +17,7 @@ from keras_ipu_plugin.runtime import interpreter as interpreter_lib
 from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.runtime.interpreter import Interpreter
 from keras_ipu_plugin.runtime.rebuild import rebuild
-from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.runtime.interpreter import graph_of
 
 
 @pytest.fixture
@@ -233,7 +233,7 @@ def test_stage_placement_puts_each_layer_on_its_stages_device():
 def test_a_layer_with_forward_state_never_sits_in_a_recomputed_segment():
     """A BatchNormalization's moving statistics would be updated by each
     recomputation: it runs in a segment of its own, between recomputed ones."""
-    from keras_ipu_plugin.runtime.effects.recompute import make_plan
+    from keras_ipu_plugin.runtime.effects import make_plan
 
     inputs = keras.Input((4,))
     h = keras.layers.Dense(8, name="a")(inputs)

@@ -14,7 +14,7 @@ import tensorflow as tf
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.training.session.new_variables import NewVariablesError
 from keras_ipu_plugin.training.session.new_variables import VariableWatch
-from keras_ipu_plugin.ir.specs import dtype_kind
+from keras_ipu_plugin.ir.graph import dtype_kind
 
 
 class Regressor(keras.Model):

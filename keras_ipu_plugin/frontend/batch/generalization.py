@@ -12,7 +12,7 @@ that differs raises `NotBatchGeneral`, with the reason.
 
 keras_hub's Mixtral MoE block adds its load-balancing loss in training
 only (`if training:`, a `ModeSwitch` holding a graph per mode,
-`training_branches.py`), and recovers the batch size there as
+`trace/training_modes.py`), and recovers the batch size there as
 `ops.shape(router_logits)[0] // seq_len`: each of its two traces holds a
 switch of its own, and the two are one where each mode's two graphs are
 one graph for any batch size (`general_switch`).
@@ -31,14 +31,14 @@ import numpy as np
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import node_identity
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Node
 from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.state.reads import HeldConstant
+from keras_ipu_plugin.layers.state import HeldConstant
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 
 

@@ -15,14 +15,13 @@ import functools
 from fractions import Fraction
 
 import keras
-import numpy as np
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.frontend.trace.failures import STATIC_BATCH_HINT
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.failures import essential_message
-from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
-from keras_ipu_plugin.frontend.trace.output_specs import states_own_output_shape
+from keras_ipu_plugin.frontend.trace.trace_views import precise_specs
+from keras_ipu_plugin.frontend.trace.trace_views import states_own_output_shape
 from keras_ipu_plugin.ir.graph import map_values
 
 
@@ -160,47 +159,4 @@ def _unknown_dimension_reason(where, value):
         f"{STATIC_BATCH_HINT} (the graph computes with the batch size, but "
         f"`{where or 'the input'}` has a tensor of shape {tuple(value.spec.shape)} "
         "whose unknown dimension is not the batch size alone)"
-    )
-
-
-def unknown_dimension_attributes(operation):
-    """Names of `operation`'s shape attributes (lists / tuples of
-    dimensions) that hold None."""
-    return [
-        name for name, value in vars(operation).items()
-        if not name.startswith("_") and isinstance(value, (list, tuple))
-        and any(item is None for item in value)
-        and all(item is None or isinstance(item, int) for item in value)
-    ]
-
-
-def fixed_batch_reason(operation, arguments, outputs, name):
-    """Why the call of `operation` (a reshape or broadcast) at node `name`
-    runs at one batch size only, or None: it takes a tensor whose batch
-    size is unknown (None) to a shape that is all constants, so the batch
-    size is one of them (keras.io's Switch Transformer reshapes to
-    `[num_tokens_per_batch, embed_dim]`, a Python int from the data's
-    batch size). `arguments`: the call's arguments, flattened."""
-    kind = type(operation).__name__
-    function = getattr(operation, "function", None)
-    if kind == "TFFunction" and function in ("reshape", "broadcast_to"):
-        kind = "Reshape" if function == "reshape" else "BroadcastTo"
-    if kind not in ("Reshape", "BroadcastTo"):
-        return None
-    given = next((t for t in arguments if isinstance(t, keras.KerasTensor)), None)
-    if given is None or not given.shape or given.shape[0] is not None or None in given.shape[1:]:
-        return None
-    if len(outputs) != 1 or not outputs[0].shape or None in tuple(outputs[0].shape):
-        return None
-    shape, fixed = tuple(given.shape), tuple(outputs[0].shape)
-    rows = int(np.prod(fixed)) / max(int(np.prod(shape[1:])), 1)
-    batch = f"the batch size {int(rows)}" if rows == int(rows) else "a batch size"
-    verb = "reshapes" if kind == "Reshape" else "broadcasts"
-    return (
-        f"`{name}` {verb} a tensor whose batch size is unknown, of shape {shape}, to the "
-        f"fixed shape {fixed}: the code holds {batch} as a constant, so it runs at that "
-        "batch size only; write that dimension as -1 (`ops.reshape(x, (-1, "
-        f"{', '.join(map(str, fixed[1:]))}))`) or from `ops.shape(x)[0]` (times what it "
-        "multiplies) for the layer to expand and run at any batch size, or convert with "
-        "static_batch=True"
     )

@@ -3,7 +3,7 @@ and made one graph for any batch size (batch generalisation).
 
 The batch size is unknown (None) while tracing. An operation given it in a
 shape (`ops.broadcast_to(cls, (ops.shape(x)[0], 1, d))`) becomes a
-`BatchSizedOperation` that reads it when the graph runs (`keras_nodes.py`);
+`BatchSizedOperation` that reads it when the graph runs (`trace/call_trace.py`);
 a `call` that needs it as a number (`ops.broadcast_to` on a concrete mask,
 as keras_hub's decoders build their causal masks) is traced here at two
 batch sizes and the two graphs are made one (`generalization.generalize_batch`).
@@ -39,7 +39,7 @@ from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.trace.call_trace import Traces
 from keras_ipu_plugin.frontend.trace.call_trace import anchor_of
 from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
 from keras_ipu_plugin.ir.graph import map_values
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation

@@ -1,15 +1,19 @@
-"""One symbolic call of a layer's `call`, and the trace it makes.
+"""One symbolic call of a layer's `call` (`trace_once`, `CallTrace`) and the Keras
+nodes it recorded walked back into IR nodes (`collect_nodes`). One concept: a
+call traced into nodes.
+
+One symbolic call of a layer's `call`, and the trace it makes.
 
 `trace_once` calls `type(layer).call` on a view of the layer
 (`trace_views.py`) with KerasTensors, under one `training` mode, and walks
-the Keras nodes it recorded into IR nodes (`keras_nodes.py`). `CallTrace`
+the Keras nodes it recorded into IR nodes (`collect_nodes`, below). `CallTrace`
 is the trace in progress: what `call` holds rather than receives becomes a
-node too (`reads.py`): the variables the traced layer keeps as attributes
+node too (`layers/state.py`): the variables the traced layer keeps as attributes
 are read through `VariableRead` nodes (their symbolic reads stand in the
 view's attributes), a direct sub-layer called on concrete tensors only
 (`self.embedding(ops.arange(n))`) is called on `HeldConstant` nodes holding
 them, a `keras.random` draw is a `RandomDraw` node, and a write is a
-`VariableWrite` node (`write_nodes.py`).
+`VariableWrite` node (`writes.py`).
 
 Where tracing stops (which sub-layers are traced through, and whether a
 layer's `call` is handed `training`) is the `Tracer`'s to say
@@ -19,34 +23,58 @@ Example:
     >>> trace = CallTrace(layer, (x,), {}, placeholders, "", ReadLayers(), training=None,
     ...                   tracer=Tracer())
     >>> nodes, outputs = trace_once(trace, True, False, {})
+
+The Keras nodes a symbolic call recorded, walked back into IR nodes.
+
+Calling `layer.call(...)` on KerasTensors records one Keras node per
+sub-layer or `keras.ops` call made inside it. `collect_nodes` walks them
+back from the outputs into `graph.Node`s in topological order: each named by
+its attribute path (a `keras.ops` call by its kind, numbered in call
+order), the user's layer in place of the view that was called, an opaque
+view as an `OpaqueLayer`, an operation with the batch size in a shape as a
+`BatchSizedOperation`, the `training` each sub-layer was called with
+recorded on its node.
+
+Example:
+    >>> nodes, outputs = collect_nodes(outputs, placeholders, "", pinned=False, owner=layer)
 """
 
 import contextlib
 import dataclasses
 import functools
+import re
 
 import keras
+import numpy as np
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.idioms import tf_functions
-from keras_ipu_plugin.frontend.trace import trace_views
-from keras_ipu_plugin.frontend.trace import write_nodes
-from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
-from keras_ipu_plugin.frontend.trace.attribute_paths import path_of
-from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.failures import describe_failure
-from keras_ipu_plugin.frontend.trace.failures import essential_message
-from keras_ipu_plugin.frontend.trace.failures import user_stack_line
-from keras_ipu_plugin.frontend.trace.keras_nodes import collect_nodes
-from keras_ipu_plugin.frontend.trace.trace_views import builtin_view_class
-from keras_ipu_plugin.frontend.trace.trace_views import inline_view_class
-from keras_ipu_plugin.frontend.trace.trace_views import is_concrete
-from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms
-from keras_ipu_plugin.ir.names import Namespace
-from keras_ipu_plugin.layers.state.reads import HeldConstant
-from keras_ipu_plugin.layers.views import layer_view
-from keras_ipu_plugin.layers.views import shallow_view
-from keras_ipu_plugin.layers.views import viewed_layer
+from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
+from keras_ipu_plugin.frontend import idioms
+from keras_ipu_plugin.frontend.idioms import traced_idioms, unknown_sizes
+from keras_ipu_plugin.frontend.trace import trace_views, writes as writes_lib
+from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths, path_of, stable_name
+from keras_ipu_plugin.frontend.trace.failures import (
+    TraceError,
+    describe_failure,
+    essential_message,
+    user_stack_line,
+    STATIC_BATCH_HINT,
+)
+from keras_ipu_plugin.frontend.trace.trace_views import (
+    builtin_view_class,
+    inline_view_class,
+    is_concrete,
+    dense_unless_given_sparse,
+    precise_specs,
+    OPAQUE,
+)
+from keras_ipu_plugin.ir.graph import UNTRACED_MASK, Node, Value
+from keras_ipu_plugin.ir.graph import Namespace
+from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
+from keras_ipu_plugin.layers.state import HeldConstant, is_read
+from keras_ipu_plugin.layers.state import is_write_node
+from keras_ipu_plugin.layers.tf_calls import TFRandomDraw
+from keras_ipu_plugin.layers.user_code import layer_view, shallow_view, viewed_layer
 
 
 @dataclasses.dataclass(eq=False)
@@ -54,7 +82,7 @@ class CallTrace:
     """The trace of one `call` in progress: the call traced (its layer,
     symbolic arguments, the `training` it is traced for, the `Tracer`
     making it) and the graph values that `call` holds rather than receives
-    (see `reads.py`).
+    (see `layers/state.py`).
 
     `hold_attributes(view)` puts the symbolic read of each variable the
     traced layer keeps as an attribute (alone, or in a list or dict) in the
@@ -88,7 +116,7 @@ class CallTrace:
     lift_sites: dict = dataclasses.field(default_factory=dict, init=False)
     # replay.output_specs_key -> output KerasTensors
     output_specs: dict = dataclasses.field(default_factory=dict, init=False)
-    # the variable writes `call` makes, as nodes (`write_nodes.py`)
+    # the variable writes `call` makes, as nodes (`writes.py`)
     writes: object = dataclasses.field(init=False)
     _names: Namespace = dataclasses.field(default_factory=Namespace, init=False)
     _new_reads: list = dataclasses.field(default_factory=list, init=False)
@@ -100,7 +128,7 @@ class CallTrace:
     def __post_init__(self):
         if self.anchor is None:
             self.anchor = anchor_of((self.args, self.kwargs))
-        self.writes = write_nodes.WriteRecorder(self)
+        self.writes = writes_lib.WriteRecorder(self)
 
     def at(self, args, kwargs, placeholders, anchor):
         """A new trace of the same call on other inputs (`args`, `kwargs`
@@ -118,12 +146,12 @@ class CallTrace:
             # The read layers outlive the trace (a graph keeps them): leave
             # none of the trace's Keras nodes on them. Public code's
             # `ops.tile(t, (ops.shape(x)[0], 1, 1))` and `table[None]` are
-            # followed (`traced_idioms.py`), and TensorFlow functions
-            # on symbolic tensors are recorded (`tf_functions.recorded`).
+            # followed (`frontend/idioms.py`), and TensorFlow functions
+            # on symbolic tensors are recorded (`idioms.recorded`).
             with trace_views.in_progress(self), \
                     _compat.node_lists_snapshot(self.reads.layers(), always=True), \
                     traced_idioms(self.record_draw), \
-                    tf_functions.recorded(batch_anchor=self.batch_anchor), \
+                    idioms.recorded(batch_anchor=self.batch_anchor), \
                     self.writes.recording():
                 yield
         finally:
@@ -164,7 +192,7 @@ class CallTrace:
         self.writes.held(variable, tensor, name)
         return tensor
 
-    read = _read  # for `write_nodes`: a read of a sub-layer's variable
+    read = _read  # for the write recorder: a read of a sub-layer's variable
 
     def unique_name(self, name):
         """A node name for a graph layer the trace makes (`prefix` + `name`)."""
@@ -188,7 +216,7 @@ class CallTrace:
             # its variables read as graph values from `call`'s own code
             # (`self.conv.kernel`), so writes of them are nodes
             layer = shallow_view(layer, builtin_view_class(
-                type(layer), write_nodes.variable_attributes(layer)))
+                type(layer), writes_lib.variable_attributes(layer)))
         self.lift_for.add(id(layer))
         return layer
 
@@ -328,11 +356,11 @@ def trace_once(trace, training, pinned, opaque_layers):
         with _compat.call_context(layer, training):
             try:
                 outputs = _traced_call(layer, view)(*trace.args, **kwargs)
-                # every write `call` made is before an output (`write_nodes.py`)
+                # every write `call` made is before an output (`writes.py`)
                 outputs = trace.writes.finish(outputs)
             except TraceError:
                 raise
-            except write_nodes.WriteError as error:  # a write no graph can hold
+            except writes_lib.WriteError as error:  # a write no graph can hold
                 # (without the banner Keras puts on it when raised in `ops.cond`)
                 raise TraceError(essential_message(error, limit=2000)) from error
             except Exception as error:  # user code failing on symbols
@@ -363,3 +391,281 @@ def _lifted_outputs(trace, outputs, layer):
     if trace.anchor is None or not any(is_concrete(leaf) for leaf in leaves):
         return outputs
     return trace.lift(outputs, {}, layer, role="output")[0]
+
+
+def collect_nodes(outputs, placeholders, prefix, pinned, opaque_layers=None, read_names=None,
+             anchor=None, none_leaves=None, owner=None):
+    """Walk Keras nodes back from `outputs` into Nodes in topological order,
+    naming the user's layers where views were called; `opaque_layers`
+    collects the OpaqueLayers made (see `_opaque_layer`). An operation with
+    the batch size (None) in its shape becomes a `BatchSizedOperation` that
+    takes it from `anchor` (a KerasTensor among the placeholders).
+
+    `none_leaves` ({id(Keras node): (it, output structure)}): calls that returned
+    None among their outputs; their Nodes keep that structure as
+    `output_structure` (output indices, None leaves kept). None leaves of
+    `outputs` stay None in the returned structure.
+
+    A layer's node is named by its attribute path from `owner`, the layer
+    traced (`attribute_paths`); a keras.ops operation by its kind, numbered
+    in call order (`add`, `add_1`): Keras's own names count every call in
+    the process, so they change each time a model is built."""
+    none_leaves = {} if none_leaves is None else none_leaves
+    # A model traced at the top (no prefix) is one given as it is.
+    paths = attribute_paths(owner, keras_names=not prefix) if owner is not None else {}
+    opaque_layers = {} if opaque_layers is None else opaque_layers
+    values = dict(placeholders)  # id(KerasTensor) -> Value
+    nodes, names = [], Namespace()
+    visited = set()
+    batch_sized = []
+
+    def visit_tensor(tensor):
+        if id(tensor) in values:
+            return
+        keras_node, _ = _compat.producing_node(tensor)
+        if keras_node is None or _compat.is_input_node(keras_node):
+            raise TraceError(
+                "`call` uses a tensor that does not come from its inputs "
+                f"({tensor!r})"
+            )
+        visit_node(keras_node)
+
+    def visit_node(keras_node):
+        if id(keras_node) in visited:
+            return
+        visited.add(id(keras_node))
+        args, kwargs = _compat.node_arguments(keras_node)
+        for tensor in _compat.node_input_tensors(keras_node):
+            visit_tensor(tensor)
+        operation = viewed_layer(keras_node.operation)
+        if operation is None:  # not a view: a Keras layer or operation
+            operation = keras_node.operation
+        opaque = vars(keras_node.operation).get(OPAQUE)
+        if opaque is not None:
+            operation = _opaque_layer(operation, *opaque, opaque_layers)
+        _reject_variables(operation, (args, kwargs))
+        if not isinstance(operation, keras.layers.Layer):
+            _reject_unknown_dimensions(operation, (args, kwargs), prefix)
+            fixed = fixed_batch_reason(operation, keras.tree.flatten((args, kwargs)),
+                                       _compat.node_outputs(keras_node),
+                                       prefix + _node_name(operation, paths))
+            if fixed is not None:
+                raise TraceError(fixed)
+            unknown = unknown_dimension_attributes(operation) + unknown_sizes(operation)
+            if unknown:
+                if anchor is None or not anchor.shape or anchor.shape[0] is not None:
+                    raise TraceError(
+                        f"`{prefix}{operation.name}` takes a shape with an "
+                        f"unknown dimension: {STATIC_BATCH_HINT}"
+                    )
+                args, kwargs = BatchSizedOperation.arguments(operation, anchor, args, kwargs)
+                operation = BatchSizedOperation(operation, unknown, name=operation.name)
+                batch_sized.append(operation)
+        name = prefix + _node_name(operation, paths)
+        if is_read(operation) or is_write_node(operation):  # named by the trace
+            name = (read_names or {}).get(id(keras_node), operation.name)
+        node = Node(
+            # A layer called twice (a shared block) has two nodes: the
+            # second is numbered (`shared_1`), as node names are unique.
+            name=names.create(name),
+            operation=operation,
+            args=_to_values(args, values),
+            kwargs=_to_values(kwargs, values),
+            output_structure=None,
+        )
+        if opaque is not None:
+            node.opaque_reason = operation.reason
+        recorded = kwargs.get("training")
+        if "training" in _compat.call_context_args(operation):
+            node.training = recorded
+        node.kwargs.pop("training", None)
+        if pinned and node.training is not None:
+            node.training = bool(node.training)
+        outputs_recorded = _compat.node_outputs(keras_node)
+        recorded_node, structure = none_leaves.get(id(keras_node), (None, None))
+        if recorded_node is keras_node:
+            indices = iter(range(len(outputs_recorded)))
+            node.output_structure = keras.tree.map_structure(
+                lambda leaf: None if leaf is None else next(indices), structure
+            )
+        specs = dense_unless_given_sparse(
+            precise_specs(operation, args, kwargs, outputs_recorded),
+            [values[id(leaf)].spec if isinstance(leaf, keras.KerasTensor) else leaf
+             for leaf in keras.tree.flatten((args, kwargs))])
+        # Masks are computed from the call's inputs (`compute_mask`): their
+        # nodes come before this one, which Expand may put an `AttachMask`
+        # of them in place of.
+        masks = [mask_value(tensor) for tensor in outputs_recorded]
+        for index, (tensor, spec) in enumerate(zip(outputs_recorded, specs)):
+            value = Value(node, index, spec, mask=masks[index])
+            node.outputs.append(value)
+            values[id(tensor)] = value
+        nodes.append(node)
+
+    def mask_value(tensor):
+        """The Value of the Keras mask `tensor` carries (its operations
+        become nodes), None, or UNTRACED_MASK (a concrete mask, or one
+        not computed from the call's inputs)."""
+        mask = _compat.keras_mask(tensor)
+        if mask is None:
+            return None
+        if not isinstance(mask, keras.KerasTensor):
+            return UNTRACED_MASK
+        try:
+            visit_tensor(mask)
+            return values[id(mask)]
+        except (TraceError, KeyError):
+            return UNTRACED_MASK
+
+    leaves = keras.tree.flatten(outputs)
+    if all(tensor is None for tensor in leaves):
+        raise TraceError("`call` returns no tensor")
+    for tensor in leaves:
+        if tensor is None:  # kept as None in the output structure
+            continue
+        if not isinstance(tensor, keras.KerasTensor):
+            raise TraceError(
+                f"`call` returns a {type(tensor).__name__}, not a tensor"
+            )
+        visit_tensor(tensor)
+    output_values = keras.tree.map_structure(
+        lambda t: None if t is None else values[id(t)], outputs
+    )
+    if batch_sized:
+        check_batch_dimensions(nodes, prefix)
+    return nodes, output_values
+
+
+def _node_name(operation, paths):
+    """What a node of `operation` is called in its trace (before numbering)."""
+    from keras_ipu_plugin.layers.opaque import OpaqueLayer
+    from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
+
+    if isinstance(operation, OpaqueLayer):
+        return path_of(operation.layer, paths)
+    if isinstance(operation, keras.layers.Layer) and id(operation) in paths:
+        return paths[id(operation)]
+    if isinstance(operation, keras.layers.Layer) and not isinstance(
+            operation, (BatchSizedOperation, RandomDraw)):
+        return stable_name(operation)
+    return _AUTO_SUFFIX.sub("", operation.name) or "op"
+
+
+_AUTO_SUFFIX = re.compile(r"_\d+$")
+
+
+def _opaque_layer(layer, reason, outputs, made):
+    """The `OpaqueLayer` standing for `layer`, made once per `Tracer.trace`
+    (`made`: id(layer) -> it), as its traces under `training=True` and
+    `False` must agree on the node's operation."""
+    from keras_ipu_plugin.layers.opaque import OpaqueLayer
+    from keras_ipu_plugin.layers.opaque import output_specs_of
+
+    if id(layer) not in made:
+        # Named as the layer: it stands for it in the graph, and the layer
+        # itself sits inside it, not beside it in the functional model.
+        made[id(layer)] = OpaqueLayer(
+            layer, output_specs_of(outputs, None, False), reason=reason, name=layer.name
+        )
+    return made[id(layer)]
+
+
+def _to_values(structure, values):
+    def convert(leaf):
+        if isinstance(leaf, keras.KerasTensor):
+            return values[id(leaf)]
+        return leaf
+
+    return keras.tree.map_structure(convert, structure) if structure else structure
+
+
+def _reject_variables(operation, structure):
+    for leaf in keras.tree.flatten(structure):
+        if isinstance(leaf, keras.Variable):
+            raise TraceError(
+                f"`call` uses the variable `{leaf.path}` directly (in "
+                f"`{operation.name}`) rather than through a sub-layer"
+            )
+
+
+def unknown_dimension_attributes(operation):
+    """Names of `operation`'s shape attributes (lists / tuples of
+    dimensions) that hold None."""
+    return [
+        name for name, value in vars(operation).items()
+        if not name.startswith("_") and isinstance(value, (list, tuple))
+        and any(item is None for item in value)
+        and all(item is None or isinstance(item, int) for item in value)
+    ]
+
+
+def fixed_batch_reason(operation, arguments, outputs, name):
+    """Why the call of `operation` (a reshape or broadcast) at node `name`
+    runs at one batch size only, or None: it takes a tensor whose batch
+    size is unknown (None) to a shape that is all constants, so the batch
+    size is one of them (keras.io's Switch Transformer reshapes to
+    `[num_tokens_per_batch, embed_dim]`, a Python int from the data's
+    batch size). `arguments`: the call's arguments, flattened."""
+    kind = type(operation).__name__
+    function = getattr(operation, "function", None)
+    if kind == "TFFunction" and function in ("reshape", "broadcast_to"):
+        kind = "Reshape" if function == "reshape" else "BroadcastTo"
+    if kind not in ("Reshape", "BroadcastTo"):
+        return None
+    given = next((t for t in arguments if isinstance(t, keras.KerasTensor)), None)
+    if given is None or not given.shape or given.shape[0] is not None or None in given.shape[1:]:
+        return None
+    if len(outputs) != 1 or not outputs[0].shape or None in tuple(outputs[0].shape):
+        return None
+    shape, fixed = tuple(given.shape), tuple(outputs[0].shape)
+    rows = int(np.prod(fixed)) / max(int(np.prod(shape[1:])), 1)
+    batch = f"the batch size {int(rows)}" if rows == int(rows) else "a batch size"
+    verb = "reshapes" if kind == "Reshape" else "broadcasts"
+    return (
+        f"`{name}` {verb} a tensor whose batch size is unknown, of shape {shape}, to the "
+        f"fixed shape {fixed}: the code holds {batch} as a constant, so it runs at that "
+        "batch size only; write that dimension as -1 (`ops.reshape(x, (-1, "
+        f"{', '.join(map(str, fixed[1:]))}))`) or from `ops.shape(x)[0]` (times what it "
+        "multiplies) for the layer to expand and run at any batch size, or convert with "
+        "static_batch=True"
+    )
+
+
+def _reject_unknown_dimensions(operation, structure, prefix):
+    """Raise `TraceError` when a `keras.ops` operation is given a shape with
+    an unknown (None) dimension as an argument: `call` passed on a dimension
+    that is unknown while tracing (the batch size), and the graph would fail
+    when run. (A None in the operation's own shape attributes is filled in
+    when the graph runs: `batch_sized.py`.)"""
+    if type(operation).__name__ == "GetItem":  # `x[:, None]`: a new axis
+        return
+    if isinstance(operation, TFRandomDraw) and keras.tree.flatten(structure[1].get("batch_of")):
+        return  # its None is the batch size of `batch_of` (`layers/tf_calls.py`)
+    for value in _sequences_in(structure):
+        if any(item is None for item in value):
+            raise TraceError(
+                f"`{prefix}{operation.name}` ({type(operation).__name__}) is "
+                f"given the shape {tuple(value)} with an unknown dimension: "
+                f"{STATIC_BATCH_HINT}"
+            )
+
+
+def _sequences_in(structure):
+    """Lists and tuples inside the arguments of `structure = (args, kwargs)`
+    (where a shape argument would be; not the argument lists themselves,
+    in which None is an omitted argument)."""
+    args, kwargs = structure
+    found = []
+
+    def visit(item):
+        if isinstance(item, (list, tuple)):
+            found.append(item)
+            for child in item:
+                visit(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                visit(child)
+
+    for argument in list(args) + list(kwargs.values()):
+        visit(argument)
+    return found

@@ -1,4 +1,7 @@
-"""The classes of the views a trace calls instead of the user's layers.
+"""The views a trace calls instead of the user's layers: their classes, the output
+specs their symbolic calls give, and the losses their `add_loss` records.
+
+The classes of the views a trace calls instead of the user's layers.
 
 `call` runs on a view of the traced layer (`views.layer_view`) whose
 user-written sub-layers are views too, of a class made here
@@ -15,11 +18,52 @@ still traced.
 Keras's own layers held by the traced layer are called through views of
 `builtin_view_class`: a call on concrete tensors only is lifted onto
 `HeldConstant` nodes (`_lifting_call`) and their output specs are made
-precise (`output_specs.py`). Both kinds consult the trace in progress
+precise (`precise_specs`, below). Both kinds consult the trace in progress
 (`current_trace`, set by `CallTrace.active` in `call_trace.py`).
 
 Example:
     >>> view = layer_view(block, inline_view_class)   # what `trace_once` calls
+
+Output specs as precise as the inputs allow (spec precision).
+
+Keras's own output specs leave a dimension unknown where a layer's formula
+cannot tell it (`EinsumDense(output_shape=(None, heads, dim))` leaves the
+sequence length out) and call a product sparse where one factor is not a
+Keras tensor. Later code in a traced `call` reads these shapes
+(`ops.arange(ops.shape(x)[1])`), and a None there would be taken for the
+batch size: `precise_specs` asks TensorFlow's shape inference instead, and
+`dense_unless_given_sparse` keeps a spec dense that no sparse argument made.
+
+Example:
+    >>> precise_specs(einsum_dense, (x,), {}, recorded)   # (None, 7, 4, 8), not (None, None, 4, 8)
+
+The losses a traced `call` adds (`self.add_loss(...)`), recorded as graph nodes.
+
+keras.io's VQ-VAE (https://keras.io/examples/generative/vq_vae/) adds its
+quantizer's losses in `call`:
+
+    self.add_loss(self.beta * commitment_loss + codebook_loss)
+
+Traced, the loss is a symbolic tensor, which Keras's `add_loss` refuses
+("can only be called ... on a tensor input"), and the layer stayed whole.
+The views tracing calls (`tracing._inline_view_class`) take `add_loss`
+here instead: the traced layer's own `add_loss` of a symbolic loss becomes
+an `AddedLoss` node on it (`layers/state.py`), which adds the loss
+each time the graph runs; the call's first output comes after it, as after
+a variable write (`writes_lib.WriteRecorder.finish`), so no loss is left
+out of the graph. A concrete loss (computed eagerly while traced, from no
+input) is held by a `HeldConstant` node, as other concrete tensors are,
+and checked not to be computed from a weight the graph would freeze.
+
+A sub-layer's `add_loss` met while its output shape is worked out (its
+`call` run inline for the spec, the sub-layer being one node of the traced
+graph) records nothing: the sub-layer's node adds its loss when it runs,
+or its own trace records it when Expand inlines it. Outside a trace, and
+on a concrete loss anywhere, `add_loss` is Keras's own.
+
+Example:
+    >>> # in `type(layer).call(view, x)` while tracing `layer`:
+    >>> view.add_loss(ops.mean(x ** 2))    # an AddedLoss node; None
 """
 
 import contextlib
@@ -31,19 +75,20 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.frontend.trace import write_nodes
+from keras_ipu_plugin.frontend.replay import output_specs_key
 from keras_ipu_plugin.frontend.trace import writes as writes_lib
-from keras_ipu_plugin.frontend.trace.failures import describe_failure
-from keras_ipu_plugin.frontend.trace.losses import traced_add_loss
-from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
-from keras_ipu_plugin.frontend.trace.output_specs import precise_specs
-from keras_ipu_plugin.frontend.trace.output_specs import states_own_output_shape
-from keras_ipu_plugin.frontend.replay.templates import output_specs_key
-from keras_ipu_plugin.layers.user_code import takes_keyword
-from keras_ipu_plugin.layers.user_code import takes_training
-from keras_ipu_plugin.layers.views import shallow_view
-from keras_ipu_plugin.layers.views import viewed_layer
+from keras_ipu_plugin.frontend.trace.failures import (
+    describe_failure,
+    TraceError,
+    ModeStructureError,
+)
+from keras_ipu_plugin.layers.state import AddedLoss
+from keras_ipu_plugin.layers.state import is_read
+from keras_ipu_plugin.layers.user_code import takes_keyword, takes_training
+from keras_ipu_plugin.layers.user_code import shallow_view, viewed_layer
+
+__all__ = ["traced_add_loss"]
+
 
 _active = threading.local()  # the stack of traces in progress, on this thread
 
@@ -69,7 +114,7 @@ def in_progress(trace):
 def inline_view_class(cls, function):
     """A subclass of `cls` whose symbolic calls run `call` inline (see the
     module docstring); classes that say their own output shape keep it."""
-    # `add_loss` of a symbolic loss is a graph node (`frontend/trace/losses.py`).
+    # `add_loss` of a symbolic loss is a graph node (`frontend/trace/trace_views.py`).
     if states_own_output_shape(cls):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                            "compute_output_spec": _own_output_spec,
@@ -213,7 +258,7 @@ def _lifting_call(self, *args, **kwargs):
             args, kwargs = trace.lift(args, kwargs, viewed_layer(self))
     if trace is None:
         outputs = super(type(self), self).__call__(*args, **kwargs)
-    else:  # ordered among the writes `call` makes (`write_nodes.py`)
+    else:  # ordered among the writes `call` makes (`writes.py`)
         args, kwargs = trace.writes.before_call(self, args, kwargs)
         outputs = None
         try:
@@ -278,11 +323,11 @@ def builtin_view_class(cls, variable_names=frozenset()):
     lifted (`_lifting_call`), whose output shapes are as precise as its
     inputs allow (`_precise_output_spec`) and whose variables
     `variable_names` read as graph values from the traced `call`'s own code
-    (`write_nodes.reading_members`); everything else is the class's own."""
+    (`writes_lib.reading_members`); everything else is the class's own."""
     return type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                        "__call__": _lifting_call,
                                        "compute_output_spec": _precise_output_spec,
-                                       **write_nodes.reading_members(cls, variable_names)})
+                                       **writes_lib.reading_members(cls, variable_names)})
 
 
 def _precise_output_spec(self, *args, **kwargs):
@@ -315,3 +360,117 @@ def fresh_keras_tensor(tensor):
     if not isinstance(tensor, keras.KerasTensor):
         raise TypeError(f"`call` returned a {type(tensor).__name__}")
     return _compat.keras_tensor_like(tensor)
+
+
+def states_own_output_shape(cls):
+    """Whether `cls` defines its output shape for the `call` it has: a
+    `compute_output_spec` / `compute_output_shape` of its own, not only one
+    inherited from a class whose `call` it overrides. (keras_hub's
+    `CachedMultiHeadAttention` adds `cache` to `MultiHeadAttention.call`,
+    whose `compute_output_spec` knows no `cache` argument.)"""
+    def owner(name):
+        return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+    call_owner = owner("call")
+    for name in ("compute_output_spec", "compute_output_shape"):
+        spec_owner = owner(name)
+        if spec_owner in (keras.layers.Layer, _compat.Operation):
+            continue
+        if issubclass(spec_owner, call_owner):
+            return True
+    return False
+
+
+def precise_specs(operation, args, kwargs, outputs):
+    """The output specs of a layer's call: as recorded, or, where Keras
+    left a dimension other than the batch unknown although the inputs
+    know theirs (`EinsumDense(output_shape=(None, heads, dim))` leaves the
+    sequence length out), as TensorFlow's shape inference on the layer's
+    `call` works them out. Later traces of the graph start from these
+    shapes, and code such as `ops.arange(ops.shape(x)[1])` needs them."""
+    if not isinstance(operation, keras.layers.Layer) or is_read(operation) or all(
+        None not in tuple(t.shape)[1:] for t in outputs
+    ):
+        return outputs
+    inputs = [leaf for leaf in keras.tree.flatten((args, kwargs))
+              if isinstance(leaf, keras.KerasTensor)]
+    if any(None in tuple(t.shape)[1:] for t in inputs):
+        return outputs
+    try:  # `call` run on symbolic TensorFlow tensors, not the layer's formula
+        inferred = [t for t in keras.tree.flatten(
+            _compat.Operation.compute_output_spec(operation, *args, **kwargs)
+        ) if t is not None]
+    except Exception:  # the recorded shapes are right, only less precise
+        return outputs
+    if len(inferred) != len(outputs):
+        return outputs
+    precise = []
+    for recorded, better in zip(outputs, inferred):
+        shape, known = tuple(recorded.shape), tuple(better.shape)
+        if len(shape) != len(known) or any(
+            a is not None and a != b for a, b in zip(shape[1:], known[1:])
+        ):
+            return outputs
+        precise.append(keras.KerasTensor(
+            shape[:1] + known[1:], dtype=recorded.dtype, sparse=recorded.sparse))
+    return precise
+
+
+def dense_unless_given_sparse(specs, structure):
+    """`specs` with `sparse=False` where no argument is sparse. Keras's
+    `ops.multiply` calls its output sparse when either argument is not a
+    tensor of its own (`x * ops.cast(scale, x.dtype)` in keras_hub's Gemma
+    embedding); a layer later rebuilt on such a spec is traced on a
+    SparseTensor and fails (or computes sparse). `structure`: the
+    arguments, a KerasTensor given as the spec recorded for it."""
+    if not any(spec.sparse for spec in specs) or any(
+        getattr(leaf, "sparse", False) is True or isinstance(leaf, tf.SparseTensor)
+        for leaf in keras.tree.flatten(structure)
+    ):
+        return specs
+    return [
+        keras.KerasTensor(spec.shape, dtype=spec.dtype, ragged=spec.ragged) if spec.sparse else spec
+        for spec in specs
+    ]
+
+
+def traced_add_loss(view, loss):
+    """`add_loss` of a view of a user layer (see the module docstring)."""
+    leaves = keras.tree.flatten(loss)
+    recorder = writes_lib.current()
+    symbolic = any(isinstance(leaf, keras.KerasTensor) for leaf in leaves)
+    if recorder is None:
+        return super(type(view), view).add_loss(loss)
+    trace = recorder.trace
+    if view is not recorder.view and _user_layer(view) is not _user_layer(trace.layer):
+        if symbolic:
+            return None  # a sub-layer's spec: its own node or trace adds the loss
+        return super(type(view), view).add_loss(loss)
+    if not recorder.in_own_context():
+        raise writes_lib.WriteError(
+            "`call` adds a loss (`self.add_loss(...)`) inside a branch or a loop "
+            "(`ops.cond`, `ops.while_loop`, `ops.scan`...), which one graph node cannot "
+            "hold: write the loss outside it, added once, choosing with "
+            "`ops.where(condition, loss, 0.0)`, for the layer to expand")
+    if not all(isinstance(leaf, keras.KerasTensor) or keras.ops.is_tensor(leaf)
+               for leaf in leaves):
+        # a number: Keras refuses it, in the original's call as here
+        return super(type(view), view).add_loss(loss)
+    for leaf in leaves:
+        if not isinstance(leaf, keras.KerasTensor):
+            # computed eagerly while traced, from no input: held by the graph
+            # as other concrete tensors are (and checked not to be a weight
+            # the graph would freeze)
+            leaf = trace.lift((leaf,), {}, trace.layer, role="added_loss")[0][0]
+        name = trace.unique_name("add_loss")
+        added = AddedLoss(adds_for=_user_layer(trace.layer), name=name)
+        output = trace.record_layer(added, name, leaf)
+        recorder.writes.append(output)  # the call's first output comes after it
+    return None
+
+
+def _user_layer(layer):
+    """The user's layer behind `layer` (a view, a view of a view, or it)."""
+    while viewed_layer(layer) is not None:
+        layer = viewed_layer(layer)
+    return layer

@@ -1,5 +1,6 @@
 """The `Tracer`: it traces a `call`, and says where tracing stops, which
-`call`s take `training`, and when a failed trace is tried again.
+`call`s take `training`, and when a failed trace is tried again; and the
+entry of a trace for a whole model (`trace_model`: a model into a `Graph`).
 
 `Tracer.trace` traces one call of a layer on symbolic inputs into IR
 nodes. The trace in progress is a `CallTrace` (`call_trace.py`); what makes
@@ -32,6 +33,41 @@ Example:
     >>> # every MyAttention is one node of `expanded`, the rest is expanded
     >>> plugin = kip.PluginModel(MyModel(), passes=[kip.passes.Expand("all")],
     ...                          tracer=KeepAttention())   # and at every rebuild
+
+Tracing a whole model: calling `layer.call(...)` (not `layer(...)`) on
+KerasTensors records one Keras node per sub-layer or `keras.ops` call made
+inside it. We walk those nodes
+back from the outputs into `graph.Node`s, then undo the node bookkeeping on
+the user's layers: the IR is the only record kept, and `runtime.rebuild.rebuild`
+makes the final functional model.
+
+`trace_model` is the entry for a whole model; a layer's call is traced by
+`Tracer.trace`. The other parts of a trace are each a module of their own:
+
+- `call_trace.py`: one symbolic call (`trace_once`), the trace in progress
+  (`CallTrace`: reads, held constants, random draws, writes) and the Keras
+  nodes it recorded walked back into IR nodes (`collect_nodes`);
+- `writes.py`: the variable writes a `call` makes, seen as they happen and
+  recorded as graph nodes;
+- `trace_views.py`: the classes of the views called instead of the user's
+  layers, how their output shapes are worked out (as precise as the inputs
+  allow) and the losses their `add_loss` records;
+- `training_modes.py`: tracing under both `training` modes to tell which
+  nodes follow the model's `training`;
+- `../batch/`: batch generalisation (traces at two batch sizes made one
+  graph; shapes replayed to check the batch size);
+- `failures.py`: `TraceError` and the reason text of each failure;
+- `../idioms.py`: the symbolic idioms Keras rejects, followed
+  while tracing (`ops.tile` with the batch size, `x[None]`, NumPy scalars, draws).
+
+What `call` holds rather than receives is a node too (`layers/state.py`): the
+variables the traced layer keeps as attributes are read through
+`VariableRead` nodes, and a direct sub-layer called on concrete tensors only
+(`self.embedding(ops.arange(n))`) is called on `HeldConstant` nodes holding
+them, rather than run eagerly with its weights frozen into the result. A
+concrete tensor that still ends up in the graph and was computed from the
+layer's weights fails the trace (a GradientTape shows it): never a frozen
+weight.
 """
 
 import contextlib
@@ -40,26 +76,40 @@ import threading
 import keras
 import tensorflow as tf
 
-from keras_ipu_plugin.frontend.batch.traces import TRIAL_BATCH_SIZES
-from keras_ipu_plugin.frontend.batch.traces import divided_trial_sizes
-from keras_ipu_plugin.frontend.batch.traces import one_graph_for_any_batch
-from keras_ipu_plugin.frontend.batch.traces import per_input_traces
-from keras_ipu_plugin.frontend.batch.traces import trace_at_two_batch_sizes
+from keras_ipu_plugin.frontend.batch.traces import (
+    TRIAL_BATCH_SIZES,
+    divided_trial_sizes,
+    one_graph_for_any_batch,
+    per_input_traces,
+    trace_at_two_batch_sizes,
+)
 from keras_ipu_plugin.frontend.trace import writes as writes_lib
-from keras_ipu_plugin.frontend.trace.call_trace import CallTrace
-from keras_ipu_plugin.frontend.trace.call_trace import Traces
-from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
-from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.failures import writes_reason
-from keras_ipu_plugin.frontend.trace.training_branches import with_branch_nodes
+from keras_ipu_plugin.frontend.trace.call_trace import CallTrace, Traces
+from keras_ipu_plugin.frontend.trace.failures import (
+    ModeStructureError,
+    TraceError,
+    writes_reason,
+    essential_message,
+)
+from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
-from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.ir.graph import map_leaves
+from keras_ipu_plugin.ir.graph import Value, map_leaves, Graph
 from keras_ipu_plugin.layers import user_code
 from keras_ipu_plugin.layers.layer_kinds import note_writes_variables
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.layers.state.reads import ReadLayers
-from keras_ipu_plugin.runtime.distribution import owning_strategy
+from keras_ipu_plugin.layers.state import ReadLayers
+from keras_ipu_plugin.runtime.variables import owning_strategy
+
+__all__ = [
+    "Tracer",
+    "DEFAULT_TRACER",
+    "current_tracer",
+    "TraceError",
+    "Tracer",
+    "essential_message",
+    "trace_model",
+    "writes_reason",
+]
 
 
 class Tracer:
@@ -255,4 +305,34 @@ def current_tracer():
     return stack[-1] if stack else DEFAULT_TRACER
 
 
-__all__ = ["Tracer", "DEFAULT_TRACER", "current_tracer"]
+def trace_model(model, input_specs, training=None, tracer=None):
+    """Trace `model.call` on inputs shaped by `input_specs` into a `Graph`;
+    `tracer` (a `Tracer`) says where tracing stops, the one in use
+    (`current_tracer`) by default.
+
+    Raises `TraceError` when `call` cannot be captured symbolically.
+
+    Example:
+        >>> graph = trace_model(model, first_batch(x).specs)
+        >>> [node.name for node in graph.nodes]
+        ['embedding', 'blocks.0', 'blocks.1', 'head']
+    """
+    inputs = keras.tree.map_structure(lambda spec: spec.keras_input(), input_specs)
+    input_values = keras.tree.map_structure(
+        lambda tensor: Value(None, 0, tensor), inputs
+    )
+    placeholders = {
+        id(tensor): value
+        for tensor, value in zip(
+            keras.tree.flatten(inputs), keras.tree.flatten(input_values)
+        )
+    }
+    tracer = current_tracer() if tracer is None else tracer
+    nodes, outputs = tracer.trace(model, (inputs,), {}, placeholders, training=training,
+                                  prefix="")
+    if any(leaf is None for leaf in keras.tree.flatten(outputs)):
+        raise TraceError(
+            "`call` returns None among its outputs, which a functional model "
+            "cannot return; return the tensors only"
+        )
+    return Graph(input_specs, input_values, nodes, outputs, name=model.name)

@@ -57,9 +57,9 @@ tells which rows to leave out), and a model with a fixed batch size, or
 an original that fails on fewer rows (a batch size written in its code), is
 verified on the whole batch.
 
-The parts are modules of their own: which rows are verified
-(`rows.py`), running a model for its outputs and gradients
-(`runs.py`), and comparing two runs' values (`compare.py`).
+The parts are modules of their own: running a model for its outputs and
+gradients (`runs.py`), and which rows are verified and how two runs' values
+are compared (`compare.py`).
 
 Example:
     >>> verification = check_equivalent(model, converted, x)
@@ -80,7 +80,7 @@ from keras_ipu_plugin.frontend.state import UndoneWrites
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.frontend.state import replay_state
 from keras_ipu_plugin.frontend.trace.writes import handles_of
-from keras_ipu_plugin.frontend.trace.training_branches import switch_modes
+from keras_ipu_plugin.frontend.trace.training_modes import switch_modes
 from keras_ipu_plugin.frontend.verify.compare import as_numpy
 from keras_ipu_plugin.frontend.verify.compare import as_tensor
 from keras_ipu_plugin.frontend.verify.compare import comparable
@@ -89,9 +89,9 @@ from keras_ipu_plugin.frontend.verify.compare import outputs_close
 from keras_ipu_plugin.frontend.verify.compare import path_name
 from keras_ipu_plugin.frontend.verify.compare import tolerance_for
 from keras_ipu_plugin.frontend.verify.compare import variable_name
-from keras_ipu_plugin.frontend.verify.rows import fixed_batch_size
-from keras_ipu_plugin.frontend.verify.rows import reference_run
-from keras_ipu_plugin.frontend.verify.rows import row_count
+from keras_ipu_plugin.frontend.verify.compare import fixed_batch_size
+from keras_ipu_plugin.frontend.verify.compare import reference_run
+from keras_ipu_plugin.frontend.verify.compare import row_count
 from keras_ipu_plugin.frontend.verify.runs import RunMode
 from keras_ipu_plugin.frontend.verify.runs import refuse_untracked_variables
 from keras_ipu_plugin.frontend.verify.runs import run_model

@@ -4,7 +4,7 @@ random projection of them, as NumPy, eagerly or as `fit` runs the model
 refusal of trainable variables the forward pass reads that Keras does not
 track (`refuse_untracked_variables`); and the tape that hands both models
 the same stateful TensorFlow random draws (`taped_stateful_draws`). See
-`verify.py`.
+`equivalence.py`.
 
 Example:
     >>> run = run_model(model, x, model.trainable_variables, role="original")
@@ -29,7 +29,7 @@ from keras_ipu_plugin.frontend.trace.failures import essential_message
 from keras_ipu_plugin.frontend.trace.failures import failing_layer as _failing_layer
 from keras_ipu_plugin.frontend.verify.compare import as_numpy
 from keras_ipu_plugin.frontend.verify.compare import gradient_numpy
-from keras_ipu_plugin.runtime.distribution import owning_strategy
+from keras_ipu_plugin.runtime.variables import owning_strategy
 
 
 # What the batch verified on is called in errors: a conversion made when

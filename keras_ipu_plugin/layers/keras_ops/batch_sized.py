@@ -8,7 +8,7 @@ runs. The tracer records such a call as this layer instead: it holds the
 operation and fills each None with the batch size of a graph tensor
 (`anchor`, an input of the traced call) when the graph runs, so the graph
 works for any batch size. The tracer checks first that every unknown
-dimension in that call's trace is that batch size (`tracing.py`).
+dimension in that call's trace is that batch size (`frontend/batch/shapes.py`).
 
 Example:
     >>> op = keras.src.ops.numpy.BroadcastTo(shape=(None, 1, 8))

@@ -8,7 +8,7 @@ hands the size straight to TensorFlow, which takes a tensor there; on
 symbolic tensors, Keras keeps it in the operation (`SegmentSum.num_segments`)
 and fails working out the output shape ("Cannot convert ... to a shape").
 While tracing, such a call is recorded as this operation
-(`frontend/idioms/traced_idioms.py`): it holds the Keras operation with those
+(`frontend/idioms.py`): it holds the Keras operation with those
 attributes empty, takes their tensors as graph inputs, and when the graph
 runs calls the very same Keras operation with them filled in, so the result
 is Keras's own (TensorFlow's shape inference gives the output spec: a size

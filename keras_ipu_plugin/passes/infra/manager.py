@@ -12,15 +12,15 @@ import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.runtime.backends import get_backend
-from keras_ipu_plugin.concurrency import one_conversion_at_a_time
+from keras_ipu_plugin.frontend.convert import one_conversion_at_a_time
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.errors import InputDataError
 from keras_ipu_plugin.errors import PassError
-from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import strategy_owning
 from keras_ipu_plugin.runtime.functional import KipFunctional
 from keras_ipu_plugin.runtime.functional import adopt_call_semantics
-from keras_ipu_plugin.runtime.graph_of import graph_of as run_graph_of
-from keras_ipu_plugin.ir.specs import InputSpec
+from keras_ipu_plugin.runtime.interpreter import graph_of as run_graph_of
+from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
 from keras_ipu_plugin.passes.infra.base import EQUAL
 from keras_ipu_plugin.passes.infra.base import Pass
@@ -28,11 +28,11 @@ from keras_ipu_plugin.passes.infra.base import registered_passes
 from keras_ipu_plugin.planning.node_costs import first_batch_rows
 from keras_ipu_plugin.report import Report
 from keras_ipu_plugin.frontend.state import guarded
-from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracer import TraceError
 from keras_ipu_plugin.frontend.trace.failures import failing_layer as _failing_layer
-from keras_ipu_plugin.frontend.trace.tracing import essential_message
+from keras_ipu_plugin.frontend.trace.tracer import essential_message
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
-from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracer import trace_model
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.frontend.verify.equivalence import check_runs
 from keras_ipu_plugin.frontend.verify.equivalence import keep_first_batch

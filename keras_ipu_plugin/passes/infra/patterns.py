@@ -30,11 +30,11 @@ from keras_ipu_plugin.passes.infra.layer_class_names import class_named
 from keras_ipu_plugin.passes.infra.layer_class_names import name_of_class
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths
 from keras_ipu_plugin.layers.opaque import OpaqueLayer
-from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
+from keras_ipu_plugin.layers.tf_calls import TFFunction
 from keras_ipu_plugin.errors import LoadError
-from keras_ipu_plugin.layers.tf_calls.tf_function import public_name_of
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import RECORDED
-from keras_ipu_plugin.layers.tf_calls.tf_function_table import function_at
+from keras_ipu_plugin.layers.tf_calls import public_name_of
+from keras_ipu_plugin.layers.tf_calls import RECORDED
+from keras_ipu_plugin.layers.tf_calls import function_at
 
 
 class Chain:
@@ -229,7 +229,7 @@ def _step(step):
         if path is not None:
             raise PassError(
                 f"A chain step `tf.{path}` never matches: kip records only the TensorFlow "
-                "functions of its table (keras_ipu_plugin.layers.tf_calls.tf_function_table.RECORDED)."
+                "functions of its table (keras_ipu_plugin.layers.tf_calls.RECORDED)."
             )
     raise PassError(
         f"A chain step is a layer class, a layer name, a keras.ops function or a "

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin.frontend import inputs as inputs_lib
-from keras_ipu_plugin.concurrency import one_conversion_at_a_time
+from keras_ipu_plugin.frontend.convert import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import Converter
 from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.convert import as_tensors
@@ -39,7 +39,7 @@ from keras_ipu_plugin.runtime.functional import adopt_call_semantics
 from keras_ipu_plugin.ir.graph import Graph
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.frontend.trace.tracer import TraceError
 from keras_ipu_plugin.layers.user_code import takes_training
 from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
 from keras_ipu_plugin.runtime.rebuild import rebuild

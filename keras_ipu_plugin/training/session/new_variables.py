@@ -28,7 +28,7 @@ import contextlib
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
-from keras_ipu_plugin.runtime.distribution import strategy_owning
+from keras_ipu_plugin.runtime.variables import strategy_owning
 
 
 class VariableWatch:

@@ -52,9 +52,9 @@ from keras_ipu_plugin.runtime.backends import get_backend
 from keras_ipu_plugin.training.session.calls import CallArguments
 from keras_ipu_plugin.training.session.calls import CallConversion
 from keras_ipu_plugin.training.session.calls import convert_call
-from keras_ipu_plugin.concurrency import one_conversion_at_a_time
+from keras_ipu_plugin.frontend.convert import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import assigned_outside
-from keras_ipu_plugin.runtime.distribution import check_built_under
+from keras_ipu_plugin.runtime.variables import check_built_under
 from keras_ipu_plugin.training.session.new_variables import VariableWatch
 from keras_ipu_plugin.training.session.new_variables import describe_new_variables
 from keras_ipu_plugin.runtime.variables import union_of_variables
@@ -65,10 +65,10 @@ from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.state import VariableValues
 from keras_ipu_plugin.training.session.step_self import CalleeStandIn
 from keras_ipu_plugin.training.session.step_self import step_self
-from keras_ipu_plugin.training.session.step_losses import StepLosses
-from keras_ipu_plugin.frontend.trace.tracing import TraceError
+from keras_ipu_plugin.training.session.step_self import StepLosses
+from keras_ipu_plugin.frontend.trace.tracer import TraceError
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
-from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracer import trace_model
 from keras_ipu_plugin.frontend.verify.runs import verifying_on
 from keras_ipu_plugin.training.session.new_variables import hand_over_optimizer_state
 from keras_ipu_plugin.training.session.new_variables import replaced_variable_pairs
@@ -627,7 +627,7 @@ def describe_structure_change(session):
 
 
 def _spec_of_input(tensor):
-    from keras_ipu_plugin.ir.specs import InputSpec
+    from keras_ipu_plugin.ir.graph import InputSpec
 
     return InputSpec(name=tensor.name, shape=tuple(tensor.shape[1:]), dtype=tensor.dtype)
 

@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConversionError
 from keras_ipu_plugin.frontend.inputs import without_autotuning
-from keras_ipu_plugin.runtime.distribution import check_trains_under
+from keras_ipu_plugin.runtime.variables import check_trains_under
 from keras_ipu_plugin.training.session.calls import CallArguments
 from keras_ipu_plugin.training.session.new_variables import NeedsExtension
 from keras_ipu_plugin.training.session.new_variables import NewVariablesError

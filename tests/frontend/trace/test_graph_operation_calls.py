@@ -22,7 +22,7 @@ import pytest
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.frontend.trace.trace_views import graph_operation
-from keras_ipu_plugin.layers.views import viewed_layer
+from keras_ipu_plugin.layers.user_code import viewed_layer
 from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.runtime.mode_switch import ModeSwitch
 

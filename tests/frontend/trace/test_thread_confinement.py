@@ -23,7 +23,7 @@ from keras import layers
 from keras import ops
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.frontend.idioms import traced_idioms as traced_idioms_lib
+from keras_ipu_plugin.frontend import idioms as traced_idioms_lib
 
 WAIT = 60  # seconds: only a failure ever waits this long
 

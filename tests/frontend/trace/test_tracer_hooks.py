@@ -14,7 +14,7 @@ from keras_ipu_plugin.frontend.trace.call_trace import Traces
 from keras_ipu_plugin.frontend.trace.tracer import DEFAULT_TRACER
 from keras_ipu_plugin.frontend.trace.tracer import Tracer
 from keras_ipu_plugin.frontend.trace.tracer import current_tracer
-from keras_ipu_plugin.frontend.trace.tracing import trace_model
+from keras_ipu_plugin.frontend.trace.tracer import trace_model
 from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
 from keras_ipu_plugin.frontend.inputs import input_specs
 from keras_ipu_plugin.passes import Expand

@@ -10,35 +10,26 @@ import pytest
 import tensorflow as tf
 
 import keras_ipu_plugin as kip
+import models  # tests/models.py (tests/ is on sys.path under pytest)
 
 
-class Block(keras.layers.Layer):
-    def __init__(self, width=32, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(width, activation="gelu")
-        self.norm = keras.layers.LayerNormalization()
-
-    def call(self, x):
-        return x + self.norm(self.dense(x))
-
-
-class Tower(keras.Model):
+class Tower(models.NormTower):
     def __init__(self, depth=12, width=32):
-        super().__init__()
-        self.stem = keras.layers.Dense(width)
-        self.blocks = [Block(width, name=f"block_{i}") for i in range(depth)]
-        self.head = keras.layers.Dense(1)
-
-    def call(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        super().__init__(depth=depth, width=width)
 
 
 def _data(n=64, features=16):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+    return models.regression_data(n, features)
+
+
+class MaskedTower(models.MaskedTower):
+    def __init__(self):
+        super().__init__(depth=3)
+
+
+MaskedBlock = models.MaskedAttentionBlock
+Block = models.NormBlock
+
 
 
 def _gradient_step(model, jit_compile=False):
@@ -76,7 +67,7 @@ def test_a_recomputed_segment_passing_a_mask_on_has_gradients(jit_compile):
     # boolean tensor) to the next: its incoming "gradient" is boolean, and
     # the anchor tying the recomputation to the backward pass was taken
     # from it (the gallery transformer without dropout failed to train).
-    from keras_ipu_plugin.runtime.recompute_grad import recompute_grad
+    from keras_ipu_plugin.runtime.backends import recompute_grad
 
     w = tf.Variable(np.random.default_rng(0).normal(size=(3, 3)).astype("float32"))
 
@@ -295,31 +286,6 @@ def test_pipeline_stages_exposed_and_placed():
 def test_portable_backend_off_ipu():
     assert kip.backend() == "portable"
     assert kip.ipu_replacements() == []
-
-
-class MaskedBlock(keras.layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
-        self.norm = keras.layers.LayerNormalization()
-
-    def call(self, x, mask=None):
-        return self.norm(x + self.attention(x, x, attention_mask=mask))
-
-
-class MaskedTower(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.embed = keras.layers.Embedding(20, 8)
-        self.blocks = [MaskedBlock(name=f"masked_{i}") for i in range(3)]
-        self.head = keras.layers.Dense(1)
-
-    def call(self, ids):
-        mask = keras.ops.expand_dims(keras.ops.not_equal(ids, 0), 1)
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x, mask=mask)
-        return self.head(x[:, 0])
 
 
 def test_outline_passes_tensor_keyword_arguments_through():

@@ -34,6 +34,26 @@ import tensorflow as tf
 import ipu_standin
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.runtime import backends as backend_lib
+import models  # tests/models.py (tests/ is on sys.path under pytest)
+
+
+class Tower(models.NormTower):
+    def __init__(self, depth=3, width=16):
+        super().__init__(depth=depth, width=width)
+
+
+def _data(n=32, features=8):
+    return models.regression_data(n, features)
+
+
+class MaskedTower(models.MaskedTower):
+    def __init__(self):
+        super().__init__(depth=2)
+
+
+MaskedBlock = models.MaskedAttentionBlock
+Block = models.NormBlock
+
 
 
 @pytest.fixture
@@ -43,35 +63,6 @@ def standin(monkeypatch):
     backend_lib.get_backend.cache_clear()
     yield installed
     backend_lib.get_backend.cache_clear()
-
-
-class Block(keras.layers.Layer):
-    def __init__(self, width=16, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(width, activation="gelu")
-        self.norm = keras.layers.LayerNormalization()
-
-    def call(self, x):
-        return x + self.norm(self.dense(x))
-
-
-class Tower(keras.Model):
-    def __init__(self, depth=3, width=16):
-        super().__init__()
-        self.stem = keras.layers.Dense(width)
-        self.blocks = [Block(width, name=f"block_{i}") for i in range(depth)]
-        self.head = keras.layers.Dense(1)
-
-    def call(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _data(n=32, features=8):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
 
 
 def _gradients(model, x):
@@ -119,31 +110,6 @@ def test_outline_accepts_only_the_keywords_outlined_function_has(standin):
     outlined(x)
     [(_, kwargs, _)] = standin.recorder.named("outlined_function")
     assert kwargs == {"unique_sharding": True, "keep_input_layouts": False, "name": "block"}
-
-
-class MaskedBlock(keras.layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
-        self.norm = keras.layers.LayerNormalization()
-
-    def call(self, x, mask=None):
-        return self.norm(x + self.attention(x, x, attention_mask=mask))
-
-
-class MaskedTower(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.embed = keras.layers.Embedding(20, 8)
-        self.blocks = [MaskedBlock(name=f"masked_{i}") for i in range(2)]
-        self.head = keras.layers.Dense(1)
-
-    def call(self, ids):
-        mask = keras.ops.expand_dims(keras.ops.not_equal(ids, 0), 1)
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x, mask=mask)
-        return self.head(x[:, 0])
 
 
 def test_outlined_tensor_keyword_arguments_become_positional_tensors(standin):

@@ -1,5 +1,5 @@
 """Each kind of block is traced once and replayed over the others
-(`frontend/replay/templates.py`), and blocks that differ are never replayed from
+(`frontend/replay.py`), and blocks that differ are never replayed from
 each other."""
 
 import keras
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_ipu_plugin as kip
-from keras_ipu_plugin.frontend.replay.templates import layer_signature
+from keras_ipu_plugin.frontend.replay import layer_signature
 from keras_ipu_plugin.passes import Expand
 
 layers = keras.layers
@@ -173,7 +173,7 @@ def test_blocks_whose_weights_differ_in_shape_or_dtype_have_other_signatures():
 
 import tensorflow as tf  # noqa: E402
 
-from keras_ipu_plugin.frontend.replay.templates import CallTemplates  # noqa: E402
+from keras_ipu_plugin.frontend.replay import CallTemplates  # noqa: E402
 from keras_ipu_plugin.ir.graph import Value  # noqa: E402
 from keras_ipu_plugin.ir.graph import map_leaves  # noqa: E402
 from keras_ipu_plugin.passes.expand import expand_graph  # noqa: E402
@@ -181,9 +181,9 @@ from keras_ipu_plugin.report import Report  # noqa: E402
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation  # noqa: E402
 from keras_ipu_plugin.layers.layer_kinds import is_expandable  # noqa: E402
 from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw  # noqa: E402
-from keras_ipu_plugin.layers.state.reads import HeldConstant  # noqa: E402
-from keras_ipu_plugin.layers.state.reads import VariableRead  # noqa: E402
-from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction  # noqa: E402
+from keras_ipu_plugin.layers.state import HeldConstant  # noqa: E402
+from keras_ipu_plugin.layers.state import VariableRead  # noqa: E402
+from keras_ipu_plugin.layers.tf_calls import TFFunction  # noqa: E402
 
 ops = keras.ops
 

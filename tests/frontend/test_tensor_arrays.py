@@ -3,7 +3,7 @@
 `RWKV7TimeMix` (TensorFlow backend) writes each step of a recurrence into a
 `tf.TensorArray` over a static length and stacks it. While a trace runs,
 a symbolic value is kept in the eager array's list and `stack()` records
-`keras.ops.stack` of it (`frontend/idioms/tensor_arrays.py`): the layer expands to
+`keras.ops.stack` of it (`frontend/idioms.py`): the layer expands to
 graph operations, equal to the original at other batch sizes, in training
 through `PluginModel(passes=[Expand("all")])` and after saving. What cannot
 be followed (an index computed in the graph, an unwritten element of
@@ -195,7 +195,7 @@ def test_a_graph_index_stays_whole_saying_what_to_write():
 
 
 def test_in_a_trace_stack_records_keras_stack_and_refuses_unknown_zeros():
-    from keras_ipu_plugin.frontend.idioms.traced_idioms import traced_idioms
+    from keras_ipu_plugin.frontend.idioms import traced_idioms
 
     a, b = keras.KerasTensor((None, 3)), keras.KerasTensor((None, 3))
     with traced_idioms():

@@ -37,8 +37,8 @@ from keras_ipu_plugin.passes import Expand
 from keras_ipu_plugin.passes import Replace
 from keras_ipu_plugin.passes import Replacement
 from keras_ipu_plugin.layers.keras_ops.batch_sized import BatchSizedOperation
-from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
-from keras_ipu_plugin.layers.tf_calls.tf_random_draw import TFRandomDraw
+from keras_ipu_plugin.layers.tf_calls import TFFunction
+from keras_ipu_plugin.layers.tf_calls import TFRandomDraw
 
 from graph_checks import assert_equivalent  # tests/ is on sys.path
 from graph_checks import expands_exactly_at_any_batch_size
@@ -448,7 +448,7 @@ def test_a_tensorflow_draw_of_a_shape_with_the_batch_as_none_takes_the_graph_s_b
 
 
 def test_a_tensorflow_draw_node_is_never_recomputed_and_saves_by_its_table_name(tmp_path):
-    from keras_ipu_plugin.runtime.effects.recompute import has_forward_state
+    from keras_ipu_plugin.runtime.effects import has_forward_state
 
     draw = TFRandomDraw("random.normal", name="tf_normal")
     assert has_forward_state(draw), "a recomputation would draw other numbers"
@@ -642,7 +642,7 @@ def test_tf_image_computations_are_recorded_and_expand_exactly(tmp_path):
 
 
 def test_tf_image_draws_and_glimpses_are_never_recorded_functions():
-    from keras_ipu_plugin.layers.tf_calls import tf_function_table as table
+    from keras_ipu_plugin.layers import tf_calls as table
 
     for path in ("image.random_flip_left_right", "image.stateless_random_crop",
                  "image.extract_glimpse", "image.encode_png", "image.draw_bounding_boxes"):

@@ -1,4 +1,9 @@
-"""What the Recompute pass's annotations do when the graph runs.
+"""The run-time effects of the built-in annotation passes, registered with the
+interpreter (`register_run_effect`): Recompute (segments under checkpoints, and
+a Dense's activation recomputed alone), Outline (shared bodies), PipelineStages
+(stage placement). One concept, one section per annotation.
+
+What the Recompute pass's annotations do when the graph runs.
 
 The plan is made once per model: nodes in the graph's run order, grouped
 into recompute segments (portable backend) that end at each checkpointed
@@ -34,23 +39,79 @@ Example:
     >>> segments = make_plan(passed, get_backend())
     >>> [segment.recompute for segment in segments]
     [True, False]
+
+Recomputing a Dense layer's activation alone: the note `activation_remat`.
+
+A `keras.layers.Dense(768, activation="gelu")` keeps, for its backward pass,
+its pre-activation `z` and gelu's intermediates (about three tensors the
+size of its output), besides its input. With this note the layer's linear
+part (`matmul`, bias) runs as usual and its activation runs under a
+checkpoint: the backward pass keeps `z` only and recomputes the activation
+from it, an elementwise op that costs a few percent of the matmul. This is
+PyTorch's selective activation checkpointing (save the matmul's output,
+recompute the pointwise ops), for one layer; `Recompute(auto=True)` writes
+the note where the traced backward shows it saves memory
+(`planning.node_costs`), in any kind of plan (a node kept, or recomputed in a
+segment, still drops its activation's intermediates).
+
+The split computes exactly what `Dense.call` computes, `activation(matmul(x,
+kernel) + bias)`, with the same ops on the same values. So it is applied only
+where that is all the layer's call does: a layer of class `Dense` itself
+(not a subclass, whose `call` may differ), without LoRA, quantization, an
+activity regularizer or a mixed-precision policy (whose casts `__call__`
+makes), called on one tensor. Any other layer carrying the note runs as it
+is (the note is a memory choice; results are the same either way).
+
+Example:
+    >>> passed.kip_annotations["blocks.0.dense.1"] = {"activation_remat": True}
+    >>> passed(x, training=True)   # that Dense keeps z, recomputes gelu(z)
+
+What the Outline pass's annotation does when the graph runs: layers of a
+group share one compiled body (the backend's `outline`: a `tf.function`
+here, `ipu.outlined_function` on the IPU), called on each layer's own
+weights.
+
+Layers share a body when their class, config (but the name), symbolic
+input signature and the call's keyword values are equal; the training mode
+is part of what they share unless nothing in the layer reads it. A write
+node runs as itself: an outlined body runs on the weights passed in, in a
+stateless scope that would keep the write.
+
+Example:
+    >>> outlined = kip.apply_passes(converted, [kip.passes.Outline(Block)])
+    >>> outlined(x)
+    >>> len(outlined.kip_interpreter().effects["outline"].bodies)   # one per group
+    1
+
+What the PipelineStages pass's annotation does when the graph runs: each
+layer is called in its stage's scope (`backend.stage_scope`): on the
+portable backend the device `kip_stage_devices[stage]` names (a model
+without devices runs as it is); the IPU backend places stages through
+Graphcore's pipeline API instead (`backends.ipu.assign_stages`), so its
+scope is empty. A layer without a stage annotation is in stage 0.
+
+Example:
+    >>> staged = kip.apply_passes(converted, [kip.passes.PipelineStages(num_stages=2)])
+    >>> staged.kip_stage_devices = ["/cpu:0", "/cpu:0"]
+    >>> staged(x)      # each layer runs under tf.device of its stage
 """
 
-from dataclasses import dataclass
-from dataclasses import field
+import inspect
+from dataclasses import dataclass, field
 
 import keras
 import tensorflow as tf
 
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.ir.graph import Node
-from keras_ipu_plugin.layers.layer_kinds import seed_states
-from keras_ipu_plugin.layers.layer_kinds import writes_variables
-from keras_ipu_plugin.layers.tf_calls.tf_random_draw import draws_statefully
-from keras_ipu_plugin.runtime.interpreter import RunEffect
-from keras_ipu_plugin.runtime.interpreter import register_run_effect
-from keras_ipu_plugin.runtime.graph_of import graph_of
+from keras_ipu_plugin.layers.alias import LayerAlias
+from keras_ipu_plugin.layers.layer_kinds import seed_states, writes_variables, training_agnostic
+from keras_ipu_plugin.layers.state import is_write_node
+from keras_ipu_plugin.layers.tf_calls import draws_statefully
+from keras_ipu_plugin.runtime.interpreter import graph_of
+from keras_ipu_plugin.runtime.interpreter import RunEffect, register_run_effect
 from keras_ipu_plugin.runtime.variables import union_of_variables
+
 
 #: `Run.state` entry: the node running under its own checkpoint.
 _OWN_CHECKPOINT = "recompute.own_checkpoint"
@@ -321,3 +382,236 @@ class Recompute(RunEffect):
             variable.assign(value)
         for layer, loss in zip(loss_owners, results[outputs + len(seeds):]):
             layer.add_loss(loss)
+
+
+#: The annotation key (its value: True).
+ACTIVATION_REMAT = "activation_remat"
+
+
+def splittable(layer):
+    """Whether `layer`'s call is `activation(matmul(x, kernel) + bias)` and
+    nothing more, with an activation other than the identity (see the
+    module docstring).
+
+    Example:
+        >>> splittable(keras.layers.Dense(4, activation="gelu"))
+        True
+        >>> splittable(keras.layers.Dense(4))
+        False
+    """
+    layer = getattr(layer, "aliased_layer", layer)
+    if type(layer) is not keras.layers.Dense or not layer.built:
+        return False
+    activation = layer.activation
+    if activation is None or activation is keras.activations.linear:
+        return False
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return False
+    if layer.activity_regularizer is not None:
+        return False
+    policy = layer.dtype_policy
+    return policy.compute_dtype == policy.variable_dtype
+
+
+def split_call(layer, inputs, checkpoint):
+    """`layer(inputs)` for a `splittable` layer, its activation run under
+    `checkpoint(fn, anchored=1)` (a backend's `checkpoint_segment`): the
+    pre-activation is kept, the activation recomputed. A Keras mask on
+    `inputs` goes on to the output, as Dense's `__call__` passes it.
+
+    Example:
+        >>> y = split_call(dense, x, get_backend().checkpoint_segment)
+    """
+    layer = getattr(layer, "aliased_layer", layer)
+    pre = keras.ops.matmul(inputs, layer.kernel)
+    if layer.bias is not None:
+        pre = keras.ops.add(pre, layer.bias)
+    activation = layer.activation
+    (outputs,) = checkpoint(lambda z: [activation(z)], anchored=1)(pre)
+    mask = _compat.keras_mask(inputs)
+    if mask is not None:
+        _compat.set_keras_mask(outputs, mask)
+    return outputs
+
+
+def _single_tensor_call(args, kwargs):
+    """The call is `layer(x)` (a `training` keyword aside, which Dense
+    ignores)."""
+    extra = {key for key in kwargs if key != "training"}
+    return len(args) == 1 and not extra and keras.ops.is_tensor(args[0])
+
+
+@register_run_effect
+class ActivationRemat(RunEffect):
+    """A Dense layer's activation recomputed from its kept pre-activation."""
+
+    name = "activation_remat"
+    keys = (ACTIVATION_REMAT,)
+    order = 30  # innermost: it replaces the layer's own call (an outlined body wins)
+
+    def applies(self, node):
+        return node.annotations.get(ACTIVATION_REMAT) is True
+
+    def call(self, node, run, args, kwargs, proceed):
+        if (not self.backend.recomputes_segments or not splittable(node.operation)
+                or not _single_tensor_call(args, kwargs)):
+            return proceed(args, kwargs)
+        return split_call(node.operation, args[0], self.backend.checkpoint_segment)
+
+
+@register_run_effect
+class Outline(RunEffect):
+    """Outlined bodies shared between the layers of a group."""
+
+    name = "outline"
+    keys = ("outline",)
+    order = 20  # innermost: the body replaces the layer's own call
+
+    def __init__(self, interpreter):
+        super().__init__(interpreter)
+        self.bodies = {}  # key -> shared function
+
+    def applies(self, node):
+        # A write node runs as itself (see the module docstring).
+        operation = node.operation
+        return ("outline" in node.annotations and isinstance(operation, keras.layers.Layer)
+                and not is_write_node(getattr(operation, "aliased_layer", operation)))
+
+    def call(self, node, run, args, kwargs, proceed):
+        return self._outlined_call(node, node.annotations["outline"], args, kwargs,
+                                   run.context.get("training"))
+
+    def _outlined_call(self, node, outline_kwargs, args, kwargs, training):
+        # An expanded layer runs behind an alias whose config holds the
+        # layer's own name: grouped by the alias, no two would share.
+        layer = getattr(node.operation, "aliased_layer", node.operation)
+        # Only what `call` takes (`__call__` would drop an unused `training`
+        # itself; kept, it would split the layers into two groups).
+        accepted = inspect.signature(layer.call).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        # Tensors (a mask, an attention mask) are arguments of the shared
+        # body; other values are part of what makes two calls share it.
+        tensor_kwargs = {k: v for k, v in kwargs.items() if tf.is_tensor(v)}
+        static_kwargs = {k: v for k, v in kwargs.items() if k not in tensor_kwargs}
+        # The body is traced once per key: the model's training mode is part
+        # of it unless nothing in the layer reads it, since sub-layers that
+        # take it from the context (a Dropout in a block whose `call` has no
+        # `training`) bake it into the trace.
+        if training_agnostic(layer):
+            static_kwargs.pop("training", None)
+            mode = None
+        else:
+            mode = _training_key(training)
+        key = _outline_key(layer, node, static_kwargs) + (tuple(sorted(tensor_kwargs)), mode)
+        shared = self.bodies.get(key)
+        if shared is None:
+            body = _shared_body(layer, static_kwargs, self.interpreter.owner, training)
+            shared = self.backend.outline(body, **outline_kwargs)
+            self.bodies[key] = shared
+        outputs, new_state, losses = shared(
+            [_compat.current_value(v) for v in layer.trainable_variables],
+            [_compat.current_value(v) for v in layer.non_trainable_variables],
+            tensor_kwargs,
+            *args,
+        )
+        for variable, value in zip(layer.non_trainable_variables, new_state):
+            variable.assign(value)
+        for loss in losses:
+            layer.add_loss(loss)
+        return outputs
+
+
+def _shared_body(representative, kwargs, model, training):
+    """One body for every layer of a group: the representative layer called
+    (through `__call__`, as the model calls it) on the weights passed in, so
+    N layers share it.
+
+    Not `stateless_call`: that runs `call` bare, skipping what `__call__`
+    does around it — casting the inputs to the compute dtype and reading the
+    weights in it under a mixed precision policy (an outlined Dense under
+    `mixed_float16` computed in float32 on float16-rounded weights), the
+    activity regularizer and the masks. Weights come in stored, uncast:
+    `__call__` casts them as it would the variables.
+    """
+    kwargs = dict(kwargs)
+
+    def body(trainable, non_trainable, tensor_kwargs, *args):
+        mapping = list(zip(representative.trainable_variables, trainable)) + list(
+            zip(representative.non_trainable_variables, non_trainable)
+        )
+        # Under a scope of its own: the body may be traced in a graph of its
+        # own, where the layer's would be a root scope, which TensorFlow
+        # refuses for a name starting with `_` (a layer of a class `_Conv`).
+        with _compat.stateless_scope(mapping, collect_losses=True) as scope, \
+                tf.name_scope("outlined"):
+            with _compat.call_context(model, training):
+                outputs = representative(*args, **kwargs, **tensor_kwargs)
+        new_state = [
+            scope.get_current_value(v) for v in representative.non_trainable_variables
+        ]
+        return outputs, new_state, list(scope.losses)
+
+    return body
+
+
+def _training_key(training):
+    if training is None or isinstance(training, bool):
+        return training
+    return "tensor"
+
+
+def _outline_key(layer, node, kwargs):
+    """Layers share a body when class, config (but the name), the symbolic
+    input signature and the call's keyword values are equal. A layer whose
+    config cannot be read shares with none (see `outline_config`)."""
+    config, _ = outline_config(layer)
+    config = ("alone", id(layer)) if config is None else repr(sorted(config.items()))
+    signature = tuple(
+        (tuple(value.spec.shape), value.spec.dtype) for value in node.input_values
+    )
+    return (type(layer), config, signature, repr(sorted(kwargs.items())))
+
+
+def outline_config(layer):
+    """`(config, None)`: what must be equal for two layers of one class to
+    share an outlined body (the config but the name); `(None, error)` when
+    the layer's own `get_config` fails (keras_hub 0.32's
+    `LlamaTransformerDecoder` reads an attribute it never sets): nothing
+    then shows two such layers equal, so the layer is outlined alone.
+
+    Example:
+        >>> outline_config(keras.layers.Dense(3, name="a"))[0]["units"]
+        3
+    """
+    inner = layer.layer if isinstance(layer, LayerAlias) else layer
+    try:
+        config = dict(inner.get_config())
+    except Exception as error:  # user code: any failure means "unknown"
+        return None, error
+    config.pop("name", None)
+    return config, None
+
+
+@register_run_effect
+class Stages(RunEffect):
+    """Every call in its pipeline stage's scope."""
+
+    name = "stages"
+    keys = ("stage",)
+    order = 10  # inside Recompute's output checkpoints, around an outlined body
+
+    def active(self):
+        # Stages change nothing without devices to place them on.
+        devices = self.interpreter.stage_devices
+        if devices:
+            self.backend.check_stage_devices(devices, f"The model's kip_stage_devices {devices!r}")
+        return bool(devices)
+
+    def applies(self, node):
+        return True  # a layer without a stage is in stage 0
+
+    def call(self, node, run, args, kwargs, proceed):
+        stage = node.annotations.get("stage", 0)
+        with self.backend.stage_scope(stage, self.interpreter.stage_devices):
+            return proceed(args, kwargs)

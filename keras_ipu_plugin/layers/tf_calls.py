@@ -1,11 +1,15 @@
-"""The TensorFlow functions a graph may call: one explicit table.
+"""Layers for TensorFlow called on graph tensors: a TensorFlow function
+(`TFFunction`) and a TensorFlow random draw (`TFRandomDraw`), both resolved
+only from the one explicit table of public, side-effect-free entries below.
+
+The TensorFlow functions a graph may call: one explicit table.
 
 A `TFFunction` node calls a TensorFlow function named by its public path
 (`"math.square"`), and a saved model holds that path as text. Text read
 from a file must never become arbitrary code: `tf` reaches `os.system`,
 `eval`, `tf.load_library`, file writes and more by walking attributes.
 So a path is resolved only when it is an entry of this table, and the table
-is exactly what the tracer records (`frontend/idioms/tf_functions.py` registers
+is exactly what the tracer records (`frontend/idioms.py` registers
 these functions and no others): what one run recorded, another loads, and
 nothing else loads.
 
@@ -21,12 +25,73 @@ Example:
     >>> function_at("io.write_file", "evil")
     Traceback (most recent call last):
     keras_ipu_plugin.errors.LoadError: TFFunction `evil`: `tf.io.write_file` ...
+
+`TFFunction`: a TensorFlow function called on graph tensors, as a graph
+operation.
+
+Keras 3 records `keras.ops` calls on symbolic tensors but refuses
+TensorFlow's own functions (`tf.square(a - b)`, `tf.nn.relu(x)`,
+`tf.reduce_sum(x, -1)`): "A KerasTensor cannot be used as input to a
+TensorFlow function". Code written for Keras 2 is full of them, and every
+layer using one stayed a black box to Expand. While tracing, the tracer
+records such a call as this operation (`frontend/idioms.py`), which
+calls the very same TensorFlow function when the graph runs: its gradient
+is TensorFlow's, its output shapes are TensorFlow's shape inference, and it
+saves by the function's public name (`"math.square"`). A name is resolved
+only from the table of functions the tracer records (`tf_function_table`):
+a saved model naming anything else fails to load, before anything runs.
+
+
+`TFRandomDraw`: a TensorFlow random draw a layer's `call` makes, as a
+graph operation.
+
+Code written for TensorFlow samples with its stateful functions:
+keras.io's VAE as often written, `epsilon = tf.random.normal(shape=(batch,
+dim))` with `batch = tf.shape(z_mean)[0]`. On Keras 3's symbolic tensors
+such a call raises, so the layer used to run whole. While tracing, the
+tracer records it as this operation instead (`frontend/idioms.py`):
+when the graph runs it makes the very same call (`tf.random.normal` with
+the same shape tensors, mean, stddev, dtype and op-level seed, or none), so
+it draws as the original does, from TensorFlow's own random state: the
+same numbers for the same op seed in a `tf.function`, fresh numbers for an
+unseeded draw. Verification replays the original's draws in the converted
+run (`frontend/verify/runs.py`'s `taped_stateful_draws`), as it does for a layer kept whole.
+
+A draw advances its kernel's state: it is no pure function, so it is not
+a `TFFunction` (whose table holds side-effect free functions only), and a
+node drawing is never recomputed (`draws_statefully`): a recomputation
+would draw other numbers than the forward pass used. The function is
+resolved only from `tf_function_table.RANDOM_DRAWS`, also when loading.
+
+Example:
+    >>> draw = TFRandomDraw("random.normal", name="tf_normal")
+    >>> draw((tf_shape_0, 2), seed=1337).shape   # tf_shape_0: a symbolic int
+    (None, 2)
 """
 
+import functools
+import inspect
+
+import keras
 import tensorflow as tf
 
-from keras_ipu_plugin.errors import LoadError
-from keras_ipu_plugin.errors import short_repr
+from keras_ipu_plugin.errors import LoadError, short_repr
+from keras_ipu_plugin.layers.saved_values import refuse_constant_call, saved_function_config
+
+__all__ = [
+    "ELEMENTWISE",
+    "RANDOM_DRAWS",
+    "RECORDED",
+    "TENSOR_PARAMETERS",
+    "draw_function_at",
+    "function_at",
+    "refused_reason",
+    "TFFunction",
+    "public_name_of",
+    "TFRandomDraw",
+    "draws_statefully",
+]
+
 
 # TensorFlow's elementwise functions (those it lists for its elementwise
 # dispatch), by the public path kip saves them under; random ones left out.
@@ -80,7 +145,7 @@ TENSOR_PARAMETERS = {
     "nn.space_to_depth": ("input",), "linalg.matmul": ("a", "b"),
     # `tf.einsum(equation, *inputs)`: its inputs are a var-positional
     # parameter, which TensorFlow's type-based dispatch does not take; it is
-    # recorded through its fallback dispatch (`frontend/idioms/tf_functions.py`)
+    # recorded through its fallback dispatch (`frontend/idioms.py`)
     "linalg.einsum": ("*inputs",),
     "linalg.band_part": ("input",), "sequence_mask": ("lengths",),
     "image.resize": ("images",), "image.extract_patches": ("images",),
@@ -119,7 +184,7 @@ TENSOR_PARAMETERS = {
 RECORDED = ELEMENTWISE | frozenset(TENSOR_PARAMETERS)
 
 # TensorFlow's stateful random draws a graph may make (`TFRandomDraw`,
-# `layers/tf_calls/tf_random_draw.py`), with the parameters that make a call on a
+# `layers/tf_calls.py`), with the parameters that make a call on a
 # symbolic tensor (`tf.random.normal(shape=(tf.shape(x)[0], dim))`). Kept
 # apart from `RECORDED`: a draw is not side-effect free (it advances its
 # kernel's state), so a `TFFunction` never calls one, and a graph node
@@ -183,7 +248,7 @@ def function_at(path, entry):
         raise LoadError(
             f"TFFunction `{entry}`: refusing `tf.{path}` as a graph function ({reason}). "
             "kip calls only the public, side-effect free TensorFlow functions its tracer "
-            "records (keras_ipu_plugin.layers.tf_calls.tf_function_table.RECORDED)."
+            "records (keras_ipu_plugin.layers.tf_calls.RECORDED)."
             if isinstance(path, str) else
             f"TFFunction `{entry}`: {reason}."
         )
@@ -203,7 +268,7 @@ def draw_function_at(path, entry):
         raise LoadError(
             f"TFRandomDraw `{entry}`: refusing {short_repr(path)} as a random draw: kip draws "
             f"only with {', '.join('tf.' + name for name in sorted(RANDOM_DRAWS))} "
-            "(keras_ipu_plugin.layers.tf_calls.tf_function_table.RANDOM_DRAWS)."
+            "(keras_ipu_plugin.layers.tf_calls.RANDOM_DRAWS)."
         )
     return function
 
@@ -218,5 +283,169 @@ def _resolve(path):
     return value if callable(value) else None
 
 
-__all__ = ["ELEMENTWISE", "RANDOM_DRAWS", "RECORDED", "TENSOR_PARAMETERS", "draw_function_at",
-           "function_at", "refused_reason"]
+# The public namespaces a function is saved by, in the order its name is
+# looked for (`tf.square` is saved as "math.square"). "image" comes after
+# the top level, so a function exported at both keeps its shorter name; a
+# namespace missing here made every function in it unrecordable
+# (`tf.image.extract_patches` in keras.io's ViT left its layer whole).
+_NAMESPACES = ("math", "nn", "linalg", "bitwise", "", "image")
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class TFFunction(keras.Operation):
+    """Calls the TensorFlow function with public name `function` (a path
+    under `tf`, such as `"math.square"` or `"reshape"`, one of the table
+    `RECORDED`) on its arguments.
+
+    Example:
+        >>> square = TFFunction("math.square")
+        >>> square(keras.KerasTensor((None, 4))).shape
+        (None, 4)
+    """
+
+    def __init__(self, function, name=None):
+        if name is not None and not isinstance(name, str):
+            raise LoadError(f"TFFunction: a name is a string; got {short_repr(name)}.")
+        # Checked before the operation exists: nothing named runs otherwise.
+        callable_ = function_at(function, name or "(unnamed)")
+        super().__init__(name=name)
+        self.function = function
+        self._tf_callable = callable_
+
+    def call(self, *args, **kwargs):
+        refuse_constant_call(self, args, kwargs)
+        return self._tf_callable(*args, **kwargs)
+
+    def compute_output_spec(self, *args, **kwargs):
+        # Keras calls the product of a symbolic tensor and a concrete one
+        # sparse (`ops.multiply` takes what is not a KerasTensor for sparse:
+        # DDPM's `TimeEmbedding`, `inputs[:, None] * self.emb[None, :]`),
+        # and TensorFlow's shape inference on a SparseTensor placeholder then
+        # fails ("Failed to convert elements of SparseTensor") or loses the
+        # shape. The tensors a kip graph carries are dense: sparse inputs
+        # are refused (`frontend/inputs.py`) and traced specs are made dense
+        # where no argument is sparse (`output_specs.dense_unless_given_sparse`).
+        args, kwargs = keras.tree.map_structure(_dense_spec, (args, kwargs))
+        return super().compute_output_spec(*args, **kwargs)
+
+    def get_config(self):
+        return {"function": self.function, "name": self.name}
+
+    @classmethod
+    def from_config(cls, config):
+        function, name = saved_function_config(cls.__name__, config)
+        return cls(function, name=name)
+
+
+def _dense_spec(leaf):
+    if isinstance(leaf, keras.KerasTensor) and leaf.sparse:
+        return keras.KerasTensor(leaf.shape, dtype=leaf.dtype, ragged=leaf.ragged)
+    return leaf
+
+
+def public_name_of(function):
+    """The public path under `tf` of `function` (or of a function it wraps),
+    or None when TensorFlow does not export it.
+
+    Example:
+        >>> public_name_of(tf.square)
+        'math.square'
+    """
+    return _public_names().get(id(function))
+
+
+@functools.lru_cache(maxsize=None)
+def _public_names():
+    names = {}
+    for namespace in _NAMESPACES:
+        module = getattr(tf, namespace) if namespace else tf
+        for attribute in sorted(dir(module)):
+            if attribute.startswith("_"):
+                continue
+            try:
+                value = getattr(module, attribute)
+            except Exception:  # a lazily loaded module that cannot load here (tf.keras)
+                continue
+            if not callable(value) or inspect.isclass(value):
+                continue
+            path = f"{namespace}.{attribute}" if namespace else attribute
+            # TensorFlow wraps its ops (dispatch, weak types): the function
+            # handed to a dispatcher is one of the layers inside.
+            for layer in _wrapped_chain(value):
+                names.setdefault(id(layer), path)
+    return names
+
+
+def _wrapped_chain(function):
+    seen = []
+    while function is not None and all(function is not s for s in seen):
+        seen.append(function)
+        function = getattr(function, "__wrapped__", None)
+    return seen
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu_plugin")
+class TFRandomDraw(keras.Operation):
+    """Calls the TensorFlow random function `function` (a path under `tf`
+    of `tf_function_table.RANDOM_DRAWS`, such as `"random.normal"`) on its
+    arguments each time the graph runs.
+
+    Example:
+        >>> draw = TFRandomDraw("random.uniform")
+        >>> draw((None, 2), minval=0.9, maxval=1.1, batch_of=x).shape   # x: (4, 3)
+        (4, 2)
+    """
+
+    def __init__(self, function, name=None):
+        if name is not None and not isinstance(name, str):
+            raise LoadError(f"TFRandomDraw: a name is a string; got {short_repr(name)}.")
+        # Checked before the operation exists: nothing named runs otherwise.
+        callable_ = draw_function_at(function, name or "(unnamed)")
+        super().__init__(name=name)
+        self.function = function
+        self._tf_callable = callable_
+
+    def call(self, *args, batch_of=None, **kwargs):
+        # `batch_of`: a graph tensor whose batch size each None of the
+        # draw's `shape` is (`tf.random.normal(ops.shape(x))`, traced while
+        # the batch size was unknown).
+        refuse_constant_call(self, args, dict(kwargs, batch_of=batch_of))
+        if batch_of is not None:
+            bound = self._signature().bind(*args, **kwargs).arguments
+            batch = tf.shape(batch_of)[0]
+            bound["shape"] = [batch if dim is None else dim for dim in bound["shape"]]
+            return self._tf_callable(**bound)
+        return self._tf_callable(*args, **kwargs)
+
+    def compute_output_spec(self, *args, batch_of=None, **kwargs):
+        if batch_of is None:
+            return super().compute_output_spec(*args, **kwargs)
+        bound = self._signature().bind(*args, **kwargs).arguments
+        dtype = bound.get("dtype") or "float32"
+        return keras.KerasTensor(
+            tuple(batch_of.shape[0] if dim is None else dim for dim in bound["shape"]),
+            dtype=keras.backend.standardize_dtype(dtype))
+
+    def _signature(self):
+        return inspect.signature(self._tf_callable)
+
+    def get_config(self):
+        return {"function": self.function, "name": self.name}
+
+    @classmethod
+    def from_config(cls, config):
+        function, name = saved_function_config(cls.__name__, config)
+        return cls(function, name=name)
+
+
+def draws_statefully(operation):
+    """Whether `operation` is a TensorFlow random draw: its run advances a
+    kernel's state, which a recomputation would advance again (drawing
+    other numbers than the forward pass used), so it never sits in a
+    recomputed segment.
+
+    Example:
+        >>> draws_statefully(TFRandomDraw("random.normal")), draws_statefully(keras.layers.Dense(2))
+        (True, False)
+    """
+    return isinstance(operation, TFRandomDraw)

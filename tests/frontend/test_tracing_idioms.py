@@ -24,7 +24,7 @@ from keras import ops
 
 import keras_ipu_plugin as kip
 from keras_ipu_plugin.passes import Expand
-from keras_ipu_plugin.layers.tf_calls.tf_function import TFFunction
+from keras_ipu_plugin.layers.tf_calls import TFFunction
 
 from graph_checks import Wrapper, assert_equivalent, custom_layers_left  # tests/ is on sys.path
 from graph_checks import expands_exactly_at_any_batch_size
