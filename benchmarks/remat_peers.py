@@ -350,7 +350,7 @@ def _optimum(model, figures):
     produced with the same budget in bytes, or why there is none."""
     from keras_ipu_plugin.planning import exact_plan
     from keras_ipu_plugin.planning import graph_planning
-    from keras_ipu_plugin.runtime.graph_of import graph_of
+    from keras_ipu_plugin.passes.infra.manager import graph_of
 
     graph = graph_of(model)
     choice = graph_planning.choose_recompute(graph, figures["budget"], "recompute",
