@@ -78,8 +78,11 @@ def chain_of(plain, split, splits):
     (that node's `kept_by_consumer`) from its own chain too.
 
     Example:
-        >>> chain_of(plain, split, {3})[3] == split[3]
-        True
+        >>> plain = [NodeCost(f"h{i}", kept=12, kept_by_consumer=4) for i in range(3)]
+        >>> split = [dataclasses.replace(cost, kept=4, kept_by_consumer=2) for cost in plain]
+        >>> chain = chain_of(plain, split, {1})
+        >>> chain[1].kept, chain[0].kept_by_consumer, chain[1].kept_by_consumer
+        (4, 2, 4)
     """
     splits = set(splits)
     chain = []
