@@ -238,6 +238,51 @@ def test_a_difference_only_microbatches_make_is_documented_not_a_failure():
     assert fuzz.run_case(plain, train_fn=rounding(1e-4))["status"] == "fail"
 
 
+def test_a_difference_only_a_graph_rewrite_makes_is_documented_not_a_failure():
+    """TensorFlow's graph optimiser orders an AddN's operands by op name and
+    fuses a recomputed MatMul with its activation where the forward pass
+    does not (docs/reference.md, Float rounding TensorFlow's graph optimiser
+    chooses): a case that differs only while that rewrite is on ends as
+    "documented", naming it; one that still differs with it off, a
+    recompute fusion in a case without Recompute, and a difference in which
+    variables exist are failures."""
+    case = fuzz.generate_case(0)
+    case["fit"].update(steps_per_execution=1, policy="mixed_bfloat16")
+    case["run"]["passes"] = ["expand"]
+    weights = {"model/dense/kernel": np.array([0.0], "float32")}
+    seen = []
+
+    def differs_while_on(rewrite):
+        def train(candidate, use_kip):
+            seen.append(tuple(candidate["run"].get("graph_rewrites_off", ())))
+            differs = use_kip and rewrite not in candidate["run"].get("graph_rewrites_off", ())
+            return {key: value + 1e-4 * differs for key, value in weights.items()}, {}
+        return train
+
+    result = fuzz.run_case(case, train_fn=differs_while_on("arithmetic_optimization"))
+    assert result["status"] == "documented"
+    assert "AddN" in result["detail"] and "max abs difference" in result["detail"]
+    assert ("arithmetic_optimization",) in seen
+    # A fusion of recomputed ops is no cause where nothing is recomputed ...
+    assert fuzz.run_case(case, train_fn=differs_while_on("remapping"))["status"] == "fail"
+    # ... and is one where something is.
+    recomputed = dict(case, run=dict(case["run"], passes=["recompute_auto"]))
+    result = fuzz.run_case(recomputed, train_fn=differs_while_on("remapping"))
+    assert result["status"] == "documented" and "remapper" in result["detail"]
+
+    def always_differs(candidate, use_kip):
+        return {key: value + 1e-4 * use_kip for key, value in weights.items()}, {}
+
+    assert fuzz.run_case(recomputed, train_fn=always_differs)["status"] == "fail"
+
+    def other_variables(candidate, use_kip):
+        off = candidate["run"].get("graph_rewrites_off", ())
+        return ({"model/extra": np.array([0.0], "float32")} if use_kip and not off
+                else dict(weights)), {}
+
+    assert fuzz.run_case(case, train_fn=other_variables)["status"] == "fail"
+
+
 def test_a_batch_microbatches_cannot_split_is_a_refusal_not_a_failure():
     """kip refuses a partial last batch that its microbatches cannot split
     with TensorFlow's assertion error (checked inside the traced step), as

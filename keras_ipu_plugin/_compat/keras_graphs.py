@@ -183,6 +183,20 @@ def broadcast_to_operation(shape):
     return BroadcastTo(shape=tuple(shape))
 
 
+def batch_index_operations(axis, dtype):
+    """The `keras.ops` operations a graph makes a range over the batch with
+    (`start + index * step` along `axis`, the index the running sum of ones
+    less one): `{"cumsum", "subtract", "cast", "multiply", "add"}`."""
+    from keras.src.ops.core import Cast
+    from keras.src.ops.numpy import Add
+    from keras.src.ops.numpy import Cumsum
+    from keras.src.ops.numpy import Multiply
+    from keras.src.ops.numpy import Subtract
+
+    return {"cumsum": Cumsum(axis=axis), "subtract": Subtract(), "cast": Cast(dtype),
+            "multiply": Multiply(), "add": Add()}
+
+
 def keras_mask(tensor):
     """The Keras mask a tensor carries (`_keras_mask`), or None."""
     from keras.src import backend

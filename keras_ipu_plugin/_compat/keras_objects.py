@@ -172,6 +172,15 @@ def stateless_scope(state_mapping, collect_losses=False):
         global_state.set_global_attribute("autocast_scope", previous)
 
 
+def writes_other_variables(scope, variables):
+    """Whether the `keras.StatelessScope` `scope` holds a value assigned to
+    a variable that is not one of `variables` (the values the scope was
+    given are for those): a write its caller was not handed the variable
+    of, such as a draw from a seed generator no layer it ran owns."""
+    known = {id(variable) for variable in variables}
+    return any(key not in known for key in scope.state_mapping)
+
+
 def backing_variable(variable):
     """The TensorFlow variable behind a Keras variable (what a
     `tf.variable_creator_scope` sees being created)."""

@@ -167,7 +167,8 @@ class Converter:
             graph = opaque_graph(
                 model, specs, outputs, error.reason,
                 batch_size=inputs_lib.batch_size_of(x), static_batch=self.static_batch,
-                modes_differ=isinstance(error, ModeStructureError),
+                modes_differ=(error.structures if isinstance(error, ModeStructureError)
+                              else None),
             )
             report.add_opaque(model.name, error.reason)
         for node in graph.nodes:
@@ -270,7 +271,7 @@ def _nondeterministic_output(model, x):
 
 
 def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch,
-                 modes_differ=False):
+                 modes_differ=None):
     """A graph of one `OpaqueLayer` node that runs `model`'s own code.
 
     A `call` returning another structure in training than in inference
@@ -278,8 +279,9 @@ def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch,
     each mode: the node outputs the leaves of every mode and the graph's
     `output_modes` says which make each mode's structure, so the converted
     model returns what the original returns in each mode. `modes_differ`:
-    tracing found so; where the modes' structures cannot then be learnt,
-    conversion refuses (`ConversionError`): the model could not train."""
+    how tracing found the modes' structures differ (None where it did not);
+    where they cannot then be learnt, conversion refuses
+    (`ConversionError`): the model could not train."""
     # Named by the model's class, not its Keras name (`sas_rec_1` the second
     # time the class is built): a path from one run's report names the node
     # in the next.
@@ -287,7 +289,8 @@ def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch,
     layer = OpaqueLayer(model, output_specs, reason=reason,
                         name=f"{_compat.auto_layer_name_base(model)}_opaque")
     _build_all_branches(layer, specs)
-    modes = _mode_output_specs(model, specs, output_specs, reason if modes_differ else None)
+    modes = _mode_output_specs(model, specs, output_specs, modes_differ,
+                               batch_size=batch_size)
     if modes is not None:
         layer = OpaqueLayer(model, output_specs, reason=reason, mode_output_specs=modes[0],
                             none_means=modes[1], name=layer.name)
@@ -309,35 +312,47 @@ def opaque_graph(model, specs, outputs, reason, *, batch_size, static_batch,
     return graph
 
 
-def _mode_output_specs(model, specs, inference_specs, differ_reason=None):
+def _mode_output_specs(model, specs, inference_specs, differ_reason=None, batch_size=None):
     """`({mode: output specs}, none_means)` where `model`'s `call` returns
     another structure under `training=True` (or None) than in inference
     (`inference_specs`, from the eager call); None where it returns one
     structure in every mode (or takes no `training`). Each mode is traced
     as the opaque node runs it in a function, symbolically: nothing runs.
-    A mode that cannot be traced so leaves the one structure, unless
-    tracing said they differ (`differ_reason`): then `ConversionError`."""
+
+    Where the training mode cannot be traced so, the converted model could
+    not train if its structures differ: conversion refuses up front
+    (`ConversionError`, with the reason) where tracing said they differ
+    (`differ_reason`), or where a trace at the first batch's size
+    (`batch_size`) shows they do; else the one structure stands."""
     if not takes_training(model):
         return None
-    signature = keras.tree.map_structure(
-        lambda spec: tf.TensorSpec((spec.batch_size,) + spec.shape, spec.dtype), specs)
+    unknown_batch = any(spec.batch_size is None for spec in keras.tree.flatten(specs))
 
-    def specs_in(training):
+    def specs_in(training, batch=None):
+        signature = keras.tree.map_structure(
+            lambda spec: tf.TensorSpec((spec.batch_size or batch,) + spec.shape, spec.dtype),
+            specs)
         probe = tf.function(
             lambda inputs: autograph_call(model, (inputs,), {"training": training}))
         try:
             traced = probe.get_concrete_function(signature).structured_outputs
         except Exception as error:  # noqa: BLE001 - said below, or the one structure kept
-            if differ_reason is None:
-                raise _NoModeSpecs() from error
-            raise ConversionError(
-                f"Cannot convert `{model.name}`: {differ_reason}; but its `call` under "
-                f"training={training} fails when traced in a function "
-                f"({type(error).__name__}: {essential_message(error)}), so the structure it "
-                "returns in that mode is unknown and the converted model could not train. "
-                "Return the same structure in every mode (the loss reading the keys it "
-                "needs), or train the model with plain Keras.") from error
+            raise _NoModeSpecs() from error
         return output_specs_of(traced, None, True)
+
+    def refuse(reason, training, error):
+        remedies = ("return the same structure in every mode (the loss reading the keys it "
+                    "needs), or train the model with plain Keras")
+        if unknown_batch:
+            remedies = ("convert with static_batch=True (the batch size fixed to the first "
+                        f"batch's), {remedies}")
+        return ConversionError(
+            f"Cannot convert `{model.name}`: {reason}; but its `call` under "
+            f"training={training} fails when traced in a function"
+            f"{' with the batch size unknown' if unknown_batch else ''} "
+            f"({_last_line(error)}), so the structure it "
+            "returns in that mode is unknown and the converted model could not train: "
+            f"{remedies}.")
 
     def structure(nest):
         return keras.tree.map_structure(lambda leaf: "tensor", nest)
@@ -345,8 +360,21 @@ def _mode_output_specs(model, specs, inference_specs, differ_reason=None):
     held = structure(keras.tree.map_structure(lambda t: 0, inference_specs))
     try:
         in_training = specs_in(True)
-    except _NoModeSpecs:
-        return None
+    except _NoModeSpecs as unknown:
+        error = unknown.__cause__
+        if differ_reason is not None:
+            raise refuse(differ_reason, True, error) from error
+        if not unknown_batch or batch_size is None:
+            return None
+        try:  # the structure, at least, the first batch's size may tell
+            at_first = specs_in(True, batch_size)
+        except _NoModeSpecs:
+            return None
+        if structure(at_first) == held:
+            return None
+        raise refuse(
+            f"its `call` returns another structure in training ({structure(at_first)}) "
+            f"than in inference ({held})", True, error) from error
     if structure(in_training) == held:
         return None
     modes = {"training": in_training, "inference": inference_specs}
@@ -355,17 +383,30 @@ def _mode_output_specs(model, specs, inference_specs, differ_reason=None):
         return modes, "training" if default else "inference"
     try:
         in_none = specs_in(None)
-    except _NoModeSpecs as error:
-        raise ConversionError(
-            f"Cannot convert `{model.name}`: its `call` returns another structure in "
-            "training than in inference, and fails when traced in a function with "
-            f"training=None ({essential_message(error.__cause__)}), so the structure it "
-            "returns when called without a mode is unknown.") from error
+    except _NoModeSpecs as unknown:
+        error = unknown.__cause__
+        raise refuse(differ_reason or (
+            f"its `call` returns another structure in training ({structure(in_training)}) "
+            f"than in inference ({held})"), None, error) from error
     for mode in ("inference", "training"):
         if structure(in_none) == structure(modes[mode]):
             return modes, mode
     modes["default"] = in_none
     return modes, "default"
+
+
+def _last_line(error):
+    """`Type: message` of an error raised tracing a function: TensorFlow
+    lists the frames of user code first, Keras its banner and arguments
+    around the message; the message alone is what says what failed."""
+    lines = [line.strip() for line in str(error).split("Arguments received by")[0].splitlines()
+             if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    tail = [line for line in (lines[frames[-1] + 2:] if frames else lines)
+            if "Exception encountered when calling" not in line]
+    # (a ValueError only to carry the text: the words are the error's own)
+    message = essential_message(ValueError(" ".join(tail)) if tail else error, limit=280)
+    return f"{type(error).__name__}: {message}"
 
 
 class _NoModeSpecs(Exception):

@@ -12,7 +12,11 @@ pass (moving statistics) never sit inside a segment: recomputing them would
 update that state twice, silently changing results. The seeds of random
 draws (Dropout) may: a segment reads its seed states once, in the forward
 pass, with its weights, so the recomputation draws the very same numbers,
-and writes the advanced seeds back once.
+and writes the advanced seeds back once. A segment whose layers draw from
+a seed generator none of them owns (a random layer the model calls but does
+not own, Keras's global generator) runs without recomputation: its seed
+state cannot be handed to the recomputation, which would draw other numbers,
+and inside the segment's stateless scope the advance would never reach it.
 
 A recomputed segment reads its variables once, in the forward pass, and runs
 (also when recomputed) on those values through a `keras.StatelessScope`. Had
@@ -127,6 +131,9 @@ class Segment:
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
     variables: list = field(default_factory=list)
+    # Found on its first run: its layers write a variable it holds no value
+    # for (a seed generator no layer of it owns); it then runs as it is.
+    writes_elsewhere: bool = False
 
     def run(self, interpreter, run):
         if self.recompute:
@@ -239,6 +246,11 @@ def _refuse_writes_in_segment(node, variables, given, scope):
                 "out of recomputed segments), or leave this layer out of Recompute's targets.")
 
 
+class _WritesElsewhere(Exception):
+    """A recomputed segment's layers wrote a variable the segment holds no
+    value for (see `Segment.writes_elsewhere`)."""
+
+
 def wire_segments(segments, outputs):
     """Fill each segment's crossing Values (`segments` in run order;
     `outputs`: the Values the graph returns)."""
@@ -318,6 +330,25 @@ class Recompute(RunEffect):
         """Run `segment` under the backend's checkpoint; `inside`: the node
         it runs under its own checkpoint, if that is what it is."""
         interpreter = self.interpreter
+        if segment.writes_elsewhere:
+            self._run_as_it_is(segment, run, inside)
+            return
+        try:
+            self._run_checkpointed(segment, run, inside)
+        except _WritesElsewhere:
+            segment.writes_elsewhere = True
+            self._run_as_it_is(segment, run, inside)
+
+    def _run_as_it_is(self, segment, run, inside):
+        """Run `segment`'s nodes without recomputation (a node recomputed
+        under its own checkpoint just runs)."""
+        if inside is not None:
+            run = run.with_env(run.env, **{_OWN_CHECKPOINT: inside})
+        for node in segment.nodes:
+            self.interpreter.run_node(node, run)
+
+    def _run_checkpointed(self, segment, run, inside):
+        interpreter = self.interpreter
         tensors = run.env
         count = len(segment.inputs)
         loss_owners = []
@@ -353,6 +384,8 @@ class Recompute(RunEffect):
                     interpreter.run_node(node, local_run)
                     owners += [node.operation] * (len(scope.losses) - before)
                     _refuse_writes_in_segment(node, segment.variables, given, scope)
+                if _compat.writes_other_variables(scope, segment.variables):
+                    raise _WritesElsewhere()
             loss_owners[:] = owners
             advanced = [scope.get_current_value(v) for v in seeds]
             # The first run fixes which outputs carry a mask; the

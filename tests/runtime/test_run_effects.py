@@ -247,3 +247,58 @@ def test_a_layer_with_forward_state_never_sits_in_a_recomputed_segment():
     recomputed = [[node.name for node in s.nodes] for s in segments if s.recompute]
     assert recomputed and all("norm" not in names for names in recomputed), recomputed
     assert ["norm"] in [[node.name for node in s.nodes] for s in segments]
+
+
+# A Dropout called by a block but owned by nothing of the model (as a
+# module-level augmentation is); remade for each twin from the same seed.
+_NOT_OWNED = {}
+
+
+class BlockCallingAnUnownedDropout(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(16, activation="tanh")
+
+    def call(self, x, training=None):
+        return _NOT_OWNED["dropout"](self.dense(x), training=training)
+
+
+class NetWithUnownedDropout(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = BlockCallingAnUnownedDropout()
+        self.middle = keras.layers.Dense(16, activation="relu")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        return self.head(self.middle(self.block(x, training=training)))
+
+
+def _train_with_unowned_dropout(passes):
+    keras.utils.set_random_seed(5)
+    _NOT_OWNED["dropout"] = keras.layers.Dropout(0.5)
+    model = NetWithUnownedDropout()
+    x = np.random.default_rng(1).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(2).normal(size=(16, 1)).astype("float32")
+    model(x[:2])
+    fitter = model if passes is None else kip.PluginModel(model, passes=passes)
+    fitter.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    keras.utils.set_random_seed(6)
+    fitter.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    values = [np.asarray(v) for v in model.variables]
+    return values, np.asarray(_NOT_OWNED["dropout"].seed_generator.state)
+
+
+def test_a_recomputed_block_drawing_from_a_layer_it_does_not_own_trains_as_plain_keras():
+    """A block whose `call` draws from a random layer the model calls but
+    does not own (its seed generator is no variable of the block) in a
+    Recompute segment: every draw advances that layer's seed as in plain
+    Keras, once per step, and the weights are plain Keras's (the segment
+    runs without recomputation: a recomputation could not be handed the
+    seed it drew from)."""
+    plain, plain_seed = _train_with_unowned_dropout(None)
+    values, seed = _train_with_unowned_dropout([kip.passes.Recompute(["block"])])
+    np.testing.assert_array_equal(seed, plain_seed)
+    assert len(values) == len(plain)
+    for expected, actual in zip(plain, values):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)

@@ -7,8 +7,11 @@ them (a call branching on `training` in Python) made one, mode for mode.
 A dimension that is the one batch size in one trace and the other in the
 other becomes unknown, in output shapes and in operations' shape attributes
 (the operation becomes a `layers.batch_sized.BatchSizedOperation`, which
-reads the batch size from a graph tensor when the graph runs); anything else
-that differs raises `NotBatchGeneral`, with the reason.
+reads the batch size from a graph tensor when the graph runs). A constant
+the call made from the batch size is one row repeated along the batch (a
+causal mask broadcast to it) or a range along it (`ops.arange(b) * seq_len`,
+keras_hub's Gemma 3), made in the graph from the batch size when it runs;
+anything else that differs raises `NotBatchGeneral`, with the reason.
 
 keras_hub's Mixtral MoE block adds its load-balancing loss in training
 only (`if training:`, a `ModeSwitch` holding a graph per mode,
@@ -113,27 +116,60 @@ def generalize_batch(small, large, batch_sizes, anchor, prefix="",
     value_of = dict(known or {})  # id(Value of the large trace) -> Value of the small one
     result = []
 
+    def held_node(value, name, anchor, progression=False):
+        """A node holding the array `value` (`HeldConstant`); its Value.
+        `progression`: the start or step of a range over the batch
+        (`progression_signature`)."""
+        held = HeldConstant(value, name=name)
+        node = Node(held.name, held, (anchor,), {}, output_structure=None)
+        if progression:
+            node.meta["batch_progression"] = True
+        node.outputs = [Value(node, 0, keras.KerasTensor(value.shape, dtype=str(value.dtype)))]
+        result.append(node)
+        return node.outputs[0]
+
+    def operation_node(operation, name, args, shape, dtype):
+        """A node calling `operation` on `args`; its Value, of `shape`."""
+        node = Node(name, operation, tuple(args), {}, output_structure=None)
+        node.outputs = [Value(node, 0, keras.KerasTensor(_with_none(shape), dtype=dtype))]
+        result.append(node)
+        return node.outputs[0]
+
     def broadcast_node(constant, node_name):
         """Nodes making `constant` (a broadcast of one slice along its batch
-        dimensions) in the graph; returns the Value of the broadcast."""
+        dimensions, or a range along one: `_BatchProgression`) in the graph;
+        returns the Value of the broadcast."""
         base = node_name[len(prefix):] if node_name.startswith(prefix) else node_name
-        held = HeldConstant(constant.slice, name=f"{prefix}{base}_slice")
         anchor = anchor_for(constant.groups, node_name)
-        held_node = Node(held.name, held, (anchor,), {}, output_structure=None)
-        held_node.outputs = [Value(held_node, 0, keras.KerasTensor(
-            constant.slice.shape, dtype=str(constant.slice.dtype)))]
-        shape = {"shape": tuple(constant.shape)}
-        broadcast = BatchSizedOperation(
-            _compat.broadcast_to_operation(_with_none(constant.shape)), ["shape"],
-            multiples=_multiples_of(shape), offsets=_offsets_of(shape),
-            divisors=_divisors_of(shape), name=f"{base}_broadcast",
-        )
-        node = Node(prefix + broadcast.name, broadcast, (anchor, held_node.outputs[0]), {},
-                    output_structure=None)
-        node.outputs = [Value(node, 0, keras.KerasTensor(
-            _with_none(constant.shape), dtype=str(constant.slice.dtype)))]
-        result.extend([held_node, node])
-        return node.outputs[0]
+        if isinstance(constant, _BatchProgression):
+            return progression_node(constant, base, anchor)
+        held = held_node(constant.slice, f"{prefix}{base}_slice", anchor)
+        return operation_node(_batch_sized_broadcast(constant.shape, f"{base}_broadcast"),
+                              f"{prefix}{base}_broadcast", (anchor, held), constant.shape,
+                              str(constant.slice.dtype))
+
+    def progression_node(constant, base, anchor):
+        """`start + index * step`, the index counting along the batch axis:
+        the running sum of ones broadcast along it, less those ones."""
+        axis, dtype = constant.axis, str(constant.start.dtype)
+        index_shape = tuple(dim if i == axis else 1 for i, dim in enumerate(constant.shape))
+        operations = _compat.batch_index_operations(axis, dtype)
+        start = held_node(constant.start, f"{prefix}{base}_start", anchor, progression=True)
+        step = held_node(constant.step, f"{prefix}{base}_step", anchor, progression=True)
+        one = held_node(np.ones((1,) * len(index_shape), "int32"), f"{prefix}{base}_one", anchor)
+        ones = operation_node(_batch_sized_broadcast(index_shape, f"{base}_ones"),
+                              f"{prefix}{base}_ones", (anchor, one), index_shape, "int32")
+        count = operation_node(operations["cumsum"], f"{prefix}{base}_count", (ones,),
+                               index_shape, "int32")
+        index = operation_node(operations["subtract"], f"{prefix}{base}_index", (count, ones),
+                               index_shape, "int32")
+        if dtype != "int32":
+            index = operation_node(operations["cast"], f"{prefix}{base}_index_cast", (index,),
+                                   index_shape, dtype)
+        scaled = operation_node(operations["multiply"], f"{prefix}{base}_scaled",
+                                (index, step), constant.shape, dtype)
+        return operation_node(operations["add"], f"{prefix}{base}_range", (scaled, start),
+                              constant.shape, dtype)
 
     def argument(a, b, name):
         if isinstance(a, Value) or isinstance(b, Value):
@@ -236,6 +272,71 @@ class _BatchConstant:
 
     def __init__(self, slice_, shape):
         self.slice, self.shape = slice_, shape
+
+
+class _BatchProgression:
+    """A constant that counts along its one batch dimension `axis`:
+    `start + i * step` at row `i` (`ops.arange(ops.shape(x)[0]) * seq_len`,
+    as keras_hub's Gemma 3 offsets each example's indices into the
+    flattened batch), `start` and `step` (size 1 there) the same at every
+    batch size; `shape` has None (or a `BatchMultiple`) there."""
+
+    def __init__(self, start, step, shape, axis):
+        self.start, self.step, self.shape, self.axis = start, step, shape, axis
+
+
+def _batch_sized_broadcast(shape, name):
+    """`ops.broadcast_to` to `shape` (a `BatchMultiple` at each batch
+    dimension), reading the batch size when the graph runs."""
+    shapes = {"shape": tuple(shape)}
+    return BatchSizedOperation(
+        _compat.broadcast_to_operation(_with_none(shape)), ["shape"],
+        multiples=_multiples_of(shapes), offsets=_offsets_of(shapes),
+        divisors=_divisors_of(shapes), name=name)
+
+
+def _progression(a, b, shape, name):
+    """`_BatchProgression` of the constants `a` and `b` (the same constant
+    traced at two batch sizes, `shape` their general shape), or
+    `NotBatchGeneral` where they do not count along one batch dimension
+    from the same start by the same step. A range that starts from the
+    batch size (`ops.arange(b - 1, -1, -1)`), wraps (`% k`), or spans two
+    batch dimensions (`ops.eye(b)`) is no such constant; a third trace at
+    larger batch sizes confirms the rest (`traces.one_graph_for_any_batch`)."""
+    axes = [i for i, dim in enumerate(shape) if dim is None or isinstance(dim, BatchMultiple)]
+    refusal = NotBatchGeneral(
+        f"`{name}` holds a constant computed from the batch size whose rows are neither "
+        "one row repeated nor `start + i * step` along one batch dimension (from a start "
+        "and by a step that do not change with the batch size), which no graph computes "
+        "from the batch size")
+    if len(axes) != 1 or a.dtype.kind not in "if":  # (unsigned: a step down would wrap)
+        raise refusal
+    axis = axes[0]
+    if b.shape[axis] < 2 or a.shape[axis] < 1:
+        raise refusal
+    start = np.take(a, [0], axis=axis)
+    step = np.take(b, [1], axis=axis) - np.take(b, [0], axis=axis)
+
+    def counts(array):
+        index = np.arange(array.shape[axis]).reshape(
+            [-1 if i == axis else 1 for i in range(array.ndim)])
+        expected = start + index.astype(array.dtype) * step
+        if array.dtype.kind == "f":
+            scale = max(float(np.max(np.abs(array), initial=0.0)), 1.0)
+            return np.allclose(array, expected, rtol=1e-6, atol=1e-6 * scale)
+        return np.array_equal(array, expected)
+
+    if not (np.array_equal(start, np.take(b, [0], axis=axis)) and counts(a) and counts(b)):
+        raise refusal
+    return _BatchProgression(start, step.astype(a.dtype), shape, axis)
+
+
+def progression_signature(nodes):
+    """The start and step of each range over the batch among `nodes` (or
+    the graphs of a `ModeSwitch` among them): two generalizations of one
+    call, made from other batch sizes, have the same."""
+    return [np.asarray(node.operation.value).tolist() for node in with_branch_nodes(nodes)
+            if node.meta.get("batch_progression")]
 
 
 def _is_array(value):
@@ -401,10 +502,15 @@ def _general_constant(a, b, batch_sizes, name):
     index = tuple(slice(0, 1) if dim is None or isinstance(dim, BatchMultiple) else slice(None)
                   for dim in shape)
     slice_ = a[index]
-    if not (np.array_equal(np.broadcast_to(slice_, a.shape), a)
+    if (np.array_equal(np.broadcast_to(slice_, a.shape), a)
             and np.array_equal(np.broadcast_to(slice_, b.shape), b)):
-        raise NotBatchGeneral(f"`{name}` holds a constant that varies along the batch")
-    constant = _BatchConstant(slice_, shape)
+        constant = _BatchConstant(slice_, shape)
+    elif len(_size_pairs(batch_sizes)) == 1:
+        constant = _progression(a, b, shape, name)
+    else:
+        raise NotBatchGeneral(
+            f"`{name}` holds a constant that varies along the batch, and its call's inputs "
+            "have leading sizes independent of each other")
     constant.groups = used
     return constant
 
@@ -550,4 +656,5 @@ def general_switch(node_s, node_l, inputs, batch_sizes, anchor, prefix):
 
 
 __all__ = ["MixedLeadingSizes", "NotBatchGeneral", "are_switches", "batch_signature",
-           "general_switch", "generalize_batch", "has_offsets", "same_operation"]
+           "general_switch", "generalize_batch", "has_offsets", "progression_signature",
+           "same_operation"]

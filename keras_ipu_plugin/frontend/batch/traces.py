@@ -35,9 +35,11 @@ from keras_ipu_plugin.frontend.batch.generalization import NotBatchGeneral
 from keras_ipu_plugin.frontend.batch.generalization import batch_signature
 from keras_ipu_plugin.frontend.batch.generalization import generalize_batch
 from keras_ipu_plugin.frontend.batch.generalization import has_offsets
+from keras_ipu_plugin.frontend.batch.generalization import progression_signature
 from keras_ipu_plugin.frontend.batch.shapes import check_batch_dimensions
 from keras_ipu_plugin.frontend.trace.call_trace import Traces
 from keras_ipu_plugin.frontend.trace.call_trace import anchor_of
+from keras_ipu_plugin.frontend.trace.failures import ModeStructureError
 from keras_ipu_plugin.frontend.trace.failures import TraceError
 from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.frontend.trace.training_modes import trace_modes
@@ -54,6 +56,10 @@ from keras_ipu_plugin.layers.keras_ops.random_draws import RandomDraw
 # traces at the second pair.
 TRIAL_BATCH_SIZES = (1, 3)
 CONFIRMING_BATCH_SIZES = (1, 2)
+# A range over the batch (`ops.arange(ops.shape(x)[0])`) seen counting in
+# the trial traces is confirmed by traces at larger batch sizes: three rows
+# that count may wrap after (`ops.arange(b) % 3`).
+RANGE_CONFIRMING_BATCH_SIZES = (2, 7)
 
 # The leading sizes of each input in the two traces of a call whose inputs'
 # leading dimensions may be independent of each other (`per_input`): one
@@ -206,6 +212,8 @@ def trace_at_two_batch_sizes(call, error, batch_sizes=TRIAL_BATCH_SIZES, per_inp
         for grouping in _groupings(independent_inputs(args, kwargs)):
             try:
                 traces = trace_at_two_batch_sizes(call, error, blocks=grouping)
+            except ModeStructureError:
+                raise  # the same at any sizes
             except TraceError:
                 continue
             if not _sizes_followed(traces):
@@ -271,6 +279,15 @@ def trace_at_two_batch_sizes(call, error, batch_sizes=TRIAL_BATCH_SIZES, per_inp
             {id(swap(t)): placeholders[id(t)] for t in symbols}, anchor=concrete[id(anchor)])
         try:
             result = trace_modes(trace)
+        except ModeStructureError as failure:
+            # Another output structure in each mode, seen once the batch
+            # size is known: the same at any batch size, and what the model
+            # must hold (`convert.opaque_graph`), or refuse, up front.
+            if error is None:
+                raise
+            raise ModeStructureError(
+                f"{error.reason}; traced at batch size {batch_size} instead, {failure.reason}",
+                structures=failure.structures) from None
         except TraceError as failure:
             if error is None:  # confirming a generalization: that failure says why not
                 raise NotBatchGeneral(f"and at batch size {batch_size} {failure.reason}") from None
@@ -391,6 +408,14 @@ def one_graph_for_any_batch(traces):
                 raise NotBatchGeneral(
                     f"and a trace at batch size {confirming[1]} shows a size that is no "
                     "multiple (or fraction) of the batch size plus a constant")
+        if progression_signature(nodes):
+            confirming = tuple(scale * size for size in RANGE_CONFIRMING_BATCH_SIZES)
+            again = generalized(trace_at_two_batch_sizes(trial.call, None, confirming))[0]
+            if progression_signature(again) != progression_signature(nodes):
+                raise NotBatchGeneral(
+                    f"and traces at batch sizes {confirming[0]} and {confirming[1]} show a "
+                    "constant computed from the batch size that counts along it otherwise "
+                    "than at the first two")
         if scale > 1:
             first = traces.runs[0][0]
             anchor = first.placeholders[id(first.anchor)]
@@ -413,5 +438,6 @@ def one_graph_for_any_batch(traces):
 
 
 __all__ = ["BatchTrial", "CONFIRMING_BATCH_SIZES", "PER_INPUT_SIZES", "PROBE_SIZE",
-           "TRIAL_BATCH_SIZES", "batch_divisor", "divided_trial_sizes", "independent_inputs",
+           "RANGE_CONFIRMING_BATCH_SIZES", "TRIAL_BATCH_SIZES", "batch_divisor",
+           "divided_trial_sizes", "independent_inputs",
            "one_graph_for_any_batch", "per_input_traces", "trace_at_two_batch_sizes"]

@@ -68,7 +68,14 @@ class ModeStructureError(TraceError):
     """A `call` returns another output structure in training than in
     inference. No node inside a traced call can hold that (the call's
     code reads one structure), so it goes up to the model, which then runs
-    whole and returns each mode's structure (`convert.opaque_graph`)."""
+    whole and returns each mode's structure (`convert.opaque_graph`), or
+    conversion refuses where it cannot learn them. `structures`: how the
+    modes' structures differ, and where, in words (the reason says what
+    follows too)."""
+
+    def __init__(self, reason, *, structures):
+        super().__init__(reason)
+        self.structures = structures
 
 
 STATIC_BATCH_HINT = (
@@ -149,8 +156,11 @@ def describe_failure(error, default=None):
     text = f"{type(error).__name__}: {essential_message(error, limit=300)}"
     text = f"{text} (in `{where}`)" if where else text
     if _NONE_VALUE.search(text):
-        # Almost always a shape built from `ops.shape(x)[0]`: say what helps.
-        return f"{text}; {STATIC_BATCH_HINT}, or write a reshape's batch dimension as -1"
+        # Almost always a shape built from `ops.shape(x)[0]`: say where, and
+        # what helps.
+        line = _user_source_line(error)
+        return (f"{text}{f' at `{line}`' if line else ''}; {STATIC_BATCH_HINT}, or write a "
+                "reshape's batch dimension as -1")
     if _TO_NUMPY.search(text):
         return f"{text}; {NUMPY_OPERAND_HINT}"
     # Never TensorFlow's or Keras's words alone: say what happened, then

@@ -109,18 +109,20 @@ def trace_modes(trace):
                 raise ModeStructureError(
                     f"{error.reason}{at}: no node of a graph can return two structures, "
                     "so the model runs whole, returning each mode's structure as the "
-                    "original does (it trains)") from None
+                    "original does (it trains)", structures=f"{error.reason}{at}") from None
             raise TraceError(
                 f"{error.reason}{at}: the two modes cannot be held as one node, so "
                 "the layer runs whole (it still trains)") from None
     if _leaf_structure(outputs_t) != _leaf_structure(outputs_f):
         # The same calls, another structure (a sub-layer's dict with a key
         # more in inference, passed on): one graph cannot return both.
+        structures = (f"`call` returns another structure in training "
+                      f"({_leaf_structure(outputs_t)}) than in inference "
+                      f"({_leaf_structure(outputs_f)})")
         raise ModeStructureError(
-            f"`call` returns another structure in training ({_leaf_structure(outputs_t)}) "
-            f"than in inference ({_leaf_structure(outputs_f)}): no node of a graph can "
-            "return two structures, so the model runs whole, returning each mode's "
-            "structure as the original does (it trains)")
+            f"{structures}: no node of a graph can return two structures, so the model runs "
+            "whole, returning each mode's structure as the original does (it trains)",
+            structures=structures)
     for node_t, node_f in zip(nodes_t, nodes_f):
         node_t.training = _training_mode(node_t, node_f)
     return nodes_t, outputs_t

@@ -995,16 +995,18 @@ def test_a_sub_layer_returning_more_outputs_than_its_inherited_shape_states_expa
         np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
 
 
-class BatchIndex(layers.Layer):
-    """Embeds each example's position in the batch: the graph would need a
-    tensor as long as the batch, which no constant can be."""
+class BatchIndexFromEnd(layers.Layer):
+    """Embeds each example's distance from the batch's end: a range that
+    starts from the batch size, which no graph makes from it (a range from
+    0 expands: tests/frontend/batch/test_batch_ranges.py)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.index = layers.Embedding(16, 8, name="index")
 
     def call(self, x):
-        return x + ops.expand_dims(self.index(ops.arange(ops.shape(x)[0])), 1)
+        return x + ops.expand_dims(
+            self.index(ops.arange(ops.shape(x)[0] - 1, -1, -1)), 1)
 
 
 class MergedBatch(layers.Layer):
@@ -1036,7 +1038,7 @@ class BatchPlusOne(layers.Layer):
 
 def test_a_block_computing_with_the_batch_size_plus_one_expands_for_any_batch_size():
     """A size that is the batch size plus a constant is followed
-    (it stayed whole before, as `BatchIndex` still does)."""
+    (it stayed whole before, as `BatchIndexFromEnd` still does)."""
     x = _rand(4, 5, 3)
     model = BatchModel(BatchPlusOne(name="block"), name="batch_model")
     model(x)
@@ -1050,7 +1052,7 @@ def test_a_block_computing_with_the_batch_size_plus_one_expands_for_any_batch_si
         np.testing.assert_allclose(passed(other), model(other), atol=1e-5)
 
 
-@pytest.mark.parametrize("block", [BatchIndex])
+@pytest.mark.parametrize("block", [BatchIndexFromEnd])
 def test_a_block_the_graph_cannot_follow_at_any_batch_size_stays_whole_and_says_why(block):
     x = _rand(4, 5, 3)
     model = BatchModel(block(name="block"), name="batch_model")

@@ -605,6 +605,103 @@ def test_a_model_returning_another_structure_in_training_trains_as_plain_keras(n
     np.testing.assert_array_equal(predicted["predictions"], expected_predicted["predictions"])
 
 
+class BatchSizedTrainingOutputs(TopKRetrieval):
+    """Returns another structure in training, computed there with NumPy
+    from the batch size (`np.zeros((e.shape[0], d))`), which no function
+    traced with the batch size unknown can run; `branches_on_values`: its
+    `call` also branches on a tensor's value in Python (so tracing says
+    only that, not how the modes' structures differ)."""
+
+    def __init__(self, branches_on_values=False, unknown_mode=False, **kwargs):
+        super().__init__(**kwargs)
+        self.branches_on_values = branches_on_values
+        self.unknown_mode = unknown_mode
+
+    def call(self, inputs, training=None):
+        embedding = self.encoder(ops.mean(self.item_embedding(inputs["item_ids"]), axis=1))
+        if self.branches_on_values and ops.max(embedding) > 1e6:
+            embedding = embedding * 0.5
+        if (training is None) if self.unknown_mode else training:
+            zeros = np.zeros((embedding.shape[0], WIDTH), "float32")
+            embedding = embedding + zeros
+        if training:
+            return {"item_sequence_embedding": embedding}
+        scores = ops.matmul(embedding, ops.transpose(self.item_embedding.embeddings))
+        return {"item_sequence_embedding": embedding,
+                "predictions": ops.top_k(scores, self.K)[1]}
+
+
+def _batch_sized_training_outputs(seed=5, **kwargs):
+    keras.utils.set_random_seed(seed)
+    model = BatchSizedTrainingOutputs(**kwargs)
+    model(_retrieval_data()[0], training=False)
+    return model
+
+
+#: {case: (the model's configuration, the `training` value whose `call` fails traced
+#: with the batch size unknown)}
+UNTRACEABLE_MODES = {
+    "training": ({}, True),
+    "training, and `call` branching on a tensor's value": ({"branches_on_values": True}, True),
+    "no mode given": ({"unknown_mode": True}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNTRACEABLE_MODES))
+def test_a_model_whose_training_structure_cannot_be_held_is_refused_up_front(case):
+    """A model returning another structure in training, whose training
+    mode (or the mode `training=None` runs) cannot run with the batch size
+    unknown, is refused by conversion and by `PluginModel` before any step,
+    saying how the modes differ, what fails and what to do, and leaving
+    the model's weights as they were; never converted with one structure
+    for a training it cannot run."""
+    config, failing = UNTRACEABLE_MODES[case]
+    model = _batch_sized_training_outputs(**config)
+    x, y = _retrieval_data()
+    with pytest.raises(kip.ConversionError) as refused:
+        kip.convert_to_functional(model, x)
+    message = str(refused.value)
+    assert "returns another structure in training" in message, message
+    assert "'predictions'" in message, message
+    assert "could not train" in message and "static_batch=True" in message, message
+    assert "cannot be interpreted as an integer" in message, message
+    assert "it trains" not in message and "still trains" not in message, message
+    assert f"under training={failing} fails" in message, message
+    if not config:
+        assert "test_training_branches.py" in message, message  # where `call` branches
+    before = [v.numpy() for v in model.weights]
+    trainee = kip.PluginModel(model)
+    trainee.compile(optimizer=keras.optimizers.Adam(0.01),
+                    loss={"item_sequence_embedding": "mse"})
+    with pytest.raises(kip.ConversionError, match="could not train"):
+        trainee.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for value, variable in zip(before, model.weights):
+        np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def test_a_model_whose_training_needs_the_batch_size_trains_with_static_batch():
+    """What the refusal says to do works: with `static_batch=True` the
+    training mode is traced at the batch's size, and `PluginModel` trains
+    the model to the weights plain Keras reaches on the same batches."""
+    import tensorflow as tf
+
+    x, y = _retrieval_data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+    weights = {}
+    for how in ("plain", "plugin"):
+        model = _batch_sized_training_outputs(seed=9)
+        trainee = kip.PluginModel(model, static_batch=True) if how == "plugin" else model
+        trainee.compile(optimizer=keras.optimizers.Adam(0.01),
+                        loss={"item_sequence_embedding": "mse"})
+        keras.utils.set_random_seed(2)
+        trainee.fit(data, epochs=1, verbose=0)
+        weights[how] = [v.numpy() for v in model.weights]
+    first = [v.numpy() for v in _batch_sized_training_outputs(seed=9).weights]
+    assert any(not np.allclose(a, b) for a, b in zip(first, weights["plain"])), "nothing trained"
+    for actual, expected in zip(weights["plugin"], weights["plain"]):
+        np.testing.assert_allclose(actual, expected, atol=1e-5)
+
+
 def test_a_model_returning_another_structure_in_training_saves_and_loads(tmp_path):
     """The converted model's modes survive `save` / `load_model`."""
     model = _retrieval("top_level")
