@@ -279,7 +279,9 @@ def test_the_auto_plan_splits_a_gelu_dense_and_says_so():
     figures = next(p for p in passed.kip_report.plans
                    if p.title.startswith("Recompute plan")).figures
     split = figures["activation_remat"]
-    assert len(split) == 9
+    # (a small graph is planned by the exact search, which splits a layer
+    # only where that helps the plan: some of the 9)
+    assert 1 <= len(split) <= 9
     for name in split:
         assert passed.kip_annotations[_name(passed, name)]["activation_remat"] is True
     # the baseline is without recomputation of any kind: splitting alone
@@ -392,3 +394,17 @@ def test_a_recomputed_segment_keeps_the_keras_masks_it_takes_and_gives(targets):
     for got, want in zip(gradients(tf.function(passed)), gradients(model)):
         np.testing.assert_allclose(np.asarray(tf.convert_to_tensor(got)),
                                    np.asarray(tf.convert_to_tensor(want)), atol=1e-5)
+
+
+def test_a_small_graph_is_planned_by_the_exact_search_and_the_report_says_so():
+    """A graph of a few dozen nodes gets the optimum of the cost model
+    (per-node activation splits and nesting), which trains as plain Keras
+    (the "auto" plans above), and its report names the planner."""
+    from keras_ipu_plugin.planning import graph_planning
+
+    passed = _passed("auto")
+    figures = next(p for p in passed.kip_report.plans
+                   if p.title.startswith("Recompute plan")).figures
+    assert len(passed.kip_graph.nodes) <= graph_planning.EXACT_NODES
+    assert figures["planner"].startswith("exact search"), figures["planner"]
+
