@@ -135,15 +135,42 @@ def test_expand_all_leaves_custom_layers_only_in_the_models_stated(name):
     assert result.classes_left == STAYS_WHOLE.get(name, set()), result.detail
 
 
+#: The models whose expanded graph `kip.to_keras` cannot write with Keras's
+#: classes only, by what its error names (first among the nodes it lists).
+#: Every other model is served: 25 of 39.
+NEEDS_KIP = {
+    "vae": "RandomDraw",  # `keras.random.normal` in the sampling layer: a draw
+    "pixelcnn": "VariableWrite",  # the masked kernel assigned in `call`
+    "vae_tf_random": "TFRandomDraw",  # `tf.random.normal`
+    "vq_vae": "no exact keras.ops form",  # `tf.math.reduce_sum` ..., and its `add_loss`
+    "ddpm": "`tf.shape`",  # shapes computed in the graph
+    "cct": "ModeSwitch",  # stochastic depth branching on `training`
+    "pointnet": "OrthogonalRegularizer in its config",  # the model's own regularizer
+    "shiftvit": "ModeSwitch",
+    "translation_transformer": "AttachMask",  # masks computed in `call`
+    "gat": "TensorSizedOperation",  # sizes from the data (`ops.bincount`)
+    "ner_transformer": "`tf.shape`",  # `tf.range(tf.shape(x)[-1])`
+    "switch_transformer": "`tf.shape`",
+    # keras_hub's activation, a function keras_hub registers with Keras
+    "bert": "keras_hub>gelu_approximate",
+    "gpt2": "keras_hub>gelu_approximate",
+}
+
+
 @pytest.mark.parametrize("name", CORPUS, scope="module")
 def test_to_keras_serves_the_expanded_model_or_names_what_needs_kip(name):
-    """A plain Keras model of the expanded graph computes its outputs; a
-    model keeping kip's or its own classes is n/a, with those nodes named."""
+    """A plain Keras model of the expanded graph computes its outputs (weight
+    reads, fixed tensors, batch-sized reshapes and broadcasts, and `tf.*`
+    calls of the table written with Keras's classes); the models of
+    `NEEDS_KIP` are n/a, with the nodes that need kip named."""
     _expansion(name)
     result = harness.check_to_keras(name)
-    assert result.status in (harness.PASS, harness.NA), result.detail
-    if result.status == harness.NA:
+    if name in NEEDS_KIP:
+        assert result.status == harness.NA, result.detail
         assert "not Keras's own classes" in result.detail
+        assert NEEDS_KIP[name] in result.detail
+    else:
+        assert result.status == harness.PASS, result.detail
 
 
 @pytest.mark.parametrize("name", CORPUS, scope="module")

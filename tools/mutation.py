@@ -112,8 +112,8 @@ MUTATIONS = [
       "variables Keras cannot see pass verification", VERIFICATION, CONVERSION),
     # -- convert.py ---------------------------------------------------------------
     M("convert-skips-verification", "frontend/convert.py",
-      "            if self.verify:\n",
-      "            if False:\n",
+      "            if self.verify:\n                with report.timed(",
+      "            if False:\n                with report.timed(",
       "convert_to_functional never verifies", VERIFICATION, CONVERSION),
     M("convert-keeps-lost-updates", "frontend/convert.py",
       "            _refuse_lost_updates(graph, before)",

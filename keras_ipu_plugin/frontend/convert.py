@@ -121,6 +121,59 @@ class Converter:
         with one_conversion_at_a_time():
             return self._convert(model, x, specs)
 
+    def convert_call(self, callee, reference, inputs, symbolic_call, tensors, specs):
+        """Convert one call of `callee` that takes tensors besides its inputs
+        (`callee(x, mask=m)`): `callee.call`'s body traced on `symbolic_call`
+        (`(args, kwargs)` over `inputs`, the graph's symbolic inputs by name,
+        made from `specs`), so that every tensor of the call is a named input
+        of the graph; checked against `reference` (the callee called the
+        ordinary way) on `tensors`, the call's concrete tensors by name.
+        Where the body cannot be traced, the graph holds `reference` whole.
+
+        Example:
+            >>> converted = Converter().convert_call(
+            ...     model, bound, inputs, ((inputs["x"],), {"mask": inputs["mask"]}),
+            ...     {"x": x, "mask": m}, specs)
+        """
+        # As `convert`: nothing of the trace and the checks (nodes,
+        # counters, seed draws) stays on the user's model; a failure leaves
+        # it exactly as it was.
+        def convert(state):
+            converted, report = self._trace_call(callee, reference, inputs, symbolic_call,
+                                                 tensors, specs)
+            if self.verify:
+                report.add_verification(
+                    callee.name, check_equivalent(reference, converted, tensors))
+            converted.kip_report = report
+            return converted
+
+        with one_conversion_at_a_time():
+            return guarded(callee, convert)
+
+    def _trace_call(self, callee, reference, inputs, symbolic_call, tensors, specs):
+        """`(graph model, report)` of `callee.call`'s body traced on
+        `symbolic_call` (see `convert_call`)."""
+        values = {name: Value(None, 0, tensor) for name, tensor in inputs.items()}
+        placeholders = {id(inputs[name]): values[name] for name in inputs}
+        args, kwargs = symbolic_call
+        report = Report()
+        try:
+            nodes, outputs = self.tracer.trace(
+                callee, args, kwargs, placeholders, training=None, prefix="")
+            graph = Graph(specs, values, nodes, outputs, name=callee.name)
+            converted = rebuild(graph, name=f"{callee.name}_functional")
+            adopt_call_semantics(converted, reference)
+            for node in graph.nodes:
+                report.add("convert", node.name, "traced", type(node.operation).__name__)
+        except TraceError as error:
+            # The body cannot be traced with these arguments: the callee is
+            # one node of the graph, called with them as the step calls it.
+            converted = Converter(verify=False, tracer=self.tracer).convert(
+                reference, (tensors,), specs=specs)
+            report = converted.kip_report
+            report.add_opaque(callee.name, error.reason)
+        return converted, report
+
     def _convert(self, model, x, specs):
         # Calling, tracing and verifying build layers, record nodes on the
         # user's objects and run the model's own code (counters, seed

@@ -1,6 +1,6 @@
-"""Trace each kind of block once and replay it over the others: block signatures
-(when two calls trace to the same graph) and call templates (a traced call
-replayed over another block).
+"""Trace each kind of block once and replay it over the others: block
+signatures (when two calls trace to the same graph) and call templates (a
+traced call replayed over another block). One concept: replay.
 
 Block signatures: when two calls of two blocks trace to the same graph.
 
@@ -48,9 +48,9 @@ A model of 200 identical residual blocks would otherwise trace 200 `call`s
 that give the same graph up to which of the block's objects each node
 uses; tracing is most of what converting and expanding such a model costs.
 Two calls are of one kind when their blocks have the same signature
-(`signatures.block_signature`: class, attributes, sub-layers, weights'
+(`block_signature`: class, attributes, sub-layers, weights'
 shapes, which objects are shared) and their inputs the same
-(`signatures.call_signature`: shapes, dtypes, Keras masks, which inputs are
+(`call_signature`: shapes, dtypes, Keras masks, which inputs are
 one value, the other arguments), under the same `training`. Their traces
 then differ only in the objects each node uses, and a replay makes each
 node again with the other block's counterpart (`objects`, position for

@@ -273,7 +273,7 @@ class Node:
 class Graph:
     """Inputs, nodes in topological order, outputs.
 
-    Tracing makes one (`frontend.tracing.trace_model`), as does reading a
+    Tracing makes one (`frontend.trace.tracer.trace_model`), as does reading a
     functional model (`passes.infra.manager.graph_of`); `runtime.rebuild.rebuild`
     turns it back into a model. Passes edit it with the primitives below
     (see the module docstring).
@@ -294,6 +294,11 @@ class Graph:
         self.nodes = nodes
         self.outputs = outputs  # nest of Values
         self.replaced = []  # (old layer, new layer) pairs made by Replace
+        # The `Tracer` a pass traces more of this graph with (Expand inlining
+        # a node, a target reached by expanding): the one `apply_passes` was
+        # given, handed to each pass on the graph it edits; None where a pass
+        # runs on a graph outside `apply_passes` (the tracer in use then).
+        self.tracer = None
         # {id(old layer): new layer} made by an earlier run of the same
         # passes (an earlier conversion of the same model), for Replace to
         # use again: a new one would start from the old layer's untrained
@@ -577,6 +582,7 @@ class Graph:
         outputs = map_values(values.__getitem__, self.outputs)
         graph = Graph(self.input_specs, input_values, nodes, outputs, self.name)
         graph.replaced = list(self.replaced)
+        graph.tracer = self.tracer
         graph.reusable = dict(self.reusable)
         graph.batch_rows = self.batch_rows
         graph.output_modes = self.output_modes

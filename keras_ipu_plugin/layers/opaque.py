@@ -266,6 +266,6 @@ def _view_class(cls, function):
 
 
 def _autograph_view(layer):
-    """A view (`views.layer_view`) of `layer` whose user-written `call`s, its
+    """A view (`user_code.layer_view`) of `layer` whose user-written `call`s, its
     own and its sub-layers', run AutoGraph-converted."""
     return layer_view(layer, _view_class)

@@ -38,7 +38,7 @@ records such a call as this operation (`frontend/idioms.py`), which
 calls the very same TensorFlow function when the graph runs: its gradient
 is TensorFlow's, its output shapes are TensorFlow's shape inference, and it
 saves by the function's public name (`"math.square"`). A name is resolved
-only from the table of functions the tracer records (`tf_function_table`):
+only from the table of functions the tracer records (`RECORDED`, below):
 a saved model naming anything else fails to load, before anything runs.
 
 
@@ -61,7 +61,7 @@ A draw advances its kernel's state: it is no pure function, so it is not
 a `TFFunction` (whose table holds side-effect free functions only), and a
 node drawing is never recomputed (`draws_statefully`): a recomputation
 would draw other numbers than the forward pass used. The function is
-resolved only from `tf_function_table.RANDOM_DRAWS`, also when loading.
+resolved only from `RANDOM_DRAWS`, also when loading.
 
 Example:
     >>> draw = TFRandomDraw("random.normal", name="tf_normal")
@@ -324,7 +324,7 @@ class TFFunction(keras.Operation):
         # fails ("Failed to convert elements of SparseTensor") or loses the
         # shape. The tensors a kip graph carries are dense: sparse inputs
         # are refused (`frontend/inputs.py`) and traced specs are made dense
-        # where no argument is sparse (`output_specs.dense_unless_given_sparse`).
+        # where no argument is sparse (`trace_views.dense_unless_given_sparse`).
         args, kwargs = keras.tree.map_structure(_dense_spec, (args, kwargs))
         return super().compute_output_spec(*args, **kwargs)
 
@@ -387,7 +387,7 @@ def _wrapped_chain(function):
 @keras.saving.register_keras_serializable(package="keras_ipu_plugin")
 class TFRandomDraw(keras.Operation):
     """Calls the TensorFlow random function `function` (a path under `tf`
-    of `tf_function_table.RANDOM_DRAWS`, such as `"random.normal"`) on its
+    of `RANDOM_DRAWS`, such as `"random.normal"`) on its
     arguments each time the graph runs.
 
     Example:

@@ -247,8 +247,6 @@ def layer_view(layer, view_class, memo=None, traced_call=user_call):
     (`user_code.user_call`; a `Tracer` may say otherwise), None for a layer
     used as it is; `memo` ({id(layer): view}) shares one view per layer
     across a call."""
-    import keras
-
     memo = {} if memo is None else memo
     if id(layer) in memo:
         return memo[id(layer)]

@@ -4,7 +4,7 @@ layer. One concept: inlining.
 `Expand`: inline custom layers into the sub-layers their `call` uses.
 
 Each expanded layer's node is replaced by the nodes its `call` traces to,
-named `parent.child` (`inline.inline_call`). With `targets="all"`
+named `parent.child` (`inline_call`, below). With `targets="all"`
 expansion repeats until only built-in Keras layers (and layers that cannot
 be traced, which stay opaque and are reported) remain. Sub-layers shared
 between call sites stay shared, because the same layer objects are called.
@@ -34,7 +34,7 @@ from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.frontend.replay import CallTemplates
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths, path_of
 from keras_ipu_plugin.frontend.trace.failures import TraceError
-from keras_ipu_plugin.frontend.trace.tracer import current_tracer
+from keras_ipu_plugin.frontend.trace.tracer import tracer_of
 from keras_ipu_plugin.frontend.trace.training_modes import with_branch_nodes
 from keras_ipu_plugin.ir.graph import (
     UNTRACED_MASK,
@@ -269,9 +269,9 @@ def _why_not_reached(node, reasons):
 
 
 def _expandable(node):
-    """Whether Expand may inline `node`: a layer the tracer in use
+    """Whether Expand may inline `node`: a layer the graph's tracer
     (`Tracer.is_user_code`, overridable) says is user code, or a nested model."""
-    return is_expandable(node.operation, current_tracer().is_user_code)
+    return is_expandable(node.operation, tracer_of(node.graph).is_user_code)
 
 
 _AUTO_SUFFIX = re.compile(r"_\d+$")
@@ -410,8 +410,8 @@ def _trace(graph, node, report, reads, templates, agnostic):
     kwargs.update(_compat.masks_keras_would_pass(layer, args, kwargs))
     training = node.training if node.training in (True, False) else None
     try:
-        # the tracer `apply_passes` was given (it is in use while they run)
-        new_nodes, outputs = current_tracer().trace(
+        # the tracer `apply_passes` was given, handed over with the graph
+        new_nodes, outputs = tracer_of(graph).trace(
             layer, args, kwargs, placeholders,
             # one trace is enough where no sub-layer reads `training`
             training=False if agnostic else training, prefix=node.name + ".", reads=reads,

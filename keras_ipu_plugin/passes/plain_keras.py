@@ -3,7 +3,10 @@
 A converted or passed model is a `KipFunctional`: its `.keras` file names
 kip's classes, so loading it needs `import keras_ipu_plugin` (and the
 user's own layer classes registered). Where every node of the graph is one
-of Keras's own layers or `keras.ops` operations, which is what `Expand("all")`
+of Keras's own layers or `keras.ops` operations, or one of kip's node kinds
+that Keras's classes compute exactly (a layer's weight read, a fixed tensor,
+a batch-sized reshape or broadcast, a TensorFlow function with an exact
+`keras.ops` form: `plain_keras_nodes.py`), which is what `Expand("all")`
 leaves of most models, the same computation fits in a model of Keras's own
 classes only, whose file loads with Keras alone.
 
@@ -28,6 +31,10 @@ from keras_ipu_plugin.ir.graph import map_leaves
 from keras_ipu_plugin.ir.graph import Namespace
 from keras_ipu_plugin.layers.user_code import is_keras_module
 from keras_ipu_plugin.passes.infra.manager import graph_of_model
+from keras_ipu_plugin.passes.plain_keras_nodes import GraphFacts
+from keras_ipu_plugin.passes.plain_keras_nodes import Masks
+from keras_ipu_plugin.passes.plain_keras_nodes import checked_outputs
+from keras_ipu_plugin.passes.plain_keras_nodes import keras_form
 from keras_ipu_plugin.runtime.functional import graph_model
 
 
@@ -36,8 +43,10 @@ def to_keras(model):
 
     `model` is a converted model, the result of `apply_passes`, or a
     `PluginModel` that has seen a batch. Raises `kip.PassError` naming the
-    nodes whose classes are kip's or the user's (a layer `Expand` left
-    whole, a `tf.*` call, a variable read): those need
+    nodes whose classes are kip's or the user's and that Keras's classes
+    cannot compute exactly (a layer `Expand` left whole, a `tf.*` call
+    outside `plain_keras_nodes.TF_AS_KERAS_OPS`, a weight another layer
+    also holds, a variable write), with why: those need
     `import keras_ipu_plugin`, and the user's classes registered, to load.
 
     Example:
@@ -47,8 +56,16 @@ def to_keras(model):
     """
     source = graph_model(model, "to_keras")
     graph = graph_of_model(source, "to_keras")
-    foreign = [(node.name, what) for node in graph.nodes
-               for what in _classes_not_keras(node.operation)[:1]]
+    facts = GraphFacts(graph)
+    forms, foreign = {}, []
+    for node in graph.nodes:
+        form = keras_form(node, facts)
+        if callable(form):
+            forms[node.name] = form
+        elif form is not None:
+            foreign.append((node.name, f"{type(node.operation).__name__}: {form}"))
+        else:
+            foreign += [(node.name, what) for what in _classes_not_keras(node.operation)[:1]]
     if foreign:
         listing = ", ".join(f"`{name}` ({what})" for name, what in foreign[:8])
         more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
@@ -61,6 +78,7 @@ def to_keras(model):
     tensors = {id(value): tensor for value, tensor in zip(
         keras.tree.flatten(graph.input_values), keras.tree.flatten(inputs))}
     names = Namespace(spec.name for spec in keras.tree.flatten(graph.input_specs))
+    masks = Masks(lambda path: names.create(_layer_name(path)))
     copies = {}
 
     def resolve(leaf):
@@ -68,14 +86,25 @@ def to_keras(model):
 
     for node in graph.nodes:
         operation = node.operation
-        if id(operation) not in copies:
-            copies[id(operation)] = _copy(operation, names.create(_layer_name(node.name)))
         args = map_leaves(resolve, node.args)
         kwargs = map_leaves(resolve, node.kwargs)
-        kwargs.pop("training", None)
-        if node.training in (True, False):
-            kwargs["training"] = node.training
-        outputs = keras.tree.flatten(copies[id(operation)](*args, **kwargs))
+        if node.name in forms:
+            try:
+                written = forms[node.name](args, kwargs, masks)
+            except PassError:
+                raise
+            except Exception as error:  # noqa: BLE001 - named, as every node Keras cannot hold
+                raise PassError(
+                    f"to_keras: `{node.name}` ({type(operation).__name__}) cannot be written "
+                    f"with Keras's classes: {type(error).__name__}: {error}") from error
+            outputs = checked_outputs(node, written)
+        else:
+            if id(operation) not in copies:
+                copies[id(operation)] = _copy(operation, names.create(_layer_name(node.name)))
+            kwargs.pop("training", None)
+            if node.training in (True, False):
+                kwargs["training"] = node.training
+            outputs = keras.tree.flatten(copies[id(operation)](*args, **kwargs))
         for value, tensor in zip(node.outputs, outputs):
             tensors[id(value)] = tensor
     outputs = map_leaves(resolve, graph.outputs)
@@ -100,6 +129,14 @@ def _classes_not_keras(operation):
             module = value.get("module")
             if isinstance(module, str) and "class_name" in value and not _is_keras_module(module):
                 found.append(f"{module}.{value['class_name']} in its config")
+            # A function registered with Keras (keras_hub's `gelu_approximate`
+            # activation) is saved as {"module": "builtins", "class_name":
+            # "function", "config": "package>name"}: found only where the
+            # package registering it is imported.
+            registered = value.get("config")
+            if value.get("class_name") == "function" and isinstance(registered, str) and (
+                    ">" in registered and registered.split(">")[0] != "keras"):
+                found.append(f"the registered function `{registered}` in its config")
             for item in value.values():
                 visit(item)
         elif isinstance(value, (list, tuple)):

@@ -131,7 +131,7 @@ def profile_nodes(graph, batch):
 
 def _split_profile(node, batch, key, traced):
     """The node's `SplitProfile` when its layer may run split (see
-    `activation_remat.splittable`), else None; traced once per key."""
+    `effects.splittable`), else None; traced once per key."""
     from keras_ipu_plugin.runtime import effects
     from keras_ipu_plugin.runtime.backends import recompute_grad
 

@@ -1,7 +1,7 @@
 """Run kip's `Graph`: one overridable step per node, and run-time effects.
 
 `Interpreter(graph, backend, owner)` runs the IR graph a model holds
-(`graph_of.graph_of(model)`: the graph the passes produced, each node with
+(`graph_of(model)`, below: the graph the passes produced, each node with
 its operation, its arguments with `Value`s, its `training` and its
 annotations), as torch.fx's `Interpreter`
 runs an fx graph: `run` walks the plan, `run_node` runs one node (its

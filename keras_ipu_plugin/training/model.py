@@ -33,7 +33,7 @@ from keras_ipu_plugin.training.session.step_functions import StepFunction
 from keras_ipu_plugin.training.routes import training_route
 from keras_ipu_plugin.training.session.new_variables import optimizer_state_in_order
 from keras_ipu_plugin.layers.user_code import LIBRARY_PACKAGES
-from keras_ipu_plugin.runtime.functional import refuse_hdf5
+from keras_ipu_plugin.runtime.saved_models import refuse_hdf5
 
 _WRAPPED = "__kip_wrapped__"
 

@@ -983,7 +983,7 @@ def test_tracing_through_views_leaves_every_layer_attribute_as_it_was():
 
 class TensorFlowOpsBlock(keras.layers.Layer):
     """`call` uses a TensorFlow op that is not recorded as a graph operation,
-    a random one (tests/frontend/idioms/test_tracing_idioms.py shows those that are)."""
+    a random one (tests/frontend/test_tracing_idioms.py shows those that are)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -3,7 +3,7 @@ specs their symbolic calls give, and the losses their `add_loss` records.
 
 The classes of the views a trace calls instead of the user's layers.
 
-`call` runs on a view of the traced layer (`views.layer_view`) whose
+`call` runs on a view of the traced layer (`user_code.layer_view`) whose
 user-written sub-layers are views too, of a class made here
 (`inline_view_class`): their symbolic calls work out the output shapes by
 running their own `call` inline on the KerasTensors
@@ -46,7 +46,7 @@ quantizer's losses in `call`:
 
 Traced, the loss is a symbolic tensor, which Keras's `add_loss` refuses
 ("can only be called ... on a tensor input"), and the layer stayed whole.
-The views tracing calls (`tracing._inline_view_class`) take `add_loss`
+The views tracing calls (`inline_view_class`) take `add_loss`
 here instead: the traced layer's own `add_loss` of a symbolic loss becomes
 an `AddedLoss` node on it (`layers/state.py`), which adds the loss
 each time the graph runs; the call's first output comes after it, as after

@@ -104,6 +104,7 @@ __all__ = [
     "Tracer",
     "DEFAULT_TRACER",
     "current_tracer",
+    "tracer_of",
     "TraceError",
     "Tracer",
     "essential_message",
@@ -303,6 +304,17 @@ def current_tracer():
     """The tracer in use on this thread (`Tracer.tracing`), else `DEFAULT_TRACER`."""
     stack = getattr(_in_use, "stack", None)
     return stack[-1] if stack else DEFAULT_TRACER
+
+
+def tracer_of(graph):
+    """The `Tracer` that traces more of `graph` (a pass expanding one of its
+    nodes): the one it was handed (`graph.tracer`, set by `apply_passes`),
+    else the one in use on the thread.
+
+    Example:
+        >>> tracer_of(graph).is_user_code(node.operation)
+    """
+    return current_tracer() if graph.tracer is None else graph.tracer
 
 
 def trace_model(model, input_specs, training=None, tracer=None):

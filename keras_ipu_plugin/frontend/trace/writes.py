@@ -616,7 +616,7 @@ def _first_dense(structure):
     # (`x * 2.0`: `ops.multiply` takes what is not a KerasTensor for
     # sparse); the tensors a kip graph carries are dense (sparse inputs are
     # refused, `inputs.py`), and the tracer makes such specs dense
-    # (`tracing._dense_unless_given_sparse`).
+    # (`trace_views.dense_unless_given_sparse`).
     return leaves[0] if leaves else None
 
 

@@ -1,5 +1,6 @@
-"""What every pass shares: the `Pass` interface, target matching, and the
-registry that makes a pass known to configs and saving.
+"""What every pass shares: the `Pass` interface, target matching (inside
+`ModeSwitch` branches too), and the registry that makes a pass known to
+configs and saving. One concept: a pass and where its targets are.
 
 A target is a layer name (the layer's own name, or its node path such as
 `"block_1.dense"`), a layer class (subclasses match too), a `Chain` of
@@ -9,9 +10,7 @@ A name or class target also matches a block that Expand inlined (its path,
 its layer's name or its class): the block's nodes, which the annotation
 passes treat as one (a checkpoint after its last node, say).
 
-Passes inside the `training` modes of `ModeSwitch` nodes.
-
-A layer whose `call` branches on `training` in Python becomes a
+Targets inside the `training` modes of `ModeSwitch` nodes: a layer whose `call` branches on `training` in Python becomes a
 `ModeSwitch` node holding one graph per mode (`runtime/mode_switch.py`).
 A pass that reaches inside (Expand, Replace, Recompute) runs on each of
 those graphs for the targets found there, and the node gets a new switch
@@ -32,7 +31,7 @@ import keras
 from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import ConfigError, PassError, short_repr
 from keras_ipu_plugin.frontend.trace.attribute_paths import attribute_paths, path_of
-from keras_ipu_plugin.frontend.trace.tracer import TraceError, trace_model, current_tracer
+from keras_ipu_plugin.frontend.trace.tracer import TraceError, trace_model, tracer_of
 from keras_ipu_plugin.ir.graph import InputSpec
 from keras_ipu_plugin.layers.layer_kinds import is_expandable
 from keras_ipu_plugin.passes.infra.layer_class_names import class_named, name_of_class
@@ -480,16 +479,21 @@ def switch_nodes(graph):
     return [node for node in graph.nodes if isinstance(node.operation, ModeSwitch)]
 
 
-def branch_graphs(switch):
+def branch_graphs(switch, tracer=None):
     """`{mode: IR graph}` of a switch, copies a pass may edit: the graphs
-    it was made from, or (a loaded switch) read from each mode's model."""
+    it was made from, or (a loaded switch) read from each mode's model.
+    `tracer`: the `Tracer` of the graph holding the switch, handed to each
+    copy (`graph.tracer`)."""
     if switch.branch_graphs is None:
         object.__setattr__(switch, "branch_graphs", {
-            mode: _graph_of_mode(switch, mode) for mode in switch.mode_outputs})
-    return {mode: graph.copy() for mode, graph in switch.branch_graphs.items()}
+            mode: _graph_of_mode(switch, mode, tracer) for mode in switch.mode_outputs})
+    copies = {mode: graph.copy() for mode, graph in switch.branch_graphs.items()}
+    for graph in copies.values():
+        graph.tracer = tracer
+    return copies
 
 
-def _graph_of_mode(switch, mode):
+def _graph_of_mode(switch, mode, tracer):
     from keras_ipu_plugin.runtime.functional import KipFunctional
 
     model = switch.mode_model(mode)
@@ -498,7 +502,7 @@ def _graph_of_mode(switch, mode):
     specs = [InputSpec(name=t.name, shape=tuple(t.shape[1:]), dtype=t.dtype,
                        batch_size=t.shape[0]) for t in model.inputs]
     try:
-        graph = trace_model(plain, specs)
+        graph = trace_model(plain, specs, tracer=tracer)
     except TraceError as error:  # pragma: no cover - functional models trace
         raise PassError(f"Cannot read the `{mode}` graph of `{switch.name}`: {error.reason}")
     annotations = model.kip_annotations
@@ -524,7 +528,7 @@ def in_branches(graph, run, wanted=None):
     replaced = []
     for node in switch_nodes(graph):
         switch = node.operation
-        branches = branch_graphs(switch)
+        branches = branch_graphs(switch, graph.tracer)
         if wanted is not None and not any(map(wanted, branches.values())):
             continue  # nothing to do inside: the switch stays as it is
         graphs = {}
@@ -560,7 +564,7 @@ def reachable_here(graph, target):
         return True
     if nodes_matching(graph, target) or matched_blocks(graph, target):
         return True
-    return any(is_expandable(node.operation, current_tracer().is_user_code)
+    return any(is_expandable(node.operation, tracer_of(graph).is_user_code)
                and contains(node, target)
                for node in graph.nodes)
 
@@ -571,7 +575,7 @@ def reachable_inside(graph, target):
     if isinstance(target, Chain):
         return False
     for node in switch_nodes(graph):
-        for branch in branch_graphs(node.operation).values():
+        for branch in branch_graphs(node.operation, graph.tracer).values():
             if target == ALL or reachable_here(branch, target) or reachable_inside(branch, target):
                 return True
     return False
@@ -598,7 +602,7 @@ def refuse_inside(graph, targets, step):
         if target != ALL and not reachable_here(graph, target) and reachable_inside(graph, target):
             node = next(node for node in switch_nodes(graph)
                         if any(reachable_here(b, target) or reachable_inside(b, target)
-                               for b in branch_graphs(node.operation).values()))
+                               for b in branch_graphs(node.operation, graph.tracer).values()))
             raise PassError(
                 f"{step}: target {describe(target)} is inside `{node.name}`, which holds "
                 f"the `training` modes of `{node.operation.of_layer or node.name}` (its "

@@ -80,8 +80,9 @@ def apply_passes(model, passes, *, verify=True, reuse_replacements=(), tracer=No
     as they are: the caller copies trained weights back first.
 
     `tracer`: the `Tracer` saying where tracing stops (Expand's reach, the
-    traces the passes make); by default the one in use
-    (`with tracer.tracing():`), else `DEFAULT_TRACER`.
+    traces the passes make), handed to each pass with the graph it edits
+    (`graph.tracer`); by default the one in use (`with tracer.tracing():`),
+    else `DEFAULT_TRACER`.
 
     Example:
         >>> converted = kip.convert_to_functional(MyModel(), x)
@@ -90,24 +91,23 @@ def apply_passes(model, passes, *, verify=True, reuse_replacements=(), tracer=No
     """
     passes = validate_passes(passes)
     tracer = current_tracer() if tracer is None else tracer
-    # The passes ask the tracer in use (Expand's reach, their traces): this one.
-    with one_conversion_at_a_time(), tracer.tracing():
+    with one_conversion_at_a_time():
         # Passes trace the user's layers (running their Python) and record
         # nodes on them: a failure leaves nothing behind, a success only
         # what building leaves (see `state.guarded`).
         return guarded(
-            model, lambda state: _apply_passes(model, passes, verify, reuse_replacements))
+            model, lambda state: _apply_passes(model, passes, verify, reuse_replacements, tracer))
 
 
-def _apply_passes(model, passes, verify, reuse_replacements):
-    graph = graph_of(model)
+def _apply_passes(model, passes, verify, reuse_replacements, tracer):
+    graph = graph_of(model, tracer)
     graph.reusable = {id(old): new for old, new in reuse_replacements}
     input_specs = graph.input_specs
     report = (getattr(model, "kip_report", None) or Report()).copy()
     _lint(graph, "before the passes")
     for one_pass in passes:
         with report.timed(one_pass.step, model.name):
-            graph = one_pass.run(graph, report)
+            graph = _run_pass(one_pass, graph, report, tracer)
         _lint(graph, f"after pass {type(one_pass).__name__}")
         _check_stage_order(graph, f"after pass {type(one_pass).__name__}")
     result = _rebuilt(graph, model, passes)
@@ -118,7 +118,7 @@ def _apply_passes(model, passes, verify, reuse_replacements):
     if verify:
         with report.timed("verify", result.name):
             _verify_passed(model, result, passes, report, first_batch, input_specs,
-                           graph.reusable)
+                           graph.reusable, tracer)
     else:
         report.add("verify", model.name, "not verified", "apply_passes(verify=False)")
     if first_batch is not None:
@@ -163,6 +163,15 @@ def _check_stage_order(graph, when):
                     "it before PipelineStages).")
 
 
+def _run_pass(one_pass, graph, report, tracer):
+    """`one_pass` run on `graph`, which carries `tracer` to it (a pass of
+    one's own may return a graph it made: it gets the tracer too)."""
+    graph.tracer = tracer
+    graph = one_pass.run(graph, report)
+    graph.tracer = tracer
+    return graph
+
+
 def _rebuilt(graph, model, passes):
     try:
         result = rebuild(graph, name=model.name)
@@ -183,7 +192,7 @@ def _rebuilt(graph, model, passes):
     return result
 
 
-def _verify_passed(model, result, passes, report, first_batch, input_specs, reusable):
+def _verify_passed(model, result, passes, report, first_batch, input_specs, reusable, tracer):
     """Check `result` as far as `passes` claim; raise `PassError` on failure."""
     x, synthetic = first_batch, first_batch is None
     if synthetic:
@@ -203,7 +212,7 @@ def _verify_passed(model, result, passes, report, first_batch, input_specs, reus
             f"with `{model.name}`: {error}"
         ) from error
     except ConversionError as error:
-        culprit = (_first_failing_pass(model, passes, x, synthetic, reusable)
+        culprit = (_first_failing_pass(model, passes, x, synthetic, reusable, tracer)
                    if len(passes) > 1 else 0)
         which = ("the passes " + _names(passes) if culprit is None
                  else f"pass {_names([passes[culprit]])}")
@@ -241,15 +250,15 @@ def _check(model, result, passes, x, synthetic):
             "computes (new weights or parameters)")
 
 
-def _first_failing_pass(model, passes, x, synthetic, reusable):
+def _first_failing_pass(model, passes, x, synthetic, reusable, tracer):
     """The index of the first pass after which verification fails (the
     passes run again on a fresh graph, one more each time), or None when
     running them again fails otherwise."""
-    graph = graph_of(model)
+    graph = graph_of(model, tracer)
     graph.reusable = dict(reusable)
     for index, one_pass in enumerate(passes[:-1]):
         try:
-            graph = one_pass.run(graph, Report())
+            graph = _run_pass(one_pass, graph, Report(), tracer)
             _check(model, _rebuilt(graph.copy(), model, passes[: index + 1]),
                    passes[: index + 1], x, synthetic)
         except (ConversionError, InputDataError):
@@ -349,18 +358,22 @@ def _not_a_pass(value):
     return f"a {type(value).__name__}"
 
 
-def graph_of(model):
+def graph_of(model, tracer=None):
     """The graph IR of a functional model, with its recorded annotations
-    and the first batch's per-replica rows (what planning passes plan for)."""
-    graph = graph_of_model(model, "apply_passes")
+    and the first batch's per-replica rows (what planning passes plan for).
+    `tracer`: the `Tracer` the passes trace more of it with (`graph.tracer`),
+    and that reads a functional model without a graph."""
+    graph = graph_of_model(model, "apply_passes", tracer)
+    graph.tracer = tracer
     graph.batch_rows = first_batch_rows(model, graph.input_specs)
     return graph
 
 
-def graph_of_model(model, caller):
+def graph_of_model(model, caller, tracer=None):
     """A graph of the functional `model` to edit (its own, copied, for a
-    converted or passed model; read from its layers otherwise). `caller`
-    names the function in errors."""
+    converted or passed model; read from its layers otherwise, traced with
+    `tracer`, the one in use by default). `caller` names the function in
+    errors."""
     functional = isinstance(model, keras.Model) and _compat.is_graph_model(model)
     sequential = isinstance(model, keras.Sequential)
     if not (functional or sequential):
@@ -382,7 +395,7 @@ def graph_of_model(model, caller):
         ) from error
     specs = keras.tree.map_structure(_spec_of_input, model_inputs)
     try:
-        graph = trace_model(_plain_view(model), specs)
+        graph = trace_model(_plain_view(model), specs, tracer=tracer)
     except TraceError as error:  # pragma: no cover - functional models trace
         raise PassError(f"Cannot read the graph of `{model.name}`: {error.reason}")
     for node in graph.nodes:

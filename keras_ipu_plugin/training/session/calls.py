@@ -31,18 +31,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ipu_plugin.frontend import inputs as inputs_lib
-from keras_ipu_plugin.frontend.convert import one_conversion_at_a_time
 from keras_ipu_plugin.frontend.convert import Converter
-from keras_ipu_plugin.frontend.state import guarded
 from keras_ipu_plugin.frontend.convert import as_tensors
-from keras_ipu_plugin.runtime.functional import adopt_call_semantics
-from keras_ipu_plugin.ir.graph import Graph
-from keras_ipu_plugin.ir.graph import Value
-from keras_ipu_plugin.report import Report
-from keras_ipu_plugin.frontend.trace.tracer import TraceError
 from keras_ipu_plugin.layers.user_code import takes_training
-from keras_ipu_plugin.frontend.verify.equivalence import check_equivalent
-from keras_ipu_plugin.runtime.rebuild import rebuild
 
 
 @dataclass(frozen=True)
@@ -279,55 +270,14 @@ def convert_call(callee, call, *, verify=True, signature=None, static_batch=Fals
 def _convert_bound_call(callee, call, converter, signature):
     """A graph taking every tensor of the call by name: `callee.call`'s body
     traced with the other arguments (`mask=`) as inputs too, checked against
-    the callee called the ordinary way."""
+    the callee called the ordinary way (`Converter.convert_call`)."""
     tensors = {name: as_tensors(t) for name, t in call.tensors().items()}
     specs = signature.specs(call)
-    reference = BoundCall(callee, call)
-    with one_conversion_at_a_time():
-        return _convert_bound_call_now(callee, call, converter, tensors, specs, reference)
-
-
-def _convert_bound_call_now(callee, call, converter, tensors, specs, reference):
-    # As `Converter.convert`: nothing of the trace and the checks (nodes,
-    # counters, seed draws) stays on the user's model; a failure leaves it
-    # exactly as it was.
-    def convert(state):
-        converted, report = _traced_bound_call(callee, call, tensors, specs, reference,
-                                               converter.tracer)
-        if converter.verify:
-            report.add_verification(
-                callee.name, check_equivalent(reference, converted, tensors))
-        converted.kip_report = report
-        return converted
-
-    return guarded(callee, convert)
-
-
-def _traced_bound_call(callee, call, tensors, specs, reference, tracer):
-    """`(graph model, report)` of `callee.call`'s body traced with every
-    tensor of `call` as a named input."""
     inputs = {name: spec.keras_input() for name, spec in specs.items()}
-    values = {name: Value(None, 0, tensor) for name, tensor in inputs.items()}
-    placeholders = {id(inputs[name]): values[name] for name in inputs}
     (traced_inputs,), kwargs = BoundCall.fill(call, inputs).as_call()
     kwargs.pop("training", None)
-    report = Report()
-    try:
-        nodes, outputs = tracer.trace(
-            callee, (traced_inputs,), kwargs, placeholders, training=None, prefix="")
-        graph = Graph(specs, values, nodes, outputs, name=callee.name)
-        converted = rebuild(graph, name=f"{callee.name}_functional")
-        adopt_call_semantics(converted, reference)
-        for node in graph.nodes:
-            report.add("convert", node.name, "traced", type(node.operation).__name__)
-    except TraceError as error:
-        # The body cannot be traced with these arguments: the callee is
-        # one node of the graph, called with them as the step calls it.
-        converted = Converter(verify=False, tracer=tracer).convert(
-            reference, (tensors,), specs=specs)
-        report = converted.kip_report
-        report.add_opaque(callee.name, error.reason)
-    return converted, report
+    return converter.convert_call(callee, BoundCall(callee, call), inputs,
+                                  ((traced_inputs,), kwargs), tensors, specs)
 
 
 class BoundCall(keras.Model):

@@ -246,6 +246,24 @@ def test_a_tracer_given_by_keyword_decides_conversion_passes_and_plugin_model():
         block.inner for block in model.blocks]
 
 
+def test_the_passes_get_the_tracer_of_apply_passes_with_the_graph_not_from_the_thread():
+    """The tracer `apply_passes` is given reaches each pass with the graph it
+    edits (`graph.tracer`), not through the tracer in use on the thread: a
+    pass of one's own that runs Expand under another tracer's block still
+    expands with the tracer `apply_passes` was given."""
+
+    class ExpandUnderTheDefaultTracer(kip.passes.Pass):
+        def run(self, graph, report):
+            with DEFAULT_TRACER.tracing():
+                return Expand("all").run(graph, report)
+
+    model, x = _model()
+    converted = kip.convert_to_functional(model, x, tracer=KeepInner())
+    expanded = kip.apply_passes(converted, [ExpandUnderTheDefaultTracer()], tracer=KeepInner())
+    assert [op for op in _operations(expanded) if isinstance(op, Inner)] == [
+        block.inner for block in model.blocks]
+
+
 class PositionsOfHeads(layers.Layer):
     """keras_hub's T5 attention: a position table as long as heads reshaped
     to `(batch_size, -1, ...)`, which the unknown batch size leaves unknown:

@@ -668,7 +668,7 @@ def test_a_model_whose_training_structure_cannot_be_held_is_refused_up_front(cas
     assert "it trains" not in message and "still trains" not in message, message
     assert f"under training={failing} fails" in message, message
     if not config:
-        assert "test_training_branches.py" in message, message  # where `call` branches
+        assert "test_training_modes.py" in message, message  # where `call` branches
     before = [v.numpy() for v in model.weights]
     trainee = kip.PluginModel(model)
     trainee.compile(optimizer=keras.optimizers.Adam(0.01),
