@@ -718,10 +718,12 @@ def _initial_weights(case):
 
 
 #: kip's documented refusals that reach the user as TensorFlow's or
-#: Python's own errors: a batch that microbatches cannot split evenly is
-#: checked inside the traced step (a graph-mode assertion) or as the step
-#: splits it (docs/reference.md, Pipelined training).
-DOCUMENTED_REFUSALS = ("equal microbatches; use a batch size that",)
+#: Python's own errors: a batch of fewer rows than its microbatches (a
+#: partial last batch of one row, with two) is refused as the step is traced
+#: where its size is known, else by a graph-mode assertion inside the traced
+#: step; under XLA, which drops assertions, it trains (docs/reference.md,
+#: Pipelined training).
+DOCUMENTED_REFUSALS = ("microbatches, so a microbatch would be empty",)
 
 
 def _is_kip_error(error):

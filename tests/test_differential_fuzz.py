@@ -283,8 +283,8 @@ def test_a_difference_only_a_graph_rewrite_makes_is_documented_not_a_failure():
     assert fuzz.run_case(case, train_fn=other_variables)["status"] == "fail"
 
 
-def test_a_batch_microbatches_cannot_split_is_a_refusal_not_a_failure():
-    """kip refuses a partial last batch that its microbatches cannot split
+def test_a_batch_smaller_than_its_microbatches_is_a_refusal_not_a_failure():
+    """kip refuses a partial last batch of fewer rows than its microbatches
     with TensorFlow's assertion error (checked inside the traced step), as
     documented: the fuzzer counts it as refused; any other error of
     TensorFlow's is a failure."""
@@ -297,8 +297,10 @@ def test_a_batch_microbatches_cannot_split_is_a_refusal_not_a_failure():
             return {"model/dense/kernel": np.array([0.0], "float32")}, {}
         return train
 
-    split = ("PipelineStages(microbatches=2): a batch of 3 rows (`x`) cannot be split into 2 "
-             "equal microbatches; use a batch size that 2 divides")
+    split = ("assertion failed: [PipelineStages(microbatches=2): a batch of] [1] [rows (`x`) "
+             "is smaller than its 2 microbatches, so a microbatch would be empty; use a batch "
+             "size of at least 2 (drop_remainder=True on a dataset whose last batch would be "
+             "smaller), or fewer microbatches.]")
     case = fuzz.generate_case(0)
     assert fuzz.run_case(case, train_fn=refusing(split))["status"] == "refused"
     assert fuzz.run_case(case, train_fn=refusing("Incompatible shapes"))["status"] == "fail"

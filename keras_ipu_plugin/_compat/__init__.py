@@ -31,6 +31,7 @@ from keras_ipu_plugin._compat.keras_graphs import (  # noqa: F401
     Operation,
     batch_index_operations,
     broadcast_to_operation,
+    converts_input_args,
     copied_operation,
     forget_nodes,
     in_shape_inference,

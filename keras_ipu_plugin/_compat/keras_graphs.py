@@ -94,6 +94,13 @@ class node_lists_snapshot:
             del layer._outbound_nodes[n_out:]
 
 
+def converts_input_args(layer):
+    """Whether `layer.__call__` converts its inputs' dtypes before `call`
+    (`_convert_input_args`: True for layers and subclassed models, False
+    for functional models, which leave it to their layers)."""
+    return bool(getattr(layer, "_convert_input_args", True))
+
+
 def set_keras_mask(tensor, mask):
     from keras.src import backend
 

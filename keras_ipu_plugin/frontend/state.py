@@ -45,7 +45,7 @@ class VariableValues:
                 self._values.append((variable, _read(variable)))
 
     def changed(self):
-        return [v for v, value in self._values if not _same(_read(v), value)]
+        return [v for v, value in self._values if not _same(_now(v), value)]
 
     def handle_ids(self):
         """The ids of the resource tensors behind the variables (what
@@ -54,13 +54,18 @@ class VariableValues:
             self._handle_ids = {id(h) for v, _ in self._values for h in handles_of(v)}
         return self._handle_ids
 
-    def changed_values(self):
-        """`{id(variable): (variable, its value now)}` for those changed."""
+    def changed_values(self, put_back=False):
+        """`{id(variable): (variable, its value now)}` for those changed;
+        `put_back`: and put them back (each variable read once, where
+        `restore()` after would read every one again)."""
         found = {}
         for variable, value in self._values:
-            now = _read(variable)
+            now = _now(variable)
             if not _same(now, value):
-                found[id(variable)] = (variable, now)
+                found[id(variable)] = (variable, np.array(now, copy=True))
+                if put_back:
+                    with strategy_owning([variable]).scope():
+                        variable.assign(value)
         return found
 
     def restore(self):
@@ -68,7 +73,7 @@ class VariableValues:
         # assignment can itself fail (a mirrored variable outside its
         # strategy's scope).
         for variable, value in self._values:
-            if not _same(_read(variable), value):
+            if not _same(_now(variable), value):
                 with strategy_owning([variable]).scope():
                     variable.assign(value)
 
@@ -114,7 +119,7 @@ class NewVariables:
         recording back to their values at creation."""
         wanted = {id(_compat.backing_variable(v)) for v in variables}
         for variable, value in self._records:
-            if id(variable) in wanted and value is not None and not _same(_read(variable), value):
+            if id(variable) in wanted and value is not None and not _same(_now(variable), value):
                 variable.assign(value)
 
 
@@ -525,16 +530,33 @@ _MISSING = object()
 
 
 def _read(variable):
+    """A copy of `variable`'s value, to keep."""
     return np.array(variable.numpy(), copy=True)
 
 
+def _now(variable):
+    """`variable`'s value, to compare at once and drop: no copy of its own
+    (on a model's worth of weights, compared before every verification
+    run, the copies took as long as the runs)."""
+    return np.asarray(variable.numpy())
+
+
 def _same(a, b):
-    """Exactly equal, NaN included (a variable holding NaN is unchanged)."""
+    """Exactly equal, bit for bit: NaN included (a variable holding NaN is
+    unchanged)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.kind == "O":
         return bool(np.array_equal(a, b))
-    return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(_bits(a), _bits(b)))
+
+
+def _bits(array):
+    """`array`'s bytes as unsigned integers of its item size, a view where
+    it is contiguous (comparing them needs no copy, unlike `tobytes`)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(flat.dtype.itemsize)
+    return flat.view(unsigned or np.uint8)
 
 
 __all__ = ["ModelState", "VariableValues", "NewVariables", "replay_state"]

@@ -1071,3 +1071,30 @@ def test_a_keyboard_interrupt_at_any_moment_of_a_conversion_in_fit_leaves_no_nod
         fit, x, make_model, points=6, tail=12,
         within=TrainingSession.add_conversion.__code__, whole_model=entry == "model")
     assert len(missed) <= (interrupted + len(missed)) // 5, missed
+
+
+def test_variable_values_see_every_bit_and_put_back_what_changed_in_one_pass():
+    """What verification puts back between its runs: a change is any
+    change of bits (-0.0 is not 0.0; a NaN left as it was is no change),
+    in any dtype, and `changed_values(put_back=True)` returns what was
+    written while putting the saved values back."""
+    from keras_ipu_plugin.frontend.state import VariableValues
+
+    floats = keras.Variable(np.array([0.0, np.nan, 1.5], "float32"), name="floats")
+    halves = keras.Variable(np.array([[1.0, 2.0]], "float16"), name="halves")
+    count = keras.Variable(np.int64(3), name="count", trainable=False)
+    flag = keras.Variable(np.array([True, False]), name="flag", trainable=False)
+    values = VariableValues([floats, halves, count, flag])
+    floats.assign(np.array([0.0, np.nan, 1.5], "float32"))  # the same bits
+    assert values.changed_values() == {}
+    floats.assign(np.array([-0.0, np.nan, 1.5], "float32"))
+    halves.assign(np.array([[1.0, 2.5]], "float16"))
+    count.assign(4)
+    flag.assign(np.array([True, True]))
+    changed = values.changed_values(put_back=True)
+    assert {variable.name for variable, _ in changed.values()} == {
+        "floats", "halves", "count", "flag"}
+    assert np.signbit(changed[id(floats)][1][0]) and changed[id(count)][1] == 4
+    assert values.changed_values() == {}
+    assert not np.signbit(floats.numpy()[0]) and int(count.numpy()) == 3
+    np.testing.assert_array_equal(flag.numpy(), [True, False])

@@ -355,7 +355,8 @@ def trace_once(trace, training, pinned, opaque_layers):
             trace.hold_attributes(view)
         with _compat.call_context(layer, training):
             try:
-                outputs = _traced_call(layer, view)(*trace.args, **kwargs)
+                args, kwargs = _as_call_receives(layer, trace.args, kwargs)
+                outputs = _traced_call(layer, view)(*args, **kwargs)
                 # every write `call` made is before an output (`writes.py`)
                 outputs = trace.writes.finish(outputs)
             except TraceError:
@@ -369,6 +370,28 @@ def trace_once(trace, training, pinned, opaque_layers):
         return collect_nodes(outputs, trace.placeholders, trace.prefix, pinned,
                              opaque_layers, trace.read_names, trace.anchor,
                              trace.none_leaves, owner=layer)
+
+
+def _as_call_receives(layer, args, kwargs):
+    """`args` and `kwargs` as Keras's `Layer.__call__` hands them to `call`:
+    a floating input cast to the layer's input dtype where the layer
+    autocasts (a `mixed_float16` layer's `call` computes in float16 on a
+    float32 input), its Keras mask kept. Traced without it, the body of a
+    layer with a policy other than its input's computed in the input's
+    dtype: the same ops, other rounding."""
+    if not _compat.converts_input_args(layer):
+        return args, kwargs
+
+    def convert(leaf):
+        if not isinstance(leaf, keras.KerasTensor):
+            return leaf
+        converted = layer.dtype_policy.convert_input(leaf, layer.autocast, layer.input_dtype)
+        mask = _compat.keras_mask(leaf)
+        if converted is not leaf and mask is not None:
+            _compat.set_keras_mask(converted, mask)
+        return converted
+
+    return keras.tree.map_structure(convert, args), keras.tree.map_structure(convert, kwargs)
 
 
 def _traced_call(layer, view):

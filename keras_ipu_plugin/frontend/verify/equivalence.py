@@ -57,6 +57,12 @@ tells which rows to leave out), and a model with a fixed batch size, or
 an original that fails on fewer rows (a batch size written in its code), is
 verified on the whole batch.
 
+Every run starts from the same values of every variable both models hold,
+a whole model's weights: they are compared bit for bit in place (no copy),
+and read once after a run, what it wrote being put back in the same pass
+(`_Variables`). Copied and compared as bytes before and after each run,
+they took about as long as the runs on a BERT (docs/benchmarks.md).
+
 The parts are modules of their own: running a model for its outputs and
 gradients (`runs.py`), and which rows are verified and how two runs' values
 are compared (`compare.py`).
@@ -193,7 +199,7 @@ def check_equivalent(
     # a kernel: PixelCNN's mask), starts each run as it was, so that what a
     # call writes can be compared (`_compare_writes`).
     mode = RunMode(original)
-    state = VariableValues(_shared_variables(original, converted))
+    state = _Variables(_shared_variables(original, converted))
     # TensorFlow's stateful draws (`tf.random.normal(shape)`, no seed
     # generator) are recorded in each run of the original and handed out
     # again, in order, to the run of the converted model, which thus sees
@@ -204,7 +210,7 @@ def check_equivalent(
 
         def run(model, x, variables, role, tape=True, run_training=training):
             replay()
-            state.restore()
+            state.before_run()
             if before_each_run is not None:
                 before_each_run()
             draws.record() if role == "original" else draws.replay()
@@ -220,9 +226,9 @@ def check_equivalent(
             run, original, x, variables, rows, verification, fixed, tolerance=tolerance
         )
         refuse_untracked_variables(original, reference.watched)
-        written = state.changed_values()
+        written = state.changes()
         result = run(converted, x, variables, role=what)
-        _compare_writes(written, state.changed_values(), tolerance, what, verification)
+        _compare_writes(written, state.changes(), tolerance, what, verification)
         # What `fit`'s forward pass writes (statistics, counters, seed
         # states), which an inference run never shows; compared last, after
         # the inference and mode checks, whose differences are the clearer.
@@ -349,8 +355,35 @@ def _shared_variables(original, converted):
     return found
 
 
+class _Variables(VariableValues):
+    """The variables both models hold, as verification puts them back
+    before each run: a whole model's weights, so each is read as few times
+    as can be. `changes()` after a run reads each once and puts back what
+    the run wrote; the next run then starts from the saved state without
+    reading them again (`before_run`)."""
+
+    def __init__(self, variables):
+        super().__init__(variables)
+        self.as_saved = True  # nothing ran since they were last compared or put back
+
+    def before_run(self):
+        if not self.as_saved:
+            self.restore()
+        self.as_saved = False
+
+    def changes(self):
+        """What the last run wrote (`changed_values`), put back."""
+        found = self.changed_values(put_back=True)
+        self.as_saved = True
+        return found
+
+    def restore(self):
+        super().restore()
+        self.as_saved = True
+
+
 class _restoring:
-    """Puts `state` (a `VariableValues`) back on leaving, error or not."""
+    """Puts `state` (a `_Variables`) back on leaving, error or not."""
 
     def __init__(self, state):
         self.state = state
@@ -360,7 +393,8 @@ class _restoring:
 
     def __exit__(self, *exc_info):
         try:
-            self.state.restore()
+            if not self.state.as_saved:
+                self.state.restore()
         except Exception:  # the block's own error is the one to see
             if exc_info[0] is None:
                 raise
@@ -387,11 +421,10 @@ def _training_step_runs(run, state, original, converted, x, what, step_training=
     for model, role in ((original, "original"), (converted, what)):
         with UndoneWrites() as unowned:
             outcome = run(model, x, [], role=role, tape=False, run_training=step_mode)
-            owned = state.changed_values()
+            owned = state.changes()
             others = {key: value for key, value in unowned.written_values().items()
                       if key not in held}
         runs.append((outcome, owned, others))
-    state.restore()
     return step_mode, runs
 
 

@@ -3,7 +3,8 @@ gradients in the form the whole batch's takes (the pipelined step's
 arithmetic, `training/pipelined/step.py`).
 
 Example:
-    >>> xs = split(x, 4, "x")                  # 4 equal row slices
+    >>> sizes = slice_sizes(batch_rows(x, 4), 4)   # 10 rows: [3, 3, 2, 2]
+    >>> xs = split(x, sizes, "x")
     >>> gradient = summed([g0, g1, g2, g3], rows={id(t) for t in xs})
 """
 
@@ -28,38 +29,85 @@ def per_variable(trainable, weights, value_gradients, variable_gradients):
     return merged
 
 
-def split(structure, count, what):
-    """`count` structures of equal row slices of `structure`'s tensors (a
-    None stays None in each)."""
+def batch_rows(x, count):
+    """The rows of batch `x` (its first tensor's): a Python int where the
+    shape is known as the step is traced, else a scalar tensor. A batch of
+    fewer rows than `count` microbatches is refused: a Python error where
+    the rows are known, else an assertion that the row counts depend on.
+
+    XLA drops assertions. Under `jit_compile=True` with a batch size the
+    trace does not know, a batch smaller than `count` therefore trains,
+    and the step keeps that exact (`_Run` in step.py: an empty microbatch
+    adds no loss, no gradient and writes no variable).
+
+    Example:
+        >>> batch_rows(np.zeros((10, 3)), 4)
+        10
+    """
+    first = next((leaf for leaf in tf.nest.flatten(x) if leaf is not None), None)
+    if first is None:
+        raise ValueError(f"PipelineStages(microbatches={count}): the batch has no `x` to split.")
+    tensor = tf.convert_to_tensor(first)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"PipelineStages(microbatches={count}): `x` holds a scalar; "
+                         "it cannot be split into microbatches.")
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    if rows is None and tf.executing_eagerly():
+        rows = int(tf.shape(tensor)[0])
+    if rows is not None:
+        if rows < count:
+            raise ValueError(f"{_TOO_SMALL[0].format(count=count)} {rows} "
+                             f"{_TOO_SMALL[1].format(count=count)}")
+        return rows
+    rows = tf.shape(tensor)[0]
+    check = tf.debugging.Assert(tf.greater_equal(rows, count), [
+        _TOO_SMALL[0].format(count=count), rows, _TOO_SMALL[1].format(count=count)])
+    with tf.control_dependencies([check]):
+        return tf.identity(rows)
+
+
+#: The refusal of a batch smaller than its microbatches, around its rows.
+_TOO_SMALL = ("PipelineStages(microbatches={count}): a batch of",
+              "rows (`x`) is smaller than its {count} microbatches, so a microbatch would be "
+              "empty; use a batch size of at least {count} (drop_remainder=True on a dataset "
+              "whose last batch would be smaller), or fewer microbatches.")
+
+
+def slice_sizes(rows, count):
+    """The rows of each of `count` microbatches of a batch of `rows` rows
+    (an int, or a scalar tensor for a batch size known only when the step
+    runs): as equal as possible, the first `rows % count` one row longer.
+
+    Example:
+        >>> slice_sizes(10, 4)
+        [3, 3, 2, 2]
+    """
+    base, longer = rows // count, rows % count
+    if isinstance(rows, int):
+        return [base + (1 if m < longer else 0) for m in range(count)]
+    return [base + tf.cast(m < longer, rows.dtype) for m in range(count)]
+
+
+def split(structure, sizes, what):
+    """`len(sizes)` structures of consecutive row slices of `structure`'s
+    tensors, slice m of `sizes[m]` rows (a None stays None in each). Under
+    XLA the sizes, computed from the batch's shape, are compile-time
+    constants."""
+    count = len(sizes)
     if structure is None:
         return [None] * count
-    leaves = tf.nest.flatten(structure)
+    static = all(isinstance(size, int) for size in sizes)
+    split_sizes = sizes if static else tf.stack(sizes)
     pieces = []
-    for leaf in leaves:
+    for leaf in tf.nest.flatten(structure):
         if leaf is None:
             pieces.append([None] * count)
             continue
         tensor = tf.convert_to_tensor(leaf)
-        rows = tensor.shape[0] if tensor.shape.rank else None
         if tensor.shape.rank == 0:
             raise ValueError(f"PipelineStages(microbatches={count}): `{what}` holds a scalar; "
                              "it cannot be split into microbatches.")
-        if rows is not None and rows % count:
-            raise ValueError(
-                f"PipelineStages(microbatches={count}): a batch of {rows} rows (`{what}`) "
-                f"cannot be split into {count} equal microbatches; use a batch size that "
-                f"{count} divides (drop_remainder=True on a dataset whose size it does not).")
-        if rows is None and not tf.executing_eagerly():
-            batch = tf.shape(tensor)[0]
-            check = tf.debugging.Assert(
-                tf.equal(tf.math.floormod(batch, count), 0),
-                [f"PipelineStages(microbatches={count}): a batch of", batch,
-                 f"rows (`{what}`) cannot be split into {count} equal microbatches; use a "
-                 f"batch size that {count} divides (drop_remainder=True on a dataset whose "
-                 f"size it does not)."])
-            with tf.control_dependencies([check]):
-                tensor = tf.identity(tensor)
-        pieces.append(tf.split(tensor, count, axis=0))
+        pieces.append(tf.split(tensor, split_sizes, num=count, axis=0))
     return [tf.nest.pack_sequence_as(structure, [p[m] for p in pieces]) for m in range(count)]
 
 
@@ -119,4 +167,4 @@ def _depends_on(tensor, sources):
     return False
 
 
-__all__ = ["per_variable", "split", "summed"]
+__all__ = ["batch_rows", "per_variable", "slice_sizes", "split", "summed"]

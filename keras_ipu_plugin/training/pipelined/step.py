@@ -7,13 +7,15 @@ session's passes, the train function of PluginModel, PluginCallback and
 kip.scope runs this step instead of Keras's `train_step`:
 
 1. the batch (x, y, sample weights; class weights are sample weights by
-   then) is split into M equal microbatches: a batch size M does not divide
-   is an error naming both;
+   then) of B rows is split into M microbatches of consecutive rows, as
+   equal as possible (the first B % M one row longer: a partial last batch
+   trains); a batch of fewer than M rows is an error naming both
+   (`microbatches.batch_rows`);
 2. for each microbatch, each stage s runs its forward pass under its own
    `tf.GradientTape` inside `tf.device(devices[s])`; the loss of the
    microbatch (Keras's `compute_loss`, weight regularization included) is
-   taken on the last stage's device, weighted by the microbatch's share
-   (1/M: the loss is a mean over the batch);
+   taken on the last stage's device, weighted by the microbatch's share of
+   the batch's rows (the loss is a mean over the batch);
 3. the backward pass of each stage is its own `tape.gradient(stage outputs,
    [stage inputs] + weights, output_gradients=...)`, on the stage's device:
    a stage's forward and backward ops sit on its device and only the tensors
@@ -70,7 +72,8 @@ from keras_ipu_plugin.training.session.calls import CallArguments
 from keras_ipu_plugin.training.pipelined import microbatches
 
 #: Loss reductions that are means over the batch's entries: the whole
-#: batch's loss is the mean of M equal microbatches' losses.
+#: batch's loss is the sum of the microbatches' losses, each weighed by its
+#: share of the batch's rows.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 #: Activity regularizers that add over a layer's output entries; Keras
 #: divides their value by the batch size, so they are means over the batch.
@@ -234,9 +237,17 @@ class _Run:
         self.num_stages = self.staged.num_stages
         self.devices = owner.stage_devices(model)
         self.x, self.y, self.sample_weight = x, y, sample_weight
-        self.xs = microbatches.split(x, self.count, "x")
-        self.ys = microbatches.split(y, self.count, "y")
-        self.ws = microbatches.split(sample_weight, self.count, "sample_weight")
+        self.rows = microbatches.batch_rows(x, self.count)
+        self.sizes = microbatches.slice_sizes(self.rows, self.count)
+        # Where the batch size is known only when the step runs, a batch
+        # smaller than the microbatches is refused by an assertion, which
+        # XLA drops: there each microbatch's contributions are kept only if
+        # it has rows, so that an empty one changes nothing.
+        self.nonempty = (None if isinstance(self.rows, int)
+                         else [tf.greater(size, 0) for size in self.sizes])
+        self.xs = microbatches.split(x, self.sizes, "x")
+        self.ys = microbatches.split(y, self.sizes, "y")
+        self.ws = microbatches.split(sample_weight, self.sizes, "sample_weight")
         self.trainable = list(proxy.trainable_weights)
         self.state = union_of_variables(
             list(session_variables(owner.session)) + list(model.variables),
@@ -300,7 +311,7 @@ class _Run:
                 with _compat.stateless_scope(weights, collect_losses=True) as scope:
                     self.staged.run_stage(stage, tensors, self.owner.training)
                 losses = list(scope.losses)
-            self._write_back(scope, f"stage {stage.index}", weights)
+            self._write_back(scope, f"stage {stage.index}", m, weights)
         self._check_added_losses(losses, stage)
         outputs = {i: tensors[i] for i in stage.outputs}
         arrived = []
@@ -364,7 +375,8 @@ class _Run:
                     "equal the whole batch's. Not supported yet.")
         outputs = [i for i in ids if _differentiable(self.values[m][i])]
         added = [loss for s in range(self.num_stages) for loss in self.forward[(s, m)][3]]
-        with _on(self.devices[-1]), tf.name_scope(f"L_{m}"):
+        with _on(self.devices[-1]), tf.name_scope(f"L_{m}"), \
+                tf.variable_creator_scope(_off_the_stage_device):
             with tf.GradientTape() as tape:
                 for i in outputs:
                     tape.watch(self.values[m][i])
@@ -381,14 +393,16 @@ class _Run:
                         sample_weight=self.ws[m], training=True)
                 if added:
                     loss = loss + tf.add_n([tf.cast(a, loss.dtype) for a in added])
-                share = loss / self.count
+                share = loss * self._fraction(m, loss.dtype)
+                if self.nonempty is not None:
+                    share = tf.where(self.nonempty[m], share, tf.zeros_like(share))
                 scaled = share
                 if self.proxy.optimizer is not None:
                     scaled = self.proxy.optimizer.scale_loss(share)
-            self._write_back(scope, "the loss", regularized)  # per-output loss trackers
+            self._write_back(scope, "the loss", m, regularized, trackers=True)
             sources = [self.values[m][i] for i in outputs] + added + self.trainable
             gradients = tape.gradient(scaled, sources)
-            self._accumulate(gradients[len(outputs) + len(added):])
+            self._accumulate(gradients[len(outputs) + len(added):], m)
         self.losses[m] = share
         for i, g in zip(outputs, gradients):
             self._seed(m, i, g)
@@ -433,7 +447,7 @@ class _Run:
             merged = microbatches.per_variable(
                 self.trainable, weights, gradients[len(watched):len(watched) + len(weights)],
                 gradients[len(watched) + len(weights):])
-            sums = self._accumulate(merged)
+            sums = self._accumulate(merged, m)
             if m == self.count - 1 and arrived:
                 self._hold_sums_until(arrived, merged)
         # The stage's next backward waits on the sums too: one microbatch's
@@ -470,16 +484,17 @@ class _Run:
             count = len(self.forward[(s, m)][3])
             self.loss_seeds[(s, m)], gradients = gradients[:count], gradients[count:]
 
-    def _accumulate(self, gradients):
-        """Add a stage's (or the loss's) weight gradients to the sums, on its
-        device. Dense ones are summed as they come, so one gradient per
-        weight stays alive rather than one per microbatch; IndexedSlices are
-        kept to be joined as the whole batch's would be (`microbatches.summed`).
-        Returns the sums it made."""
+    def _accumulate(self, gradients, m):
+        """Add a stage's (or the loss's) weight gradients of microbatch m to
+        the sums, on its device. Dense ones are summed as they come, so one
+        gradient per weight stays alive rather than one per microbatch;
+        IndexedSlices are kept to be joined as the whole batch's would be
+        (`microbatches.summed`). Returns the sums it made."""
         sums = []
         for parts, g in zip(self.grads, gradients):
             if g is None:
                 continue
+            g = self._if_rows(m, g)
             if isinstance(g, tf.IndexedSlices) or not parts or isinstance(
                     parts[-1], tf.IndexedSlices):
                 parts.append(g)
@@ -488,11 +503,42 @@ class _Run:
                 sums.append(parts[-1])
         return sums
 
+    def _fraction(self, m, dtype):
+        """Microbatch m's share of the batch's rows, by which its loss (a
+        mean over its rows) is weighed: the weighed losses add up to the
+        mean over the batch, and a weight regularizer's term, the same in
+        each microbatch's loss, to itself once."""
+        if isinstance(self.rows, int):
+            return tf.constant(self.sizes[m] / self.rows, dtype)
+        return tf.cast(self.sizes[m], dtype) / tf.cast(self.rows, dtype)
+
+    def _if_rows(self, m, value, otherwise=None):
+        """`value` where microbatch m has rows, else `otherwise` (zeros):
+        only a batch size unknown until the step runs, under XLA (which
+        drops the assertion refusing a batch smaller than the microbatches),
+        can leave a microbatch empty (`self.nonempty`)."""
+        if self.nonempty is None:
+            return value
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(self._if_rows(m, value.values), value.indices,
+                                    value.dense_shape)
+        value = tf.convert_to_tensor(value)
+        otherwise = tf.zeros_like(value) if otherwise is None else otherwise
+        return tf.where(self.nonempty[m], value, otherwise)
+
     # -- state -----------------------------------------------------------------
-    def _write_back(self, scope, where, given=()):
-        """Assign what a stage (or the loss) wrote inside its stateless
-        scope: moving statistics, seed states, loss trackers. `given`: the
-        `(variable, value)` pairs the scope was made with (no writes)."""
+    def _write_back(self, scope, where, m, given=(), trackers=False):
+        """Assign what a stage (or the loss) wrote for microbatch m inside
+        its stateless scope: moving statistics, seed states, loss trackers.
+        `given`: the `(variable, value)` pairs the scope was made with (no
+        writes). An empty microbatch writes nothing (`_if_rows`).
+
+        `trackers`: the writes are the compiled loss's per-output `Mean`
+        trackers. Keras weighs each update by the batch's static row count,
+        or by 1 where the shape is unknown (a partial last batch in a
+        traced `fit`): so where the microbatches' sizes are unknown too,
+        each microbatch's update (value and count) is weighed by its share
+        of the batch's rows, and together they make the batch's one update."""
         given = {id(variable): value for variable, value in given}
         for variable in self.state:
             value = scope.get_current_value(variable)
@@ -503,6 +549,12 @@ class _Run:
                     f"PipelineStages(microbatches={self.count}): {where} of "
                     f"`{self.model.name}` writes the trainable variable `{variable.path}` in "
                     "its forward pass; the pipelined step does not support that yet.")
+            if self.nonempty is not None:
+                old = _compat.stored_value(variable)
+                value = tf.convert_to_tensor(value, old.dtype)
+                if trackers and old.dtype.is_floating:  # Keras's Mean: total, count
+                    value = old + (value - old) * self._fraction(m, old.dtype)
+                value = self._if_rows(m, value, old)
             variable.assign(value)
 
     def _check_added_losses(self, losses, stage):
@@ -609,6 +661,15 @@ def _check_loss_reductions(proxy, count):
 
 def _differentiable(tensor):
     return tf.is_tensor(tensor) and (tensor.dtype.is_floating or tensor.dtype.is_complex)
+
+
+def _off_the_stage_device(next_creator, **kwargs):
+    """A variable made inside a stage's device scope where Keras would make
+    it: the compiled loss makes its per-output loss trackers in its first
+    call, which the pipelined step makes on the last stage's device; pinned
+    there, XLA (one cluster on one device) cannot reach them."""
+    with tf.device(None):
+        return next_creator(**kwargs)
 
 
 def _on(device):

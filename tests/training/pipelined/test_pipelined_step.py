@@ -500,23 +500,6 @@ def test_bad_settings_are_refused(kwargs, field):
 
 # -- refusals --------------------------------------------------------------------------
 
-def test_a_batch_size_microbatches_do_not_divide_is_an_error_naming_both():
-    x, y = _data(18)
-    model = kip.PluginModel(Tower(), passes=[_pipelined()])
-    _compile(model)
-    model.run_eagerly = True
-    with pytest.raises(ValueError, match=r"batch of 18 rows.*4 equal microbatches"):
-        model.fit(x, y, batch_size=18, epochs=1, verbose=0)
-
-
-def test_a_last_partial_batch_is_an_error_in_graph_mode():
-    x, y = _data(22)  # batches of 16 and 6
-    model = kip.PluginModel(Tower(), passes=[_pipelined()])
-    _compile(model)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"4 equal microbatches"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
-
-
 def test_a_custom_train_step_is_refused():
     x, y = _data(16)
     model = kip.PluginModel(OwnStep(), passes=[_pipelined()])
