@@ -31,6 +31,16 @@ Variants, each in its own process (peak memory is per process):
   and, for each peer, the kip point holding at most its step peak at no more
   than its step time, if any.
 
+For each `Recompute(auto=True)` plan (kip-auto, kip-budget, kip@B) the
+report also prints the optimum of the planner's own cost model: the
+smallest estimated peak any plan reaches with no more recomputation, where
+each Dense's activation split and each nested node's recomputation inside
+its layer are chosen per node with the checkpoints
+(`graph_planning.exact_optimum`, bounded by OPTIMUM_SECONDS), and the
+plan's estimate over it (goal: at most 1.05). `--plan-only` makes the plans
+and prints these figures without training anything (minutes on a loaded
+2-core machine, where the measured run takes most of an hour).
+
 A variant that fails (Keras's modes refuse MultiHeadAttention under
 `tf.recompute_grad` in a traced step) is printed as failing, with its error.
 
@@ -60,6 +70,7 @@ also prints any peer that holds as little as kip-auto at no more time.
     python benchmarks/remat_peers.py                    # all models, 3 rounds
     python benchmarks/remat_peers.py mlp --rounds 1 --variants keras-larger_than kip-auto
     python benchmarks/remat_peers.py mlp --clock cpu --budget 0.115 --variants keras-larger_than kip-budget
+    python benchmarks/remat_peers.py --plan-only --variants kip-auto   # estimates and optimum only
 """
 
 import argparse
@@ -75,6 +86,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS, ROUNDS, MAX_TIME, TIME_SLACK, BUDGET = 5, 3, 1.35, 1.05, 0.5
+#: How long the exact search for the optimum of the cost model may take
+#: per plan, and the goal for the plan's estimate over that optimum.
+OPTIMUM_SECONDS, OPTIMUM_GOAL = 300.0, 1.05
 #: The BERT backbone's step is about 0.1 s: over 5 steps one plan's median
 #: moved from 0.116 to 0.154 s between processes, more than the 1.05x goal,
 #: so it times 30 (about 3 s).
@@ -287,6 +301,11 @@ def child(model_name, variant):
             passes = [kip.passes.Recompute(auto=True, memory_budget=float(variant[4:]))]
         model = kip.apply_passes(model, passes, verify=False)
         plan = _plan_figures(model)
+        if plan is not None:
+            plan["optimum"] = _optimum(model, plan)
+    if os.environ.get("REMAT_PEERS_PLAN_ONLY"):
+        print(json.dumps({"plan": plan}))
+        return
     model.compile(optimizer="adam", loss=loss)
     device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
     model.fit(first, _rows(y, batch), batch_size=batch, epochs=2, verbose=0)  # trace, warm up
@@ -323,6 +342,30 @@ def _plan_figures(model):
                     ("peak", "baseline_peak", "budget", "extra_fraction", "checkpoints",
                      "inside", "kept", "planned_on")}
     return None
+
+
+def _optimum(model, figures):
+    """The optimum of the cost model beside the model's auto plan
+    (`graph_planning.exact_optimum`), planned again on the graph the passes
+    produced with the same budget in bytes, or why there is none."""
+    from keras_ipu_plugin.planning import exact_plan
+    from keras_ipu_plugin.planning import graph_planning
+    from keras_ipu_plugin.passes.infra.manager import graph_of
+
+    graph = graph_of(model)
+    choice = graph_planning.choose_recompute(graph, figures["budget"], "recompute",
+                                             budget=figures["budget"])
+    # The same plan as the pass made (else the comparison is of another plan).
+    if abs(choice.plan.peak - figures["peak"]) > 1e-6 * figures["peak"]:
+        return {"error": f"planned again: {choice.plan.peak:.0f} bytes, not "
+                         f"{figures['peak']:.0f}"}
+    try:
+        found = graph_planning.exact_optimum(choice, OPTIMUM_SECONDS)
+    except exact_plan.SolveTimeout:
+        return {"error": f"not found within {OPTIMUM_SECONDS:g} s", "nodes": len(graph.nodes)}
+    return {"peak": found.peak, "extra_fraction": found.extra_fraction,
+            "seconds": found.seconds, "nodes": len(graph.nodes),
+            "plan_extra_fraction": choice.plan.extra_fraction}
 
 
 def _step_times(keras):
@@ -374,14 +417,44 @@ def summarise(runs):
     good = [r for r in runs if "error" not in r]
     if not good:
         return {"error": runs[-1]["error"]}
+    if "step_peak" not in good[-1]:  # --plan-only
+        return {"plan": good[-1]["plan"]}
     return {"step_peak": statistics.median(r["step_peak"] for r in good),
             "step_s": statistics.median(r["step_s"] for r in good),
             "step_cpu_s": statistics.median(r["step_cpu_s"] for r in good),
             "plan": good[-1]["plan"], "device": good[-1]["device"], "rounds": len(good)}
 
 
+def optimum_report(results):
+    """Each auto plan's estimated peak beside the optimum of its cost model
+    at no more recomputation."""
+    mib = 2 ** 20
+    for name, r in results.items():
+        plan = r.get("plan") if "error" not in r else None
+        optimum = (plan or {}).get("optimum")
+        if not optimum:
+            continue
+        if "error" in optimum:
+            print(f"  {name}: optimum not known ({optimum['error']})")
+            continue
+        ratio = plan["peak"] / optimum["peak"]
+        print(f"  {name}: estimate {plan['peak'] / mib:.1f} MiB at "
+              f"{optimum['plan_extra_fraction']:.2f} of a forward pass recomputed; optimum "
+              f"{optimum['peak'] / mib:.1f} MiB at {optimum['extra_fraction']:.2f}; "
+              f"estimate / optimum {ratio:.3f} ({'within' if ratio <= OPTIMUM_GOAL else 'NOT within'}"
+              f" {OPTIMUM_GOAL}); {optimum['nodes']} nodes, solved in "
+              f"{optimum['seconds']:.1f} s")
+
+
 def report(model_name, results, clock="step_s"):
     mib = 2 ** 20
+    if all("step_peak" not in r for r in results.values() if "error" not in r):
+        print(f"\n== {model_name} ==  (plans only, nothing trained)")
+        for name, r in results.items():
+            if "error" in r:
+                print(f"  {name}: FAILS: {r['error']}")
+        optimum_report(results)
+        return
     base = results["none"]
     print(f"\n== {model_name} ==  (step peak: TensorFlow's allocator on "
           f"{base.get('device', '?')}, over what it held before the timed steps)")
@@ -397,6 +470,8 @@ def report(model_name, results, clock="step_s"):
               f"{r['step_cpu_s']:>8.3f}{r['step_cpu_s'] / base['step_cpu_s']:>8.2f}"
               + (f"{estimate / mib:>10.1f}{estimate / r['step_peak']:>11.2f}" if estimate else ""))
     frontier_report(results, clock)
+    print("optimum of the planner's cost model (at no more recomputation):")
+    optimum_report(results)
     auto = results.get("kip-auto")
     if not auto or "error" in auto or "error" in base:
         return
@@ -486,11 +561,19 @@ def main(argv=None):
                         help="the memory budgets of kip's frontier (kip@B variants), each a "
                              "fraction of the estimated peak without recomputation; none: no "
                              "frontier")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="only the kip variants' plans: estimates and the optimum of the "
+                             "cost model, nothing trained or measured (one round)")
     args = parser.parse_args(argv)
     os.environ["REMAT_PEERS_BUDGET"] = str(args.budget)  # read by the children
+    if args.plan_only:
+        os.environ["REMAT_PEERS_PLAN_ONLY"] = "1"
+        args.rounds = 1
     for model_name in args.models or MODELS:
         variants = [v for v in VARIANTS
                     if not args.variants or v == "none" or v in args.variants]
+        if args.plan_only:
+            variants = [v for v in variants if v in ("kip-auto", "kip-budget")]
         variants += [f"kip@{budget:g}" for budget in args.frontier]
         runs = {variant: [] for variant in variants}
         for _ in range(args.rounds):  # alternate: each round runs every variant once

@@ -18,6 +18,7 @@ RUNNABLE = [
     "keras_ipu_plugin.ir.graph:Namespace",
     "keras_ipu_plugin.layers.tf_calls:TFFunction,public_name_of",
     "keras_ipu_plugin.passes.microbatching",
+    "keras_ipu_plugin.planning.exact_plan",
     "keras_ipu_plugin.planning.stage_balance",
 ]
 

@@ -191,19 +191,26 @@ def segments_of(costs, checkpoints, keeps=(), nested=()):
     return [tuple(segment) for segment in segments]
 
 
-def estimate_peak(costs, checkpoints=(), held_gradients=False, keeps=(), nested=()):
+def estimate_peak(costs, checkpoints=(), held_gradients=False, keeps=(), nested=(),
+                  inside=None):
     """The estimated peak bytes of a training step with `checkpoints`
-    (`held_gradients`, `keeps`, `nested`: see the module docstring)."""
-    return _evaluate(costs, segments_of(costs, checkpoints, keeps, nested), held_gradients)[0]
+    (`held_gradients`, `keeps`, `nested`: see the module docstring;
+    `inside`: the nodes of nested segments recomputed inside their layer,
+    when not every one that has internal tensors)."""
+    return _evaluate(costs, segments_of(costs, checkpoints, keeps, nested), held_gradients,
+                     inside)[0]
 
 
-def describe_plan(costs, checkpoints, held_gradients=False, keeps=(), nested=()):
-    """The `RecomputePlan` of `checkpoints`, as the executor would run it."""
+def describe_plan(costs, checkpoints, held_gradients=False, keeps=(), nested=(),
+                  inside=None):
+    """The `RecomputePlan` of `checkpoints`, as the executor would run it
+    (`inside`: as in `estimate_peak`)."""
     segments = segments_of(costs, checkpoints, keeps, nested)
-    peak, extra = _evaluate(costs, segments, held_gradients)
+    peak, extra = _evaluate(costs, segments, held_gradients, inside)
     recomputed = tuple((first, last) for first, last, again, _ in segments if again)
-    inside = tuple(index for first, last, again, deep in segments if again and deep
-                   for index in range(first, last + 1) if _nests(costs[index]))
+    nested_nodes = tuple(index for first, last, again, deep in segments if again and deep
+                         for index in range(first, last + 1)
+                         if _nests(costs[index], index, inside))
     return RecomputePlan(
         checkpoints=tuple(sorted(set(checkpoints))), segments=recomputed, peak=peak,
         baseline_peak=estimate_peak(costs, (), held_gradients),
@@ -211,22 +218,23 @@ def describe_plan(costs, checkpoints, held_gradients=False, keeps=(), nested=())
         forward_flops=float(sum(cost.flops for cost in costs)),
         keeps=tuple(sorted(set(keeps))),
         nested=tuple(last for _, last, again, deep in segments if again and deep),
-        inside=inside,
+        inside=nested_nodes,
     )
 
 
-def _evaluate(costs, segments, held_gradients):
+def _evaluate(costs, segments, held_gradients, inside=None):
     """(peak, recomputed flops) of `segments`: the figures the dynamic
-    program computes transition by transition."""
+    program computes transition by transition (`inside`: as in
+    `estimate_peak`)."""
     after = _gradients_after(costs, held_gradients)
     kept, peak, extra, previous = 0.0, 0.0, 0.0, _START
     for first, last, recomputed, nested in segments:
         if recomputed:
             kept += _checkpoint_bytes(costs, first)
-            local = (_nested_local_peak if nested else _segment_local_peak)(
-                costs, after, first, last)
+            local = (_nested_local_peak(costs, after, first, last, inside) if nested
+                     else _segment_local_peak(costs, after, first, last))
             peak = max(peak, kept + local)
-            extra += _segment_flops(costs, first, last, nested)
+            extra += _segment_flops(costs, first, last, nested, inside)
             previous = _RECOMPUTED
             continue
         for index in range(first, last + 1):
@@ -252,18 +260,19 @@ def _own_recompute_flops(costs):
     return float(sum(cost.recompute_flops for cost in costs))
 
 
-def _nests(cost):
+def _nests(cost, index=None, inside=None):
     """Whether a node of a nested segment runs under its own checkpoint:
     only one with internal tensors to drop (others would recompute for
-    nothing)."""
-    return cost.kept > 0 and cost.can_checkpoint
+    nothing), and, when `inside` (node indices) is given, one it holds."""
+    return cost.kept > 0 and cost.can_checkpoint and (inside is None or index in inside)
 
 
-def _segment_flops(costs, first, last, nested):
+def _segment_flops(costs, first, last, nested, inside=None):
     """Forward cost a segment recomputes: once, and its nested nodes twice."""
     flops = sum(cost.flops for cost in costs[first:last + 1])
     if nested:
-        flops += sum(cost.flops for cost in costs[first:last + 1] if _nests(cost))
+        flops += sum(costs[index].flops for index in range(first, last + 1)
+                     if _nests(costs[index], index, inside))
     return flops
 
 
@@ -321,20 +330,22 @@ def _segment_local_peak(costs, after, first, last):
     return _checkpoint_bytes(costs, first) + peak
 
 
-def _nested_local_peak(costs, after, first, last):
+def _nested_local_peak(costs, after, first, last, inside=None):
     """As `_segment_local_peak`, for a nested segment: its recomputation
     keeps the nodes' outputs only, and each nested node recomputes its own
-    internals (from a copy of its input) when its backward runs."""
-    inside, peak = 0.0, 0.0
+    internals (from a copy of its input) when its backward runs (`inside`:
+    as in `estimate_peak`)."""
+    held, peak = 0.0, 0.0
     for index in range(first, last + 1):
         cut = 0.0
         if index > first:
             cut = max(costs[index - 1].kept_output, costs[index - 1].kept_by_consumer)
-            inside += cut
-        copy = cut if _nests(costs[index]) else 0.0
-        peak = max(peak, inside + copy + _node_local_peak(costs, after, index))
-        if not _nests(costs[index]):
-            inside += costs[index].kept
+            held += cut
+        nests = _nests(costs[index], index, inside)
+        copy = cut if nests else 0.0
+        peak = max(peak, held + copy + _node_local_peak(costs, after, index))
+        if not nests:
+            held += costs[index].kept
     return _checkpoint_bytes(costs, first) + peak
 
 
