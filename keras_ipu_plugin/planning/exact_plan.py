@@ -50,6 +50,22 @@ _START, _NORMAL, _FIXED, _RECOMPUTED = 0, 1, 2, 3
 PEAK_TOLERANCE = 1e-3
 
 
+class WorkLimit:
+    """A deadline counted in labels looked at rather than in seconds, so
+    that a search ends (or gives up) at the same point on every machine:
+    a plan must not depend on how loaded the machine that made it was.
+    Shared by the searches of one plan (pass it as `deadline`)."""
+
+    def __init__(self, labels):
+        self.labels, self.spent = labels, 0
+
+    def spend(self, labels):
+        self.spent += labels
+        if self.spent > self.labels:
+            raise SolveTimeout(f"the exact recompute search looked at more than "
+                               f"{self.labels} labels")
+
+
 class SolveTimeout(RuntimeError):
     """The exact search did not finish before its deadline."""
 
@@ -248,8 +264,12 @@ class _Search:
         return max(self.cost(index - 1, split_before).kept_output,
                    self.cost(index - 1, split_here).kept_by_consumer)
 
-    def check_time(self):
-        if self.deadline is not None and time.monotonic() > self.deadline:
+    def check_time(self, labels=1):
+        """Count `labels` labels looked at against a `WorkLimit` deadline,
+        or check a `time.monotonic()` one."""
+        if isinstance(self.deadline, WorkLimit):
+            self.deadline.spend(labels)
+        elif self.deadline is not None and time.monotonic() > self.deadline:
             raise SolveTimeout("the exact recompute search ran past its deadline")
 
     # -- the search ----------------------------------------------------------------------
@@ -257,7 +277,7 @@ class _Search:
         fronts = [dict() for _ in range(self.n + 1)]
         fronts[0][(_START, False, False, False)] = [(0.0, 0.0, 0.0, None)]
         for position in range(self.n):
-            self.check_time()
+            self.check_time(1 + sum(len(labels) for labels in (fronts[position] or {}).values()))
             front = fronts[position]
             fronts[position] = None
             if not front:
@@ -307,7 +327,7 @@ class _Search:
         labels = [(0.0, 0.0, 0.0, None, None, False)]
         ends, largest = [], 0.0
         for last in range(position, self.n):
-            self.check_time()
+            self.check_time(1 + len(labels))
             if self.plain[last].fixed:
                 break
             largest = max(largest, self.elements[last])

@@ -261,12 +261,13 @@ def choose_recompute(graph, memory_budget, step, budget=None):
 
 
 #: Graphs of at most this many nodes are planned by the exact search
-#: (`exact_plan`) when it ends within `EXACT_PLAN_SECONDS`; larger ones, or
-#: a search that runs out of time, keep the dynamic program's plan. Measured
-#: under load on the 2-core machine: 31 nodes (a 4-block transformer) 0.4-0.9
-#: s, 58 nodes (48 Dense layers in residual blocks) 3-66 s.
+#: (`exact_plan`) when it ends within `EXACT_PLAN_LABELS` labels looked at
+#: (counted, not timed, so that the plan is the same on every machine);
+#: larger ones, or a search that gives up, keep the dynamic program's plan.
+#: Measured: 31 nodes (a 4-block transformer) 9,000-12,000 labels, about a
+#: second; 58 nodes (48 Dense layers in residual blocks) 105,000 labels.
 EXACT_NODES = 40
-EXACT_PLAN_SECONDS = 10.0
+EXACT_PLAN_LABELS = 400_000
 
 
 def _exact_if_small(choice, fixed_bytes):
@@ -276,7 +277,7 @@ def _exact_if_small(choice, fixed_bytes):
     graph, order, profiles, batch = choice.graph, choice.order, choice.profiles, choice.batch
     plain = recompute_costs(graph, order, profiles, batch, split=False)
     split = recompute_costs(graph, order, profiles, batch, split="every")
-    deadline = time.monotonic() + EXACT_PLAN_SECONDS
+    deadline = exact_plan.WorkLimit(EXACT_PLAN_LABELS)
     try:
         if choice.budget is None:
             cap = recompute_plan.MAX_EXTRA_FORWARDS * sum(c.flops for c in plain) * (1 + 1e-9)
