@@ -70,6 +70,7 @@ from keras_ipu_plugin.runtime.pipeline import StagedModel
 from keras_ipu_plugin.runtime.pipeline import stage_devices
 from keras_ipu_plugin.runtime.variables import union_of_variables
 from keras_ipu_plugin.training.session.calls import CallArguments
+from keras_ipu_plugin.training.session.session import NeedsConversion
 from keras_ipu_plugin.training.pipelined import microbatches
 
 #: Loss reductions that are means over the batch's entries: the whole
@@ -93,21 +94,20 @@ def pipeline_settings(passes):
     return found[0].pipeline_settings if found else None
 
 
-def pipelined_train_step(session, step, needs_conversion):
+def pipelined_train_step(session, step):
     """The step to run instead of `step` (a train function's `train_step`),
     or None when the session's passes ask for no pipeline or `step` is not
-    a training step. `needs_conversion`: the exception that stops a trace
-    meeting a call with no conversion (`steps.NeedsConversion`).
+    a training step.
 
     Example:
-        >>> step = pipelined_train_step(session, keras.Model.train_step, NeedsConversion)
+        >>> step = pipelined_train_step(session, keras.Model.train_step)
         >>> logs = step(session.step_self(), (x, y))
     """
     settings = pipeline_settings(session.passes)
     if settings is None or getattr(step, "__name__", None) != "train_step":
         return None
     _refuse_unsupported(session, step, settings[0])
-    return PipelinedStep(session, settings, needs_conversion)
+    return PipelinedStep(session, settings)
 
 
 def _refuse_unsupported(session, step, microbatches):
@@ -144,10 +144,9 @@ def _refuse_unsupported(session, step, microbatches):
 class PipelinedStep:
     """`step(proxy, data) -> logs`: the pipelined train step (module doc)."""
 
-    def __init__(self, session, settings, needs_conversion):
+    def __init__(self, session, settings):
         self.session = session
         self.microbatches, self.devices, self.schedule = settings
-        self.needs_conversion = needs_conversion
         self._staged = {}  # id(converted model) -> (model, StagedModel)
         self.training = True if takes_training(type(session.subject).call) else None
 
@@ -219,7 +218,7 @@ class PipelinedStep:
         conversion = session.find(session.subject, call)
         if conversion is None:
             # As `TrainingSession.call` does: stop here, the step function converts.
-            raise self.needs_conversion([(session.subject, call.signature())])
+            raise NeedsConversion([(session.subject, call.signature())])
         if not conversion.simple:
             raise ValueError(f"PipelineStages: model `{session.subject.name}` is called with "
                              "arguments other than its inputs; the pipelined step takes `x`.")

@@ -187,7 +187,7 @@ class StepFunction:
         across_workers = _compat.reduces_across_workers(session.strategy)
         # PipelineStages(microbatches=M): the pipelined step replaces Keras's
         # train_step (training/pipelined/step.py); None otherwise.
-        pipelined = pipelined_train_step(session, step, NeedsConversion)
+        pipelined = pipelined_train_step(session, step)
 
         def run_step(batch):
             session.traces += 1

@@ -22,7 +22,6 @@ from keras_ipu_plugin.passes import PipelineStages
 from keras_ipu_plugin.passes import Recompute
 from keras_ipu_plugin.training.pipelined.step import pipelined_train_step
 from keras_ipu_plugin.training.pipelined.step import schedule_order
-from keras_ipu_plugin.training.session.session import NeedsConversion
 from tests.models import RegularizedTower
 
 DEVICES = ["/CPU:0", "/CPU:1"]
@@ -227,7 +226,7 @@ def _traced_step(passes, build=Tower):
     _compile(model)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     session = model._kip_session
-    step = pipelined_train_step(session, keras.Model.train_step, NeedsConversion)
+    step = pipelined_train_step(session, keras.Model.train_step)
     proxy = session.step_self()
     function = tf.function(lambda x, y: step(proxy, (x, y)), autograph=False)  # as Keras
     return function.get_concrete_function(
@@ -417,7 +416,7 @@ def _fitted_step(passes, jit="auto", entry="model"):
         callback = kip.PluginCallback(passes=passes)
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback])
         session = model.train_function.session
-    return session, pipelined_train_step(session, keras.Model.train_step, NeedsConversion)
+    return session, pipelined_train_step(session, keras.Model.train_step)
 
 
 def test_auto_jit_compile_leaves_stages_on_several_devices_in_graph_mode(monkeypatch):
