@@ -1,10 +1,12 @@
 """keras_ipu_plugin: run subclassed Keras models as functional graphs.
 
 Example:
-    >>> import keras_ipu_plugin as kip
-    >>> converted = kip.convert_to_functional(MyModel(), x_first_batch)
-    >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
-    >>> print(passed.kip_report)
+    ```python
+    import keras_ipu_plugin as kip
+    converted = kip.convert_to_functional(MyModel(), x_first_batch)
+    passed = kip.apply_passes(converted, [kip.passes.Expand()])
+    print(passed.kip_report)
+    ```
 """
 
 __version__ = "0.1.0"

@@ -20,10 +20,12 @@ class ConversionError(ValueError):
     """The converted model does not match the original, or cannot be built.
 
     Example:
-        >>> try:
-        ...     kip.convert_to_functional(model, x)
-        ... except kip.ConversionError as e:
-        ...     print(e)   # names the first mismatching output or variable
+        ```python
+        try:
+            kip.convert_to_functional(model, x)
+        except kip.ConversionError as e:
+            print(e)   # names the first mismatching output or variable
+        ```
     """
 
 
@@ -39,11 +41,13 @@ class ConfigError(ValueError):
     """A pass configuration is invalid; `path` says where inside the config.
 
     Example:
-        >>> try:
-        ...     kip.passes_from_config({"replace": {"Dense": {"params": {"unitz": 3}}}})
-        ... except kip.ConfigError as e:
-        ...     e.path
-        'replace.Dense.params.unitz'
+        ```python
+        try:
+            kip.passes_from_config({"replace": {"Dense": {"params": {"unitz": 3}}}})
+        except kip.ConfigError as e:
+            e.path
+        # -> 'replace.Dense.params.unitz'
+        ```
     """
 
     def __init__(self, path, message):
@@ -58,11 +62,13 @@ class PassError(ValueError):
     read of the pass reports the error at that value's path).
 
     Example:
-        >>> try:
-        ...     kip.passes.Recompute(auto=True, memory_budget=float("nan"))
-        ... except kip.PassError as e:
-        ...     e.field
-        'memory_budget'
+        ```python
+        try:
+            kip.passes.Recompute(auto=True, memory_budget=float("nan"))
+        except kip.PassError as e:
+            e.field
+        # -> 'memory_budget'
+        ```
     """
 
     def __init__(self, message, field=None):
@@ -77,10 +83,12 @@ class LoadError(ValueError):
     the message names the layer and the entry.
 
     Example:
-        >>> try:
-        ...     keras.models.load_model("untrusted.keras")
-        ... except kip.LoadError as e:
-        ...     print(e)   # TFFunction `evil`: refusing `tf.io.write_file` ...
+        ```python
+        try:
+            keras.models.load_model("untrusted.keras")
+        except kip.LoadError as e:
+            print(e)   # TFFunction `evil`: refusing `tf.io.write_file` ...
+        ```
     """
 
 
@@ -89,10 +97,12 @@ class IpuError(ValueError):
     message names the model, layer or option and says what to do instead.
 
     Example:
-        >>> try:
-        ...     kip.apply_passes(converted, [kip.passes.PipelineStages([["a"], ["b"]])])
-        ... except kip.IpuError as e:
-        ...     print(e)   # e.g. the model lacks Graphcore's pipeline API
+        ```python
+        try:
+            kip.apply_passes(converted, [kip.passes.PipelineStages([["a"], ["b"]])])
+        except kip.IpuError as e:
+            print(e)   # e.g. the model lacks Graphcore's pipeline API
+        ```
     """
 
 

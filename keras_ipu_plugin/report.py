@@ -1,9 +1,11 @@
 """The report of a conversion and its passes.
 
 Example:
-    >>> print(converted.kip_report)       # a table: pass, layer, action, detail
-    >>> converted.kip_report.touched("expand")
-    ['block_1', 'block_2']
+    ```python
+    print(converted.kip_report)       # a table: pass, layer, action, detail
+    converted.kip_report.touched("expand")
+    # -> ['block_1', 'block_2']
+    ```
 """
 
 import contextlib
@@ -84,10 +86,12 @@ class Report:
         """Time the block as `step` of `name` (kept when it succeeds).
 
         Example:
-            >>> with report.timed("expand", "net"):
-            ...     graph = one_pass.run(graph, report)
-            >>> report.timings[-1][:2]
-            ('expand', 'net')
+            ```python
+            with report.timed("expand", "net"):
+                graph = one_pass.run(graph, report)
+            report.timings[-1][:2]
+            # -> ('expand', 'net')
+            ```
         """
         start = time.perf_counter()
         yield
@@ -149,7 +153,9 @@ def summary(model, print_fn=None):
     """Keras's `model.summary()` followed by the plugin's graph table and report.
 
     Example:
-        >>> kip.summary(passed)     # layers, then nodes with their annotations
+        ```python
+        kip.summary(passed)     # layers, then nodes with their annotations
+        ```
     """
     print_fn = print_fn or print
     model.summary(print_fn=print_fn)

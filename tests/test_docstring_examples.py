@@ -42,3 +42,33 @@ def test_the_docstring_examples_run_as_written(name):
         result = runner.run(test, out=failures.append)
         assert result.attempted
     assert not failures, "".join(failures)
+
+
+def test_every_prompt_example_in_the_package_is_one_that_runs():
+    """A `>>>` example outside the list would read as a doctest that
+    nobody runs: examples that are illustrations are fenced as ```python
+    blocks instead."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(importlib.import_module("keras_ipu_plugin").__file__).parent
+    listed = {}
+    for entry in RUNNABLE:
+        name, _, objects = entry.partition(":")
+        listed[name] = set(objects.split(",")) if objects else None
+    unrun = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        source = path.read_text()
+        if ">>>" not in source or (name in listed and listed[name] is None):
+            continue
+        runs = set()  # lines inside the objects whose examples run
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, (ast.ClassDef, ast.FunctionDef))
+                    and node.name in (listed.get(name) or ())):
+                runs.update(range(node.lineno, node.end_lineno + 1))
+        unrun += [f"{path.relative_to(package.parent)}:{number}"
+                  for number, line in enumerate(source.splitlines(), 1)
+                  if line.lstrip().startswith(">>>") and number not in runs]
+    assert not unrun, f"`>>>` examples that no test runs: {unrun[:10]}"

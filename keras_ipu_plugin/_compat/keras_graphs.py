@@ -68,8 +68,10 @@ class node_lists_snapshot:
     (which inside an `except` clause is the caught error).
 
     Example:
-        >>> with node_lists_snapshot(all_layers(model)):
-        ...     converted = rebuild(graph)
+        ```python
+        with node_lists_snapshot(all_layers(model)):
+            converted = rebuild(graph)
+        ```
     """
 
     def __init__(self, layers, always=False):
@@ -347,8 +349,10 @@ def graph_call_through(model, wrap):
     other `call` (a subclass's own).
 
     Example:
-        >>> run = graph_call_through(backbone, lambda op: op)   # same as backbone.call
-        >>> outputs = run(inputs, training=True)
+        ```python
+        run = graph_call_through(backbone, lambda op: op)   # same as backbone.call
+        outputs = run(inputs, training=True)
+        ```
     """
     import keras
     from keras.src.models import functional as functional_lib

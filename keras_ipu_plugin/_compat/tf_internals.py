@@ -240,8 +240,10 @@ def stateful_op_names(graph_def):
     serialized `tf.data` pipeline's, to see what reading it may change.
 
     Example:
-        >>> stateful_op_names(graph_of(dataset.map(lambda x: x + gen.normal(()))))
-        {'RngReadAndSkip', 'AssignVariableOp', 'VarHandleOp', 'RangeDataset', ...}
+        ```python
+        stateful_op_names(graph_of(dataset.map(lambda x: x + gen.normal(()))))
+        # -> {'RngReadAndSkip', 'AssignVariableOp', 'VarHandleOp', 'RangeDataset', ...}
+        ```
     """
     from tensorflow.python.framework import op_def_registry
 

@@ -77,11 +77,13 @@ def convert_to_functional(model, data, *, training=None, verify=True, static_bat
             in use (`with tracer.tracing():`), else `DEFAULT_TRACER`.
 
     Example:
-        >>> model = MyModel()
-        >>> converted = kip.convert_to_functional(model, np.zeros((8, 16)))
-        >>> converted.trainable_variables[0] is model.trainable_variables[0]
-        True
-        >>> print(converted.kip_report)
+        ```python
+        model = MyModel()
+        converted = kip.convert_to_functional(model, np.zeros((8, 16)))
+        converted.trainable_variables[0] is model.trainable_variables[0]
+        # -> True
+        print(converted.kip_report)
+        ```
     """
     return Converter(training=training, verify=verify, static_batch=static_batch,
                      tracer=tracer).convert(model, data)
@@ -131,9 +133,11 @@ class Converter:
         Where the body cannot be traced, the graph holds `reference` whole.
 
         Example:
-            >>> converted = Converter().convert_call(
-            ...     model, bound, inputs, ((inputs["x"],), {"mask": inputs["mask"]}),
-            ...     {"x": x, "mask": m}, specs)
+            ```python
+            converted = Converter().convert_call(
+                model, bound, inputs, ((inputs["x"],), {"mask": inputs["mask"]}),
+                {"x": x, "mask": m}, specs)
+            ```
         """
         # As `convert`: nothing of the trace and the checks (nodes,
         # counters, seed draws) stays on the user's model; a failure leaves
@@ -544,7 +548,9 @@ def one_conversion_at_a_time():
     traces, rebuilds or verifies a user's model.
 
     Example:
-        >>> with one_conversion_at_a_time():
-        ...     graph = trace_model(model, specs)
+        ```python
+        with one_conversion_at_a_time():
+            graph = trace_model(model, specs)
+        ```
     """
     return _CONVERSION_LOCK

@@ -40,9 +40,11 @@ what the wrappers do is tracing behaviour, and lives here, next to the tracer
 (`call_trace.CallTrace.active` enters the context for each mode traced).
 
 Example:
-    >>> with traced_idioms():
-    ...     keras.KerasTensor((5, 8))[None].shape
-    (1, 5, 8)
+    ```python
+    with traced_idioms():
+        keras.KerasTensor((5, 8))[None].shape
+    # -> (1, 5, 8)
+    ```
 
 `tf.TensorArray` written with symbolic tensors while a trace runs.
 
@@ -75,10 +77,12 @@ written whose shape is not known while tracing (TensorFlow stacks zeros
 there; the trace at batch size 1 then follows them as zeros of the batch).
 
 Example:
-    >>> with traced_idioms():    # inside a trace
-    ...     out = tf.TensorArray("float32", size=2).write(0, a).write(1, b).stack()
-    >>> out.shape                # a KerasTensor, keras.ops.stack([a, b])
-    (2, None, 4)
+    ```python
+    with traced_idioms():    # inside a trace
+        out = tf.TensorArray("float32", size=2).write(0, a).write(1, b).stack()
+    out.shape                # a KerasTensor, keras.ops.stack([a, b])
+    # -> (2, None, 4)
+    ```
 
 TensorFlow functions called on symbolic tensors while tracing.
 
@@ -379,9 +383,11 @@ def traced_idioms(record_draw=None):
     see Keras exactly as it is outside the context.
 
     Example:
-        >>> with traced_idioms():
-        ...     keras.KerasTensor((5, 8))[None].shape
-        (1, 5, 8)
+        ```python
+        with traced_idioms():
+            keras.KerasTensor((5, 8))[None].shape
+        # -> (1, 5, 8)
+        ```
     """
     keras_objects = _compat.traced_idiom_targets()
     KerasTensor = keras_objects.keras_tensor  # noqa: N806 (a class)

@@ -44,8 +44,10 @@ def first_batch(data):
     unchanged.
 
     Example:
-        >>> first_batch((np.zeros((4, 3)), np.ones((4, 1)))).x.shape
-        (4, 3)
+        ```python
+        first_batch((np.zeros((4, 3)), np.ones((4, 1)))).x.shape
+        # -> (4, 3)
+        ```
     """
     element = _first_element(data)
     per_replica = isinstance(element, _PerReplica)
@@ -127,9 +129,11 @@ def without_autotuning(dataset):
     wait for. The elements are the same.
 
     Example:
-        >>> peek = without_autotuning(tf.data.Dataset.range(4).batch(2).take(1))
-        >>> peek.options().autotune.enabled
-        False
+        ```python
+        peek = without_autotuning(tf.data.Dataset.range(4).batch(2).take(1))
+        peek.options().autotune.enabled
+        # -> False
+        ```
     """
     options = tf.data.Options()
     options.autotune.enabled = False
@@ -166,7 +170,9 @@ def check_dense(x):
     'RaggedTensor' has no len()").
 
     Example:
-        >>> check_dense({"ids": tf.ragged.constant([[1, 2], [3]])})
+        ```python
+        check_dense({"ids": tf.ragged.constant([[1, 2], [3]])})
+        ```
         Traceback (most recent call last):
         InputTypeError: Input x['ids'] is a tf.RaggedTensor: ragged and sparse ...
     """
@@ -318,10 +324,12 @@ def dataset_to_peek(dataset):
     would move that state from the copy too: that is the error.
 
     Example:
-        >>> ds = tf.data.Dataset.range(8).shuffle(8, seed=1).batch(4)
-        >>> copy = dataset_to_peek(ds)
-        >>> next(iter(copy)).numpy().tolist() == next(iter(ds)).numpy().tolist()
-        True
+        ```python
+        ds = tf.data.Dataset.range(8).shuffle(8, seed=1).batch(4)
+        copy = dataset_to_peek(ds)
+        next(iter(copy)).numpy().tolist() == next(iter(ds)).numpy().tolist()
+        # -> True
+        ```
     """
     try:
         serialized = tf.raw_ops.DatasetToGraphV2(

@@ -38,8 +38,10 @@ What no signature can see is Python state outside the block (a global
 from its block and its arguments, as converting assumes of it anyway.
 
 Example:
-    >>> block_signature(model.blocks[0])[0] == block_signature(model.blocks[1])[0]
-    True
+    ```python
+    block_signature(model.blocks[0])[0] == block_signature(model.blocks[1])[0]
+    # -> True
+    ```
 
 Trace each kind of block once: `CallTemplates` replays a traced call over
 another block of the same kind.
@@ -73,9 +75,11 @@ traced every time) and holds only plain data in its other arguments. It is
 kept under the kind the block had before it was traced.
 
 Example:
-    >>> templates = CallTemplates()
-    >>> replayed = templates.replay(node, reads)          # None: not seen yet
-    >>> templates.record(node, new_nodes, outputs, reads)  # after tracing it
+    ```python
+    templates = CallTemplates()
+    replayed = templates.replay(node, reads)          # None: not seen yet
+    templates.record(node, new_nodes, outputs, reads)  # after tracing it
+    ```
 """
 
 import functools
@@ -134,9 +138,11 @@ def block_signature(layer):
     are counterparts). None when not known.
 
     Example:
-        >>> key, objects = block_signature(model.blocks[0])
-        >>> objects[0] is model.blocks[0]
-        True
+        ```python
+        key, objects = block_signature(model.blocks[0])
+        objects[0] is model.blocks[0]
+        # -> True
+        ```
     """
     objects = []
     try:
@@ -154,8 +160,10 @@ def layer_signature(layer):
     """The key of `block_signature(layer)`, or None when not known.
 
     Example:
-        >>> layer_signature(model.blocks[0]) == layer_signature(model.blocks[1])
-        True
+        ```python
+        layer_signature(model.blocks[0]) == layer_signature(model.blocks[1])
+        # -> True
+        ```
     """
     signed = block_signature(layer)
     return None if signed is None else signed[0]
@@ -294,11 +302,13 @@ def reads_identity(cls):
     `__dict__`. Unknown source counts as yes.
 
     Example:
-        >>> class Tagged(keras.layers.Layer):
-        ...     def call(self, x):
-        ...         return x * 2 if self.name.endswith("_double") else x
-        >>> reads_identity(Tagged)
-        True
+        ```python
+        class Tagged(keras.layers.Layer):
+            def call(self, x):
+                return x * 2 if self.name.endswith("_double") else x
+        reads_identity(Tagged)
+        # -> True
+        ```
     """
     for klass in cls.__mro__:
         if (klass.__module__ or "").split(".")[0] in LIBRARY_PACKAGES or klass is object:
@@ -342,9 +352,11 @@ def call_signature(node):
     untraced). None when an argument is not plain data.
 
     Example:
-        >>> key, inputs = call_signature(graph.node("blocks.0"))
-        >>> inputs[0].producer.name
-        'embedding'
+        ```python
+        key, inputs = call_signature(graph.node("blocks.0"))
+        inputs[0].producer.name
+        # -> 'embedding'
+        ```
     """
     places, inputs = {}, []
 
@@ -405,7 +417,9 @@ def output_specs_key(layer, args, kwargs, training):
     for its output shapes.
 
     Example:
-        >>> output_specs_key(block, (keras.KerasTensor((None, 4)),), {}, None)
+        ```python
+        output_specs_key(block, (keras.KerasTensor((None, 4)),), {}, None)
+        ```
     """
     signature = layer_signature(layer)
     if signature is None:

@@ -30,10 +30,12 @@ class VariableValues:
     """The values of `variables` now, to compare with or put back later.
 
     Example:
-        >>> values = VariableValues(model.non_trainable_variables)
-        >>> model(x)
-        >>> values.changed()      # the variables `call` assigned
-        >>> values.restore()
+        ```python
+        values = VariableValues(model.non_trainable_variables)
+        model(x)
+        values.changed()      # the variables `call` assigned
+        values.restore()
+        ```
     """
 
     def __init__(self, variables):
@@ -133,8 +135,10 @@ class UndoneWrites:
     its value before.
 
     Example:
-        >>> with UndoneWrites():
-        ...     model(x)            # builds the model; draws nothing that stays
+        ```python
+        with UndoneWrites():
+            model(x)            # builds the model; draws nothing that stays
+        ```
     """
 
     def __init__(self):
@@ -303,7 +307,9 @@ def guarded(model, work):
     back, every moment is inside this `try`.
 
     Example:
-        >>> graph = guarded(model, lambda state: trace_model(model, specs))
+        ```python
+        graph = guarded(model, lambda state: trace_model(model, specs))
+        ```
     """
     state = ModelState(model)
     try:
@@ -333,10 +339,12 @@ def replay_state(*models):
     generator) had on entry; leaving the block puts them back too.
 
     Example:
-        >>> with replay_state(original, converted) as replay:
-        ...     reference = original(x)
-        ...     replay()      # the same random draws, counters, statistics
-        ...     result = converted(x)
+        ```python
+        with replay_state(original, converted) as replay:
+            reference = original(x)
+            replay()      # the same random draws, counters, statistics
+            result = converted(x)
+        ```
     """
     values = VariableValues([v for model in models for v in _state_variables(model)])
     new = NewVariables()
@@ -429,8 +437,10 @@ class _ObjectsState:
     items in `items` (a dict's keys, then its values).
 
     Example:
-        >>> state = _ObjectsState([layer, vars(layer)["_tracker"]])
-        >>> state.restore_object(0)    # the layer's attributes and containers
+        ```python
+        state = _ObjectsState([layer, vars(layer)["_tracker"]])
+        state.restore_object(0)    # the layer's attributes and containers
+        ```
     """
 
     def __init__(self, objects):

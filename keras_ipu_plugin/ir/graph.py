@@ -31,13 +31,15 @@ one file although it is over 600 lines: the primitives keep `Value.users`
 and masks consistent with each other, which is easier to check side by side.
 
 Example:
-    >>> graph = converted.kip_graph
-    >>> [node.name for node in graph.nodes]
-    ['embedding', 'block_1', 'head']
-    >>> head = graph.node("head")
-    >>> [user.name for user in graph.node("block_1").users]
-    ['head']
-    >>> rebuilt = rebuild(graph)     # keras_ipu_plugin.runtime.rebuild
+    ```python
+    graph = converted.kip_graph
+    [node.name for node in graph.nodes]
+    # -> ['embedding', 'block_1', 'head']
+    head = graph.node("head")
+    [user.name for user in graph.node("block_1").users]
+    # -> ['head']
+    rebuilt = rebuild(graph)     # keras_ipu_plugin.runtime.rebuild
+    ```
 
 One way to make names unique: `Namespace`.
 
@@ -51,9 +53,11 @@ the 500th `dense` does not try the 499 taken numbers before it.
 What a graph's inputs are: `InputSpec`s, and the check that data fits them.
 
 Example:
-    >>> spec = InputSpec(name="tokens", shape=(16,), dtype="int32")
-    >>> spec.keras_input()
-    <KerasTensor shape=(None, 16), dtype=int32, ...>
+    ```python
+    spec = InputSpec(name="tokens", shape=(16,), dtype="int32")
+    spec.keras_input()
+    # -> <KerasTensor shape=(None, 16), dtype=int32, ...>
+    ```
 """
 
 from dataclasses import dataclass
@@ -279,9 +283,11 @@ class Graph:
     (see the module docstring).
 
     Example:
-        >>> node = graph.node("block_1")
-        >>> graph.insert_after(node, Node("block_1.extra", layer, (node.outputs[0],), {}, None))
-        >>> graph.lint()
+        ```python
+        node = graph.node("block_1")
+        graph.insert_after(node, Node("block_1.extra", layer, (node.outputs[0],), {}, None))
+        graph.lint()
+        ```
     """
 
     def __init__(self, input_specs, input_values, nodes, outputs, name="model"):
@@ -465,7 +471,9 @@ class Graph:
         Linear in the size of the graph.
 
         Example:
-            >>> graph.lint()   # silent when well formed
+            ```python
+            graph.lint()   # silent when well formed
+            ```
         """
         def fail(message):
             raise GraphError(f"Graph `{self.name}` is malformed: {message}")
@@ -736,8 +744,10 @@ def dtype_kind(dtype):
     to ints, turns numbers into True / False, fails on strings).
 
     Example:
-        >>> dtype_kind("uint8"), dtype_kind(tf.float16), dtype_kind(np.dtype("<U3"))
-        ('int', 'float', 'string')
+        ```python
+        dtype_kind("uint8"), dtype_kind(tf.float16), dtype_kind(np.dtype("<U3"))
+        # -> ('int', 'float', 'string')
+        ```
     """
     if isinstance(dtype, np.dtype) and dtype.kind in "USO":
         return "string"
@@ -756,7 +766,9 @@ def check_dtype_kinds(model_name, expected, given):
     data for a float32 input) is Keras's usual cast, and is kept.
 
     Example:
-        >>> check_dtype_kinds("net", converted.inputs, [np.zeros((2, 3), "int32")])
+        ```python
+        check_dtype_kinds("net", converted.inputs, [np.zeros((2, 3), "int32")])
+        ```
     """
     for tensor, leaf in zip(expected, given):
         if leaf is None:

@@ -25,9 +25,11 @@ class LayerAlias(keras.layers.Layer):
     """Calls `layer` under another name.
 
     Example:
-        >>> alias = LayerAlias(block_2.conv1, name="block_2.conv1")
-        >>> alias.layer is block_2.conv1
-        True
+        ```python
+        alias = LayerAlias(block_2.conv1, name="block_2.conv1")
+        alias.layer is block_2.conv1
+        # -> True
+        ```
     """
 
     def __init__(self, layer, tensor_outputs_only=False, **kwargs):

@@ -3,8 +3,10 @@ a nested model; `user_code.py` holds the rule), one whose output never
 depends on `training`.
 
 Example:
-    >>> is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
-    (False, True)
+    ```python
+    is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
+    # -> (False, True)
+    ```
 """
 
 import weakref
@@ -30,8 +32,10 @@ def is_expandable(operation, is_user_code=is_user_layer):
     layers (opaque nodes, batch-sized operations, variable reads).
 
     Example:
-        >>> is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
-        (False, True)
+        ```python
+        is_expandable(keras.layers.Dense(2)), is_expandable(MyBlock())
+        # -> (False, True)
+        ```
     """
     if not isinstance(operation, keras.layers.Layer) or isinstance(
         operation, (OpaqueLayer, BatchSizedOperation, RandomDraw)
@@ -89,9 +93,11 @@ def seed_states(layer):
     sub-layers draw random numbers from (a Dropout's, a RandomDraw's).
 
     Example:
-        >>> dropout = keras.layers.Dropout(0.1)
-        >>> seed_states(dropout) == [dropout.seed_generator.state]
-        True
+        ```python
+        dropout = keras.layers.Dropout(0.1)
+        seed_states(dropout) == [dropout.seed_generator.state]
+        # -> True
+        ```
     """
     states, seen = [], set()
     for owner in [layer, *_compat.sub_layers(layer)]:
@@ -120,8 +126,10 @@ def writes_variables(operation):
     layer an `OpaqueLayer` runs) write a variable.
 
     Example:
-        >>> writes_variables(pixel_cnn.first)   # assigns its masked kernel
-        True
+        ```python
+        writes_variables(pixel_cnn.first)   # assigns its masked kernel
+        # -> True
+        ```
     """
     if isinstance(operation, VariableWrite):  # a write `call` made, as a node
         return True

@@ -40,7 +40,9 @@ class OpaqueLayer(keras.layers.Layer):
     """Runs `layer`'s own `call`; output shapes come from a real first call.
 
     Example:
-        >>> node = OpaqueLayer(model, output_specs=..., reason="Python `if` on a tensor")
+        ```python
+        node = OpaqueLayer(model, output_specs=..., reason="Python `if` on a tensor")
+        ```
     """
 
     def __init__(self, layer, output_specs, reason="", mode_output_specs=None,

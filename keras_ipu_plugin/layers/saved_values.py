@@ -9,9 +9,11 @@ wrapped layer, a seed generator, a `keras.ops` operation) are deserialized
 by Keras itself, under its `safe_mode`.
 
 Example:
-    >>> saved_shape([None, 4], "read `scale`", "variable_shape")
-    (None, 4)
-    >>> saved_shape(["4"], "read `scale`", "variable_shape")
+    ```python
+    saved_shape([None, 4], "read `scale`", "variable_shape")
+    # -> (None, 4)
+    saved_shape(["4"], "read `scale`", "variable_shape")
+    ```
     Traceback (most recent call last):
     keras_ipu_plugin.errors.LoadError: read `scale`: variable_shape ...
 """
@@ -95,7 +97,9 @@ def saved_layer_config(config, entry, own_keys=()):
     layer's own values are checked by its `from_config`).
 
     Example:
-        >>> saved_layer_config({"name": "n", "trainable": "no"}, "AttachMask `n`")
+        ```python
+        saved_layer_config({"name": "n", "trainable": "no"}, "AttachMask `n`")
+        ```
         Traceback (most recent call last):
         keras_ipu_plugin.errors.LoadError: AttachMask `n`: trainable must be true or false ...
     """
@@ -188,7 +192,9 @@ def refuse_constant_call(operation, args, kwargs):
     whose nodes kip does not check first), and would run it eagerly.
 
     Example:
-        >>> refuse_constant_call(square, (2.0,), {})
+        ```python
+        refuse_constant_call(square, (2.0,), {})
+        ```
         Traceback (most recent call last):
         keras_ipu_plugin.errors.LoadError: TFFunction `square` is called with constants only ...
     """
@@ -211,8 +217,10 @@ def saved_function_config(entry, config):
     table afterwards); `entry` names the layer class in the error.
 
     Example:
-        >>> saved_function_config("TFFunction", {"function": "math.square", "name": "sq"})
-        ('math.square', 'sq')
+        ```python
+        saved_function_config("TFFunction", {"function": "math.square", "name": "sq"})
+        # -> ('math.square', 'sq')
+        ```
     """
     if not isinstance(config, dict) or set(config) - {"function", "name"} or (
             "function" not in config):

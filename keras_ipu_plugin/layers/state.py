@@ -24,9 +24,11 @@ A functional model needs every node reachable from its inputs, so both take
 one graph tensor (`anchor`) and ignore it.
 
 Example:
-    >>> read = VariableRead(model.cls_token, like=model, name="cls_token")
-    >>> read(x).shape == model.cls_token.shape
-    True
+    ```python
+    read = VariableRead(model.cls_token, like=model, name="cls_token")
+    read(x).shape == model.cls_token.shape
+    # -> True
+    ```
 
 `AddedLoss`: a loss a layer's `call` adds (`self.add_loss(...)`), as a
 graph node.
@@ -53,9 +55,11 @@ its model), also when the graph runs nested in another model, which Keras
 clears only at its outermost call.
 
 Example:
-    >>> added = AddedLoss(name="vector_quantizer.add_loss")
-    >>> loss = added(commitment + codebook)     # in a graph: added at each run
-    >>> graph_model(x); graph_model.losses      # [the loss of this call]
+    ```python
+    added = AddedLoss(name="vector_quantizer.add_loss")
+    loss = added(commitment + codebook)     # in a graph: added at each run
+    graph_model(x); graph_model.losses      # [the loss of this call]
+    ```
 
 Graph nodes for the variable writes a layer's `call` makes.
 
@@ -85,9 +89,11 @@ A write is never differentiated: `assign` has no gradient, and reads after
 it get the gradient, as in the original.
 
 Example:
-    >>> write = VariableWrite(layer.count, "assign_add", like=layer, name="count.assign_add")
-    >>> new_count = write(np.ones(()), after=[])
-    >>> y = AfterWrites(name="after_writes")(x, [new_count])   # x, once written
+    ```python
+    write = VariableWrite(layer.count, "assign_add", like=layer, name="count.assign_add")
+    new_count = write(np.ones(()), after=[])
+    y = AfterWrites(name="after_writes")(x, [new_count])   # x, once written
+    ```
 
 One variable held by several layers of a graph, saved and loaded as one.
 
@@ -106,11 +112,13 @@ node that holds it). Loading makes each such node hold the owner's
 variable (`link_shared_variables`) before the weights are loaded.
 
 Example:
-    >>> config = model.get_config()        # `mark_shared_variables` ran
-    >>> loaded = KipFunctional.from_config(config)
-    >>> loaded.get_layer("first.conv.kernel.assign").variable is \
-    ...     loaded.get_layer("conv2d").kernel
-    True
+    ```python
+    config = model.get_config()        # `mark_shared_variables` ran
+    loaded = KipFunctional.from_config(config)
+    loaded.get_layer("first.conv.kernel.assign").variable is \
+        loaded.get_layer("conv2d").kernel
+    # -> True
+    ```
 """
 
 import contextlib
@@ -223,9 +231,11 @@ class VariableRead(HoldsVariable, keras.layers.Layer):
     dtype policy and `autocast`, so a mixed-precision read is cast the same.
 
     Example:
-        >>> read = VariableRead(layer.scale, like=layer, name="block.scale")
-        >>> read(x) is not None and read.variable is layer.scale
-        True
+        ```python
+        read = VariableRead(layer.scale, like=layer, name="block.scale")
+        read(x) is not None and read.variable is layer.scale
+        # -> True
+        ```
     """
 
     def __init__(self, variable=None, like=None, *, variable_shape=None,
@@ -269,9 +279,11 @@ class HeldConstant(keras.layers.Layer):
     """Returns a fixed tensor in the graph; `anchor` is ignored.
 
     Example:
-        >>> positions = HeldConstant(np.arange(16), name="positions")
-        >>> positions(x).shape
-        (16,)
+        ```python
+        positions = HeldConstant(np.arange(16), name="positions")
+        positions(x).shape
+        # -> (16,)
+        ```
     """
 
     def __init__(self, value, value_dtype=None, **kwargs):
@@ -377,8 +389,10 @@ def recording_writes(record):
     node) rather than fail.
 
     Example:
-        >>> with recording_writes(lambda read, method, value: value):
-        ...     read_tensor.assign(new_value)
+        ```python
+        with recording_writes(lambda read, method, value: value):
+            read_tensor.assign(new_value)
+        ```
     """
     previous = getattr(_recorder, "write", None)
     _recorder.write = record
@@ -399,8 +413,10 @@ class ReadLayers:
     variables, which would then train apart.
 
     Example:
-        >>> reads = ReadLayers.of_graph(graph)
-        >>> reads.variable_read(layer.scale, like=layer, name="block.scale")
+        ```python
+        reads = ReadLayers.of_graph(graph)
+        reads.variable_read(layer.scale, like=layer, name="block.scale")
+        ```
     """
 
     def __init__(self):
@@ -431,8 +447,10 @@ class ReadLayers:
         gives (asking makes nothing).
 
         Example:
-            >>> reads.gives(node.operation, layer.scale, like=layer)
-            True
+            ```python
+            reads.gives(node.operation, layer.scale, like=layer)
+            # -> True
+            ```
         """
         entry = self._layers.get(_key(variable, like))
         return entry is not None and entry[1] is read
@@ -448,7 +466,9 @@ class AddedLoss(keras.layers.Layer):
     `add_loss`) each time it runs; returns it.
 
     Example:
-        >>> AddedLoss(name="router.add_loss")(aux_loss)
+        ```python
+        AddedLoss(name="router.add_loss")(aux_loss)
+        ```
     """
 
     def __init__(self, adds_for=None, **kwargs):
@@ -500,8 +520,10 @@ def added_losses(model):
     latest run.
 
     Example:
-        >>> converted(x)
-        >>> added_losses(converted)     # [the quantizer's loss]
+        ```python
+        converted(x)
+        added_losses(converted)     # [the quantizer's loss]
+        ```
     """
     return [loss for layer in loss_nodes(model) for loss in layer.losses]
 
@@ -520,8 +542,10 @@ class VariableWrite(HoldsVariable, keras.layers.Layer):
     read in that `call` would be.
 
     Example:
-        >>> write = VariableWrite(conv.kernel, "assign", like=block, name="conv.kernel.assign")
-        >>> masked = write(kernel * mask, after=[read_of_kernel])
+        ```python
+        write = VariableWrite(conv.kernel, "assign", like=block, name="conv.kernel.assign")
+        masked = write(kernel * mask, after=[read_of_kernel])
+        ```
     """
 
     def __init__(self, variable=None, method="assign", like=None, *, variable_shape=None,
@@ -569,7 +593,9 @@ class AfterWrites(keras.layers.Layer):
     """Returns `x` (with its Keras mask) once `writes` are computed.
 
     Example:
-        >>> x_after = AfterWrites(name="after_writes")(x, [written_kernel])
+        ```python
+        x_after = AfterWrites(name="after_writes")(x, [written_kernel])
+        ```
     """
 
     def __init__(self, **kwargs):

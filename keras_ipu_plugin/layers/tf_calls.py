@@ -20,9 +20,11 @@ printing, summaries, debugging, `py_function`, ...) are refused with the
 reason, before the table is consulted.
 
 Example:
-    >>> function_at("math.square", "dist.tf_square") is tf.math.square
-    True
-    >>> function_at("io.write_file", "evil")
+    ```python
+    function_at("math.square", "dist.tf_square") is tf.math.square
+    # -> True
+    function_at("io.write_file", "evil")
+    ```
     Traceback (most recent call last):
     keras_ipu_plugin.errors.LoadError: TFFunction `evil`: `tf.io.write_file` ...
 
@@ -64,9 +66,11 @@ would draw other numbers than the forward pass used. The function is
 resolved only from `RANDOM_DRAWS`, also when loading.
 
 Example:
-    >>> draw = TFRandomDraw("random.normal", name="tf_normal")
-    >>> draw((tf_shape_0, 2), seed=1337).shape   # tf_shape_0: a symbolic int
-    (None, 2)
+    ```python
+    draw = TFRandomDraw("random.normal", name="tf_normal")
+    draw((tf_shape_0, 2), seed=1337).shape   # tf_shape_0: a symbolic int
+    # -> (None, 2)
+    ```
 """
 
 import functools
@@ -236,8 +240,10 @@ def function_at(path, entry):
     `entry` (the node or layer holding the path) for anything else.
 
     Example:
-        >>> function_at("nn.relu", "block.tf_relu") is tf.nn.relu
-        True
+        ```python
+        function_at("nn.relu", "block.tf_relu") is tf.nn.relu
+        # -> True
+        ```
     """
     reason = refused_reason(path)
     if reason is None and path not in RECORDED:
@@ -260,8 +266,10 @@ def draw_function_at(path, entry):
     `kip.LoadError` naming `entry` for anything else.
 
     Example:
-        >>> draw_function_at("random.normal", "sampling.tf_normal") is tf.random.normal
-        True
+        ```python
+        draw_function_at("random.normal", "sampling.tf_normal") is tf.random.normal
+        # -> True
+        ```
     """
     function = _resolve(path) if isinstance(path, str) and path in RANDOM_DRAWS else None
     if function is None:
@@ -391,9 +399,11 @@ class TFRandomDraw(keras.Operation):
     arguments each time the graph runs.
 
     Example:
-        >>> draw = TFRandomDraw("random.uniform")
-        >>> draw((None, 2), minval=0.9, maxval=1.1, batch_of=x).shape   # x: (4, 3)
-        (4, 2)
+        ```python
+        draw = TFRandomDraw("random.uniform")
+        draw((None, 2), minval=0.9, maxval=1.1, batch_of=x).shape   # x: (4, 3)
+        # -> (4, 2)
+        ```
     """
 
     def __init__(self, function, name=None):
@@ -445,7 +455,9 @@ def draws_statefully(operation):
     recomputed segment.
 
     Example:
-        >>> draws_statefully(TFRandomDraw("random.normal")), draws_statefully(keras.layers.Dense(2))
-        (True, False)
+        ```python
+        draws_statefully(TFRandomDraw("random.normal")), draws_statefully(keras.layers.Dense(2))
+        # -> (True, False)
+        ```
     """
     return isinstance(operation, TFRandomDraw)

@@ -25,12 +25,14 @@ place that asks whether a layer's `call` takes `training` asks
 the layer rule and the probe as overridable hooks.
 
 Example:
-    >>> is_user_module("keras.src.layers.core.dense"), is_user_module("my_model")
-    (False, True)
-    >>> is_user_layer(keras.layers.Dense(2)), is_user_layer(MyBlock())
-    (False, True)
-    >>> takes_training(keras.layers.Dropout(0.1)), takes_training(keras.layers.Flatten())
-    (True, False)
+    ```python
+    is_user_module("keras.src.layers.core.dense"), is_user_module("my_model")
+    # -> (False, True)
+    is_user_layer(keras.layers.Dense(2)), is_user_layer(MyBlock())
+    # -> (False, True)
+    takes_training(keras.layers.Dropout(0.1)), takes_training(keras.layers.Flatten())
+    # -> (True, False)
+    ```
 
 Views of user layers: stand-ins that run a layer's code differently
 without changing the layer.
@@ -48,9 +50,11 @@ used as they are. Being a subclass keeps `isinstance` and zero-argument
 inline on KerasTensors.
 
 Example:
-    >>> view = layer_view(model, lambda cls, call: type(cls.__name__, (cls,), {}))
-    >>> view.blocks[0] is not model.blocks[0]   # a view of the block
-    True
+    ```python
+    view = layer_view(model, lambda cls, call: type(cls.__name__, (cls,), {}))
+    view.blocks[0] is not model.blocks[0]   # a view of the block
+    # -> True
+    ```
 """
 
 import functools
@@ -160,10 +164,12 @@ def overridden_helpers(cls):
     `get_config`.
 
     Example:
-        >>> class Biased(keras.layers.MultiHeadAttention):
-        ...     def _compute_attention(self, *args, **kwargs): ...
-        >>> overridden_helpers(Biased)
-        ['_compute_attention']
+        ```python
+        class Biased(keras.layers.MultiHeadAttention):
+            def _compute_attention(self, *args, **kwargs): ...
+        overridden_helpers(Biased)
+        # -> ['_compute_attention']
+        ```
     """
     user_classes = [base for base in cls.__mro__ if base is not object and is_user_class(base)]
     library = [base for base in cls.__mro__ if base is not object and not is_user_class(base)]
@@ -285,9 +291,11 @@ def shallow_view(layer, view_class):
     holding the layer's own attributes, sub-layers included, as they are.
 
     Example:
-        >>> view = shallow_view(dense, type("Dense", (keras.layers.Dense,), {}))
-        >>> view.kernel is dense.kernel and viewed_layer(view) is dense
-        True
+        ```python
+        view = shallow_view(dense, type("Dense", (keras.layers.Dense,), {}))
+        view.kernel is dense.kernel and viewed_layer(view) is dense
+        # -> True
+        ```
     """
     view = object.__new__(view_class)
     state = dict(vars(layer))

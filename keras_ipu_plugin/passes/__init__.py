@@ -1,8 +1,10 @@
 """The passes: small classes that transform the graph IR.
 
 Example:
-    >>> passes = [kip.passes.Expand(), kip.passes.Recompute(TransformerBlock)]
-    >>> passed = kip.apply_passes(converted, passes)
+    ```python
+    passes = [kip.passes.Expand(), kip.passes.Recompute(TransformerBlock)]
+    passed = kip.apply_passes(converted, passes)
+    ```
 """
 
 from keras_ipu_plugin.passes.annotate import Outline

@@ -59,7 +59,9 @@ class Outline(Pass):
     fail on the IPU fails everywhere.
 
     Example:
-        >>> kip.passes.Outline(TransformerBlock)
+        ```python
+        kip.passes.Outline(TransformerBlock)
+        ```
     """
 
     step = "outline"
@@ -149,8 +151,10 @@ class Recompute(Pass):
     included).
 
     Example:
-        >>> kip.passes.Recompute(["block_1", "block_2"])
-        >>> kip.passes.Recompute(auto=True, memory_budget=0.5)
+        ```python
+        kip.passes.Recompute(["block_1", "block_2"])
+        kip.passes.Recompute(auto=True, memory_budget=0.5)
+        ```
     """
 
     step = "recompute"
@@ -281,10 +285,12 @@ class PipelineStages(Pass):
     stage), and one optimizer step per batch equals the whole batch's.
 
     Example:
-        >>> kip.passes.PipelineStages([["encoder"], ["decoder", "head"]])
-        >>> kip.passes.PipelineStages(num_stages=4, balance="time")
-        >>> kip.passes.PipelineStages(num_stages=2, microbatches=4,
-        ...                           devices=["/GPU:0", "/GPU:1"], schedule="1f1b")
+        ```python
+        kip.passes.PipelineStages([["encoder"], ["decoder", "head"]])
+        kip.passes.PipelineStages(num_stages=4, balance="time")
+        kip.passes.PipelineStages(num_stages=2, microbatches=4,
+                                  devices=["/GPU:0", "/GPU:1"], schedule="1f1b")
+        ```
     """
 
     step = "pipeline_stages"

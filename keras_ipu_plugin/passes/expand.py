@@ -75,9 +75,11 @@ class Expand(Pass):
     """Inline custom layers (and nested models) into their sub-layers.
 
     Example:
-        >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
-        >>> [n.name for n in passed.kip_graph.nodes][:3]
-        ['block_1.dense', 'block_1.batch_normalization', 'block_1.add']
+        ```python
+        passed = kip.apply_passes(converted, [kip.passes.Expand()])
+        [n.name for n in passed.kip_graph.nodes][:3]
+        # -> ['block_1.dense', 'block_1.batch_normalization', 'block_1.add']
+        ```
     """
 
     step = "expand"
@@ -286,10 +288,12 @@ def inline_call(graph, node, report, reads, templates):
     be traced (then `node.opaque_reason` says why, and the report has it).
 
     Example:
-        >>> new_nodes = inline_call(graph, graph.node("block_1"), report,
-        ...                         ReadLayers.of_graph(graph), CallTemplates())
-        >>> [n.name for n in new_nodes]
-        ['block_1.dense', 'block_1.norm', 'block_1.add']
+        ```python
+        new_nodes = inline_call(graph, graph.node("block_1"), report,
+                                ReadLayers.of_graph(graph), CallTemplates())
+        [n.name for n in new_nodes]
+        # -> ['block_1.dense', 'block_1.norm', 'block_1.add']
+        ```
     """
     layer = node.operation
     untraced = [value for value in (*node.input_values, *node.outputs)

@@ -19,8 +19,10 @@ torchvision reaches any module: the blocks on the way to it are expanded
 (only those; the result verified as every pass is).
 
 Example:
-    >>> features = kip.create_feature_extractor(passed, ["blocks.1", "head"])
-    >>> outputs = features(x)          # {"blocks.1": ..., "head": ...}
+    ```python
+    features = kip.create_feature_extractor(passed, ["blocks.1", "head"])
+    outputs = features(x)          # {"blocks.1": ..., "head": ...}
+    ```
 """
 
 import difflib
@@ -49,9 +51,11 @@ def create_feature_extractor(model, return_nodes):
     whole expands the blocks on the way to it (see the module docstring).
 
     Example:
-        >>> converted = kip.convert_to_functional(model, x)
-        >>> features = kip.create_feature_extractor(converted, {"block": "feature_map"})
-        >>> features(x)["feature_map"].shape
+        ```python
+        converted = kip.convert_to_functional(model, x)
+        features = kip.create_feature_extractor(converted, {"block": "feature_map"})
+        features(x)["feature_map"].shape
+        ```
     """
     names = _output_names(return_nodes)
     model = _expanded_to_reach(graph_model(model, "create_feature_extractor"), list(names))

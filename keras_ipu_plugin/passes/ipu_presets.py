@@ -29,7 +29,9 @@ A mask or a dynamic shape reaching any of them is refused: the IPU needs
 static shapes, and the addons layers either raise on a mask or drop it.
 
 Example:
-    >>> passed = kip.apply_passes(converted, kip.ipu_replacements())
+    ```python
+    passed = kip.apply_passes(converted, kip.ipu_replacements())
+    ```
 """
 
 import keras
@@ -70,8 +72,10 @@ def ipu_replace(addons, serial_dense=False, serialization_factor=None,
     """The `IpuReplace` pass over the addons module `addons`.
 
     Example:
-        >>> ipu_replace(addons, serial_dense=True, serialization_factor=4,
-        ...             serialization_dimension="kernel_rows")
+        ```python
+        ipu_replace(addons, serial_dense=True, serialization_factor=4,
+                    serialization_dimension="kernel_rows")
+        ```
     """
     copiers = {
         "LayerNormalization": dict(copy_weights=True),
@@ -121,9 +125,11 @@ class IpuReplace(Replace):
     against the limits of its replacement first (see the module docstring).
 
     Example:
-        >>> [replace] = kip.ipu_replacements()
-        >>> isinstance(replace, IpuReplace)
-        True
+        ```python
+        [replace] = kip.ipu_replacements()
+        isinstance(replace, IpuReplace)
+        # -> True
+        ```
     """
 
     def run(self, graph, report):
@@ -274,7 +280,9 @@ def copy_rnn_weights(old, new):
     `recurrent_kernel`, `bias` -> `biases`, same gate order and shapes.
 
     Example:
-        >>> Replacement(addons.PopnnLSTM, copy_weights_fn=copy_rnn_weights)
+        ```python
+        Replacement(addons.PopnnLSTM, copy_weights_fn=copy_rnn_weights)
+        ```
     """
     sources = {v.name: v for v in old.weights}
     targets = {v.name: v for v in new.weights}
@@ -304,9 +312,11 @@ def ipu_replacements(serial_dense=False, *, serialization_factor=None,
     ("input_columns", "input_rows_kernel_columns" or "kernel_rows").
 
     Example:
-        >>> passes = [kip.passes.Expand(), *kip.ipu_replacements()]
-        >>> kip.ipu_replacements(serial_dense=True, serialization_factor=4,
-        ...                      serialization_dimension="kernel_rows")
+        ```python
+        passes = [kip.passes.Expand(), *kip.ipu_replacements()]
+        kip.ipu_replacements(serial_dense=True, serialization_factor=4,
+                             serialization_dimension="kernel_rows")
+        ```
     """
     layers = get_backend().ipu_layers()
     if layers is None:

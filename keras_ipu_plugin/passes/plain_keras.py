@@ -19,8 +19,10 @@ annotations (recompute checkpoints, stages, outlining) say how kip runs a
 graph, not what it computes, and are not kept.
 
 Example:
-    >>> passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
-    >>> kip.to_keras(passed).save("plain.keras")   # loads without kip
+    ```python
+    passed = kip.apply_passes(converted, [kip.passes.Expand("all")])
+    kip.to_keras(passed).save("plain.keras")   # loads without kip
+    ```
 """
 
 import keras
@@ -50,9 +52,11 @@ def to_keras(model):
     `import keras_ipu_plugin`, and the user's classes registered, to load.
 
     Example:
-        >>> plain = kip.to_keras(kip.apply_passes(converted, [kip.passes.Expand("all")]))
-        >>> plain.save("plain.keras")
-        >>> keras.models.load_model("plain.keras")  # in a process without kip
+        ```python
+        plain = kip.to_keras(kip.apply_passes(converted, [kip.passes.Expand("all")]))
+        plain.save("plain.keras")
+        keras.models.load_model("plain.keras")  # in a process without kip
+        ```
     """
     source = graph_model(model, "to_keras")
     graph = graph_of_model(source, "to_keras")

@@ -28,8 +28,10 @@ values never depend on the tensor's values. Every written node's dtype is
 checked against the graph's; anything else is named in `to_keras`'s error.
 
 Example:
-    >>> form = keras_form(node, GraphFacts(graph))   # a writer, or why not
-    >>> outputs = form(args, kwargs, masks) if callable(form) else None
+    ```python
+    form = keras_form(node, GraphFacts(graph))   # a writer, or why not
+    outputs = form(args, kwargs, masks) if callable(form) else None
+    ```
 """
 
 import inspect

@@ -53,8 +53,10 @@ class Replace(Pass):
     naming it, rather than a "not reached" row of the report.
 
     Example:
-        >>> passed = kip.apply_passes(converted, [
-        ...     kip.passes.Replace({keras.layers.Dense: Replacement(MyDense, copy_weights=True)})])
+        ```python
+        passed = kip.apply_passes(converted, [
+            kip.passes.Replace({keras.layers.Dense: Replacement(MyDense, copy_weights=True)})])
+        ```
     """
 
     step = "replace"

@@ -45,7 +45,9 @@ class Replacement:
     """How to replace one target: the new class, config changes, weights.
 
     Example:
-        >>> Replacement(MyDense, params={"name": "fast_dense"}, copy_weights=True)
+        ```python
+        Replacement(MyDense, params={"name": "fast_dense"}, copy_weights=True)
+        ```
     """
 
     def __init__(self, new_class, params=None, copy_weights=False, copy_weights_fn=None):
@@ -272,8 +274,10 @@ def layer_config(layer, given=()):
     build a layer computing something else.
 
     Example:
-        >>> layer_config(keras_hub_gemma_rms_norm)["epsilon"]
-        1e-06
+        ```python
+        layer_config(keras_hub_gemma_rms_norm)["epsilon"]
+        # -> 1e-06
+        ```
     """
     try:
         return layer.get_config()

@@ -3,8 +3,10 @@ pure planners (`recompute_plan`, `stage_balance`) on them, and the plan back
 onto the nodes as annotations, with a report table.
 
 Example:
-    >>> plan_recompute(graph, memory_budget=0.5, report=report, step="recompute")
-    >>> print(report)          # ... and a "Recompute plan" table
+    ```python
+    plan_recompute(graph, memory_budget=0.5, report=report, step="recompute")
+    print(report)          # ... and a "Recompute plan" table
+    ```
 """
 
 import dataclasses
@@ -333,9 +335,11 @@ def exact_optimum(choice, seconds=EXACT_SECONDS):
     from the optimum of its own cost model.
 
     Example:
-        >>> choice = choose_recompute(graph, 0.2, "recompute")
-        >>> exact_optimum(choice).peak <= choice.plan.peak
-        True
+        ```python
+        choice = choose_recompute(graph, 0.2, "recompute")
+        exact_optimum(choice).peak <= choice.plan.peak
+        # -> True
+        ```
     """
     graph, order, profiles, batch = choice.graph, choice.order, choice.profiles, choice.batch
     plain = recompute_costs(graph, order, profiles, batch, split=False)

@@ -11,9 +11,11 @@ model is read or written and no strategy is involved. Identical layers on
 identical inputs (the blocks of a tower) are traced once.
 
 Example:
-    >>> profiles = profile_nodes(graph, batch=64)
-    >>> profiles[0].kept_bytes, profiles[0].flops
-    (262144, 1.6e7)
+    ```python
+    profiles = profile_nodes(graph, batch=64)
+    profiles[0].kept_bytes, profiles[0].flops
+    # -> (262144, 1.6e7)
+    ```
 """
 
 import re
@@ -420,8 +422,10 @@ def time_nodes(graph, batch, repeats=5, profiles=None):
     neighbours, and the stages balanced on it were not balanced.
 
     Example:
-        >>> time_nodes(graph, batch=32)[:2]
-        [0.00121, 0.00034]
+        ```python
+        time_nodes(graph, batch=32)[:2]
+        # -> [0.00121, 0.00034]
+        ```
     """
     runnable, keys = {}, []
     rng = np.random.default_rng(0)

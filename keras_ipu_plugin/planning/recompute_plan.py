@@ -50,13 +50,15 @@ find plans by a dynamic program over the node order that computes the very
 same figures (tests compare it with brute force on small chains).
 
 Example:
-    >>> costs = [NodeCost(f"h{i}", kept=8, boundary=4, flops=1, grads=2,
-    ...                   output=4, kept_by_consumer=4) for i in range(16)]
-    >>> plan = plan_smallest_peak(costs)
-    >>> plan.peak < plan.baseline_peak
-    True
-    >>> plan_for_budget(costs, 0.6 * plan.baseline_peak).extra_flops
-    6.0
+    ```python
+    costs = [NodeCost(f"h{i}", kept=8, boundary=4, flops=1, grads=2,
+                      output=4, kept_by_consumer=4) for i in range(16)]
+    plan = plan_smallest_peak(costs)
+    plan.peak < plan.baseline_peak
+    # -> True
+    plan_for_budget(costs, 0.6 * plan.baseline_peak).extra_flops
+    # -> 6.0
+    ```
 """
 
 import math
@@ -554,8 +556,10 @@ def plan_for_budget(costs, budget, held_gradients=False):
     most `budget` bytes; `UnmeetableBudget` when none is.
 
     Example:
-        >>> plan_for_budget(costs, 200 * 2**20).checkpoints
-        (5, 11, 17)
+        ```python
+        plan_for_budget(costs, 200 * 2**20).checkpoints
+        # -> (5, 11, 17)
+        ```
     """
     if not costs:
         return describe_plan(costs, (), held_gradients)
@@ -574,8 +578,10 @@ def plan_smallest_peak(costs, tolerance=SMALLEST_PEAK_TOLERANCE, held_gradients=
     `max_extra_forwards` forward passes (None: any number).
 
     Example:
-        >>> plan_smallest_peak(costs).checkpoints
-        (6, 13, 20, 27, 34, 41)
+        ```python
+        plan_smallest_peak(costs).checkpoints
+        # -> (6, 13, 20, 27, 34, 41)
+        ```
     """
     if not costs:
         return describe_plan(costs, (), held_gradients)

@@ -15,8 +15,10 @@ a `keras.StatelessScope`), so no variable of the user's model is read or
 written, as in `node_costs`.
 
 Example:
-    >>> time_stages(graph, 32, [[(0, 12), (13, 38)]])
-    [[0.041, 0.039]]
+    ```python
+    time_stages(graph, 32, [[(0, 12), (13, 38)]])
+    # -> [[0.041, 0.039]]
+    ```
 """
 
 import statistics
@@ -39,8 +41,10 @@ def time_stages(graph, batch, partitions, repeats=5):
     rounds), so that a busy spell of the machine hits them alike.
 
     Example:
-        >>> time_stages(graph, 32, [[(0, 3), (4, 9)], [(0, 4), (5, 9)]])
-        [[0.012, 0.013], [0.014, 0.011]]
+        ```python
+        time_stages(graph, 32, [[(0, 3), (4, 9)], [(0, 4), (5, 9)]])
+        # -> [[0.012, 0.013], [0.014, 0.011]]
+        ```
     """
     rng = np.random.default_rng(0)
     built = {}

@@ -40,9 +40,11 @@ A backend that does not recompute segments (the IPU's) checkpoints the
 outputs of each `"recompute"` layer instead (`checkpoint_outputs`).
 
 Example:
-    >>> segments = make_plan(passed, get_backend())
-    >>> [segment.recompute for segment in segments]
-    [True, False]
+    ```python
+    segments = make_plan(passed, get_backend())
+    [segment.recompute for segment in segments]
+    # -> [True, False]
+    ```
 
 Recomputing a Dense layer's activation alone: the note `activation_remat`.
 
@@ -67,8 +69,10 @@ makes), called on one tensor. Any other layer carrying the note runs as it
 is (the note is a memory choice; results are the same either way).
 
 Example:
-    >>> passed.kip_annotations["blocks.0.dense.1"] = {"activation_remat": True}
-    >>> passed(x, training=True)   # that Dense keeps z, recomputes gelu(z)
+    ```python
+    passed.kip_annotations["blocks.0.dense.1"] = {"activation_remat": True}
+    passed(x, training=True)   # that Dense keeps z, recomputes gelu(z)
+    ```
 
 What the Outline pass's annotation does when the graph runs: layers of a
 group share one compiled body (the backend's `outline`: a `tf.function`
@@ -82,10 +86,12 @@ node runs as itself: an outlined body runs on the weights passed in, in a
 stateless scope that would keep the write.
 
 Example:
-    >>> outlined = kip.apply_passes(converted, [kip.passes.Outline(Block)])
-    >>> outlined(x)
-    >>> len(outlined.kip_interpreter().effects["outline"].bodies)   # one per group
-    1
+    ```python
+    outlined = kip.apply_passes(converted, [kip.passes.Outline(Block)])
+    outlined(x)
+    len(outlined.kip_interpreter().effects["outline"].bodies)   # one per group
+    # -> 1
+    ```
 
 What the PipelineStages pass's annotation does when the graph runs: each
 layer is called in its stage's scope (`backend.stage_scope`): on the
@@ -95,9 +101,11 @@ Graphcore's pipeline API instead (`backends.ipu.assign_stages`), so its
 scope is empty. A layer without a stage annotation is in stage 0.
 
 Example:
-    >>> staged = kip.apply_passes(converted, [kip.passes.PipelineStages(num_stages=2)])
-    >>> staged.kip_stage_devices = ["/cpu:0", "/cpu:0"]
-    >>> staged(x)      # each layer runs under tf.device of its stage
+    ```python
+    staged = kip.apply_passes(converted, [kip.passes.PipelineStages(num_stages=2)])
+    staged.kip_stage_devices = ["/cpu:0", "/cpu:0"]
+    staged(x)      # each layer runs under tf.device of its stage
+    ```
 """
 
 import inspect
@@ -147,8 +155,10 @@ def make_plan(model, backend):
     """The segments `model` (a `KipFunctional`) runs in with `backend`.
 
     Example:
-        >>> [s.recompute for s in make_plan(passed, get_backend())]
-        [True, False, False]
+        ```python
+        [s.recompute for s in make_plan(passed, get_backend())]
+        # -> [True, False, False]
+        ```
     """
     graph = graph_of(model)
     return segments_of(graph.nodes, graph.outputs, backend)
@@ -218,8 +228,10 @@ def has_forward_state(operation):
     kernel's: a recomputation would draw other numbers.
 
     Example:
-        >>> has_forward_state(keras.layers.BatchNormalization())
-        True
+        ```python
+        has_forward_state(keras.layers.BatchNormalization())
+        # -> True
+        ```
     """
     if not isinstance(operation, keras.layers.Layer):
         return draws_statefully(operation)
@@ -427,10 +439,12 @@ def splittable(layer):
     module docstring).
 
     Example:
-        >>> splittable(keras.layers.Dense(4, activation="gelu"))
-        True
-        >>> splittable(keras.layers.Dense(4))
-        False
+        ```python
+        splittable(keras.layers.Dense(4, activation="gelu"))
+        # -> True
+        splittable(keras.layers.Dense(4))
+        # -> False
+        ```
     """
     layer = getattr(layer, "aliased_layer", layer)
     if type(layer) is not keras.layers.Dense or not layer.built:
@@ -453,7 +467,9 @@ def split_call(layer, inputs, checkpoint):
     `inputs` goes on to the output, as Dense's `__call__` passes it.
 
     Example:
-        >>> y = split_call(dense, x, get_backend().checkpoint_segment)
+        ```python
+        y = split_call(dense, x, get_backend().checkpoint_segment)
+        ```
     """
     layer = getattr(layer, "aliased_layer", layer)
     pre = keras.ops.matmul(inputs, layer.kernel)
@@ -614,8 +630,10 @@ def outline_config(layer):
     then shows two such layers equal, so the layer is outlined alone.
 
     Example:
-        >>> outline_config(keras.layers.Dense(3, name="a"))[0]["units"]
-        3
+        ```python
+        outline_config(keras.layers.Dense(3, name="a"))[0]["units"]
+        # -> 3
+        ```
     """
     inner = layer.layer if isinstance(layer, LayerAlias) else layer
     try:

@@ -72,8 +72,10 @@ def mask_semantics(model):
     `call` has no `mask` parameter).
 
     Example:
-        >>> mask_semantics(keras.Sequential([keras.layers.Dense(2)]))
-        'inputs'
+        ```python
+        mask_semantics(keras.Sequential([keras.layers.Dense(2)]))
+        # -> 'inputs'
+        ```
     """
     if isinstance(model, _compat.Functional):
         return MASK_ON_INPUTS
@@ -89,9 +91,11 @@ def adopt_call_semantics(converted, source):
     own are then kept).
 
     Example:
-        >>> adopt_call_semantics(converted, model)
-        >>> converted.kip_original_mask, converted.kip_call_takes_training
-        ('absent', False)
+        ```python
+        adopt_call_semantics(converted, model)
+        converted.kip_original_mask, converted.kip_call_takes_training
+        # -> ('absent', False)
+        ```
     """
     if isinstance(source, KipFunctional):
         converted.kip_original_mask = source.kip_original_mask
@@ -107,8 +111,10 @@ def graph_model(model, caller):
     (`caller` names the function in errors).
 
     Example:
-        >>> graph_model(plugin, "kip.plot_model") is plugin.converted
-        True
+        ```python
+        graph_model(plugin, "kip.plot_model") is plugin.converted
+        # -> True
+        ```
     """
     if isinstance(getattr(type(model), "converted", None), property):
         if model.converted is None:
@@ -125,10 +131,12 @@ class KipFunctional(_compat.Functional):
     """A functional model that honours `training` values pinned by the code.
 
     Example:
-        >>> converted = kip.convert_to_functional(model, x)
-        >>> isinstance(converted, kip.KipFunctional)
-        True
-        >>> converted.kip_pinned_training   # e.g. {"frozen_bn": False}
+        ```python
+        converted = kip.convert_to_functional(model, x)
+        isinstance(converted, kip.KipFunctional)
+        # -> True
+        converted.kip_pinned_training   # e.g. {"frozen_bn": False}
+        ```
     """
 
     def __init__(
@@ -186,8 +194,10 @@ class KipFunctional(_compat.Functional):
         `kip_graph` hold them, per call site.
 
         Example:
-            >>> kip.apply_passes(converted, [Recompute("head")]).kip_annotations
-            {'head': {'recompute': True}}
+            ```python
+            kip.apply_passes(converted, [Recompute("head")]).kip_annotations
+            # -> {'head': {'recompute': True}}
+            ```
         """
         found = {}
         for node in graph_of(self).nodes:
@@ -209,8 +219,10 @@ class KipFunctional(_compat.Functional):
         otherwise make `fit` train with them on).
 
         Example:
-            >>> kip.convert_to_functional(model, x).kip_call_takes_training
-            False
+            ```python
+            kip.convert_to_functional(model, x).kip_call_takes_training
+            # -> False
+            ```
         """
         return _compat.call_takes_training_argument(self)
 
@@ -238,8 +250,10 @@ class KipFunctional(_compat.Functional):
         """`{node path: pipeline stage}` from the PipelineStages pass.
 
         Example:
-            >>> staged.kip_stages
-            {'stem': 0, 'blocks.0': 0, 'blocks.1': 1, 'head': 1}
+            ```python
+            staged.kip_stages
+            # -> {'stem': 0, 'blocks.0': 0, 'blocks.1': 1, 'head': 1}
+            ```
         """
         return {node.name: node.annotations["stage"] for node in graph_of(self).nodes
                 if "stage" in node.annotations}
@@ -262,9 +276,11 @@ class KipFunctional(_compat.Functional):
         layer's Keras name is accepted where it is no path (an alias).
 
         Example:
-            >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
-            >>> passed.kip_layer("blocks.1.dense") is model.blocks[1].dense
-            True
+            ```python
+            passed = kip.apply_passes(converted, [kip.passes.Expand()])
+            passed.kip_layer("blocks.1.dense") is model.blocks[1].dense
+            # -> True
+            ```
         """
         name = self.kip_layer_paths.get(path, path)
         for layer in self.layers:
@@ -297,8 +313,10 @@ class KipFunctional(_compat.Functional):
         the annotations of the graph's nodes have changed since.
 
         Example:
-            >>> passed.kip_interpreter().steps[0].recompute
-            True
+            ```python
+            passed.kip_interpreter().steps[0].recompute
+            # -> True
+            ```
         """
         from keras_ipu_plugin.runtime.backends import get_backend
 
@@ -437,7 +455,9 @@ def refuse_state_shared_across_switches(model):
     variable, as in the original model.
 
     Example:
-        >>> refuse_state_shared_across_switches(passed)   # before passed.save(...)
+        ```python
+        refuse_state_shared_across_switches(passed)   # before passed.save(...)
+        ```
     """
     owners = {}
 

@@ -29,14 +29,16 @@ A new pass with a run-time effect is one file: the pass writes its
 annotation, its effect reads it from the nodes.
 
 Example:
-    >>> @register_run_effect
-    ... class Trace(RunEffect):
-    ...     name = "trace"
-    ...     keys = ("trace",)
-    ...     def call(self, node, run, args, kwargs, proceed):
-    ...         print("running", node.name)
-    ...         return proceed(args, kwargs)
-    >>> passed(x)         # a node annotated {"trace": True} prints its name
+    ```python
+    @register_run_effect
+    class Trace(RunEffect):
+        name = "trace"
+        keys = ("trace",)
+        def call(self, node, run, args, kwargs, proceed):
+            print("running", node.name)
+            return proceed(args, kwargs)
+    passed(x)         # a node annotated {"trace": True} prints its name
+    ```
 
 `graph_of(model)`: the IR graph a `KipFunctional` runs.
 
@@ -63,9 +65,11 @@ nodes, here, the one place the saved form is read:
   calls that had none.)
 
 Example:
-    >>> graph = graph_of(keras.models.load_model("passed.keras"))
-    >>> [(node.name, node.annotations) for node in graph.nodes][:2]
-    [('stem', {}), ('blocks.0', {'recompute': True})]
+    ```python
+    graph = graph_of(keras.models.load_model("passed.keras"))
+    [(node.name, node.annotations) for node in graph.nodes][:2]
+    # -> [('stem', {}), ('blocks.0', {'recompute': True})]
+    ```
 """
 
 import keras
@@ -83,10 +87,12 @@ def register_run_effect(cls):
     name again replaces the effect (a module reloaded).
 
     Example:
-        >>> @register_run_effect
-        ... class Nothing(RunEffect):
-        ...     name = "nothing"
-        ...     keys = ("nothing",)
+        ```python
+        @register_run_effect
+        class Nothing(RunEffect):
+            name = "nothing"
+            keys = ("nothing",)
+        ```
     """
     if not (isinstance(cls, type) and issubclass(cls, RunEffect)):
         raise TypeError(f"register_run_effect takes a RunEffect subclass, not {cls!r}.")
@@ -107,8 +113,10 @@ def registered_run_effects():
     """`{name: RunEffect subclass}`, in registration order.
 
     Example:
-        >>> sorted(registered_run_effects())
-        ['activation_remat', 'outline', 'recompute', 'stages']
+        ```python
+        sorted(registered_run_effects())
+        # -> ['activation_remat', 'outline', 'recompute', 'stages']
+        ```
     """
     return dict(_EFFECTS)
 
@@ -175,8 +183,10 @@ class Interpreter:
     see it as the caller), `stage_devices` its `kip_stage_devices`.
 
     Example:
-        >>> interpreter = Interpreter(passed.kip_graph, get_backend(), passed)
-        >>> interpreter.run(inputs, training=False)
+        ```python
+        interpreter = Interpreter(passed.kip_graph, get_backend(), passed)
+        interpreter.run(inputs, training=False)
+        ```
     """
 
     def __init__(self, graph, backend, owner=None, stage_devices=(), output_structure=None):
@@ -247,8 +257,10 @@ def interpreter_for(model, backend):
     its graph (`graph_of`), its stage devices and its output structure.
 
     Example:
-        >>> interpreter_for(passed, get_backend()).steps[0].recompute
-        True
+        ```python
+        interpreter_for(passed, get_backend()).steps[0].recompute
+        # -> True
+        ```
     """
     return Interpreter(graph_of(model), backend, owner=model,
                        stage_devices=model.kip_stage_devices,
@@ -265,8 +277,10 @@ def call_arguments(node, env, context):
     planner measuring a node alone, call it.
 
     Example:
-        >>> call_arguments(node, {x_value: x}, {"training": True})
-        ((<tf.Tensor ...>,), {'training': True})
+        ```python
+        call_arguments(node, {x_value: x}, {"training": True})
+        # -> ((<tf.Tensor ...>,), {'training': True})
+        ```
     """
     args, kwargs = _filled(node.args, node.kwargs, env)
     operation = node.operation
@@ -307,8 +321,10 @@ def graph_of(model):
     where it has none, the graph read from its Keras nodes (once).
 
     Example:
-        >>> graph_of(passed) is passed.kip_graph
-        True
+        ```python
+        graph_of(passed) is passed.kip_graph
+        # -> True
+        ```
     """
     if model.kip_graph is not None:
         return model.kip_graph

@@ -25,10 +25,12 @@ Passes see into the modes through `branch_graphs` (the IR of each mode,
 `from_branch_graphs`).
 
 Example:
-    >>> switch = ModeSwitch.from_branch_graphs(
-    ...     {"training": graph_t, "inference": graph_f}, none_means="inference",
-    ...     name="blocks.0.drop_path")
-    >>> switch([x], training=True)     # graph_t's outputs
+    ```python
+    switch = ModeSwitch.from_branch_graphs(
+        {"training": graph_t, "inference": graph_f}, none_means="inference",
+        name="blocks.0.drop_path")
+    switch([x], training=True)     # graph_t's outputs
+    ```
 """
 
 import keras

@@ -13,7 +13,9 @@ to be part of the graph) has no edge into it. A `PluginModel` is drawn as
 its converted graph.
 
 Example:
-    >>> kip.plot_model(passed, to_file="passed.png", show_shapes=True)
+    ```python
+    kip.plot_model(passed, to_file="passed.png", show_shapes=True)
+    ```
 """
 
 import html
@@ -59,8 +61,10 @@ def model_to_dot(model, show_shapes=False, show_dtype=False, show_layer_names=Tr
     box; `kip.passes.Expand` shows the inside of a block.
 
     Example:
-        >>> dot = kip.model_to_dot(passed, show_shapes=True)
-        >>> dot.write("passed.svg", format="svg")
+        ```python
+        dot = kip.model_to_dot(passed, show_shapes=True)
+        dot.write("passed.svg", format="svg")
+        ```
     """
     return _dot(model, "kip.model_to_dot", show_shapes=show_shapes, show_dtype=show_dtype,
                 show_layer_names=show_layer_names, rankdir=rankdir,
@@ -115,7 +119,9 @@ def plot_model(model, to_file="model.png", show_shapes=False, show_dtype=False,
     notebook to show where IPython is installed, as Keras does; else None.
 
     Example:
-        >>> kip.plot_model(passed, to_file="passed.png", show_shapes=True)
+        ```python
+        kip.plot_model(passed, to_file="passed.png", show_shapes=True)
+        ```
     """
     to_file = os.fspath(to_file)
     extension = os.path.splitext(to_file)[1][1:].lower() or "png"

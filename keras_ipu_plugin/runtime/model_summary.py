@@ -10,12 +10,14 @@ output shapes and its parameters, counted once per layer; then Keras's
 totals.
 
 Example:
-    >>> passed.summary()
-    Model: "my_model"
-    ┏━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━┳━━━━━━━━━┓
-    ┃ Node (class)                    ┃ Output shape ┃ Param # ┃
-    │ input_layer (InputLayer)        │ (None, 8)    │       0 │
-    │ block.dense (Dense)             │ (None, 32)   │   1,056 │ ...
+    ```python
+    passed.summary()
+    # -> Model: "my_model"
+    # -> ┏━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━┳━━━━━━━━━┓
+    # -> ┃ Node (class)                    ┃ Output shape ┃ Param # ┃
+    # -> │ input_layer (InputLayer)        │ (None, 8)    │       0 │
+    # -> │ block.dense (Dense)             │ (None, 32)   │   1,056 │ ...
+    ```
 """
 
 import keras

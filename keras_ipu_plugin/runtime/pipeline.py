@@ -41,8 +41,10 @@ def stage_of(node):
     annotations.
 
     Example:
-        >>> [stage_of(node) for node in interpreter_for(staged, backend).graph.nodes]
-        [0, 0, 1, 1]
+        ```python
+        [stage_of(node) for node in interpreter_for(staged, backend).graph.nodes]
+        # -> [0, 0, 1, 1]
+        ```
     """
     return node.annotations.get("stage", 0)
 
@@ -55,8 +57,10 @@ def split_steps(steps, outputs):
     segments. `outputs`: the Values the graph returns.
 
     Example:
-        >>> split_steps(interpreter_for(model, backend).steps, graph.outputs)
-        [(0, [Segment(...), ...]), (1, [...])]
+        ```python
+        split_steps(interpreter_for(model, backend).steps, graph.outputs)
+        # -> [(0, [Segment(...), ...]), (1, [...])]
+        ```
     """
     pieces = []
     for step in steps:
@@ -187,8 +191,10 @@ def stage_devices(devices, model_devices, num_stages):
     stage s on `devices[s % len(devices)]`, else `default_devices`.
 
     Example:
-        >>> stage_devices(["/CPU:0", "/CPU:1"], [], 3)
-        ['/CPU:0', '/CPU:1', '/CPU:0']
+        ```python
+        stage_devices(["/CPU:0", "/CPU:1"], [], 3)
+        # -> ['/CPU:0', '/CPU:1', '/CPU:0']
+        ```
     """
     devices, model_devices = list(devices or []), list(model_devices or [])
     if devices and model_devices and devices != model_devices:

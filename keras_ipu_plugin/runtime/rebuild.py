@@ -28,9 +28,11 @@ def rebuild(graph, name=None):
     """A `KipFunctional` model running `graph`, with the same layers.
 
     Example:
-        >>> model = rebuild(graph, name="passed")
-        >>> model.kip_graph is graph
-        True
+        ```python
+        model = rebuild(graph, name="passed")
+        model.kip_graph is graph
+        # -> True
+        ```
     """
     inputs = keras.tree.map_structure(
         lambda spec: spec.keras_input(), graph.input_specs

@@ -7,8 +7,10 @@ which Keras calls while loading. Nothing read from a file becomes code: a
 value of the wrong kind is a `kip.LoadError` naming the entry.
 
 Example:
-    >>> refuse_hdf5(converted, "m.h5")               # ValueError: use .keras
-    >>> check_saved_entries(config, "KipFunctional `net`")   # or kip.LoadError
+    ```python
+    refuse_hdf5(converted, "m.h5")               # ValueError: use .keras
+    check_saved_entries(config, "KipFunctional `net`")   # or kip.LoadError
+    ```
 """
 
 import os
@@ -37,8 +39,10 @@ def refuse_hdf5(model, filepath=None, zipped=None):
     None: the HDF5 writer is already running (`keras.saving.save_model`).
 
     Example:
-        >>> refuse_hdf5(converted, "m.keras")      # fine
-        >>> refuse_hdf5(converted, "m.h5")         # ValueError: use .keras
+        ```python
+        refuse_hdf5(converted, "m.keras")      # fine
+        refuse_hdf5(converted, "m.h5")         # ValueError: use .keras
+        ```
     """
     if filepath is not None:
         path = str(os.fspath(filepath)) if hasattr(filepath, "__fspath__") else str(filepath)

@@ -34,8 +34,10 @@ def strategy_owning(variables):
     else the current strategy: where new, related variables must be made.
 
     Example:
-        >>> with strategy_owning(layer.weights).scope():
-        ...     new_layer.build(shape)
+        ```python
+        with strategy_owning(layer.weights).scope():
+            new_layer.build(shape)
+        ```
     """
     for variable in variables:
         strategy = owning_strategy(variable)
@@ -53,8 +55,10 @@ def check_built_under(model, strategy):
     do before any of that.
 
     Example:
-        >>> with strategy.scope():
-        ...     check_built_under(model, strategy)
+        ```python
+        with strategy.scope():
+            check_built_under(model, strategy)
+        ```
     """
     if strategy is None:  # the model was created outside any strategy scope
         return
@@ -79,7 +83,9 @@ def check_trains_under(model, optimizer, strategy):
     this names the variable, both strategies and what to do.
 
     Example:
-        >>> check_trains_under(model, model.optimizer, model.distribute_strategy)
+        ```python
+        check_trains_under(model, model.optimizer, model.distribute_strategy)
+        ```
     """
     trains_under = None if _compat.is_default_strategy(strategy) else strategy
     owners = [("model", model)]

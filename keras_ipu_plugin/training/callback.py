@@ -30,9 +30,11 @@ class PluginCallback(keras.callbacks.Callback):
     `model.train_function`, so the callback raises there (use PluginModel).
 
     Example:
-        >>> callback = kip.PluginCallback(passes=[kip.passes.Expand()])
-        >>> model.fit(dataset, epochs=2, callbacks=[callback])
-        >>> print(callback.kip_report)
+        ```python
+        callback = kip.PluginCallback(passes=[kip.passes.Expand()])
+        model.fit(dataset, epochs=2, callbacks=[callback])
+        print(callback.kip_report)
+        ```
     """
 
     def __init__(self, passes=(), rebuild_on_new_variables=True, verify=True, *,

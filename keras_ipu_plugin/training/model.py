@@ -54,10 +54,12 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
     says where tracing stops at the first conversion and at every rebuild.
 
     Example:
-        >>> model = kip.PluginModel(MyModel(), passes=[kip.passes.Expand()])
-        >>> model.compile(optimizer="adam", loss="mse")
-        >>> model.fit(x, y, epochs=2)
-        >>> print(model.kip_report)
+        ```python
+        model = kip.PluginModel(MyModel(), passes=[kip.passes.Expand()])
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, epochs=2)
+        print(model.kip_report)
+        ```
     """
 
     def __init__(self, model, passes=(), rebuild_on_new_variables=True, verify=True, *,
@@ -255,11 +257,13 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         optimizer, loss and metrics for `fit` to run.
 
         Example:
-            >>> plugin = kip.PluginModel(Distiller(student=student, teacher=teacher))
-            >>> plugin.compile(optimizer=keras.optimizers.Adam(), metrics=[],
-            ...                student_loss_fn=loss, distillation_loss_fn=kl, alpha=0.1)
-            >>> plugin.wrapped.alpha, plugin.optimizer is plugin.wrapped.optimizer
-            (0.1, True)
+            ```python
+            plugin = kip.PluginModel(Distiller(student=student, teacher=teacher))
+            plugin.compile(optimizer=keras.optimizers.Adam(), metrics=[],
+                           student_loss_fn=loss, distillation_loss_fn=kl, alpha=0.1)
+            plugin.wrapped.alpha, plugin.optimizer is plugin.wrapped.optimizer
+            # -> (0.1, True)
+            ```
         """
         wrapped = self.wrapped
         before = dict(vars(self))
@@ -418,9 +422,11 @@ class PluginModel(_compat.OneReplicaSymbolicBuild, keras.Model):
         `tf.lite.TFLiteConverter.from_saved_model`.
 
         Example:
-            >>> plugin.fit(x, y)  # or plugin(x), plugin.predict(x): a batch seen
-            >>> plugin.export("served")
-            >>> reloaded = tf.saved_model.load("served")
+            ```python
+            plugin.fit(x, y)  # or plugin(x), plugin.predict(x): a batch seen
+            plugin.export("served")
+            reloaded = tf.saved_model.load("served")
+            ```
         """
         converted = self.converted
         if converted is None:
@@ -476,7 +482,9 @@ def _checked_saved_config(config):
     passes, never a path to read (`"static_batch": "false"` is no false).
 
     Example:
-        >>> _checked_saved_config({"name": "p", "model": {...}, "verify": "no"})
+        ```python
+        _checked_saved_config({"name": "p", "model": {...}, "verify": "no"})
+        ```
         Traceback (most recent call last):
         keras_ipu_plugin.errors.LoadError: PluginModel `p`: verify must be true or false ...
     """

@@ -12,7 +12,9 @@ converted functional model to Graphcore's own method, and the entry points
 that work by setting `model.train_function` refuse to run.
 
 Example:
-    >>> training_route().run_training(plugin, "fit", keras_fit, x, 32, args, kwargs)
+    ```python
+    training_route().run_training(plugin, "fit", keras_fit, x, 32, args, kwargs)
+    ```
 """
 
 import keras

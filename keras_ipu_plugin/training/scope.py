@@ -50,11 +50,13 @@ def scope(strategy=None, passes=(), verify=True, *, num_ipus=None,
     raise when the scope exits.
 
     Example:
-        >>> with kip.scope(passes=[kip.passes.Expand()]) as strategy:
-        ...     model = MyModel()
-        ...     model.compile(optimizer="adam", loss="mse")
-        >>> model.fit(x, y)          # converted at the first batch
-        >>> kip.scope_report(model)  # what the conversion and passes did
+        ```python
+        with kip.scope(passes=[kip.passes.Expand()]) as strategy:
+            model = MyModel()
+            model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y)          # converted at the first batch
+        kip.scope_report(model)  # what the conversion and passes did
+        ```
     """
     passes = validate_passes(passes)
     backend = get_backend()
@@ -99,8 +101,10 @@ def install(model, passes=(), verify=True, rebuild_on_new_variables=True):
     other than its own are an error rather than silently dropped.
 
     Example:
-        >>> install(model, passes=[kip.passes.Expand()])
-        >>> model.fit(x, y)      # converted at the first batch
+        ```python
+        install(model, passes=[kip.passes.Expand()])
+        model.fit(x, y)      # converted at the first batch
+        ```
     """
     passes = validate_passes(passes)
     plugged = plugged_in(model)
@@ -122,7 +126,9 @@ def plugged_in(model):
     train / test functions are still the model's); else None.
 
     Example:
-        >>> session, who = plugged_in(plugin)   # who: "PluginModel `p`"
+        ```python
+        session, who = plugged_in(plugin)   # who: "PluginModel `p`"
+        ```
     """
     if isinstance(model, PluginModel):
         return model._kip_session, f"PluginModel `{model.name}`"

@@ -26,10 +26,12 @@ A division of those stays as before (`ops.shape(flat)[0] // t` of a
 `(b * t, d)` tensor is the batch size at every trial size).
 
 Example:
-    >>> divisors = []
-    >>> size = ProbeTensor((3, 16), "float32", divisors).shape[0]   # as `call` reads it
-    >>> size // 4, divisors
-    (0, [4])
+    ```python
+    divisors = []
+    size = ProbeTensor((3, 16), "float32", divisors).shape[0]   # as `call` reads it
+    size // 4, divisors
+    # -> (0, [4])
+    ```
 """
 
 import math

@@ -21,8 +21,10 @@ switch of its own, and the two are one where each mode's two graphs are
 one graph for any batch size (`general_switch`).
 
 Example:
-    >>> nodes, outputs = generalize_batch((nodes_2, outputs_2), (nodes_3, outputs_3),
-    ...                                   (2, 3), anchor)
+    ```python
+    nodes, outputs = generalize_batch((nodes_2, outputs_2), (nodes_3, outputs_3),
+                                      (2, 3), anchor)
+    ```
 """
 
 

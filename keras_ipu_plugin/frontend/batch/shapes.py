@@ -8,7 +8,9 @@ and then 7 (`check_batch_dimensions`): a dimension that merely stood where
 the batch size did would take a wrong value, and fails the trace.
 
 Example:
-    >>> check_batch_dimensions(nodes, "block.")   # raises TraceError, or sets the specs
+    ```python
+    check_batch_dimensions(nodes, "block.")   # raises TraceError, or sets the specs
+    ```
 """
 
 import functools

@@ -17,8 +17,10 @@ function here takes the symbolic trace of the call (a `CallTrace`) and
 gives `Traces`, whose `trial` (a `BatchTrial`) says how they were made.
 
 Example:
-    >>> traces = trace_at_two_batch_sizes(call, error)
-    >>> nodes, outputs = one_graph_for_any_batch(traces)
+    ```python
+    traces = trace_at_two_batch_sizes(call, error)
+    nodes, outputs = one_graph_for_any_batch(traces)
+    ```
 """
 
 import dataclasses

@@ -20,9 +20,11 @@ layer's `call` is handed `training`) is the `Tracer`'s to say
 (`tracer.py`); the trace carries the tracer that makes it.
 
 Example:
-    >>> trace = CallTrace(layer, (x,), {}, placeholders, "", ReadLayers(), training=None,
-    ...                   tracer=Tracer())
-    >>> nodes, outputs = trace_once(trace, True, False, {})
+    ```python
+    trace = CallTrace(layer, (x,), {}, placeholders, "", ReadLayers(), training=None,
+                      tracer=Tracer())
+    nodes, outputs = trace_once(trace, True, False, {})
+    ```
 
 The Keras nodes a symbolic call recorded, walked back into IR nodes.
 
@@ -36,7 +38,9 @@ view as an `OpaqueLayer`, an operation with the batch size in a shape as a
 recorded on its node.
 
 Example:
-    >>> nodes, outputs = collect_nodes(outputs, placeholders, "", pinned=False, owner=layer)
+    ```python
+    nodes, outputs = collect_nodes(outputs, placeholders, "", pinned=False, owner=layer)
+    ```
 """
 
 import contextlib

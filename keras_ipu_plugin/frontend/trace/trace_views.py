@@ -22,7 +22,9 @@ precise (`precise_specs`, below). Both kinds consult the trace in progress
 (`current_trace`, set by `CallTrace.active` in `call_trace.py`).
 
 Example:
-    >>> view = layer_view(block, inline_view_class)   # what `trace_once` calls
+    ```python
+    view = layer_view(block, inline_view_class)   # what `trace_once` calls
+    ```
 
 Output specs as precise as the inputs allow (spec precision).
 
@@ -35,7 +37,9 @@ batch size: `precise_specs` asks TensorFlow's shape inference instead, and
 `dense_unless_given_sparse` keeps a spec dense that no sparse argument made.
 
 Example:
-    >>> precise_specs(einsum_dense, (x,), {}, recorded)   # (None, 7, 4, 8), not (None, None, 4, 8)
+    ```python
+    precise_specs(einsum_dense, (x,), {}, recorded)   # (None, 7, 4, 8), not (None, None, 4, 8)
+    ```
 
 The losses a traced `call` adds (`self.add_loss(...)`), recorded as graph nodes.
 
@@ -62,8 +66,10 @@ or its own trace records it when Expand inlines it. Outside a trace, and
 on a concrete loss anywhere, `add_loss` is Keras's own.
 
 Example:
-    >>> # in `type(layer).call(view, x)` while tracing `layer`:
-    >>> view.add_loss(ops.mean(x ** 2))    # an AddedLoss node; None
+    ```python
+    # in `type(layer).call(view, x)` while tracing `layer`:
+    view.add_loss(ops.mean(x ** 2))    # an AddedLoss node; None
+    ```
 """
 
 import contextlib
@@ -292,7 +298,9 @@ def graph_operation(operation):
     is handed when the graph runs.
 
     Example:
-        >>> run = _compat.graph_call_through(backbone, graph_operation)
+        ```python
+        run = _compat.graph_call_through(backbone, graph_operation)
+        ```
     """
     if not isinstance(operation, keras.layers.Layer) or not takes_training(operation):
         return operation

@@ -25,14 +25,16 @@ tracer.tracing():`), `DEFAULT_TRACER` otherwise. A `PluginModel` keeps the
 one it was made with for every later conversion.
 
 Example:
-    >>> class KeepAttention(Tracer):
-    ...     def is_user_code(self, layer):
-    ...         return not isinstance(layer, MyAttention) and super().is_user_code(layer)
-    >>> expanded = kip.apply_passes(model, [kip.passes.Expand("all")],
-    ...                             tracer=KeepAttention())
-    >>> # every MyAttention is one node of `expanded`, the rest is expanded
-    >>> plugin = kip.PluginModel(MyModel(), passes=[kip.passes.Expand("all")],
-    ...                          tracer=KeepAttention())   # and at every rebuild
+    ```python
+    class KeepAttention(Tracer):
+        def is_user_code(self, layer):
+            return not isinstance(layer, MyAttention) and super().is_user_code(layer)
+    expanded = kip.apply_passes(model, [kip.passes.Expand("all")],
+                                tracer=KeepAttention())
+    # every MyAttention is one node of `expanded`, the rest is expanded
+    plugin = kip.PluginModel(MyModel(), passes=[kip.passes.Expand("all")],
+                             tracer=KeepAttention())   # and at every rebuild
+    ```
 
 Tracing a whole model: calling `layer.call(...)` (not `layer(...)`) on
 KerasTensors records one Keras node per sub-layer or `keras.ops` call made
@@ -154,8 +156,10 @@ class Tracer:
         and the output structure in terms of Values.
 
         Example:
-            >>> nodes, outputs = DEFAULT_TRACER.trace(
-            ...     layer, (x,), {}, {id(x): value}, training=None, prefix="block.")
+            ```python
+            nodes, outputs = DEFAULT_TRACER.trace(
+                layer, (x,), {}, {id(x): value}, training=None, prefix="block.")
+            ```
         """
         # In use while it traces: the traces made inside (Expand's, the
         # modes') ask it too.
@@ -312,7 +316,9 @@ def tracer_of(graph):
     else the one in use on the thread.
 
     Example:
-        >>> tracer_of(graph).is_user_code(node.operation)
+        ```python
+        tracer_of(graph).is_user_code(node.operation)
+        ```
     """
     return current_tracer() if graph.tracer is None else graph.tracer
 
@@ -325,9 +331,11 @@ def trace_model(model, input_specs, training=None, tracer=None):
     Raises `TraceError` when `call` cannot be captured symbolically.
 
     Example:
-        >>> graph = trace_model(model, first_batch(x).specs)
-        >>> [node.name for node in graph.nodes]
-        ['embedding', 'blocks.0', 'blocks.1', 'head']
+        ```python
+        graph = trace_model(model, first_batch(x).specs)
+        [node.name for node in graph.nodes]
+        # -> ['embedding', 'blocks.0', 'blocks.1', 'head']
+        ```
     """
     inputs = keras.tree.map_structure(lambda spec: spec.keras_input(), input_specs)
     input_values = keras.tree.map_structure(

@@ -13,7 +13,9 @@ node holds both traces (`switch_node`, below), or the layer stays whole
 with the lines that branch in its reason.
 
 Example:
-    >>> nodes, outputs = trace_modes(trace)   # each node's `training` set
+    ```python
+    nodes, outputs = trace_modes(trace)   # each node's `training` set
+    ```
 
 A `call` that branches on `training` in Python, held as one `ModeSwitch` node.
 
@@ -38,9 +40,11 @@ them, or a Keras mask on the call's inputs or outputs (the modes' graphs
 start from inputs of their own, which would not carry it).
 
 Example:
-    >>> nodes, outputs = switch_node(layer, "block", runs, "inference")
-    >>> type(nodes[0].operation).__name__
-    'ModeSwitch'
+    ```python
+    nodes, outputs = switch_node(layer, "block", runs, "inference")
+    type(nodes[0].operation).__name__
+    # -> 'ModeSwitch'
+    ```
 """
 
 import functools

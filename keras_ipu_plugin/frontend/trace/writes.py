@@ -20,11 +20,13 @@ Inside a sub-layer run inline, `deferred` keeps the writes to Keras
 variables from the variables and logs them here.)
 
 Example:
-    >>> log = WriteLog()
-    >>> with log.recording():
-    ...     model.conv.kernel.assign(model.conv.kernel * 0.5)
-    >>> [write.method for write in log.writes]
-    ['assign']
+    ```python
+    log = WriteLog()
+    with log.recording():
+        model.conv.kernel.assign(model.conv.kernel * 0.5)
+    [write.method for write in log.writes]
+    # -> ['assign']
+    ```
 
 Record the variable writes a traced `call` makes as graph nodes.
 
@@ -59,10 +61,12 @@ a sub-layer's `call` is that sub-layer's (it runs its own `call`), a value
 whose shape depends on the batch size, a write of part of a variable.
 
 Example:
-    >>> recorder = WriteRecorder(trace)
-    >>> with recorder.recording():
-    ...     outputs = type(layer).call(view, x)    # writes become nodes
-    >>> outputs = recorder.finish(outputs)
+    ```python
+    recorder = WriteRecorder(trace)
+    with recorder.recording():
+        outputs = type(layer).call(view, x)    # writes become nodes
+    outputs = recorder.finish(outputs)
+    ```
 """
 
 import contextlib

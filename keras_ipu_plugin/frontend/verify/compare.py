@@ -11,8 +11,10 @@ integers, booleans and strings exactly, dtypes and shapes exactly, and NaN
 or Inf must stand where the original has them (see `equivalence.py`).
 
 Example:
-    >>> compare_values("output `logits`", expected, actual, tolerance_for(model), "converted")
-    3.2e-07
+    ```python
+    compare_values("output `logits`", expected, actual, tolerance_for(model), "converted")
+    # -> 3.2e-07
+    ```
 
 Which rows of the batch verification runs on (see `equivalence.py`, "Cost").
 
@@ -24,8 +26,10 @@ same rows of a larger probe: a model that mixes rows, or has a fixed batch
 size, is verified on the whole batch.
 
 Example:
-    >>> reference, x_rows = reference_run(run, model, x, variables, None, verification,
-    ...                                   None, tolerance=tolerance_for(model))
+    ```python
+    reference, x_rows = reference_run(run, model, x, variables, None, verification,
+                                      None, tolerance=tolerance_for(model))
+    ```
 """
 
 from dataclasses import dataclass, replace
@@ -57,8 +61,10 @@ class Tolerance:
     computing in it (both for the message).
 
     Example:
-        >>> tolerance_for(model)
-        Tolerance(rtol=0.01, atol=0.01, dtype='float16', policy='mixed_float16')
+        ```python
+        tolerance_for(model)
+        # -> Tolerance(rtol=0.01, atol=0.01, dtype='float16', policy='mixed_float16')
+        ```
     """
 
     rtol: float
@@ -107,9 +113,11 @@ def tolerance_for(*models):
     when none computes in floats.
 
     Example:
-        >>> keras.config.set_dtype_policy("mixed_bfloat16")
-        >>> tolerance_for(MyModel()).dtype
-        'bfloat16'
+        ```python
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        tolerance_for(MyModel()).dtype
+        # -> 'bfloat16'
+        ```
     """
     least_precise = None
     for model in models:

@@ -68,9 +68,11 @@ gradients (`runs.py`), and which rows are verified and how two runs' values
 are compared (`compare.py`).
 
 Example:
-    >>> verification = check_equivalent(model, converted, x)
-    >>> verification.describe()
-    '2 of 16 rows; 1 output(s), max difference 0.00e+00; gradients of 4 of 4 ...'
+    ```python
+    verification = check_equivalent(model, converted, x)
+    verification.describe()
+    # -> '2 of 16 rows; 1 output(s), max difference 0.00e+00; gradients of 4 of 4 ...'
+    ```
 """
 
 from dataclasses import dataclass
@@ -175,8 +177,10 @@ def check_equivalent(
             mode of its own), every run from the same seeds and variables.
 
     Example:
-        >>> check_equivalent(model, converted, x)   # raises when they differ
-        Verification(what='converted', rows=2, total_rows=16, ...)
+        ```python
+        check_equivalent(model, converted, x)   # raises when they differ
+        # -> Verification(what='converted', rows=2, total_rows=16, ...)
+        ```
     """
     x = keras.tree.map_structure(as_tensor, x)
     if tolerance is None:
@@ -512,7 +516,9 @@ def check_runs(model, x, *, what="passed"):
     its original on purpose, so only that it runs can be checked.
 
     Example:
-        >>> check_runs(passed, x)
+        ```python
+        check_runs(passed, x)
+        ```
     """
     run_model(model, keras.tree.map_structure(as_tensor, x), [], role=what, tape=False,
          mode=RunMode(model, any_role=True))
@@ -526,7 +532,9 @@ def synthetic_batch(specs, rows=2, unknown_size=4):
     input's dtype has no sensible made-up value (strings).
 
     Example:
-        >>> x, reason = synthetic_batch(graph.input_specs)
+        ```python
+        x, reason = synthetic_batch(graph.input_specs)
+        ```
     """
     rng = np.random.RandomState(0)
 

@@ -7,8 +7,10 @@ the same stateful TensorFlow random draws (`taped_stateful_draws`). See
 `equivalence.py`.
 
 Example:
-    >>> run = run_model(model, x, model.trainable_variables, role="original")
-    >>> run.outputs, run.gradients, run.watched
+    ```python
+    run = run_model(model, x, model.trainable_variables, role="original")
+    run.outputs, run.gradients, run.watched
+    ```
 """
 
 import contextlib
@@ -43,8 +45,10 @@ def verifying_on(words):
     """Within, errors of runs call the batch verified on `words`.
 
     Example:
-        >>> with verifying_on("this batch"):
-        ...     runtime.add_conversion(model, call)   # "... fails when called on this batch"
+        ```python
+        with verifying_on("this batch"):
+            runtime.add_conversion(model, call)   # "... fails when called on this batch"
+        ```
     """
     token = _VERIFIED_BATCH.set(words)
     try:
@@ -71,9 +75,11 @@ class RunMode:
     run would cost more than the training step verification stands in for.
 
     Example:
-        >>> mode = RunMode(model)
-        >>> run_model(model, x, [], role="original", tape=False, mode=mode)
-        >>> mode.graph   # True once the original failed eagerly and ran as a function
+        ```python
+        mode = RunMode(model)
+        run_model(model, x, [], role="original", tape=False, mode=mode)
+        mode.graph   # True once the original failed eagerly and ran as a function
+        ```
     """
 
     def __init__(self, original, any_role=False):
@@ -384,11 +390,13 @@ def taped_stateful_draws():
     the runs made inside it leave the user's random numbers as they were.
 
     Example:
-        >>> with taped_stateful_draws() as tape:
-        ...     tape.record(); a = tf.random.normal((2,))
-        ...     tape.replay(); b = tf.random.normal((2,))
-        >>> bool(tf.reduce_all(a == b))
-        True
+        ```python
+        with taped_stateful_draws() as tape:
+            tape.record(); a = tf.random.normal((2,))
+            tape.replay(); b = tf.random.normal((2,))
+        bool(tf.reduce_all(a == b))
+        # -> True
+        ```
     """
     saved = _compat.global_random_state()
     with _draws_lock:

@@ -11,10 +11,12 @@ works for any batch size. The tracer checks first that every unknown
 dimension in that call's trace is that batch size (`frontend/batch/shapes.py`).
 
 Example:
-    >>> op = keras.src.ops.numpy.BroadcastTo(shape=(None, 1, 8))
-    >>> layer = BatchSizedOperation(op, ["shape"], name="broadcast_to")
-    >>> layer(x, cls_token).shape   # x: (batch, ...), cls_token: (1, 1, 8)
-    (batch, 1, 8)
+    ```python
+    op = keras.src.ops.numpy.BroadcastTo(shape=(None, 1, 8))
+    layer = BatchSizedOperation(op, ["shape"], name="broadcast_to")
+    layer(x, cls_token).shape   # x: (batch, ...), cls_token: (1, 1, 8)
+    # -> (batch, 1, 8)
+    ```
 """
 
 import copy
@@ -33,7 +35,9 @@ class BatchSizedOperation(keras.layers.Layer):
     operation's own).
 
     Example:
-        >>> BatchSizedOperation(reshape_op, ["newshape"])(x, y)
+        ```python
+        BatchSizedOperation(reshape_op, ["newshape"])(x, y)
+        ```
     """
 
     def __init__(self, operation, attributes, multiples=None, offsets=None, divisors=None,

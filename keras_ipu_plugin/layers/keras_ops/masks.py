@@ -8,8 +8,10 @@ the expanded graph attaches the mask the layer's `__call__` would have
 attached, so every later layer receives the same masks as in the original.
 
 Example:
-    >>> masked = AttachMask(name="embedding.mask")(embedded, mask=padding)
-    >>> keras.ops.all(masked._keras_mask == padding)
+    ```python
+    masked = AttachMask(name="embedding.mask")(embedded, mask=padding)
+    keras.ops.all(masked._keras_mask == padding)
+    ```
 """
 
 import keras
@@ -23,7 +25,9 @@ class AttachMask(keras.layers.Layer):
     """Returns `inputs` (a new tensor, same values) carrying the Keras mask `mask`.
 
     Example:
-        >>> AttachMask()(x, mask=m)  # Keras sets the output's mask to m
+        ```python
+        AttachMask()(x, mask=m)  # Keras sets the output's mask to m
+        ```
     """
 
     def __init__(self, **kwargs):

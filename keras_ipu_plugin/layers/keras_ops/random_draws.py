@@ -11,9 +11,11 @@ set to the batch size of a graph tensor (`anchor`). The draws are the
 original's, number for number, given the same generator state.
 
 Example:
-    >>> draw = RandomDraw("normal", (None, 2), {}, seed=layer.seed_generator)
-    >>> draw(x).shape   # x: (batch, ...)
-    (batch, 2)
+    ```python
+    draw = RandomDraw("normal", (None, 2), {}, seed=layer.seed_generator)
+    draw(x).shape   # x: (batch, ...)
+    # -> (batch, 2)
+    ```
 """
 
 import keras
@@ -39,9 +41,11 @@ class RandomDraw(keras.layers.Layer):
     object), an int, or None (Keras's global generator).
 
     Example:
-        >>> RandomDraw("uniform", (None, 1, 1), {"minval": 0, "maxval": 1},
-        ...            seed=generator)(x).shape
-        (batch, 1, 1)
+        ```python
+        RandomDraw("uniform", (None, 1, 1), {"minval": 0, "maxval": 1},
+                   seed=generator)(x).shape
+        # -> (batch, 1, 1)
+        ```
     """
 
     def __init__(self, distribution, shape, arguments, seed=None, draw_dtype=None, **kwargs):

@@ -17,9 +17,11 @@ tensors is one explicit table (`_compat.tensor_size_attributes`); a saved
 model naming anything else fails to load.
 
 Example:
-    >>> op = TensorSizedOperation(SegmentSum(None), ["num_segments"])
-    >>> op(num_segments, data, segment_ids).shape   # num_segments: a graph scalar
-    (None, 4)
+    ```python
+    op = TensorSizedOperation(SegmentSum(None), ["num_segments"])
+    op(num_segments, data, segment_ids).shape   # num_segments: a graph scalar
+    # -> (None, 4)
+    ```
 """
 
 import copy

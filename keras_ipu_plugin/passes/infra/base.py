@@ -19,8 +19,10 @@ made from the graphs it returned (`in_branches`); a pass that does not
 a target is found only inside a switch, never skipping it silently.
 
 Example:
-    >>> here, inside = split_targets(graph, ["blocks.0.drop_path.dense"])
-    >>> in_branches(graph, lambda branch, mode: Expand(inside).run(branch, report))
+    ```python
+    here, inside = split_targets(graph, ["blocks.0.drop_path.dense"])
+    in_branches(graph, lambda branch, mode: Expand(inside).run(branch, report))
+    ```
 """
 
 import difflib
@@ -128,7 +130,9 @@ class LayerName(str):
     `{"class": name}`).
 
     Example:
-        >>> kip.passes.Recompute(kip.passes.LayerName("Dense"))  # the layer named "Dense"
+        ```python
+        kip.passes.Recompute(kip.passes.LayerName("Dense"))  # the layer named "Dense"
+        ```
     """
 
 
@@ -138,8 +142,10 @@ def as_targets(targets):
     is that class, as in configs.
 
     Example:
-        >>> as_targets("LayerNormalization")
-        (<class 'keras.src.layers.normalization.layer_normalization.LayerNormalization'>,)
+        ```python
+        as_targets("LayerNormalization")
+        # -> (<class 'keras.src.layers.normalization.layer_normalization.LayerNormalization'>,)
+        ```
     """
     if isinstance(targets, (list, tuple, set, frozenset)):
         targets = tuple(targets)
@@ -328,15 +334,17 @@ def register_pass(key, *, order=None):
     own order.
 
     Example:
-        >>> @kip.passes.register_pass("tag")
-        ... class Tag(kip.passes.Pass):
-        ...     def __init__(self, targets): self.targets = as_targets(targets)
-        ...     def get_config(self): return {"targets": targets_config(self.targets, "Tag")}
-        ...     @classmethod
-        ...     def from_config(cls, config):
-        ...         return cls(targets_from_config(config["targets"], "Tag"))
-        ...     def run(self, graph, report): ...
-        >>> kip.passes_from_config([{"expand": "all"}, {"tag": {"targets": ["block_1"]}}])
+        ```python
+        @kip.passes.register_pass("tag")
+        class Tag(kip.passes.Pass):
+            def __init__(self, targets): self.targets = as_targets(targets)
+            def get_config(self): return {"targets": targets_config(self.targets, "Tag")}
+            @classmethod
+            def from_config(cls, config):
+                return cls(targets_from_config(config["targets"], "Tag"))
+            def run(self, graph, report): ...
+        kip.passes_from_config([{"expand": "all"}, {"tag": {"targets": ["block_1"]}}])
+        ```
     """
     if not (isinstance(key, str) and key.isidentifier()):
         raise PassError(f"register_pass: a pass key is an identifier; got {key!r}.")

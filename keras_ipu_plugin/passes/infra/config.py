@@ -93,10 +93,12 @@ def passes_from_config(config, *, allow_imports=False):
     only for configs you trust as you trust code.
 
     Example:
-        >>> kip.passes_from_config({"expand": "all", "recompute": ["block_1"]})
-        [Expand(targets=('all',)), Recompute(targets=('block_1',))]
-        >>> kip.passes_from_config([{"recompute": "block_1"}, {"expand": "all"}])
-        [Recompute(targets=('block_1',)), Expand(targets=('all',))]
+        ```python
+        kip.passes_from_config({"expand": "all", "recompute": ["block_1"]})
+        # -> [Expand(targets=('all',)), Recompute(targets=('block_1',))]
+        kip.passes_from_config([{"recompute": "block_1"}, {"expand": "all"}])
+        # -> [Recompute(targets=('block_1',)), Expand(targets=('all',))]
+        ```
     """
     if isinstance(config, (str, os.PathLike)):
         config = _load_file(config)

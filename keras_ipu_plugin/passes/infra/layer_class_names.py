@@ -8,12 +8,14 @@ class a name names; `name_of_class` gives the name that finds the class
 again, so a saved pass loads with the very classes it was made with.
 
 Example:
-    >>> @kip.register_layer
-    ... class FastDense(keras.layers.Dense): ...
-    >>> class_named("FastDense") is FastDense
-    True
-    >>> name_of_class(keras.layers.Dense, "Replace")
-    'Dense'
+    ```python
+    @kip.register_layer
+    class FastDense(keras.layers.Dense): ...
+    class_named("FastDense") is FastDense
+    # -> True
+    name_of_class(keras.layers.Dense, "Replace")
+    # -> 'Dense'
+    ```
 """
 
 import functools
@@ -29,9 +31,11 @@ def register_layer(cls, name=None):
     """Make a layer class nameable in configs (also usable as a decorator).
 
     Example:
-        >>> @kip.register_layer
-        ... class FastDense(keras.layers.Dense): ...
-        >>> kip.passes_from_config({"replace": {"Dense": {"class": "FastDense"}}})
+        ```python
+        @kip.register_layer
+        class FastDense(keras.layers.Dense): ...
+        kip.passes_from_config({"replace": {"Dense": {"class": "FastDense"}}})
+        ```
     """
     if not is_layer_class(cls):
         raise TypeError(f"register_layer takes a keras Layer class; got {cls!r}.")

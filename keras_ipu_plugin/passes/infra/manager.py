@@ -85,9 +85,11 @@ def apply_passes(model, passes, *, verify=True, reuse_replacements=(), tracer=No
     else `DEFAULT_TRACER`.
 
     Example:
-        >>> converted = kip.convert_to_functional(MyModel(), x)
-        >>> passed = kip.apply_passes(converted, [kip.passes.Expand()])
-        >>> print(passed.kip_report)   # ends with a "verify" row
+        ```python
+        converted = kip.convert_to_functional(MyModel(), x)
+        passed = kip.apply_passes(converted, [kip.passes.Expand()])
+        print(passed.kip_report)   # ends with a "verify" row
+        ```
     """
     passes = validate_passes(passes)
     tracer = current_tracer() if tracer is None else tracer
@@ -287,8 +289,10 @@ def train_graph_ops(model):
     training mode and the gradients of its outputs): what outlining shrinks.
 
     Example:
-        >>> train_graph_ops(passed)
-        144
+        ```python
+        train_graph_ops(passed)
+        # -> 144
+        ```
     """
     specs = keras.tree.map_structure(
         lambda tensor: tf.TensorSpec(tensor.shape, tensor.dtype), model.input
@@ -324,7 +328,9 @@ def validate_passes(passes):
     its `passes` here.
 
     Example:
-        >>> validate_passes(kip.passes.Expand("all"))   # [Expand("all")]
+        ```python
+        validate_passes(kip.passes.Expand("all"))   # [Expand("all")]
+        ```
     """
     from keras_ipu_plugin.passes.infra.config import passes_from_config
 

@@ -14,9 +14,11 @@ Any pass that takes targets takes a chain: `Recompute`, `Outline` and
 `Replace` replaces each match by one new layer made from its first layer.
 
 Example:
-    >>> chain = Chain(keras.layers.Dense, keras.ops.gelu)
-    >>> [[node.name for node in match] for match in chain.matches(graph)]
-    [['dense_1', 'gelu'], ['dense_3', 'gelu_1']]
+    ```python
+    chain = Chain(keras.layers.Dense, keras.ops.gelu)
+    [[node.name for node in match] for match in chain.matches(graph)]
+    # -> [['dense_1', 'gelu'], ['dense_3', 'gelu_1']]
+    ```
 """
 
 import functools
@@ -122,8 +124,10 @@ def names_a_path(graph, target):
     not in the next, where Keras's counter has moved on.
 
     Example:
-        >>> names_a_path(converted.kip_graph, "blocks.0.dense")
-        True
+        ```python
+        names_a_path(converted.kip_graph, "blocks.0.dense")
+        # -> True
+        ```
     """
     if not isinstance(target, str):
         return False

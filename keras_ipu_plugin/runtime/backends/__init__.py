@@ -21,8 +21,10 @@ SDK 3.4 but never run on an IPU -- that SDK's TensorFlow 2.6 / Keras 2.6
 cannot import this Keras 3 library (see the README, "The IPU backend").
 
 Example:
-    >>> kip.backend()
-    'portable'
+    ```python
+    kip.backend()
+    # -> 'portable'
+    ```
 
 `recompute_grad`: gradient checkpointing that keeps gradients as they are.
 
@@ -143,8 +145,10 @@ def missing_devices(names):
     device, which this process cannot list, so it is taken as given.
 
     Example:
-        >>> missing_devices(["/CPU:0", "/GPU:7"])  # on a machine without GPUs
-        ['/GPU:7']
+        ```python
+        missing_devices(["/CPU:0", "/GPU:7"])  # on a machine without GPUs
+        # -> ['/GPU:7']
+        ```
     """
     local = set()
     for device in tf.config.list_logical_devices():
@@ -182,8 +186,10 @@ def backend():
     """`"ipu"` or `"portable"`: the backend the passes use here.
 
     Example:
-        >>> kip.backend()
-        'portable'
+        ```python
+        kip.backend()
+        # -> 'portable'
+        ```
     """
     return get_backend().name
 
@@ -200,10 +206,12 @@ def recompute_grad(fn, anchored=None):
     Dense(768), and the recomputation waits for the anchored ones anyway.
 
     Example:
-        >>> segment = recompute_grad(lambda x, w: [tf.tanh(x @ w)])
-        >>> with tf.GradientTape() as tape:
-        ...     (y,) = segment(x, w)
-        >>> tape.gradient(y, w)   # runs `fn` again
+        ```python
+        segment = recompute_grad(lambda x, w: [tf.tanh(x @ w)])
+        with tf.GradientTape() as tape:
+            (y,) = segment(x, w)
+        tape.gradient(y, w)   # runs `fn` again
+        ```
     """
 
     @tf.custom_gradient

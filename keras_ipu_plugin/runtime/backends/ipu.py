@@ -32,11 +32,13 @@ What each pass becomes, and where the SDK defines it:
   so the plugin hands it the converted functional model instead.
 
 Example:
-    >>> with kip.scope(passes=[kip.passes.Recompute(Block)], num_ipus=1,
-    ...                gradient_accumulation_steps=4):
-    ...     model = kip.PluginModel(MyModel(), passes=[kip.passes.Recompute(Block)])
-    ...     model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
-    >>> model.fit(dataset)   # Graphcore's fit, on the converted model
+    ```python
+    with kip.scope(passes=[kip.passes.Recompute(Block)], num_ipus=1,
+                   gradient_accumulation_steps=4):
+        model = kip.PluginModel(MyModel(), passes=[kip.passes.Recompute(Block)])
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.fit(dataset)   # Graphcore's fit, on the converted model
+    ```
 """
 
 import contextlib
@@ -72,8 +74,10 @@ def check_outline_kwargs(kwargs):
     """Refuse keyword arguments `ipu.outlined_function` does not have.
 
     Example:
-        >>> check_outline_kwargs({"unique_sharding": True})
-        {'unique_sharding': True}
+        ```python
+        check_outline_kwargs({"unique_sharding": True})
+        # -> {'unique_sharding': True}
+        ```
     """
     for key, value in kwargs.items():
         if key not in OUTLINE_KEYWORDS:
@@ -172,7 +176,9 @@ class IpuBackend:
         pipelining options; raise when that cannot be done.
 
         Example:
-            >>> backend.assign_stages(passed, passed.kip_layer_stages)
+            ```python
+            backend.assign_stages(passed, passed.kip_layer_stages)
+            ```
         """
         if not hasattr(model, "get_pipeline_stage_assignment"):
             raise IpuError(
@@ -266,8 +272,10 @@ def device_mapping(stage_devices, num_stages):
     no devices are given.
 
     Example:
-        >>> device_mapping(["/device:IPU:0", 1], 3)
-        [0, 1, 0]
+        ```python
+        device_mapping(["/device:IPU:0", 1], 3)
+        # -> [0, 1, 0]
+        ```
     """
     if not stage_devices:
         return None

@@ -3,9 +3,11 @@ gradients in the form the whole batch's takes (the pipelined step's
 arithmetic, `training/pipelined/step.py`).
 
 Example:
-    >>> sizes = slice_sizes(batch_rows(x, 4), 4)   # 10 rows: [3, 3, 2, 2]
-    >>> xs = split(x, sizes, "x")
-    >>> gradient = summed([g0, g1, g2, g3], rows={id(t) for t in xs})
+    ```python
+    sizes = slice_sizes(batch_rows(x, 4), 4)   # 10 rows: [3, 3, 2, 2]
+    xs = split(x, sizes, "x")
+    gradient = summed([g0, g1, g2, g3], rows={id(t) for t in xs})
+    ```
 """
 
 import tensorflow as tf
@@ -43,8 +45,10 @@ def batch_rows(x, count):
     microbatch of no rows, and the batch is refused naming both sizes.
 
     Example:
-        >>> batch_rows(np.zeros((10, 3)), 4)
-        10
+        ```python
+        batch_rows(np.zeros((10, 3)), 4)
+        # -> 10
+        ```
     """
     first = next((leaf for leaf in tf.nest.flatten(x) if leaf is not None), None)
     if first is None:
@@ -72,8 +76,10 @@ def slice_sizes(rows, count):
     runs): as equal as possible, the first `rows % count` one row longer.
 
     Example:
-        >>> slice_sizes(10, 4)
-        [3, 3, 2, 2]
+        ```python
+        slice_sizes(10, 4)
+        # -> [3, 3, 2, 2]
+        ```
     """
     base, longer = rows // count, rows % count
     if isinstance(rows, int):

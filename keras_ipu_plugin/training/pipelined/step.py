@@ -50,9 +50,11 @@ batch, an output carrying a Keras mask, a layer that adds a loss of its own
 (`add_loss`) or writes a trainable weight in its forward pass.
 
 Example:
-    >>> model = kip.PluginModel(MyModel(), passes=[kip.passes.PipelineStages(
-    ...     num_stages=2, microbatches=4, devices=["/GPU:0", "/GPU:1"])])
-    >>> model.compile("adam", "mse"); model.fit(x, y, batch_size=32)
+    ```python
+    model = kip.PluginModel(MyModel(), passes=[kip.passes.PipelineStages(
+        num_stages=2, microbatches=4, devices=["/GPU:0", "/GPU:1"])])
+    model.compile("adam", "mse"); model.fit(x, y, batch_size=32)
+    ```
 """
 
 import contextlib
@@ -100,8 +102,10 @@ def pipelined_train_step(session, step):
     a training step.
 
     Example:
-        >>> step = pipelined_train_step(session, keras.Model.train_step)
-        >>> logs = step(session.step_self(), (x, y))
+        ```python
+        step = pipelined_train_step(session, keras.Model.train_step)
+        logs = step(session.step_self(), (x, y))
+        ```
     """
     settings = pipeline_settings(session.passes)
     if settings is None or getattr(step, "__name__", None) != "train_step":
@@ -165,8 +169,10 @@ class PipelinedStep:
         `"auto"` would give too counts as auto.
 
         Example:
-            >>> step.jit_compile(compiled=True, asked="auto")   # stages on 2 GPUs
-            False
+            ```python
+            step.jit_compile(compiled=True, asked="auto")   # stages on 2 GPUs
+            # -> False
+            ```
         """
         if not compiled:
             return False
@@ -594,8 +600,10 @@ def schedule_order(num_stages, count, schedule):
     action per stage per round as their inputs are ready.
 
     Example:
-        >>> schedule_order(2, 2, "1f1b")
-        [('F', 0, 0), ('F', 1, 0), ('F', 0, 1), ('B', 1, 0), ('B', 0, 0), ('F', 1, 1), ...]
+        ```python
+        schedule_order(2, 2, "1f1b")
+        # -> [('F', 0, 0), ('F', 1, 0), ('F', 0, 1), ('B', 1, 0), ('B', 0, 0), ('F', 1, 1), ...]
+        ```
     """
     queues = []
     for s in range(num_stages):

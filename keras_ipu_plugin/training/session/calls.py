@@ -16,10 +16,12 @@ variables, another graph). A dimension that is unknown where the step is
 traced (a padded batch of varying length) is kept unknown in the graph.
 
 Example:
-    >>> call = CallArguments.of(model, (x,), {"training": True})
-    >>> converted = convert_call(model, call, verify=True)   # a KipFunctional
-    >>> call.signature().accepts(CallArguments.of(model, (x,), {}).signature())
-    True
+    ```python
+    call = CallArguments.of(model, (x,), {"training": True})
+    converted = convert_call(model, call, verify=True)   # a KipFunctional
+    call.signature().accepts(CallArguments.of(model, (x,), {}).signature())
+    # -> True
+    ```
 """
 
 import functools
@@ -286,8 +288,10 @@ class BoundCall(keras.Model):
     call are fixed. The reference a bound call's graph is checked against.
 
     Example:
-        >>> bound = BoundCall(model, CallArguments.of(model, (x,), {"mask": m}))
-        >>> bound({"input": x, "mask": m})   # == model(x, mask=m)
+        ```python
+        bound = BoundCall(model, CallArguments.of(model, (x,), {"mask": m}))
+        bound({"input": x, "mask": m})   # == model(x, mask=m)
+        ```
     """
 
     def __init__(self, callee, call):

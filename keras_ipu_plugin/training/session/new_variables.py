@@ -35,10 +35,12 @@ class VariableWatch:
     """Records variables created while `watching()` is active.
 
     Example:
-        >>> watch = VariableWatch()
-        >>> with watch.watching():
-        ...     layer(x)
-        >>> watch.take()     # the variables created, and clears the record
+        ```python
+        watch = VariableWatch()
+        with watch.watching():
+            layer(x)
+        watch.take()     # the variables created, and clears the record
+        ```
     """
 
     def __init__(self, enabled=True):
@@ -101,7 +103,9 @@ def extend_optimizer(optimizer, new_variables):
     """Give a built `optimizer` state for `new_variables`, keeping the rest.
 
     Example:
-        >>> extend_optimizer(model.optimizer, [new_layer.kernel, new_layer.bias])
+        ```python
+        extend_optimizer(model.optimizer, [new_layer.kernel, new_layer.bias])
+        ```
     """
     known = _compat.optimizer_trainable_variables(optimizer)
     known_ids = {id(v) for v in known}
@@ -156,8 +160,10 @@ def optimizer_state_in_order(optimizer, variables):
     now at that index.
 
     Example:
-        >>> with optimizer_state_in_order(model.optimizer, model.trainable_variables):
-        ...     model.save("model.keras")
+        ```python
+        with optimizer_state_in_order(model.optimizer, model.trainable_variables):
+            model.save("model.keras")
+        ```
     """
     layers = [optimizer, getattr(optimizer, "inner_optimizer", None)]
     saved = [(one, _compat.optimizer_own_variables(one)) for one in layers if one is not None and one.built]
@@ -204,8 +210,10 @@ def replaced_variable_pairs(replaced_layers):
     no such counterpart has none (a replacement with other parameters).
 
     Example:
-        >>> replaced_variable_pairs(converted.kip_replaced)
-        [(<Variable path=head/kernel>, <Variable path=head/kernel>), ...]
+        ```python
+        replaced_variable_pairs(converted.kip_replaced)
+        # -> [(<Variable path=head/kernel>, <Variable path=head/kernel>), ...]
+        ```
     """
     pairs = []
     for old_layer, new_layer in replaced_layers:
@@ -233,7 +241,9 @@ def hand_over_optimizer_state(optimizer, replaced_layers):
     extended instead, restarts the replaced layers' moments from zero.
 
     Example:
-        >>> hand_over_optimizer_state(plugin.optimizer, converted.kip_replaced)
+        ```python
+        hand_over_optimizer_state(plugin.optimizer, converted.kip_replaced)
+        ```
     """
     if not optimizer.built:
         return []  # built later by Keras, over the variables in use

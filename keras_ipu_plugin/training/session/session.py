@@ -140,7 +140,9 @@ class TrainingSession:
         an error naming both, not a guess.
 
         Example:
-            >>> plugin._kip_session.check_serves("PluginCallback", "PluginModel `p`")
+            ```python
+            plugin._kip_session.check_serves("PluginCallback", "PluginModel `p`")
+            ```
         """
         asked = []
         if passes and not _same_passes(passes, self.passes):

@@ -10,9 +10,11 @@ the step meets new variables. `PredictFunction` is `predict`'s.
 and `kip.scope`) and find the session they run on.
 
 Example:
-    >>> install(model, TrainingSession(model, model, passes=[]))
-    >>> isinstance(model.train_function, StepFunction)
-    True
+    ```python
+    install(model, TrainingSession(model, model, passes=[]))
+    isinstance(model.train_function, StepFunction)
+    # -> True
+    ```
 """
 
 import contextlib
@@ -361,9 +363,11 @@ def _batches_as_iterated(iterator, batches):
     `steps_per_execution` allows.
 
     Example:
-        >>> source = _batches_as_iterated(iterator, [first, second])
-        >>> _next(source) is not None   # `first`, with `iterator`'s shapes
-        True
+        ```python
+        source = _batches_as_iterated(iterator, [first, second])
+        _next(source) is not None   # `first`, with `iterator`'s shapes
+        # -> True
+        ```
     """
     spec = getattr(iterator, "element_spec", None)
     if not isinstance(iterator, tf.data.Iterator) or not all(

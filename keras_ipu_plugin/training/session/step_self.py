@@ -23,8 +23,10 @@ It holds no state of its own:
   wrapped model's.
 
 Example:
-    >>> self_ = step_self(session)
-    >>> type(model).train_step(self_, data)   # forward through the graph
+    ```python
+    self_ = step_self(session)
+    type(model).train_step(self_, data)   # forward through the graph
+    ```
 
 The losses a training step sees: `self.losses` of the model, and of a
 sub-model it calls, when the forward pass ran through converted graphs.
@@ -47,9 +49,11 @@ whole adding their own) are on layers the user's model holds, and are read
 there as Keras reads them: nothing is counted twice.
 
 Example:
-    >>> ran = StepLosses()
-    >>> outputs = ran.record(model, converted, converted(x))
-    >>> ran.losses(model, model.losses)   # with what converted's AddedLoss nodes added
+    ```python
+    ran = StepLosses()
+    outputs = ran.record(model, converted, converted(x))
+    ran.losses(model, model.losses)   # with what converted's AddedLoss nodes added
+    ```
 """
 
 import functools
@@ -165,9 +169,11 @@ class CalleeStandIn:
     for that call; everything else is the sub-model itself.
 
     Example:
-        >>> generator = session.callee_stand_in(model.generator)
-        >>> images = generator(noise)            # the converted generator
-        >>> generator.trainable_weights          # the generator's own
+        ```python
+        generator = session.callee_stand_in(model.generator)
+        images = generator(noise)            # the converted generator
+        generator.trainable_weights          # the generator's own
+        ```
     """
 
     def __init__(self, session, callee):
