@@ -927,8 +927,9 @@ class _InterruptAtCall:
 
 
 def _interrupt_moments(convert, model, x, points, tail, within=None):
-    """`(code, n)` pairs: the function entries of a run of `convert(model,
-    x)` (of its first call of `within`, if given) at `points` moments spread
+    """`(code, n)` pairs: the entries of the plugin's functions (`_ours`) in
+    a run of `convert(model, x)` (of its first call of `within`, if given)
+    at `points` moments spread
     over it and at each of its last `tail` entries (where the conversion is
     done but for handing its result back). Named by function and count, not
     by position: the number of calls drifts a little from run to run (lists
@@ -943,9 +944,19 @@ def _interrupt_moments(convert, model, x, points, tail, within=None):
     counts, moments = {}, []
     for position, code in enumerate(entered[:end]):
         counts[code] = counts.get(code, 0) + 1
-        if position in wanted:
+        if position in wanted and _ours(code):
             moments.append((code, counts[code]))
     return moments
+
+
+def _ours(code):
+    """Whether an interrupt entering `code` is one the plugin must survive:
+    entering the plugin's functions or this file's (the user's model).
+    Entering TensorFlow's own functions is left out: a `KeyboardInterrupt`
+    between a `GradientTape`'s push and its `try` leaves the tape recording
+    on the thread for good, whatever its caller does (every later `fit` in
+    the process then fails to differentiate its data iterator)."""
+    return "keras_ipu_plugin" in code.co_filename or code.co_filename == __file__
 
 
 def _interrupt_sweep(convert, x, make_model, points=25, tail=30, within=None,
