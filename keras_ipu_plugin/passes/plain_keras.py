@@ -27,6 +27,7 @@ Example:
 
 import keras
 
+from keras_ipu_plugin import _compat
 from keras_ipu_plugin.errors import PassError
 from keras_ipu_plugin.ir.graph import Value
 from keras_ipu_plugin.ir.graph import map_leaves
@@ -84,6 +85,7 @@ def to_keras(model):
     names = Namespace(spec.name for spec in keras.tree.flatten(graph.input_specs))
     masks = Masks(lambda path: names.create(_layer_name(path)))
     copies = {}
+    named = {}  # name -> id of the operation holding it
 
     def resolve(leaf):
         return tensors[id(leaf)] if isinstance(leaf, Value) else leaf
@@ -102,9 +104,11 @@ def to_keras(model):
                     f"to_keras: `{node.name}` ({type(operation).__name__}) cannot be written "
                     f"with Keras's classes: {type(error).__name__}: {error}") from error
             outputs = checked_outputs(node, written)
+            _claim_names(outputs, names, named, {id(t) for t in tensors.values()})
         else:
             if id(operation) not in copies:
                 copies[id(operation)] = _copy(operation, names.create(_layer_name(node.name)))
+                named[copies[id(operation)].name] = id(copies[id(operation)])
             kwargs.pop("training", None)
             if node.training in (True, False):
                 kwargs["training"] = node.training
@@ -113,6 +117,31 @@ def to_keras(model):
             tensors[id(value)] = tensor
     outputs = map_leaves(resolve, graph.outputs)
     return keras.Model(inputs, outputs, name=f"{source.name}_keras")
+
+
+def _claim_names(outputs, names, named, made_before):
+    """Give each operation a written node made (Keras names those from a
+    process-wide counter: `add_1` may be a copied node's name already) a
+    name no other operation of the model has, so that Keras accepts the
+    model whatever ran in the process before. `made_before`: ids of the
+    tensors of the nodes before (and the inputs), where the walk stops.
+    `named`: name -> id of the operation holding it (a name a written node
+    took in `names` for its own operation is that operation's)."""
+    stack = list(outputs)
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in made_before:
+            continue
+        node, _ = _compat.producing_node(tensor)
+        if node is None or named.get(node.operation.name) == id(node.operation):
+            continue
+        operation = node.operation
+        if operation.name in named:  # another operation's name
+            operation.name = names.create(operation.name)
+        elif operation.name not in names:
+            names.create(operation.name)
+        named[operation.name] = id(operation)
+        stack.extend(_compat.node_input_tensors(node))
 
 
 def _classes_not_keras(operation):
