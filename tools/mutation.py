@@ -149,7 +149,7 @@ MUTATIONS = [
       "verification runs do not start from the same RNG / counter state",
       VERIFICATION, MODEL_STATE),
     M("state-new-variables-kept", "frontend/state.py",
-      "            if id(variable) in wanted and value is not None and not _same(_read(variable), value):",
+      "            if id(variable) in wanted and value is not None and not _same(_now(variable), value):",
       "            if False:",
       "variables a conversion created keep what its runs changed", MODEL_STATE),
     # -- the interpreter and its run-time effects (runtime/effects.py) -----------------------------------------------------------
